@@ -1,0 +1,7 @@
+"""Errors raised at the compile side's boundaries (configs, checkpoints, export, build)."""
+
+from xcompile.runtime.errors import XcompileError
+
+
+class CompileError(XcompileError):
+    """A checkpoint, config or build request that cannot be compiled; the message says what to do."""

@@ -1,0 +1,1 @@
+"""TensorRT plugins for what standard ONNX ops cannot express well (none needed yet)."""

@@ -1,0 +1,29 @@
+"""The ``torch`` backend: runs a reference module that follows the I/O contract's call signature.
+
+The runtime never imports the model code (it lives on the compile side); a module is handed in,
+or found through the ``xcompile.torch_models`` entry point when loading an engine dir.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xcompile.runtime.contract import GraphSpec
+from xcompile.runtime.engine import Engine, KVShape
+
+
+class TorchEngine(Engine):
+    def __init__(self, module: torch.nn.Module, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__(spec, kv, dtype, torch.device(device))
+        self.module = module
+        n_kv = 2 * spec.num_layers
+        self._inputs = spec.input_names[: len(spec.input_names) - n_kv]
+        self._outputs = spec.output_names[: len(spec.output_names) - n_kv]
+
+    @torch.inference_mode()
+    def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.module(*(inputs[n] for n in self._inputs), *self.kv)
+        out = out if isinstance(out, tuple) else (out,)
+        # KV outputs are the bound buffers themselves (written in place by layers.write_kv)
+        return dict(zip(self._outputs, out[: len(self._outputs)]))

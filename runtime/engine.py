@@ -1,0 +1,73 @@
+"""One engine interface over every backend (torch, ort, trt).
+
+Lifecycle: construct (load/deserialize) -> ``bind_kv(buffers)`` once -> ``run(**inputs)`` per step
+-> ``close()``. KV buffers are preallocated by the caller (``new_kv``) and updated in place by every
+run; only the non-KV inputs of the graph's contract are passed to ``run``, and ``run`` returns the
+non-KV outputs by name. Backends differ only in how they execute the graph.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xcompile.runtime.contract import GraphSpec
+from xcompile.runtime.errors import EngineError
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "int64": torch.int64, "bool": torch.bool}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Static cache geometry of one graph: ``layers`` x (key, value) of [batch, kv_heads, max_seq_len, head_dim]."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    batch: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.max_seq_len, self.head_dim)
+
+
+def new_kv(kv: KVShape, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Zeroed buffers in contract order: key_0, value_0, key_1, ..."""
+    return [torch.zeros(kv.shape, dtype=dtype, device=device) for _ in range(2 * kv.layers)]
+
+
+class Engine(ABC):
+    """A compiled graph (or the reference module) that runs one step of the I/O contract."""
+
+    def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
+        self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, torch.device(device)
+        self.kv: list[torch.Tensor] = []
+
+    def bind_kv(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Bind preallocated KV buffers; every later run reads and updates them in place."""
+        want = 2 * (self.kv_shape.layers if self.kv_shape else 0)
+        if len(buffers) != want:
+            raise EngineError(f"{self.spec.graph}: expected {want} KV buffers, got {len(buffers)}")
+        for b in buffers:
+            if tuple(b.shape) != self.kv_shape.shape or b.dtype != self.dtype or b.device != self.device:
+                raise EngineError(f"{self.spec.graph}: KV buffer {tuple(b.shape)} {b.dtype} on {b.device} does not "
+                                  f"match {self.kv_shape.shape} {self.dtype} on {self.device}")
+        self.kv = list(buffers)
+
+    def new_kv(self) -> list[torch.Tensor]:
+        """Allocate and bind fresh zeroed KV buffers for this engine."""
+        buffers = new_kv(self.kv_shape, self.dtype, self.device) if self.kv_shape else []
+        self.bind_kv(buffers)
+        return buffers
+
+    @abstractmethod
+    def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run one step; inputs/outputs are the contract's non-KV tensors, by name, on ``self.device``."""
+
+    def close(self) -> None:
+        self.kv = []
