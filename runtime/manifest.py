@@ -1,0 +1,117 @@
+"""``manifest.json``: what an engine dir holds, written by the exporter/builder, checked by the runtime.
+
+Layout of an engine dir (engines/README.md):
+
+    manifest.json           this file
+    target.onnx (+ .data)   graphs, one per entry of ``graphs``
+    eagle3.onnx, eagle3_fc.onnx, draft.onnx   (those present)
+    *.engine                TensorRT engines, one per entry of ``engines`` (after ``xcompile build``)
+    tokenizer.json, tokenizer_config.json, ...   the target's tokenizer files
+    d2t.safetensors         EAGLE3 draft->target id offsets (when an EAGLE3 head is present)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from xcompile.runtime.contract import CONTRACT_VERSION, GraphSpec, TensorSpec
+from xcompile.runtime.errors import EngineError
+
+MANIFEST = "manifest.json"
+FORMAT = "xcompile-engine-dir"
+
+
+@dataclass
+class ModelEntry:
+    """One model of the dir: ``kind`` is "qwen3" or "eagle3"; ``config`` the parsed config's fields;
+    ``source`` the checkpoint dir it came from, or ``synthetic:<name>:<seed>``."""
+
+    kind: str
+    config: dict
+    source: str
+    extra: dict = field(default_factory=dict)      # e.g. {"taps": [1, 17, 32]} or {"rope_theta": 1e6}
+
+
+@dataclass
+class GraphEntry:
+    onnx: str                                      # file name inside the dir
+    model: str                                     # key into Manifest.models
+    io: dict                                       # {"inputs": [TensorSpec...], "outputs": [...]} as dicts
+    dims: dict                                     # concrete sizes of the symbolic dims fixed at export
+    sha256: str = ""                               # of the .onnx file (external data hashed separately)
+
+
+@dataclass
+class EngineEntry:
+    file: str
+    graph: str
+    flavor: str                                    # "tensorrt" or "rtx"
+    trt_version: str
+    compute_capabilities: list = field(default_factory=list)
+    profiles: list = field(default_factory=list)   # [{"name": "prefill", "tokens": [min, opt, max]}, ...]
+    onnx_sha256: str = ""
+
+
+@dataclass
+class Manifest:
+    name: str
+    dtype: str                                     # "fp32" | "fp16" | "bf16"
+    max_seq_len: int
+    max_batch: int
+    models: dict[str, ModelEntry]                  # "target", and "eagle3" and/or "draft"
+    graphs: dict[str, GraphEntry] = field(default_factory=dict)
+    engines: dict[str, EngineEntry] = field(default_factory=dict)
+    eos_token_ids: list = field(default_factory=list)
+    tokenizer_files: list = field(default_factory=list)
+    inputs_sha256: dict = field(default_factory=dict)   # checkpoint file -> hash, to detect stale dirs
+    contract_version: int = CONTRACT_VERSION
+    format: str = FORMAT
+    xcompile_version: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    def save(self, directory: Path) -> None:
+        path = Path(directory) / MANIFEST
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+
+    @staticmethod
+    def load(directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST
+        if not Path(directory).is_dir():
+            raise EngineError(f"{directory}: no such engine dir; build one with `xcompile build --model ...`")
+        if not path.is_file():
+            raise EngineError(f"{path}: missing; {directory} is not an xcompile engine dir (run `xcompile build`)")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise EngineError(f"{path}: unreadable ({e}); rebuild the engine dir with --force") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise EngineError(f"{path}: not an xcompile manifest; rebuild the engine dir with --force")
+        if data.get("contract_version") != CONTRACT_VERSION:
+            raise EngineError(f"{path}: built for I/O contract v{data.get('contract_version')}, this runtime speaks "
+                              f"v{CONTRACT_VERSION}; rebuild with `xcompile build ... --force`")
+        try:
+            m = Manifest(**data)
+            m.models = {k: ModelEntry(**v) for k, v in m.models.items()}
+            m.graphs = {k: GraphEntry(**v) for k, v in m.graphs.items()}
+            m.engines = {k: EngineEntry(**v) for k, v in m.engines.items()}
+        except (TypeError, AttributeError) as e:
+            raise EngineError(f"{path}: malformed ({e}); rebuild the engine dir with --force") from None
+        return m
+
+
+def io_table(spec: GraphSpec) -> dict:
+    return {"inputs": [asdict(t) for t in spec.inputs], "outputs": [asdict(t) for t in spec.outputs]}
+
+
+def spec_from_io(graph: str, io: dict, num_layers: int) -> GraphSpec:
+    def specs(rows):
+        return tuple(TensorSpec(r["name"], r["dtype"], tuple(r["shape"]), r.get("aliases")) for r in rows)
+
+    return GraphSpec(graph, specs(io["inputs"]), specs(io["outputs"]), num_layers)
