@@ -118,8 +118,24 @@ class Attention(nn.Module):
         k_cache = write_kv(k_cache, k, write_index)
         v_cache = write_kv(v_cache, v, write_index)
         # never is_causal with a cache: ONNX aligns it upper-left; the explicit mask is right
-        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        if exporting():
+            y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # -> Attention
+        else:
+            y = grouped_attention(q, k_cache, v_cache, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1)), k_cache, v_cache
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GQA without repeating the cache: the g query heads that share a KV head ride along the query
+    axis. q [B, Hkv*g, S, D], k/v [B, Hkv, S_max, D], mask [B, 1, S, S_max] -> [B, Hkv*g, S, D].
+    Any SDPA kernel (flash/mem-efficient/math) then reads each KV head once."""
+    b, h, s, d = q.shape
+    kv_heads = k.shape[1]
+    g = h // kv_heads
+    q = q.reshape(b, kv_heads, g * s, d)                          # head j*g+i -> row block i of kv head j
+    mask = mask[:, :, None].expand(b, 1, g, s, mask.shape[-1]).reshape(b, 1, g * s, mask.shape[-1])
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return y.reshape(b, h, s, d)
 
 
 class MLP(nn.Module):
