@@ -99,7 +99,7 @@ def synthetic_eagle3_config(target: Qwen3Config) -> Eagle3Config:
         num_key_value_heads=target.num_key_value_heads,
         head_dim=target.head_dim,
         vocab_size=target.vocab_size,
-        draft_vocab_size=EAGLE3_DRAFT_VOCAB,
+        draft_vocab_size=min(EAGLE3_DRAFT_VOCAB, target.vocab_size),   # small test vocabularies
         target_hidden_size=target.hidden_size,
         rms_norm_eps=target.rms_norm_eps,
         rope_theta=target.rope_theta,

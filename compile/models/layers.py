@@ -99,7 +99,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(in_dim, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)     # HF Qwen3: o_proj bias too
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)

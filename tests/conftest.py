@@ -1,0 +1,69 @@
+"""Shared test setup: tiny checkpoints (session-scoped; built once, read-only for tests) and the
+hardware markers, which skip with a reason when the machine lacks what they need."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# tests import the checkpoint writers as ``fixtures`` whatever pytest's import mode
+sys.path.insert(0, str(Path(__file__).parent))
+
+import fixtures  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    has_trt = any(importlib.util.find_spec(m) for m in ("tensorrt", "tensorrt_rtx"))
+    skips = {
+        "gpu": None if torch.cuda.is_available() else "needs a CUDA GPU",
+        "trt": None if has_trt else "needs TensorRT or TensorRT-RTX",
+        "slow": None if config.getoption("--runslow") else "slow: pass --runslow",
+    }
+    for item in items:
+        for marker, reason in skips.items():
+            if reason and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """Tiny untied Qwen3 target (fixtures.TINY_QWEN3) with tokenizer, one safetensors file."""
+    return fixtures.write_qwen3_checkpoint(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_sharded(tmp_path_factory) -> Path:
+    """``tiny_target``'s weights split over 3 shards with model.safetensors.index.json."""
+    return fixtures.write_qwen3_checkpoint(tmp_path_factory.mktemp("tiny_target_sharded"), shards=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_tied(tmp_path_factory) -> Path:
+    """``tiny_target`` with tie_word_embeddings (no lm_head.weight in the file), like Qwen3-0.6B..4B."""
+    return fixtures.write_qwen3_checkpoint(tmp_path_factory.mktemp("tiny_target_tied"), {"tie_word_embeddings": True})
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3(tmp_path_factory) -> Path:
+    """AngelSlim-layout EAGLE3 head for ``tiny_target`` (draft vocab fixtures.TINY_DRAFT_VOCAB)."""
+    return fixtures.write_eagle3_checkpoint(tmp_path_factory.mktemp("tiny_eagle3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_bin(tmp_path_factory) -> Path:
+    """``tiny_eagle3``'s weights as pytorch_model.bin (how the published AngelSlim heads ship)."""
+    return fixtures.write_eagle3_checkpoint(tmp_path_factory.mktemp("tiny_eagle3_bin"), fmt="bin")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    """Small tied Qwen3 draft model sharing ``tiny_target``'s vocabulary and tokenizer."""
+    return fixtures.write_draft_checkpoint(tmp_path_factory.mktemp("tiny_draft"))

@@ -1,0 +1,87 @@
+"""One-way layering (plugins <- runtime <- compile): the runtime ships without the exporter, onnx,
+onnxscript or transformers. Checked statically (every import statement, lazy ones included) and
+dynamically (importing every runtime/plugins module in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ("runtime", "plugins")
+FORBIDDEN = ("onnx", "onnxscript", "transformers", "compile", "xcompile.compile")
+OPTIONAL = ("tensorrt", "tensorrt_rtx", "cuda", "onnxruntime")     # may be absent on this machine
+
+
+def imports(source: str, package: tuple[str, ...], filename: str = "<src>") -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``source``, lazy ones included. Relative imports
+    resolve against the folder ``package``; the folders install under ``xcompile``, so from
+    ``runtime/`` both ``from ..compile import y`` and ``from .. import compile`` reach ``compile``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = list(package[: len(package) - node.level + 1]) if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, ".".join(filter(None, (base, a.name)))) for a in node.names]
+            if base:
+                found.append((node.lineno, base))
+    return found
+
+
+def forbidden(module: str) -> bool:
+    return any(module == f or module.startswith(f + ".") for f in FORBIDDEN)
+
+
+def shipped_files() -> list[Path]:
+    return sorted(p for folder in SHIPPED for p in (ROOT / folder).rglob("*.py"))
+
+
+def file_imports(path: Path) -> list[tuple[int, str]]:
+    return imports(path.read_text(), path.relative_to(ROOT).parent.parts, str(path))
+
+
+def test_scanner_sees_relative_and_lazy_imports():
+    sample = ("import torch\nfrom . import engine\nfrom .backends import torch_module\n"
+              "def f():\n    import onnx.helper\n    from .. import compile\n    from ..compile import export\n"
+              "    from xcompile.compile.models import qwen3\n    import onnxruntime\n")
+    bad = {m for _, m in imports(sample, ("runtime",)) if forbidden(m)}
+    assert bad == {"onnx.helper", "compile", "compile.export",
+                   "xcompile.compile.models", "xcompile.compile.models.qwen3"}
+
+
+def test_runtime_and_plugins_do_not_import_compile_side():
+    assert shipped_files(), "no runtime/plugins sources found"
+    bad = [f"{p.relative_to(ROOT)}:{line}: {m}" for p in shipped_files() for line, m in file_imports(p) if forbidden(m)]
+    assert not bad, "runtime/plugins must not import the compile side, onnx or transformers:\n" + "\n".join(bad)
+
+
+def test_importing_runtime_does_not_load_compile_side():
+    modules = []
+    for p in shipped_files():
+        rel = p.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        modules.append(".".join(("xcompile", *parts)))
+    script = f"""
+import importlib, json, sys
+skipped = []
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in {OPTIONAL!r}:
+            raise
+        skipped.append(name)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("onnx", "onnxscript", "transformers")
+                or m.startswith("xcompile.compile"))
+print(json.dumps({{"loaded": loaded, "skipped": skipped}}))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["loaded"] == [], f"importing the runtime loaded {result['loaded']}"
+    assert len(result["skipped"]) < len(modules), result["skipped"]
