@@ -41,11 +41,19 @@ def new_kv(kv: KVShape, dtype: torch.dtype, device: torch.device | str) -> list[
     return [torch.zeros(kv.shape, dtype=dtype, device=device) for _ in range(2 * kv.layers)]
 
 
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so devices compare equal to those of the tensors they hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Engine(ABC):
     """A compiled graph (or the reference module) that runs one step of the I/O contract."""
 
     def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
-        self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, torch.device(device)
+        self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, normalize_device(device)
         self.kv: list[torch.Tensor] = []
 
     def bind_kv(self, buffers: Sequence[torch.Tensor]) -> None:

@@ -67,3 +67,14 @@ def tiny_eagle3_bin(tmp_path_factory) -> Path:
 def tiny_draft(tmp_path_factory) -> Path:
     """Small tied Qwen3 draft model sharing ``tiny_target``'s vocabulary and tokenizer."""
     return fixtures.write_draft_checkpoint(tmp_path_factory.mktemp("tiny_draft"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tmp_path_factory, tiny_target, tiny_eagle3, tiny_draft) -> Path:
+    """fp32 engine dir (ONNX graphs + manifest) of the tiny target with its EAGLE3 head and draft model."""
+    from xcompile.compile.pipeline import ExportRequest, export_engine_dir
+
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    export_engine_dir(ExportRequest(model=str(tiny_target), out=out, eagle3=str(tiny_eagle3),
+                                    draft_model=str(tiny_draft), dtype="fp32", max_seq_len=256))
+    return out

@@ -1,0 +1,149 @@
+"""The PyTorch reference modules of an engine dir, as ``torch``-backend engines.
+
+The runtime reaches this through the ``xcompile.torch_models`` entry point (pyproject.toml), so
+``xrun --backend torch`` works whenever the compile side is installed, while the runtime package
+itself never imports model code. Weights come from where the manifest says the graphs came from:
+the checkpoint dirs it records, or the same seeded synthetic weights (``synthetic:<name>:<seed>``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from xcompile.compile import checkpoint as ckpt
+from xcompile.compile import synthetic
+from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
+from xcompile.compile.errors import CompileError
+from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
+from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime.backends.torch_module import TorchEngine
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET, graph_spec
+from xcompile.runtime.engine import Engine, KVShape
+from xcompile.runtime.manifest import Manifest, ModelEntry
+
+SYNTHETIC = "synthetic"
+
+
+def _qwen3(entry: ModelEntry, max_seq_len: int, dtype: torch.dtype, device, taps=None) -> Qwen3:
+    if entry.source.startswith(SYNTHETIC + ":"):
+        _, name, seed = entry.source.split(":")
+        return synthetic.synthetic_qwen3(Qwen3Config(**entry.config), max_seq_len, int(seed), dtype, device, taps)
+    path = Path(entry.source)
+    if not path.is_dir():
+        raise CompileError(f"{path}: checkpoint recorded in the manifest is gone; the torch backend reloads weights "
+                           "from it (use --backend ort/trt, or rebuild from where the checkpoint now lives)")
+    return ckpt.load_qwen3(path, max_seq_len, taps, dtype, device)
+
+
+def _eagle3(entry: ModelEntry, target: Qwen3) -> Eagle3:
+    theta = entry.extra.get("rope_theta")
+    if entry.source.startswith(SYNTHETIC + ":"):
+        seed = int(entry.source.split(":")[2])
+        return synthetic.synthetic_eagle3(target, seed, target.max_seq_len, theta)
+    return ckpt.load_eagle3(Path(entry.source), target, target.max_seq_len, rope_theta=theta)
+
+
+def _engine(graph: str, module: torch.nn.Module, kv_cfg: Qwen3Config | Eagle3Config | None, max_seq_len: int,
+            dtype: torch.dtype, device) -> TorchEngine:
+    layers = getattr(kv_cfg, "num_hidden_layers", 1) if kv_cfg is not None else 0
+    spec = graph_spec(graph, layers)
+    kv = KVShape(layers, kv_cfg.num_key_value_heads, kv_cfg.head_dim, max_seq_len) if kv_cfg is not None else None
+    return TorchEngine(module, spec, kv, dtype, device)
+
+
+def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None
+                      ) -> dict[str, Engine]:
+    """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft)."""
+    dtype = dtype or {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[manifest.dtype]
+    n = manifest.max_seq_len
+    models = manifest.models
+    taps = tuple(models[TARGET].extra.get("taps") or ()) or None
+    target = _qwen3(models[TARGET], n, dtype, device, taps)
+    engines: dict[str, Engine] = {TARGET: _engine(TARGET, target, target.cfg, n, dtype, device)}
+    if EAGLE3 in models:
+        head = _eagle3(models[EAGLE3], target)
+        engines[EAGLE3] = _engine(EAGLE3, head, head.cfg, n, dtype, device)
+        engines[EAGLE3_FC] = _engine(EAGLE3_FC, Eagle3FC(head), None, n, dtype, device)
+    if DRAFT in models:
+        draft = _qwen3(models[DRAFT], n, dtype, device)
+        engines[DRAFT] = _engine(DRAFT, draft, draft.cfg, n, dtype, device)
+    return engines
+
+
+def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None
+                      ) -> dict[str, Engine]:
+    """The engine dir's (or an in-memory manifest's) graphs as torch-backend engines."""
+    manifest = source if isinstance(source, Manifest) else Manifest.load(source)
+    return reference_engines(manifest, device, dtype)
+
+
+def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,
+                       draft: str | None = None, seed: int = 0) -> Manifest:
+    """An in-memory manifest of seeded synthetic weights in the shape of a known model (no files):
+    what ``xrun bench --synthetic qwen3-8b`` runs. Seeds follow ``xcompile export --synthetic``."""
+    cfg = synthetic.known_config(name)
+    if max_seq_len > cfg.max_position_embeddings:
+        raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s max_position_embeddings "
+                           f"{cfg.max_position_embeddings}")
+    models = {TARGET: ModelEntry("qwen3", cfg.to_dict(), f"{SYNTHETIC}:{name}:{seed}",
+                                 {"taps": list(cfg.default_tap_layers) if eagle3 else []})}
+    if eagle3:
+        head = synthetic_eagle3_config(cfg)
+        models[EAGLE3] = ModelEntry("eagle3", head.to_dict(), f"{SYNTHETIC}:{name}:{seed + 1}",
+                                    {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
+    if draft:
+        models[DRAFT] = ModelEntry("qwen3", synthetic.known_config(draft).to_dict(), f"{SYNTHETIC}:{draft}:{seed + 2}")
+    return Manifest(name=f"synthetic-{name}", dtype=dtype, max_seq_len=max_seq_len, max_batch=1, models=models)
+
+
+def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device | str, eagle3: bool = True,
+                   draft: str | None = None, seed: int = 0) -> tuple[Manifest, dict[str, Engine], torch.Tensor | None]:
+    """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the head's d2t."""
+    manifest = synthetic_manifest(name, max_seq_len, dtype, eagle3, draft, seed)
+    engines = reference_engines(manifest, device)
+    d2t = engines[EAGLE3].module.d2t if EAGLE3 in engines else None
+    return manifest, engines, d2t
+
+
+def hf_peer(engines: dict[str, Engine]):
+    """transformers' Qwen3ForCausalLM on the very same weight tensors (no copy), timed through
+    ``generate()`` with a static cache: returns ``peer(prompt_ids, new_tokens) -> ms per token``."""
+    import time
+
+    import transformers
+
+    target: Qwen3 = engines[TARGET].module
+    c = target.cfg
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, torch_dtype=target.lm_head.weight.dtype)
+    device = target.lm_head.weight.device
+    with torch.device("meta"):
+        hf = transformers.Qwen3ForCausalLM(hf_cfg)
+    hf.load_state_dict(target.state_dict(), strict=False, assign=True)      # shares our tensors
+    with torch.device(device):                                              # its inv_freq stayed on meta
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg)
+    hf.eval()
+
+    def run(ids: torch.Tensor, n: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                    pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def peer(prompt_ids: list[int], new_tokens: int) -> float:
+        ids = torch.tensor([prompt_ids], device=device)
+        run(ids, 2), run(ids, new_tokens)                                    # warm-up
+        return 1e3 * (run(ids, new_tokens) - run(ids, 1)) / (new_tokens - 1)
+
+    return peer

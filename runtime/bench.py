@@ -1,0 +1,260 @@
+"""``xrun bench``: plain and speculative decoding speed against the bandwidth floor, in one run.
+
+What one run measures (docs/BENCHMARKS.md has figures):
+  - the device's copy bandwidth (bytes read + written per second) and, from the target's weight
+    bytes per token, the decode floor;
+  - plain greedy decode ms/token at each context length (the Generator with no drafter);
+  - step costs at the first context: one draft step (EAGLE3 head, draft model), the EAGLE3 fc,
+    verifying k+1 tokens (k = 1..8), a tree verify — each with and without CUDA graphs;
+  - whole speculative rounds: the Generator with each drafter (EAGLE3 chain per gamma, tree,
+    draft model) -> ms/round, measured acceptance length tau, tokens/s and speedup over plain;
+    and, beside them, the speedup a given tau would give (tau * decode / round), which is what
+    synthetic weights can say (random heads accept nothing);
+  - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights.
+Timings use CUDA events (or the host clock on the CPU), after warm-up, median of repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter, causal
+from xcompile.runtime.generate import Generator
+from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
+from xcompile.runtime.load import EngineSet
+
+PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
+
+
+@dataclass
+class BenchOptions:
+    contexts: tuple[int, ...] = (128, 1024, 4096)
+    gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
+    tree: dict | None = field(default_factory=lambda: dict(topk=10, depth=6, total_tokens=32))
+    new_tokens: int = 64            # per generation
+    repeats: int = 20               # per step timing
+    peer: bool = False
+    taus: tuple[float, ...] = (2.0, 3.0, PUBLISHED_TAU)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 4 if device.type == "cuda" else 2**26
+    src = torch.randn(n, device=device)        # random, never zeros (METHOD.md)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), device, repeats=10)
+    return 2 * src.numel() * src.element_size() / (ms / 1e3)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of weights read per decoded token: every parameter once (tied ones once), except an
+    untied input embedding, of which a token reads one row."""
+    seen, total = set(), 0
+    embed = module.get_submodule("model.embed_tokens").weight
+    lm_head = module.get_submodule("lm_head").weight
+    for p in module.parameters():
+        if id(p) in seen or (p is embed and embed is not lm_head):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _step_inputs(tokens: int, write_index: int, vocab: int, device: torch.device) -> dict:
+    i64 = dict(dtype=torch.int64, device=device)
+    return dict(input_ids=torch.randint(0, vocab, (1, tokens), **i64),
+                position_ids=write_index + torch.arange(tokens, **i64)[None],
+                write_index=torch.full((1,), write_index, **i64), tree_mask=causal(tokens, device),
+                logit_rows=torch.arange(tokens, **i64)[None])
+
+
+def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
+    """Milliseconds of single engine steps at KV length ``ctx``, eager and (on CUDA) graphed."""
+    dev, rows = es.device, []
+    capture = CudaGraphCapture()
+    for engine in es.engines.values():
+        if not engine.kv and engine.kv_shape:
+            engine.new_kv()
+    sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
+             EAGLE3: [1] + ([opts.tree["topk"]] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
+    for graph, tokens_list in sizes.items():
+        if graph not in es.engines:
+            continue
+        engine = es.engines[graph]
+        graphed = GraphedEngine(engine, set(tokens_list), capture) if dev.type == "cuda" else None
+        for s in tokens_list:
+            if graph == EAGLE3_FC:
+                inputs = {"hidden_taps": torch.randn(1, s, _taps_width(es), device=dev, dtype=engine.dtype)}
+            else:
+                inputs = _step_inputs(s, ctx, es.manifest.models[TARGET].config["vocab_size"], dev)
+                if graph == EAGLE3:
+                    inputs["hidden_states"] = torch.randn(1, s, _hidden(es), device=dev, dtype=engine.dtype)
+            row = {"graph": graph, "tokens": s, "eager_ms": timed(lambda: engine.run(**inputs), dev, opts.repeats)}
+            if graphed is not None:
+                row["graph_ms"] = timed(lambda: graphed.run(**inputs), dev, opts.repeats)
+            rows.append(row)
+        if graphed is not None:
+            graphed.graphs.clear()
+    return rows
+
+
+def _hidden(es: EngineSet) -> int:
+    return es.manifest.models[EAGLE3].config["hidden_size"]
+
+
+def _taps_width(es: EngineSet) -> int:
+    return 3 * es.manifest.models[EAGLE3].config["target_hidden_size"]
+
+
+def drafters(es: EngineSet, opts: BenchOptions) -> list[tuple[str, Callable[[], object]]]:
+    out = [("plain", lambda: NoDrafter())]
+    e = es.engines
+    if EAGLE3 in e:
+        for g in opts.gammas:
+            out.append((f"eagle3 chain g={g}", lambda g=g: Eagle3ChainDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, g)))
+        if opts.tree:
+            t = opts.tree
+            out.append((f"eagle3 tree {t['topk']}/{t['depth']}/{t['total_tokens']}",
+                        lambda: Eagle3TreeDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, **t)))
+    if DRAFT in e:
+        for g in opts.gammas:
+            out.append((f"draft-model g={g}", lambda g=g: DraftModelDrafter(e[DRAFT], g)))
+    return out
+
+
+def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bool, prompts: list[list[int]],
+                    which: list[tuple[str, Callable]]) -> list[dict]:
+    rows = []
+    max_seq_len = es.manifest.max_seq_len
+    for name, make in which:
+        gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
+                        cuda_graphs=cuda_graphs)
+        gen.generate(prompts[0], 4)                                     # warm-up, graph capture
+        decode_s = tokens = rounds = drafted = accepted = 0
+        for p in prompts:
+            r = gen.generate(p, opts.new_tokens)
+            s = r.stats
+            decode_s += s.decode_s
+            tokens += s.new_tokens - 1
+            rounds += s.rounds
+            drafted += s.drafted
+            accepted += s.accepted
+        rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
+                     "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
+                     "tokens_per_s": tokens / decode_s if decode_s else 0.0,
+                     "tau": (accepted + rounds) / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted})
+        for engine in gen.drafter.engines:
+            if isinstance(engine, GraphedEngine):
+                engine.graphs.clear()
+        if isinstance(gen.target, GraphedEngine):
+            gen.target.graphs.clear()
+    return rows
+
+
+def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = print,
+              peer: Callable[[list[int], int], float] | None = None) -> dict:
+    dev = es.device
+    target = es.engines[TARGET]
+    module = getattr(target, "module", None)
+    report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                    "dtype": es.manifest.dtype, "backend": es.backend, "model": es.manifest.name,
+                    "max_seq_len": es.manifest.max_seq_len}
+    log("measuring copy bandwidth ...")
+    bw = copy_bandwidth(dev)
+    report["copy_bandwidth_gbs"] = bw / 1e9
+    if module is not None:
+        wb = weight_bytes(module)
+        report["weight_bytes_per_token"] = wb
+        report["floor_ms_per_token"] = 1e3 * wb / bw
+    g = torch.Generator().manual_seed(0)
+    vocab = es.manifest.models[TARGET].config["vocab_size"]
+    graphs = dev.type == "cuda"
+    tree_tokens = opts.tree["total_tokens"] if opts.tree and EAGLE3 in es.engines else None
+    report["steps"] = []
+    report["generation"] = []
+    for i, ctx in enumerate(opts.contexts):
+        if ctx + max(64, opts.new_tokens) + 64 > es.manifest.max_seq_len:
+            log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
+            continue
+        prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(2)]
+        which = drafters(es, opts) if i == 0 else drafters(es, opts)[:1]
+        for use_graphs in ([True, False] if graphs and i == 0 else [graphs]):
+            log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
+            report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which)
+        if i == 0:
+            log(f"context {ctx}: step costs ...")
+            report["steps"] += [{"context": ctx, **r} for r in step_costs(es, ctx, opts, tree_tokens)]
+        if peer is not None and i == 0:
+            log(f"context {ctx}: peer (transformers generate, static cache) ...")
+            report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
+    _derive(report, opts)
+    return report
+
+
+def _derive(report: dict, opts: BenchOptions) -> None:
+    """Speedups over plain decoding at the same context and graph mode, measured and at given taus."""
+    plain = {(r["context"], r["cuda_graphs"]): r for r in report["generation"] if r["drafter"] == "plain"}
+    for r in report["generation"]:
+        base = plain.get((r["context"], r["cuda_graphs"]))
+        if base is None:
+            continue
+        r["speedup_e2e"] = base["ms_per_token"] / r["ms_per_token"] if r["ms_per_token"] else 0.0
+        r["round_over_decode"] = r["ms_per_round"] / base["ms_per_token"] if base["ms_per_token"] else 0.0
+        if r["drafter"] != "plain":
+            r["speedup_at_tau"] = {str(t): t / r["round_over_decode"] for t in opts.taus if r["round_over_decode"]}
+    if "floor_ms_per_token" in report:
+        for r in report["generation"]:
+            if r["drafter"] == "plain":
+                r["fraction_of_floor"] = report["floor_ms_per_token"] / r["ms_per_token"]
+
+
+def format_report(report: dict) -> str:
+    lines = [f"device {report['device']}  backend {report['backend']}  dtype {report['dtype']}  "
+             f"model {report['model']}  max_seq_len {report['max_seq_len']}",
+             f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
+    if "floor_ms_per_token" in report:
+        lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
+                     f"{report['floor_ms_per_token']:.3f} ms/token ({1e3 / report['floor_ms_per_token']:.0f} tok/s)")
+    if report.get("peer_ms_per_token"):
+        lines.append(f"peer: transformers generate (static cache) {report['peer_ms_per_token']:.3f} ms/token "
+                     f"({1e3 / report['peer_ms_per_token']:.0f} tok/s)")
+    if report["steps"]:
+        lines += ["", f"{'step':<12}{'tokens':>7}{'eager ms':>10}{'graph ms':>10}"]
+        for r in report["steps"]:
+            lines.append(f"{r['graph']:<12}{r['tokens']:>7}{r['eager_ms']:>10.3f}{r.get('graph_ms', float('nan')):>10.3f}")
+    taus = sorted({t for r in report["generation"] for t in r.get("speedup_at_tau", {})}, key=float)
+    head = f"{'ctx':>6} {'graphs':>6} {'drafter':<26}{'ms/round':>9}{'ms/tok':>8}{'tok/s':>8}{'tau':>6}{'speedup_e2e':>12}"
+    lines += ["", head + "".join(f"{'x@tau=' + t:>12}" for t in taus)]
+    for r in report["generation"]:
+        extra = "".join(f"{r.get('speedup_at_tau', {}).get(t, float('nan')):>12.2f}" for t in taus)
+        note = f"  ({100 * r['fraction_of_floor']:.0f}% of floor)" if "fraction_of_floor" in r else ""
+        lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
+                     f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
+                     f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
+    return "\n".join(lines)

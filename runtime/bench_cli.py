@@ -1,0 +1,94 @@
+"""``xrun bench`` as a function: open the engines (engine dir or synthetic), run, print, save."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from xcompile.runtime.bench import BenchOptions, format_report, run_bench
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.load import EngineSet, open_engine_dir, torch_models
+
+
+@dataclass
+class BenchRequest:
+    engine_dir: str | None
+    synthetic: str | None
+    draft_model: str | None
+    backend: str
+    device: str | None
+    dtype: str
+    gammas: tuple[int, ...]
+    tree: dict | None
+    contexts: tuple[int, ...]
+    new_tokens: int
+    repeats: int
+    peer: bool
+    json_path: str | None
+    plot: str | None
+
+
+def _room(req: BenchRequest) -> int:
+    """KV slots a synthetic bench needs: the longest context, its new tokens and one round's lookahead."""
+    lookahead = max([*req.gammas, (req.tree or {}).get("total_tokens", 0), 8]) + 1
+    need = max(req.contexts) + req.new_tokens + lookahead + 64
+    return -(-need // 256) * 256
+
+
+def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
+    if req.engine_dir:
+        return open_engine_dir(req.engine_dir, req.backend, str(device))
+    if req.backend not in ("auto", "torch"):
+        raise EngineError("--synthetic runs the torch backend (no engine dir to load TensorRT or ONNX from)")
+    provider = torch_models()
+    manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
+                                                     eagle3=True, draft=req.draft_model)
+    return EngineSet(None, manifest, "torch", engines, d2t, {"provider": provider})
+
+
+def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
+    device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    es = open_engines(req, device)
+    peer = None
+    if req.peer:
+        provider = es.extras.get("provider") or torch_models()
+        if es.backend != "torch":
+            raise EngineError("--peer compares on the torch backend's weights; add --backend torch")
+        peer = provider.hf_peer(es.engines)
+    opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
+                        repeats=req.repeats, peer=req.peer)
+    report = run_bench(es, opts, log=lambda m: echo(f"# {m}"), peer=peer)
+    echo(format_report(report))
+    if req.json_path:
+        with open(req.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if req.plot:
+        plot(report, req.plot)
+    es.close()
+    return report
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EngineError("--plot needs matplotlib (pip install matplotlib)") from None
+    rows = [r for r in report["generation"] if r["cuda_graphs"] == any(x["cuda_graphs"] for x in report["generation"])]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['drafter']} @{r['context']}" for r in rows]
+    ax.barh(labels, [r["tokens_per_s"] for r in rows])
+    if "floor_ms_per_token" in report:
+        ax.axvline(1e3 / report["floor_ms_per_token"], color="k", linestyle="--", label="bandwidth floor (plain)")
+        ax.legend()
+    ax.set_xlabel("tokens/s")
+    ax.set_title(f"{report['model']} on {report['device']} ({report['backend']}, {report['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,226 @@
+"""The generation loop: prefill, then speculative rounds (propose -> verify -> accept -> commit) until a stop.
+
+    gen = Generator(target, Eagle3TreeDrafter(eagle3, fc, d2t, topk=8, depth=6, total_tokens=48),
+                    eos_ids=[151645], max_seq_len=4096, detokenize=tokenizer.decode)
+    result = gen.generate(prompt_ids, max_new_tokens=256, stop=["\\n\\n"], on_tokens=print)
+
+A round is device work end to end; the host reads back one small tensor (the accepted count and the
+emitted tokens) per round to apply stops, stream and decide whether to go on. With greedy
+verification the output equals plain greedy decoding of the target token for token, whatever the
+drafter proposes (exactly so in fp32; in bf16 a verify pass over S tokens may round differently from
+S single steps and flip a near-tie).
+
+KV bookkeeping: the target's KV holds every committed token but the last (the root), which the next
+verify writes at ``length`` first; a round writes rows length .. length+S-1, and accepting a drafts
+advances ``length`` by a+1. Rows past ``length`` are stale and no mask ever reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from xcompile.runtime.drafters import Drafter, NoDrafter, prompt_inputs
+from xcompile.runtime.engine import Engine
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.graphs import Capture, CudaGraphCapture, GraphedEngine
+from xcompile.runtime.speculative import Accepted, Block, accept_chain, accept_tree, bonus, compact_kv, for_host
+
+# debug mode: stale KV rows are filled with this between rounds. Finite on purpose: attention kernels
+# multiply masked rows by a zero weight, and 0 * NaN would leak a NaN the mask did exclude. (fp32/bf16:
+# in fp16, q.k against it can overflow.)
+POISON = 1e4
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0          # prompt passes of target and drafter, to the first token on the host
+    decode_s: float = 0.0           # every round after that
+    target_forwards: int = 0        # prefill included
+    rounds: int = 0                 # verify passes after the prefill
+    drafted: int = 0                # drafted tokens sent to verification
+    accepted: int = 0               # of those, accepted
+    accepted_at: list[int] = field(default_factory=list)   # [i]: rounds whose draft at depth i+1 was accepted
+
+    def add_round(self, drafted: int, accepted: int) -> None:
+        self.target_forwards += 1
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens over the whole request (prefill included)."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens emitted by the rounds (all but the first) per second of decoding."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: mean tokens committed per verify round, the bonus token included."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [n / self.rounds for n in self.accepted_at] if self.rounds else []
+
+
+@dataclass
+class Result:
+    tokens: list[int]               # generated tokens, the stopping EOS / stop-string token included
+    stats: Stats
+    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len"
+
+
+class _Stops:
+    """Applies stop conditions token by token to what a round emits; tokens after a stop are dropped."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: frozenset[int], stop: Sequence[str],
+                 detokenize: Callable[[list[int]], str] | None):
+        self.max_new_tokens, self.eos_ids, self.stop, self.detokenize = max_new_tokens, eos_ids, tuple(stop), detokenize
+        # a stop string of c characters spans at most 4c byte-level tokens: decode only that tail
+        self.window = 4 * max((len(s) for s in self.stop), default=0) + 4
+        self.tokens: list[int] = []
+        self.reason = ""
+
+    def push(self, new: list[int]) -> list[int]:
+        """Append ``new`` up to the first stop; returns the tokens kept."""
+        kept = []
+        for t in new:
+            self.tokens.append(t)
+            kept.append(t)
+            # precedence: EOS, then a stop string, then the length cap (a stop inside the budget wins)
+            if t in self.eos_ids:
+                self.reason = "eos"
+            elif self.stop and any(s in self.detokenize(self.tokens[-self.window:]) for s in self.stop):
+                self.reason = "stop"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.reason = "max_tokens"
+            if self.reason:
+                break
+        return kept
+
+
+class Generator:
+    def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
+                 detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
+                 capture: Capture | None = None, debug: bool = False):
+        """target: the ``target`` graph engine; drafter: what proposes blocks (``NoDrafter()`` for plain
+        greedy); max_seq_len: KV capacity used (the engines may hold more); detokenize: ids -> text,
+        needed for stop strings; cuda_graphs: capture the fixed-shape steps of every engine (each falls
+        back to eager where capture is unavailable), with ``capture`` (default: one ``CudaGraphCapture``
+        shared by all, so one memory pool); debug: check KV lengths and poison stale rows every round."""
+        if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
+            have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
+            raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
+                              "rebuild the engine dir with a larger --max-seq-len or lower it here")
+        if drafter.needs_taps and "hidden_taps" not in target.spec.output_names:
+            raise EngineError(f"the {drafter.name} drafter reads the target's hidden_taps, which this target engine "
+                              "does not output; export the target with EAGLE3 taps")
+        if not target.kv:
+            target.new_kv()
+        self.device = target.device
+        self.max_seq_len, self.eos_ids, self.detokenize, self.debug = max_seq_len, frozenset(eos_ids), detokenize, debug
+        self.drafter = drafter
+        self.plain = NoDrafter()        # takes over when the drafter's lookahead no longer fits the cache
+        for d in (drafter, self.plain):
+            d.bind(max_seq_len, self.device)
+        self.target = target
+        if cuda_graphs:
+            capture = capture or CudaGraphCapture()
+            self.target = GraphedEngine(target, {drafter.block_size, 1}, capture)
+            drafter.use_graphs(lambda engine, tokens: GraphedEngine(engine, tokens, capture))
+        # logit_rows of a verify pass: every block node
+        self.rows = {s: torch.arange(s, device=self.device)[None] for s in {drafter.block_size, 1}}
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        need = len(prompt_ids) + self.drafter.lookahead
+        if not prompt_ids:
+            raise EngineError("empty prompt: give at least one token")
+        if need > self.max_seq_len:
+            raise EngineError(f"prompt of {len(prompt_ids)} tokens + {self.drafter.lookahead} slots for the "
+                              f"{self.drafter.name} drafter's round exceed max_seq_len {self.max_seq_len}; "
+                              "shorten the prompt or rebuild with a larger --max-seq-len")
+        if min(prompt_ids) < 0:
+            raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                 on_tokens: Callable[[list[int]], None] | None = None) -> Result:
+        """Greedy generation of up to ``max_new_tokens`` after ``prompt_ids``. Stops at an EOS id or a stop
+        string (both kept); ``on_tokens`` receives each round's new tokens as they are committed."""
+        self.check_prompt(prompt_ids)
+        if stop and self.detokenize is None:
+            raise EngineError("stop strings need a detokenize callback (Generator(..., detokenize=...))")
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stats = Stats(prompt_tokens=len(prompt_ids), target_forwards=1, accepted_at=[0] * self.drafter.max_depth)
+        stops = _Stops(max_new_tokens, self.eos_ids, stop, self.detokenize)
+        start = time.perf_counter()
+
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=self.device)
+        out = self.target.run(**prompt_inputs(prompt))
+        root = out["logits"][:, -1].argmax(-1)                                  # [1]
+        drafter = self.drafter
+        drafter.start(prompt, out.get("hidden_taps"), root)
+        emit(stops.push(root.tolist()), on_tokens)                              # the first token: one sync
+        stats.prefill_s = time.perf_counter() - start
+
+        n = len(prompt_ids)                                                     # KV length, on the host
+        length = torch.full((1,), n, dtype=torch.int64, device=self.device)     # and on the device
+        while not stops.reason:
+            if n + drafter.lookahead > self.max_seq_len:
+                if n + 1 > self.max_seq_len:
+                    stops.reason = "max_seq_len"
+                    break
+                drafter = self.plain        # for good: the room only shrinks, and greedy output is unchanged
+            block, acc = self._round(drafter, root, length)
+            length = length + acc.count + 1
+            root = bonus(acc)
+            host = for_host(acc)[0].tolist()                                   # the one copy back per round
+            a = host[0]
+            n += a + 1
+            stats.add_round(block.tokens.shape[1] - 1, a)
+            if self.debug:
+                self._check_kv(n, length, drafter)
+            emit(stops.push(host[1:a + 2]), on_tokens)
+
+        stats.decode_s = time.perf_counter() - start - stats.prefill_s
+        stats.new_tokens = len(stops.tokens)
+        return Result(stops.tokens, stats, stops.reason)
+
+    def _round(self, drafter: Drafter, root: torch.Tensor, length: torch.Tensor) -> tuple[Block, Accepted]:
+        """One round, device work only: propose -> verify -> accept -> compact -> commit.
+        root [1] is the last committed token, length [1] the target's KV length."""
+        block = drafter.propose(root, length)
+        out = self.target.run(input_ids=block.tokens, position_ids=length[:, None] + block.depth,
+                              write_index=length, tree_mask=block.mask, logit_rows=self.rows[block.tokens.shape[1]])
+        acc = (accept_chain if block.chain else accept_tree)(block, out["logits"])
+        if not block.chain:
+            compact_kv(self.target.kv, length, acc.path)
+        drafter.commit(block, acc, out.get("hidden_taps"), length)
+        return block, acc
+
+    def _check_kv(self, n: int, length: torch.Tensor, drafter: Drafter) -> None:
+        """Debug: every cache's committed length matches, then the stale rows past it are poisoned,
+        so a step that read them would change the output."""
+        for kv, cache_len, rewritten in [(self.target.kv, length, 0)] + drafter.caches():
+            assert int(cache_len) == n, (int(cache_len), n)
+            for buf in kv:
+                buf[:, :, n - rewritten:] = POISON
+
+
+def emit(tokens: list[int], on_tokens: Callable[[list[int]], None] | None) -> None:
+    if tokens and on_tokens is not None:
+        on_tokens(tokens)

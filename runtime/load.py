@@ -1,0 +1,154 @@
+"""Open an engine dir on a backend and make the drafter a request asks for.
+
+Backends: ``trt`` (the built TensorRT engines), ``ort`` (the ONNX graphs on ONNX Runtime), ``torch``
+(the PyTorch reference modules, through the ``xcompile.torch_models`` entry point, i.e. when the
+compile side is installed). ``auto`` picks trt when engines were built and TensorRT imports on a
+CUDA device, else torch on CUDA, else ort on the CPU (fp32/fp16 graphs), else torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import torch
+
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.drafters import (
+    DraftModelDrafter, Drafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter,
+)
+from xcompile.runtime.engine import Engine
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.manifest import Manifest, spec_from_io
+
+BACKENDS = ("auto", "trt", "ort", "torch")
+DRAFTERS = ("auto", "none", "draft-model", "eagle3")
+D2T_FILE = "d2t.safetensors"
+
+# EAGLE3 defaults: chain of 4 when no tree is asked for; tree shape as SGLang runs Qwen3-8B heads
+# (reference/perf_anchors.md: steps 6, top-k 10, 32 draft tokens)
+DEFAULT_GAMMA = 4
+DEFAULT_TREE = dict(topk=10, depth=6, total_tokens=32)
+
+
+@dataclass
+class EngineSet:
+    directory: Path | None
+    manifest: Manifest
+    backend: str
+    engines: dict[str, Engine]
+    d2t: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.engines[TARGET].device
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            e.close()
+
+
+def torch_models():
+    """The compile side's model provider (module ``xcompile.compile.reference``), or a clear error."""
+    found = entry_points(group="xcompile.torch_models")
+    if not found:
+        raise EngineError("the torch backend needs the reference model code (pip install xcompile with its "
+                          "compile side); use --backend trt or ort")
+    return next(iter(found)).load()
+
+
+def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise EngineError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and manifest.engines:
+        try:
+            from xcompile.runtime.backends.trt import import_trt
+
+            import_trt(next(iter(manifest.engines.values())).flavor)
+            return "trt"
+        except EngineError:
+            pass
+    if device.type == "cpu" and manifest.dtype != "bf16":
+        return "ort"
+    return "torch"
+
+
+def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int) -> dict[str, Engine]:
+    from xcompile.runtime.backends.ort import OrtEngine
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[manifest.dtype]
+    engines = {}
+    for graph, entry in manifest.graphs.items():
+        layers = sum(1 for t in entry.io["outputs"] if t.get("aliases")) // 2
+        spec = spec_from_io(graph, entry.io, layers)
+        engines[graph] = OrtEngine(directory / entry.onnx, spec, entry.dims, dtype, device,
+                                   max_tokens=max_tokens if graph != TARGET else None, max_rows=max_tokens)
+    return engines
+
+
+def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = "cpu", *,
+                    cuda_graphs: bool = True, max_draft_tokens: int = 64) -> EngineSet:
+    """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there."""
+    directory = Path(directory)
+    manifest = Manifest.load(directory)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    backend = pick_backend(manifest, backend, dev)
+    if backend == "torch":
+        engines = torch_models().load_torch_models(manifest, dev)
+    elif backend == "ort":
+        engines = _ort_engines(directory, manifest, dev, max_tokens=max(max_draft_tokens, manifest.max_seq_len))
+    elif backend == "trt":
+        from xcompile.runtime.backends import trt
+
+        if TARGET not in manifest.engines:
+            raise EngineError(f"{directory}: holds no TensorRT engines; build them with `xcompile build`, or use "
+                              "--backend ort/torch")
+        engines = {g: trt.load(directory, g, dev, cuda_graphs=cuda_graphs) for g in manifest.engines}
+    else:
+        raise EngineError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    d2t = None
+    if EAGLE3 in engines:
+        d2t = load_d2t(directory / D2T_FILE, dev)
+    return EngineSet(directory, manifest, backend, engines, d2t)
+
+
+def load_d2t(path: Path, device: torch.device) -> torch.Tensor:
+    if not path.is_file():
+        raise EngineError(f"{path}: missing; the EAGLE3 head needs its draft->target map (re-export the dir)")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))["d2t"].to(device)
+    except (SafetensorError, KeyError, OSError) as e:
+        raise EngineError(f"{path}: unreadable ({e}); re-export the engine dir") from None
+
+
+def make_drafter(es: EngineSet, drafter: str = "auto", gamma: int | None = None, tree: dict | None = None) -> Drafter:
+    """The drafter a request asks for, from what the engine dir holds. ``tree`` (topk/depth/total_tokens)
+    selects the EAGLE3 tree; otherwise EAGLE3 drafts a chain of ``gamma`` tokens."""
+    if drafter not in DRAFTERS:
+        raise EngineError(f"--drafter {drafter!r}: expected one of {', '.join(DRAFTERS)}")
+    have = es.engines
+    if drafter == "auto":
+        drafter = "eagle3" if EAGLE3 in have else "draft-model" if DRAFT in have else "none"
+    where = es.directory or es.manifest.name
+    if drafter == "none":
+        return NoDrafter()
+    if drafter == "draft-model":
+        if DRAFT not in have:
+            raise EngineError(f"{where}: holds no draft model; rebuild with --draft-model, or use --drafter "
+                              f"{'eagle3' if EAGLE3 in have else 'none'}")
+        return DraftModelDrafter(have[DRAFT], gamma or DEFAULT_GAMMA)
+    if EAGLE3 not in have or EAGLE3_FC not in have:
+        raise EngineError(f"{where}: holds no EAGLE3 head; rebuild with --eagle3, or use --drafter "
+                          f"{'draft-model' if DRAFT in have else 'none'}")
+    if tree:
+        return Eagle3TreeDrafter(have[EAGLE3], have[EAGLE3_FC], es.d2t, **{**DEFAULT_TREE, **tree})
+    return Eagle3ChainDrafter(have[EAGLE3], have[EAGLE3_FC], es.d2t, gamma or DEFAULT_GAMMA)

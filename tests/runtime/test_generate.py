@@ -1,0 +1,374 @@
+"""The generation loop with every drafter on tiny seeded reference modules (TorchEngine, CPU fp32).
+
+Greedy speculative output must equal plain greedy decoding token for token; the scripted and
+self-drafting cases pin the accepted counts at known positions; debug mode checks the KV lengths and
+poisons every stale row between rounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tiny_engines as T
+
+from xcompile.runtime import generate as gen
+from xcompile.runtime.drafters import DraftModelDrafter, Drafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.generate import Generator
+from xcompile.runtime.speculative import Block, chain_block
+
+NEW = 64        # new tokens per prompt in the equivalence tests
+MAX_SEQ_LEN = 160
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny ops: threads only add contention on the 2-core CI machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> T.Tiny:
+    return T.build(MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(4, T.VOCAB, (n,), generator=g).tolist() for n in (1, 3, 6, 9, 12)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts) -> dict[tuple[int, ...], list[int]]:
+    """Plain greedy continuations (NoDrafter), NEW + 8 tokens each."""
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN)
+    return {tuple(p): g.generate(p, NEW + 8).tokens for p in prompts}
+
+
+def test_plain_decoding_matches_full_recompute(tiny, prompts, reference):
+    for p in prompts[1:3]:
+        assert reference[tuple(p)][:NEW] == T.greedy_reference(tiny.target, p, NEW)
+
+
+DRAFTERS = {
+    "none": lambda t: NoDrafter(),
+    **{f"draft-k{k}": (lambda t, k=k: DraftModelDrafter(t.draft_engine(), k)) for k in (1, 2, 4, 6)},
+    **{f"noisy-draft-k{k}": (lambda t, k=k: DraftModelDrafter(t.noisy_draft_engine(), k)) for k in (2, 6)},
+    **{f"eagle3-k{k}": (lambda t, k=k: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, k)) for k in (1, 2, 4, 6)},
+    **{f"tree-{a}x{b}x{c}": (lambda t, s=(a, b, c): Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, *s))
+       for a, b, c in ((1, 1, 2), (2, 3, 6), (4, 4, 16), (3, 5, 12), (8, 2, 24), (2, 6, 20))},
+}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_equivalence(name, tiny, prompts, reference):
+    # one generator for all prompts: each request starts over stale KV from the previous one
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    for p in prompts:
+        r = g.generate(p, NEW)
+        assert r.tokens == reference[tuple(p)][:NEW], p
+        assert r.finish_reason == "max_tokens"
+        s = r.stats
+        assert s.new_tokens == NEW and s.target_forwards == s.rounds + 1
+        assert s.drafted == s.rounds * (g.drafter.block_size - 1)
+        assert 0 <= s.accepted <= s.drafted and s.accepted == sum(s.accepted_at)
+        assert s.accepted + s.rounds + 1 >= NEW                           # rounds emit a+1 each (last truncated)
+
+
+@pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
+def test_kv_invariants_and_stale_rows_never_read(name, tiny, prompts, reference):
+    """debug=True: after every round each cache's length equals the committed tokens (minus the root) and
+    every row past it is overwritten with a huge value; the output must not change."""
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True)
+    for p in prompts[:3]:
+        assert g.generate(p, NEW).tokens == reference[tuple(p)][:NEW]
+
+
+def test_poisoning_a_committed_row_is_detected(tiny, prompts, reference):
+    """Control for the test above: the same poison one row lower (a committed row) changes the output."""
+
+    class Leaky(Generator):
+        def _check_kv(self, n, length, drafter):
+            super()._check_kv(n, length, drafter)
+            for buf in self.target.kv:
+                buf[:, :, n - 1] = gen.POISON
+
+    g = Leaky(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, debug=True)
+    assert g.generate(prompts[2], NEW).tokens != reference[tuple(prompts[2])][:NEW]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 6])
+def test_target_as_its_own_draft_accepts_everything(k, tiny, prompts, reference):
+    rounds = 8
+    g = Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), [], MAX_SEQ_LEN, debug=True)
+    for p in prompts[1:4]:
+        r = g.generate(p, 1 + rounds * (k + 1))
+        assert r.tokens == reference[tuple(p)][:1 + rounds * (k + 1)]
+        s = r.stats
+        assert (s.rounds, s.accepted, s.accepted_at, s.drafted) == (rounds, rounds * k, [rounds] * k, rounds * k)
+        assert s.acceptance_length == k + 1 and s.acceptance_by_position == [1.0] * k
+        assert s.target_forwards == rounds + 1
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the reference continuation, except a wrong token at the generated-token indices in ``wrong``.
+
+    As a tree it puts a decoy branch (always wrong) before the scripted one and interleaves their nodes,
+    so the accepted path is not contiguous and the target's KV rows really move."""
+
+    name = "scripted"
+
+    def __init__(self, ref: list[int], prompt_len: int, k: int, wrong: set[int], tree: bool = False):
+        s = 2 * k + 1 if tree else k + 1
+        super().__init__(max_depth=k, block_size=s, lookahead=s)
+        self.ref, self.prompt_len, self.k, self.wrong, self.tree = ref, prompt_len, k, wrong, tree
+        self.counts: list[int] = []
+
+    def propose(self, root, length):
+        done = int(length) - self.prompt_len + 1                # tokens generated so far, the root last
+        script = [(self.ref[i] + (i in self.wrong)) % T.VOCAB for i in range(done, done + self.k)]
+        if not self.tree:
+            return chain_block(torch.tensor([[int(root)] + script]))
+        decoy = [(self.ref[i] + 2) % T.VOCAB for i in range(done, done + self.k)]
+        tokens, parents = [int(root)], [0]
+        for j in range(self.k):                                 # nodes: root, decoy_1, script_1, decoy_2, ...
+            tokens += [decoy[j], script[j]]
+            parents += [2 * j - 1 if j else 0, 2 * j if j else 0]
+        from xcompile.runtime.speculative import ancestors
+        parents = torch.tensor([parents])
+        mask, depth = ancestors(parents, self.k)
+        return Block(torch.tensor([tokens]), parents, mask, depth, self.k, chain=False)
+
+    def commit(self, block, acc, taps, length):
+        self.counts.append(int(acc.count))
+
+
+def expected_counts(k: int, wrong: set[int], max_new: int) -> list[int]:
+    counts, done = [], 1
+    while done < max_new:
+        a = 0
+        while a < k and done + a not in wrong:
+            a += 1
+        counts.append(a)
+        done += a + 1
+    return counts
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("k, wrong", [
+    (4, {3, 9, 10, 20, 21, 22, 23, 24}),      # partial acceptance at known positions
+    (3, set(range(100))),                     # zero acceptance every round
+    (5, set()),                               # full acceptance every round
+    (2, {1, 4, 5, 17}),
+])
+def test_scripted_drafter_accepts_exactly_as_expected(tree, k, wrong, prompts, reference, tiny):
+    p = prompts[3]
+    ref = reference[tuple(p)]
+    drafter = ScriptedDrafter(ref, len(p), k, wrong, tree)
+    r = Generator(tiny.target_engine(), drafter, [], MAX_SEQ_LEN, debug=True).generate(p, 48)
+    assert r.tokens == ref[:48]
+    assert drafter.counts == expected_counts(k, wrong, 48)
+    assert r.stats.accepted_at == [sum(c > i for c in drafter.counts) for i in range(k)]
+
+
+def test_eagle3_tree_of_width_one_is_the_chain(tiny, prompts):
+    k = 4
+    for p in prompts[1:3]:
+        chain = Generator(tiny.target_engine(), Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, k), [],
+                          MAX_SEQ_LEN).generate(p, NEW).stats
+        tree = Generator(tiny.target_engine(), Eagle3TreeDrafter(*tiny.eagle3_engines(), tiny.d2t, 1, k, k + 1), [],
+                         MAX_SEQ_LEN).generate(p, NEW).stats
+        assert (tree.rounds, tree.accepted_at) == (chain.rounds, chain.accepted_at)
+
+
+def eagle3_prefix(tiny: T.Tiny, seq: list[int]):
+    """From scratch, for committed ``seq`` (root last): target taps over seq[:-1], then the head over the
+    pairs (feature t, token t+1) at positions t. Returns the head's KV, last logits and last hidden."""
+    n = len(seq) - 1
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    zero, last = torch.zeros(1, dtype=torch.int64), torch.tensor([[n - 1]])
+    taps = tiny.target(torch.tensor([seq[:n]]), torch.arange(n)[None], zero, causal, last, *tiny.target.new_kv())[1]
+    kv = tiny.eagle3.new_kv()
+    logits, hidden, *_ = tiny.eagle3(torch.tensor([seq[1:]]), tiny.eagle3.project(taps), torch.arange(n)[None],
+                                     zero, causal, last, *kv)
+    return kv, logits[0, 0], hidden[:, n - 1:]
+
+
+def eagle3_step(tiny: T.Tiny, kv, token: int, hidden, pos: int):
+    """One head step on the head's own output: (hidden, token) at draft position ``pos``."""
+    p = torch.tensor([[pos]])
+    logits, hidden, *_ = tiny.eagle3(torch.tensor([[token]]), hidden, p, p[0], torch.ones(1, 1, 1, dtype=torch.bool),
+                                     torch.zeros(1, 1, dtype=torch.int64), *kv)
+    return logits[0, 0], hidden
+
+
+def eagle3_reference_drafts(tiny: T.Tiny, seq: list[int], k: int) -> list[int]:
+    """The greedy chain the head should propose after committed ``seq``, recomputed from scratch."""
+    kv, logits, hidden = eagle3_prefix(tiny, seq)
+    drafts = [int(tiny.eagle3.to_target_ids(logits.argmax()))]
+    for i in range(1, k):
+        logits, hidden = eagle3_step(tiny, kv, drafts[-1], hidden, len(seq) - 2 + i)
+        drafts.append(int(tiny.eagle3.to_target_ids(logits.argmax())))
+    return drafts
+
+
+def eagle3_reference_children(tiny: T.Tiny, seq: list[int], path: list[int], k: int) -> set[int]:
+    """Top-k target ids the head proposes under the tree node reached by ``path`` (drafted tokens from
+    the root), recomputed from scratch: a node sees its ancestors only."""
+    kv, logits, hidden = eagle3_prefix(tiny, seq)
+    for i, token in enumerate(path):
+        logits, hidden = eagle3_step(tiny, kv, token, hidden, len(seq) - 1 + i)
+    return set(tiny.eagle3.to_target_ids(logits.topk(k).indices).tolist())
+
+
+def test_eagle3_chain_follows_the_pairing_rule(tiny, prompts):
+    """Every round's drafts equal a from-scratch EAGLE3 computation over the committed tokens: the
+    prompt pass, the per-round update (features of the accepted path + the next tokens) and positions."""
+    k, p = 3, prompts[2]
+    proposed = []
+
+    class Recording(Eagle3ChainDrafter):
+        def propose(self, root, length):
+            block = super().propose(root, length)
+            proposed.append((int(length), block.tokens[0, 1:].tolist()))
+            return block
+
+    r = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN).generate(p, 24)
+    seq = p + r.tokens
+    with torch.inference_mode():
+        for length, drafts in proposed[:10]:
+            assert drafts == eagle3_reference_drafts(tiny, seq[:length + 1], k), length
+
+
+def test_eagle3_tree_follows_the_pairing_rule(tiny, prompts):
+    """Every round's candidate pool equals a from-scratch computation: the children of each expanded
+    node are the head's top-k after the node's ancestors alone (siblings masked), and the update after
+    a round that accepted a non-contiguous tree path read that path's features."""
+    topk, depth, p = 8, 3, prompts[2]
+    pools = []
+
+    class Recording(Eagle3TreeDrafter):
+        def propose(self, root, length):
+            block = super().propose(root, length)
+            pools.append((int(length), self.tokens[0].tolist(), self.parents[0].tolist()))
+            return block
+
+    r = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, topk, depth, 24), [],
+                  MAX_SEQ_LEN).generate(p, 40)
+    assert r.stats.accepted > 0                         # some rounds did accept a tree path
+    seq = p + r.tokens
+    checked = 0
+    with torch.inference_mode():
+        for length, tokens, parents in pools:
+            children: dict[int, set[int]] = {}
+            for i, parent in enumerate(parents):
+                children.setdefault(parent, set()).add(tokens[i])
+            for parent, got in children.items():
+                path, node = [], parent
+                while node >= 0:
+                    path.insert(0, tokens[node])
+                    node = parents[node]
+                assert got == eagle3_reference_children(tiny, seq[:length + 1], path, topk), (length, path)
+                checked += 1
+    assert checked == len(pools) * (1 + topk + topk)
+
+
+# stops -------------------------------------------------------------------------------------------
+
+
+def first_new(ref: list[int], positions) -> int:
+    """A position whose token does not occur earlier in ``ref``."""
+    return next(j for j in positions if ref[j] not in ref[:j])
+
+
+def self_drafting(tiny, k=4, **kw) -> Generator:
+    return Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), **kw)
+
+
+def test_eos_inside_an_accepted_run(tiny, prompts, reference):
+    p = prompts[1]
+    ref = reference[tuple(p)]
+    j = first_new(ref, [2, 3, 4, 7, 8, 9])      # rounds of 5 emit ref[1:6], ref[6:11]: j is mid-run
+    chunks = []
+    r = self_drafting(tiny, eos_ids=[ref[j]], max_seq_len=MAX_SEQ_LEN).generate(p, NEW, on_tokens=chunks.append)
+    assert r.tokens == ref[:j + 1] and r.finish_reason == "eos"
+    assert sum(chunks, []) == r.tokens
+    assert [len(c) for c in chunks[:-1]] == [1] + [5] * (len(chunks) - 2)
+
+
+def test_eos_as_the_first_token(tiny, prompts, reference):
+    p = prompts[0]
+    ref = reference[tuple(p)]
+    r = self_drafting(tiny, eos_ids=[ref[0]], max_seq_len=MAX_SEQ_LEN).generate(p, NEW)
+    assert r.tokens == ref[:1] and r.finish_reason == "eos" and r.stats.rounds == 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6, 11])
+def test_max_tokens_inside_an_accepted_run(n, tiny, prompts, reference):
+    p = prompts[2]
+    r = self_drafting(tiny, eos_ids=[], max_seq_len=MAX_SEQ_LEN).generate(p, n)
+    assert r.tokens == reference[tuple(p)][:n] and r.finish_reason == "max_tokens"
+
+
+def test_stop_string_inside_an_accepted_run(tiny, prompts, reference):
+    p = prompts[3]
+    ref = reference[tuple(p)]
+    j = first_new(ref, [3, 4, 8, 9])
+
+    def detokenize(ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    g = self_drafting(tiny, eos_ids=[], max_seq_len=MAX_SEQ_LEN, detokenize=detokenize)
+    r = g.generate(p, NEW, stop=[f"<{ref[j - 1]}><{ref[j]}>"])
+    assert r.tokens == ref[:j + 1] and r.finish_reason == "stop"
+    with pytest.raises(EngineError, match="detokenize"):
+        self_drafting(tiny, eos_ids=[], max_seq_len=MAX_SEQ_LEN).generate(p, NEW, stop=["x"])
+
+
+@pytest.mark.parametrize("name", ["none", "draft-k6", "eagle3-k4", "tree-4x4x16"])
+def test_cache_full_ends_like_plain_decoding(name, tiny, prompts, reference):
+    """Near the end of the cache the drafter's round no longer fits: plain steps finish the job."""
+    p, limit = prompts[2], 48
+    r = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit, debug=True).generate(p, 200)
+    assert r.finish_reason == "max_seq_len"
+    assert r.tokens == reference[tuple(p)][:limit - len(p) + 1]
+
+
+# errors ------------------------------------------------------------------------------------------
+
+
+def test_prompt_too_long_fails_before_anything_runs(tiny):
+    target = tiny.target_engine()
+    drafter = Eagle3TreeDrafter(*tiny.eagle3_engines(), tiny.d2t, 4, 4, 16)
+    g = Generator(target, drafter, [], 40)
+    with pytest.raises(EngineError, match=r"prompt of 25 tokens \+ 16 .* exceed max_seq_len 40"):
+        g.generate(list(range(4, 29)), 8)
+    assert all(not buf.any() for buf in target.kv + drafter.eagle3.kv)
+    assert g.generate(list(range(4, 28)), 4).finish_reason == "max_tokens"   # 24 + 16 fits exactly
+    with pytest.raises(EngineError, match="empty prompt"):
+        g.generate([], 8)
+
+
+def test_engine_too_small_for_max_seq_len(tiny):
+    with pytest.raises(EngineError, match="KV"):
+        Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN + 1)
+    with pytest.raises(EngineError, match="draft engine holds"):
+        Generator(T.qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN),
+                  DraftModelDrafter(T.qwen3_engine(tiny.draft, "draft", max_seq_len=64), 2), [], 100)
+
+
+def test_drafter_parameters_are_checked(tiny):
+    head, fc = tiny.eagle3_engines()
+    with pytest.raises(EngineError, match="total_tokens"):
+        Eagle3TreeDrafter(head, fc, tiny.d2t, 2, 2, 8)          # 2 + 4 candidates < 7 nodes
+    with pytest.raises(EngineError, match="k must be"):
+        Eagle3ChainDrafter(head, fc, tiny.d2t, 0)
+    with pytest.raises(EngineError, match="repeated"):
+        Eagle3ChainDrafter(head, fc, torch.zeros(T.DRAFT_VOCAB, dtype=torch.int64) - torch.arange(T.DRAFT_VOCAB), 2)
+    with pytest.raises(EngineError, match="'draft' graph"):
+        DraftModelDrafter(head, 2)
+    with pytest.raises(EngineError, match="hidden_taps"):           # a target exported without EAGLE3 taps
+        Generator(T.qwen3_engine(tiny.target, "draft"), Eagle3ChainDrafter(head, fc, tiny.d2t, 2), [], MAX_SEQ_LEN)

@@ -1,0 +1,169 @@
+"""CUDA-graph wrapping of engine steps (runtime/graphs.py).
+
+On CPU: the eager fallback, and the capture/replay bookkeeping (static inputs, one capture per
+shape, fixed output buffers) through a stand-in capture that behaves like a graph. On a GPU
+(``gpu`` marker): real CUDA graphs give exactly the tokens of eager execution.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import tiny_engines as T
+
+from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
+from xcompile.runtime.generate import Generator
+from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
+
+MAX_SEQ_LEN = 128
+
+
+class Emulated:
+    """Stands in for ``CudaGraphCapture`` on CPU: "replay" re-runs the step on the static inputs and
+    copies its results into the buffers produced at capture, as a graph writes its fixed outputs."""
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def __call__(self, step, device):
+        self.captures += 1
+        out = step()
+
+        def replay():
+            self.replays += 1
+            for name, t in step().items():
+                out[name].copy_(t)
+
+        return replay, out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> T.Tiny:
+    return T.build(MAX_SEQ_LEN)
+
+
+def decode_inputs(token: int, pos: int) -> dict[str, torch.Tensor]:
+    return dict(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), write_index=torch.tensor([pos]),
+                tree_mask=torch.ones(1, 1, 1, dtype=torch.bool), logit_rows=torch.zeros(1, 1, dtype=torch.int64))
+
+
+def block_inputs(tokens: list[int], pos: int) -> dict[str, torch.Tensor]:
+    s = len(tokens)
+    return dict(input_ids=torch.tensor([tokens]), position_ids=torch.arange(pos, pos + s)[None],
+                write_index=torch.tensor([pos]), tree_mask=torch.ones(s, s, dtype=torch.bool).tril()[None],
+                logit_rows=torch.arange(s)[None])
+
+
+def test_cpu_falls_back_to_eager_with_a_reason(tiny):
+    eager, graphed = tiny.target_engine(), GraphedEngine(tiny.target_engine(), {1})
+    eager.new_kv()
+    graphed.new_kv()
+    with pytest.warns(UserWarning, match="running eagerly"):
+        out = graphed.run(**decode_inputs(5, 0))
+    assert "CUDA device" in graphed.fallback and not graphed.graphs
+    assert torch.equal(out["logits"], eager.run(**decode_inputs(5, 0))["logits"])
+
+
+def test_capture_once_per_shape_then_replay_into_the_same_buffers(tiny):
+    capture = Emulated()
+    eager, graphed = tiny.target_engine(), GraphedEngine(tiny.target_engine(), {1, 3}, capture)
+    eager.new_kv()
+    graphed.new_kv()
+    first = None
+    for pos, token in enumerate([5, 9, 17, 33]):
+        out = graphed.run(**decode_inputs(token, pos))
+        want = eager.run(**decode_inputs(token, pos))
+        assert torch.equal(out["logits"], want["logits"]) and torch.equal(out["hidden_taps"], want["hidden_taps"])
+        first = out["logits"] if first is None else first
+        assert out["logits"].data_ptr() == first.data_ptr()            # the graph's fixed output buffer
+    assert (capture.captures, capture.replays) == (1, 4)
+    out = graphed.run(**block_inputs([1, 2, 3], 4))                      # a second shape: a second graph
+    assert torch.equal(out["logits"], eager.run(**block_inputs([1, 2, 3], 4))["logits"])
+    graphed.run(**block_inputs([1, 2], 7))                               # not a listed token count: eager
+    eager.run(**block_inputs([1, 2], 7))
+    assert capture.captures == 2 and len(graphed.graphs) == 2
+    for a, b in zip(graphed.kv, eager.kv):                              # same KV writes as eager
+        assert torch.equal(a, b)
+    graphed.new_kv()                                                     # new buffers: old graphs are stale
+    assert not graphed.graphs
+
+
+def test_capture_failure_falls_back(tiny):
+    def broken(step, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=broken)
+    with pytest.warns(UserWarning, match="not permitted"):
+        tokens = g.generate([5, 6, 7], 16).tokens
+    assert "not permitted" in g.target.fallback
+    assert tokens == Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 16).tokens
+
+
+# drafter, and the token counts each engine captures; the target's 1 comes from a one-token prompt (a decode
+# step), which the prompts below include; the EAGLE3 head's prompt pass of one token is its chain step
+DRAFTERS = {
+    "none": (lambda t: NoDrafter(), {"target": {1}}),
+    "draft": (lambda t: DraftModelDrafter(t.noisy_draft_engine(), 3), {"target": {1, 4}, "draft": {1, 2}}),
+    "eagle3": (lambda t: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, 3),
+               {"target": {1, 4}, "eagle3": {1, 4}, "eagle3_fc": {4}}),
+    "eagle3-tree": (lambda t: Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, 4, 3, 12),
+                    {"target": {1, 12}, "eagle3": {4, 8}, "eagle3_fc": {4}}),
+}
+
+
+def graph_token_counts(engine: GraphedEngine) -> set[int]:
+    return {dict((n, s) for n, s, _ in key)["input_ids" if "input_ids" in engine.spec.input_names else "hidden_taps"][1]
+            for key in engine.graphs}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_generate_with_emulated_graphs_matches_eager(name, tiny):
+    make, shapes = DRAFTERS[name]
+    prompts = [[5, 6, 7, 8, 9], [40, 3], [77]]
+    eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
+    capture = Emulated()
+    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture,
+                        debug=True)
+    for p in prompts:
+        assert graphed.generate(p, 40).tokens == eager.generate(p, 40).tokens
+    engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
+    for graph, counts in shapes.items():
+        assert isinstance(engines[graph], GraphedEngine) and engines[graph].fallback is None
+        assert graph_token_counts(engines[graph]) == counts, graph
+    assert capture.replays > 3 * capture.captures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_cuda_graphs_give_identical_tokens(name, dtype):
+    tiny = T.build(512, device="cuda", dtype=dtype)
+    make, shapes = DRAFTERS[name]
+    prompts = [[5, 6, 7, 8, 9], [77], [40, 3] * 10]
+    eager = Generator(tiny.target_engine(), make(tiny), [], 512)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, capture=CudaGraphCapture())
+    for p in prompts:
+        want = eager.generate(p, 200)
+        got = graphed.generate(p, 200)
+        assert got.tokens == want.tokens
+        assert got.stats.accepted_at == want.stats.accepted_at
+    engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
+    for graph, counts in shapes.items():
+        assert engines[graph].fallback is None, engines[graph].fallback
+        assert graph_token_counts(engines[graph]) == counts, graph
+    t0 = time.perf_counter()
+    eager.generate(prompts[0], 200)
+    t1 = time.perf_counter()
+    graphed.generate(prompts[0], 200)
+    t2 = time.perf_counter()
+    print(f"{name} {dtype}: eager {200 / (t1 - t0):.0f} tok/s, graphs {200 / (t2 - t1):.0f} tok/s")
