@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +54,9 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    start = time.perf_counter()
     es = open_engines(req, device)
+    echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
@@ -62,7 +65,8 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
         peer = provider.hf_peer(es.engines)
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
                         repeats=req.repeats, peer=req.peer)
-    report = run_bench(es, opts, log=lambda m: echo(f"# {m}"), peer=peer)
+    start = time.perf_counter()
+    report = run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
     echo(format_report(report))
     if req.json_path:
         with open(req.json_path, "w") as f:
