@@ -1,0 +1,380 @@
+"""``xcompile diff``: an engine dir against the PyTorch reference, teacher-forced, through Polygraphy.
+
+    reference pass  the torch reference runs prefill, ``steps`` greedy decode steps and an EAGLE3
+                    draft pass (fc, prompt pass, ``draft_steps`` draft steps); its tokens and hidden
+                    states become every step's feed, so a near-tie flip cannot desync the engine
+    Comparator.run  per graph, two Polygraphy runners over those feeds: the reference and the engine
+                    (our ORT or TensorRT backend; the KV cache stays in place across iterations)
+    compare         Comparator.compare_accuracy with per-output tolerances, plus max/mean abs error and
+                    top-1/top-5 agreement of the logits per step
+
+``save`` writes, per graph, ``<graph>.inputs.json`` (complete graph inputs: the reference's KV before
+each step included) and ``<graph>.reference.json`` (reference RunResults), so
+``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...`` re-checks every
+step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
+here, and this module only by the ``diff`` command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
+from polygraphy.json import save_json
+from polygraphy.logger import G_LOGGER
+
+from xcompile.compile import checkpoint as ckpt
+from xcompile.compile import synthetic
+from xcompile.compile.errors import CompileError
+from xcompile.compile.export import TORCH_DTYPES
+from xcompile.compile.models.eagle3 import Eagle3FC
+from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.compile.pipeline import SYNTHETIC
+from xcompile.runtime.backends.torch_module import TorchEngine
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET, GraphSpec
+from xcompile.runtime.engine import Engine, KVShape
+from xcompile.runtime.errors import XcompileError
+from xcompile.runtime.manifest import Manifest, spec_from_io
+
+REFERENCE, ENGINE = "reference", "engine"
+# Starting tolerances (Polygraphy "max" statistic: an output fails when both its max abs and max
+# rel error exceed them). fp32 engines match the reference to ~1e-5; low precision follows the
+# reliability anchors: ~0.1 abs on logits (TensorRT-LLM uses 0.12), a few % relative elsewhere.
+DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 0.12, "bf16": 0.25}
+DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 0.02, "bf16": 0.05}
+DEFAULT_PROMPT_LEN = 8
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    backend: str = "ort"                        # "ort" | "trt"
+    device: str | None = None                   # default: cpu for ort, cuda for trt
+    prompt: str | None = None                   # text, tokenized with the dir's tokenizer
+    prompt_ids: tuple[int, ...] | None = None
+    steps: int = 4                              # greedy decode steps after the prefill
+    draft_steps: int = 3                        # EAGLE3 draft steps after its prompt pass
+    atol: dict[str, float] = field(default_factory=dict)    # output -> tol; "" = every other output
+    rtol: dict[str, float] = field(default_factory=dict)
+    save: Path | None = None
+
+
+@dataclass
+class StepResult:
+    graph: str
+    step: str
+    output: str
+    max_abs: float
+    mean_abs: float
+    passed: bool
+    top1: float | None = None                   # fraction of logit rows whose argmax agrees
+    top5: float | None = None                   # mean overlap of the top-5 sets
+
+
+@dataclass
+class DiffReport:
+    engine_dir: str
+    backend: str
+    dtype: str
+    prompt_ids: list[int]
+    atol: dict[str, float]
+    rtol: dict[str, float]
+    results: list[StepResult] = field(default_factory=list)
+    reproduce: list[str] = field(default_factory=list)     # polygraphy commands re-checking saved files
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "passed": self.passed}, indent=2) + "\n"
+
+    def table(self) -> str:
+        lines = [f"{'graph':<10} {'step':<9} {'output':<14} {'max_abs':>10} {'mean_abs':>10} {'top1':>5} {'top5':>5}"]
+        for r in self.results:
+            t1, t5 = ("" if t is None else f"{t:.2f}" for t in (r.top1, r.top5))
+            lines.append(f"{r.graph:<10} {r.step:<9} {r.output:<14} {r.max_abs:>10.3g} {r.mean_abs:>10.3g} "
+                         f"{t1:>5} {t5:>5}  {'ok' if r.passed else 'FAIL'}")
+        if self.reproduce:
+            lines += ["re-check the saved files with:", *self.reproduce]
+        failed = sum(not r.passed for r in self.results)
+        lines.append("PASSED" if not failed else f"FAILED: {failed} of {len(self.results)} checks exceed atol "
+                     f"{self.atol} / rtol {self.rtol} ({self.backend} vs torch, {self.dtype})")
+        return "\n".join(lines)
+
+
+class EngineRunner(BaseRunner):
+    """A Polygraphy runner over any xcompile Engine (torch reference, ORT, TensorRT): fresh zeroed
+    KV buffers at activation, then the cache carries across iterations like in a generation."""
+
+    def __init__(self, make: Callable[[], Engine], spec: GraphSpec, dims: dict, name: str):
+        super().__init__(name=name, prefix="xcompile")
+        self.make, self.spec, self.dims = make, spec, dims
+        self.engine: Engine | None = None
+
+    def activate_impl(self):
+        self.engine = self.make()
+        self.engine.new_kv()
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for t in _step_inputs(self.spec):
+            dtype = self.engine.dtype if t.dtype == "model" else getattr(torch, t.dtype)
+            meta.add(t.name, dtype=dtype, shape=[None if d in ("tokens", "rows") else self.dims[d] for d in t.shape])
+        return meta
+
+    def infer_impl(self, feed_dict):
+        inputs = {n: torch.as_tensor(v).to(self.engine.device) for n, v in feed_dict.items()}
+        start = time.perf_counter()
+        # outputs may be views of buffers the next step overwrites: keep host copies
+        out = OrderedDict((n, t.detach().to("cpu", copy=True)) for n, t in self.engine.run(**inputs).items())
+        self.inference_time = time.perf_counter() - start
+        return out
+
+    def deactivate_impl(self):
+        self.engine.close()
+        self.engine = None
+
+
+def _step_inputs(spec: GraphSpec):
+    return spec.inputs[: len(spec.inputs) - 2 * spec.num_layers]
+
+
+# --------------------------------------------------------------------------------------------
+# the dir's graphs: reference modules rebuilt from the manifest's sources, engines from the backend
+
+
+@dataclass
+class _Graph:
+    spec: GraphSpec
+    dims: dict
+    kv: KVShape | None
+    module: torch.nn.Module                     # the PyTorch reference
+    engine: Engine                              # the backend's, loaded once
+
+    def reference(self) -> Engine:
+        return TorchEngine(self.module, self.spec, self.kv, self.engine.dtype, self.engine.device)
+
+
+def _load_qwen3(source: str, max_seq_len: int, taps, dtype, device) -> Qwen3:
+    if source.startswith(f"{SYNTHETIC}:"):
+        _, name, seed = source.split(":")
+        return synthetic.synthetic_qwen3(name, max_seq_len, int(seed), dtype, device, taps=taps or None)
+    return ckpt.load_qwen3(Path(source), max_seq_len, taps or None, dtype, device)
+
+
+def _reference_models(manifest: Manifest, dtype: torch.dtype, device: str) -> dict[str, torch.nn.Module]:
+    models = {TARGET: _load_qwen3(manifest.models[TARGET].source, manifest.max_seq_len,
+                                  tuple(manifest.models[TARGET].extra.get("taps") or ()), dtype, device)}
+    if EAGLE3 in manifest.models:
+        e = manifest.models[EAGLE3]
+        theta = e.extra.get("rope_theta")
+        if e.source.startswith(f"{SYNTHETIC}:"):
+            seed = int(e.source.rsplit(":", 1)[1])
+            models[EAGLE3] = synthetic.synthetic_eagle3(models[TARGET], seed=seed, rope_theta=theta)
+        else:
+            models[EAGLE3] = ckpt.load_eagle3(Path(e.source), models[TARGET], manifest.max_seq_len, dtype, device,
+                                              theta)
+        models[EAGLE3_FC] = Eagle3FC(models[EAGLE3])
+    if DRAFT in manifest.models:
+        models[DRAFT] = _load_qwen3(manifest.models[DRAFT].source, manifest.max_seq_len, None, dtype, device)
+    return models
+
+
+def _load_engine(backend: str, directory: Path, graph: str, device: str) -> Engine:
+    if backend == "ort":
+        from xcompile.runtime.backends import ort
+
+        return ort.load(directory, graph, device)
+    from xcompile.runtime.backends import trt
+
+    return trt.load(directory, graph, device)
+
+
+def _graphs(directory: Path, manifest: Manifest, backend: str, device: str) -> dict[str, _Graph]:
+    """Engines load first, so a graph the backend cannot run fails before the reference is built."""
+    engines = {name: _load_engine(backend, directory, name, device) for name in manifest.graphs}
+    models = _reference_models(manifest, TORCH_DTYPES[manifest.dtype], device)
+    graphs = {}
+    for name, entry in manifest.graphs.items():
+        num_layers = sum(1 for t in entry.io["outputs"] if t.get("aliases")) // 2
+        kv = KVShape(num_layers, entry.dims["kv_heads"], entry.dims["head_dim"], entry.dims["max_seq_len"],
+                     entry.dims["batch"]) if num_layers else None
+        graphs[name] = _Graph(spec_from_io(name, entry.io, num_layers), entry.dims, kv, models[name], engines[name])
+    return graphs
+
+
+# --------------------------------------------------------------------------------------------
+# teacher-forced feeds
+
+
+def step_feed(ids: torch.Tensor, start: int, rows: list[int], hidden: torch.Tensor | None = None) -> dict:
+    """Contract step inputs for ``ids`` [B, S] written at ``start`` with a causal mask (+ the
+    EAGLE3 ``hidden_states`` [B, S, H] when given)."""
+    b, s = ids.shape
+    feed = {"input_ids": ids} | ({"hidden_states": hidden} if hidden is not None else {})
+    return feed | {"position_ids": (start + torch.arange(s)).expand(b, s).contiguous(),
+                   "write_index": torch.full((b,), start, dtype=torch.int64),
+                   "tree_mask": torch.ones(s, s, dtype=torch.bool).tril().expand(b, s, s).contiguous(),
+                   "logit_rows": torch.tensor([rows] * b, dtype=torch.int64)}
+
+
+class _Recorder:
+    """Runs a graph's reference over feeds built from its own outputs, recording each step's label,
+    feed and outputs, and (for --save) the KV cache before it."""
+
+    def __init__(self, graph: _Graph, keep_kv: bool):
+        self.engine, self.spec, self.keep_kv = graph.reference(), graph.spec, keep_kv
+        self.engine.new_kv()
+        self.labels, self.feeds, self.kv = [], [], []
+
+    @torch.inference_mode()
+    def __call__(self, label: str, feed: dict) -> dict:
+        if self.keep_kv:
+            self.kv.append([b.cpu().clone() for b in self.engine.kv])
+        out = self.engine.run(**{k: v.to(self.engine.device) for k, v in feed.items()})
+        self.labels.append(label)
+        self.feeds.append({k: v.cpu() for k, v in feed.items()})
+        return {n: t.cpu().clone() for n, t in out.items()}
+
+    def full_feeds(self) -> list[dict]:
+        """Feeds plus the KV inputs of the graph: what a stateless ``polygraphy run`` needs."""
+        names = self.spec.input_names[len(_step_inputs(self.spec)):]
+        return [f | dict(zip(names, kv)) for f, kv in zip(self.feeds, self.kv or [[]] * len(self.feeds))]
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, R, V] -> the last row's argmax as [B, 1] int64."""
+    return logits[:, -1].float().argmax(-1, keepdim=True).to(torch.int64)
+
+
+def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOptions, batch: int,
+                    d2t: torch.Tensor | None) -> dict[str, _Recorder]:
+    keep = opts.save is not None
+    ids = torch.tensor([prompt] * batch, dtype=torch.int64)
+    n = len(prompt)
+    runs = {}
+    for name in (TARGET, DRAFT):
+        if name in graphs:
+            rec = runs[name] = _Recorder(graphs[name], keep)
+            out = rec("prefill", step_feed(ids, 0, [n - 1]))
+            prefill = out if name == TARGET else prefill
+            for i in range(opts.steps):
+                out = rec(f"decode{i + 1}", step_feed(_greedy(out["logits"]), n + i, [0]))
+    if EAGLE3 in graphs:
+        fc = runs[EAGLE3_FC] = _Recorder(graphs[EAGLE3_FC], keep)
+        hidden = fc("fc", {"hidden_taps": prefill["hidden_taps"]})
+        # pairing: draft position t reads target feature t and token t+1 (eagle3_semantics §3)
+        shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1)
+        head = runs[EAGLE3] = _Recorder(graphs[EAGLE3], keep)
+        out = head("prompt", step_feed(shifted, 0, [n - 1], hidden["hidden_states"]))
+        for j in range(opts.draft_steps):
+            draft = _greedy(out["logits"])
+            token = draft + d2t[draft] if d2t is not None else draft        # target = draft + d2t[draft]
+            out = head(f"draft{j + 1}", step_feed(token, n + j, [0], out["hidden_out"][:, -1:]))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------
+# compare
+
+
+def _agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """Top-1 agreement and mean top-5 overlap over the rows of logits [..., V]."""
+    ref, got = ref.float().reshape(-1, ref.shape[-1]), got.float().reshape(-1, got.shape[-1])
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    k = min(5, ref.shape[-1])
+    a, b = ref.topk(k, -1).indices, got.topk(k, -1).indices
+    return top1, ((a[:, :, None] == b[:, None, :]).any(-1).float().sum(-1) / k).mean().item()
+
+
+def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
+    """Compare every graph of ``directory`` with the PyTorch reference; see the module docstring."""
+    if opts.backend not in ("ort", "trt"):
+        raise CompileError(f"--backend {opts.backend!r}: expected ort or trt")
+    directory = Path(directory)
+    manifest = Manifest.load(directory)
+    device = opts.device or ("cuda" if opts.backend == "trt" else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CompileError(f"--backend {opts.backend} on {device}: no CUDA device here; the engine is not runnable "
+                           "on this machine (use --backend ort on cpu)")
+    prompt = _prompt(directory, manifest, opts)
+    graphs = _graphs(directory, manifest, opts.backend, device)
+    d2t = graphs[EAGLE3].module.d2t.cpu() if EAGLE3 in graphs else None
+    runs = _reference_pass(graphs, prompt, opts, manifest.max_batch, d2t)
+    atol = {"": DEFAULT_ATOL[manifest.dtype], **opts.atol}
+    rtol = {"": DEFAULT_RTOL[manifest.dtype], **opts.rtol}
+    compare = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="max")
+    report = DiffReport(str(directory), opts.backend, manifest.dtype, prompt, atol, rtol)
+    for name, rec in runs.items():
+        g = graphs[name]
+        runners = [EngineRunner(g.reference, g.spec, g.dims, REFERENCE),
+                   EngineRunner(lambda e=g.engine: e, g.spec, g.dims, ENGINE)]
+        with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+            try:
+                results = Comparator.run(runners, data_loader=rec.feeds)
+                steps = Comparator.compare_accuracy(results, compare_func=compare)[0][(REFERENCE, ENGINE)]
+                if opts.save is not None:
+                    report.reproduce.append(_save(opts.save, directory, manifest, name, rec, results, atol, rtol))
+            except XcompileError:
+                raise
+            except Exception as e:   # Polygraphy raises PolygraphyException, OSError, ...: one line, cause kept
+                raise CompileError(f"{name}: comparison failed: {str(e).splitlines()[0]}") from e
+        for i, label in enumerate(rec.labels):
+            for output, cmp in steps[i].items():
+                top = _agreement(results[REFERENCE][i][output], results[ENGINE][i][output]) \
+                    if output == "logits" else (None, None)
+                report.results.append(StepResult(name, label, output, cmp.max_absdiff, cmp.mean_absdiff, bool(cmp),
+                                                 *top))
+    if opts.save is not None:
+        (opts.save / "report.json").write_text(report.to_json())
+    return report
+
+
+def _save(save: Path, directory: Path, manifest: Manifest, graph: str, rec: _Recorder, results: RunResults,
+          atol: dict, rtol: dict) -> str:
+    """Write the graph's Polygraphy files; returns the ``polygraphy run`` command that re-checks them
+    (ONNX Runtime: fp32/fp16 graphs; bf16 feeds need ``--trt``)."""
+    save.mkdir(parents=True, exist_ok=True)
+    save_json(rec.full_feeds(), str(save / f"{graph}.inputs.json"))
+    reference = RunResults()
+    reference.append((REFERENCE, results[REFERENCE]))
+    reference.save(str(save / f"{graph}.reference.json"))
+    results.save(str(save / f"{graph}.results.json"))
+
+    def tol(values: dict) -> str:
+        return " ".join(f"{k}:{v:g}" if k else f"{v:g}" for k, v in values.items())
+    return (f"polygraphy run {directory / manifest.graphs[graph].onnx} --onnxrt "
+            f"--load-inputs {save / f'{graph}.inputs.json'} --load-outputs {save / f'{graph}.reference.json'} "
+            f"--atol {tol(atol)} --rtol {tol(rtol)} --check-error-stat max")
+
+
+def _prompt(directory: Path, manifest: Manifest, opts: DiffOptions) -> list[int]:
+    vocab = manifest.graphs[TARGET].dims["vocab"]
+    if opts.prompt_ids is not None:
+        ids = list(opts.prompt_ids)
+    elif opts.prompt is not None:
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise CompileError(f"{path}: not found, so --prompt cannot be tokenized; pass --prompt-ids")
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(path)).encode(opts.prompt, add_special_tokens=False).ids
+    else:
+        ids = [(7 * i + 3) % vocab for i in range(DEFAULT_PROMPT_LEN)]   # any fixed in-vocab ids
+    if len(ids) < 2:
+        raise CompileError(f"the prompt has {len(ids)} token(s); the EAGLE3 pass needs at least 2")
+    if any(not 0 <= i < vocab for i in ids):
+        raise CompileError(f"prompt ids must lie in [0, {vocab}); got {ids}")
+    need = len(ids) + max(opts.steps, opts.draft_steps) + 1
+    if need > manifest.max_seq_len:
+        raise CompileError(f"prompt ({len(ids)} tokens) + steps need {need} cache rows; the engine holds "
+                           f"{manifest.max_seq_len}")
+    return ids

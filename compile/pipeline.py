@@ -1,0 +1,315 @@
+"""``xcompile export``: checkpoint (or synthetic weights) -> an engine dir of ONNX graphs.
+
+    resolve -> parse configs (+ checks) -> meta-device modules -> export each graph, weights
+    streamed tensor by tensor -> tokenizer files, d2t.safetensors -> manifest.json
+
+Atomic: everything is written into a temporary dir next to ``out`` and renamed onto it at the end,
+so a failure (or Ctrl-C) leaves nothing half-written, and an existing dir is replaced only with
+``force`` once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from xcompile.compile import checkpoint as ckpt
+from xcompile.compile import synthetic
+from xcompile.compile.config import (
+    Eagle3Config, Qwen3Config, check_eagle3_fits, parse_eagle3, parse_generation_config, parse_qwen3,
+    read_json, synthetic_eagle3_config,
+)
+from xcompile.compile.errors import CompileError
+from xcompile.compile.export import TORCH_DTYPES, Weights, export_graph, sha256_file
+from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
+from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
+
+Log = Callable[[str], None]
+
+DEFAULT_MAX_SEQ_LEN = 4096
+# export traces with 5 example tokens (export._EXAMPLE); the cache must hold more
+MIN_SEQ_LEN = 8
+# the target's tokenizer, chat template and generation config, as HF checkpoints ship them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
+D2T_FILE = "d2t.safetensors"
+SYNTHETIC = "synthetic"
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What ``xcompile export`` asks for. ``eagle3``: None = no head, "" = the alias's published head."""
+
+    model: str
+    out: Path
+    eagle3: str | None = None
+    draft_model: str | None = None
+    dtype: str = "bf16"
+    max_seq_len: int | None = None      # None: min(DEFAULT_MAX_SEQ_LEN, max_position_embeddings)
+    max_batch: int = 1
+    synthetic: bool = False
+    seed: int = 0
+    force: bool = False
+
+
+@dataclass
+class _Part:
+    """One model of the dir: its meta-device module(s), a weight stream factory, and its manifest entry."""
+
+    key: str
+    module: torch.nn.Module
+    weights: Callable[[], Weights]
+    entry: ModelEntry
+    files: dict[str, Path]              # checkpoint files to hash, by manifest key
+    d2t: Callable[[], torch.Tensor] | None = None
+
+
+def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
+    """Export the request's graphs into ``req.out`` atomically; returns the written manifest."""
+    if req.dtype not in TORCH_DTYPES:
+        raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
+    if req.max_batch < 1:
+        raise CompileError(f"--max-batch {req.max_batch}: must be at least 1")
+    out = Path(req.out).absolute()
+    if out.exists() and not req.force:
+        raise CompileError(f"{out}: already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise CompileError(f"{out}: exists and is not a directory")
+    parts, target_dir = _plan(req)
+    with _staged(out) as tmp:
+        manifest = Manifest(name=out.name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
+                            max_batch=req.max_batch, models={p.key: p.entry for p in parts},
+                            xcompile_version=_version())
+        for p in parts:
+            for graph, module in _graphs(p):
+                log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
+                done = export_graph(module, tmp / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
+                                    weights=p.weights(), max_batch=req.max_batch)
+                manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims, done.sha256)
+            for name, path in p.files.items():
+                log(f"hashing {path.name} ...")
+                manifest.inputs_sha256[name] = sha256_file(path)
+        for p in parts:
+            if p.d2t is not None:
+                _write_d2t(p, tmp / D2T_FILE)
+        if target_dir is not None:
+            manifest.tokenizer_files = _copy_tokenizer(target_dir, tmp)
+            manifest.eos_token_ids = list(parse_generation_config(
+                target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
+        manifest.save(tmp)
+    log(f"wrote {out}")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# planning: configs, checks and meta modules; no weight is read here
+
+
+def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
+    dtype = TORCH_DTYPES[req.dtype]
+    if req.synthetic:
+        cfg, target_dir = synthetic.known_config(req.model), None
+        source = f"{SYNTHETIC}:{req.model.lower()}:{req.seed}"
+        files = {}
+    else:
+        target_dir = ckpt.resolve(req.model)
+        cfg = parse_qwen3(target_dir / "config.json")
+        source, files = str(target_dir), _checkpoint_files("target", target_dir)
+    max_seq_len = _max_seq_len(req, cfg, target_dir)
+    head_cfg = head_dir = None
+    taps = cfg.default_tap_layers
+    if req.eagle3 is not None:
+        if req.synthetic:
+            if req.eagle3:
+                raise CompileError("--synthetic builds the head in the published shape; give --eagle3 without a value")
+            head_cfg = synthetic_eagle3_config(cfg)
+        else:
+            head_dir = ckpt.resolve_eagle3(req.model, req.eagle3)
+            head_cfg = parse_eagle3(head_dir / "config.json")
+            taps = ckpt.tap_layers(head_cfg, cfg)
+            check_eagle3_fits(head_cfg, cfg, head_dir / "config.json", taps)
+    with torch.device("meta"):
+        target = Qwen3(cfg, max_seq_len, tuple(taps)).to(dtype)
+    parts = [_Part(TARGET, target, _stream(req, target, target_dir), ModelEntry(
+        "qwen3", cfg.to_dict(), source, {"taps": list(target.taps)}), files)]
+    if head_cfg is not None:
+        parts.append(_head_part(req, head_cfg, head_dir, target, target_dir, dtype))
+    if req.draft_model is not None:
+        parts.append(_draft_part(req, cfg, max_seq_len, dtype))
+    return parts, target_dir
+
+
+def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) -> int:
+    where = target_dir / "config.json" if target_dir else f"the {req.model} config"
+    if req.max_seq_len is None:
+        return min(DEFAULT_MAX_SEQ_LEN, cfg.max_position_embeddings)
+    if req.max_seq_len > cfg.max_position_embeddings:
+        raise CompileError(f"--max-seq-len {req.max_seq_len} exceeds max_position_embeddings "
+                           f"{cfg.max_position_embeddings} of {where}; RoPE past it is untrained")
+    if req.max_seq_len < MIN_SEQ_LEN:
+        raise CompileError(f"--max-seq-len {req.max_seq_len}: must be at least {MIN_SEQ_LEN}")
+    return req.max_seq_len
+
+
+def _head_part(req: ExportRequest, head_cfg: Eagle3Config, head_dir: Path | None, target: Qwen3,
+               target_dir: Path | None, dtype: torch.dtype) -> _Part:
+    with torch.device("meta"):
+        head = Eagle3(head_cfg, target.max_seq_len).to(dtype)
+    # the head embeds with the target's table: stream it from the target's weights under the head's name
+    embed = _target_embedding(req, target, target_dir)
+    if req.synthetic:
+        source, files = f"{SYNTHETIC}:{req.model.lower()}:{req.seed + 1}", {}
+    else:
+        source, files = str(head_dir), _checkpoint_files("eagle3", head_dir)
+    entry = ModelEntry("eagle3", head_cfg.to_dict(), source, {"taps": list(target.taps), "rope_theta": head.rope_theta})
+    own = _stream(req, head, head_dir, seed=req.seed + 1)
+    if req.synthetic:
+        d2t = lambda: synthetic.synthetic_tensor(head, "d2t", head.d2t, req.seed + 1)   # noqa: E731
+    else:
+        d2t = lambda: ckpt.Checkpoint(head_dir).get("d2t")                               # noqa: E731
+    return _Part(EAGLE3, head, lambda: itertools.chain(own(), embed()), entry, files, d2t)
+
+
+def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype) -> _Part:
+    if req.synthetic:
+        cfg, draft_dir = synthetic.known_config(req.draft_model), None
+        source, files = f"{SYNTHETIC}:{req.draft_model.lower()}:{req.seed + 2}", {}
+    else:
+        draft_dir = ckpt.resolve(req.draft_model)
+        cfg = parse_qwen3(draft_dir / "config.json")
+        source, files = str(draft_dir), _checkpoint_files("draft", draft_dir)
+    where = draft_dir / "config.json" if draft_dir else f"the {req.draft_model} config"
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise CompileError(f"{where}: vocab_size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}; "
+                           "a draft model must share the target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B)")
+    if max_seq_len > cfg.max_position_embeddings:
+        raise CompileError(f"--max-seq-len {max_seq_len} exceeds max_position_embeddings "
+                           f"{cfg.max_position_embeddings} of {where}")
+    with torch.device("meta"):
+        draft = Qwen3(cfg, max_seq_len).to(dtype)
+    return _Part(DRAFT, draft, _stream(req, draft, draft_dir, seed=req.seed + 2),
+                 ModelEntry("qwen3", cfg.to_dict(), source), files)
+
+
+def _stream(req: ExportRequest, module: torch.nn.Module, directory: Path | None,
+            seed: int | None = None) -> Callable[[], Weights]:
+    """A factory of (name, tensor) streams for ``module``: one per exported graph."""
+    if req.synthetic:
+        return lambda: synthetic.synthetic_state(module, req.seed if seed is None else seed)
+    return lambda: ckpt.iter_state(ckpt.Checkpoint(directory), module)
+
+
+def _target_embedding(req: ExportRequest, target: Qwen3, target_dir: Path | None) -> Callable[[], Weights]:
+    name = "model.embed_tokens.weight"
+    like = target.model.embed_tokens.weight
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        if req.synthetic:
+            yield "embed_tokens.weight", synthetic.synthetic_tensor(target, name, like, req.seed)
+        else:
+            yield "embed_tokens.weight", ckpt.Checkpoint(target_dir).get(name).to(like.dtype)
+    return stream
+
+
+def _graphs(part: _Part) -> list[tuple[str, torch.nn.Module]]:
+    if part.key == EAGLE3:
+        return [(EAGLE3_FC, Eagle3FC(part.module)), (EAGLE3, part.module)]
+    return [(part.key, part.module)]
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def _checkpoint_files(role: str, directory: Path) -> dict[str, Path]:
+    """config + weight files (+ index) of a checkpoint dir, keyed ``<role>/<file>`` for the manifest."""
+    names = ["config.json"]
+    for index in (ckpt.SAFETENSORS_INDEX, ckpt.TORCH_BIN_INDEX):
+        if (directory / index).is_file():
+            names += [index, *sorted(set(read_json(directory / index).get("weight_map", {}).values()))]
+            break
+    else:
+        names += [n for n in (ckpt.SAFETENSORS, ckpt.TORCH_BIN) if (directory / n).is_file()][:1]
+    return {f"{role}/{n}": directory / n for n in names}
+
+
+def _write_d2t(head: _Part, path: Path) -> None:
+    """The head's draft->target id offsets (target = draft + d2t[draft]) as int64 ``d2t``."""
+    from safetensors.torch import save_file
+
+    save_file({"d2t": head.d2t().to(torch.int64).contiguous()}, str(path))
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _version() -> str:
+    try:
+        return version("xcompile")
+    except PackageNotFoundError:
+        return ""
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A temp dir next to ``out``, renamed onto it when the block succeeds (an existing ``out`` is
+    swapped out, then deleted) and removed, with any parent dirs made for it, when the block fails
+    or is interrupted."""
+    created = []
+    try:
+        for p in reversed([p for p in [out.parent, *out.parent.parents] if not p.exists()]):
+            p.mkdir()
+            created.append(p)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        _remove_dirs(created)
+        raise CompileError(f"{out}: cannot write there ({e.strerror or e}); choose another --out") from None
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~_umask())               # mkdtemp makes it 0700
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            out.rename(old / out.name)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(created)
+        raise
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    for p in reversed(created):                     # deepest first, and only if still empty
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def describe(manifest: Manifest) -> str:
+    """One line about an exported dir, for the CLI."""
+    return (f"{manifest.name}: {manifest.dtype}, max_seq_len {manifest.max_seq_len}, batch {manifest.max_batch}, "
+            f"graphs {', '.join(manifest.graphs)}")

@@ -1,0 +1,129 @@
+"""``xcompile diff`` through Polygraphy: passes on the tiny fp32 export, fails with a readable report
+when a weight inside the ONNX data is perturbed, and saves inputs/RunResults that ``polygraphy run``
+re-checks on its own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+from xcompile.compile import config
+from xcompile.compile.cli import main
+from xcompile.compile.diff import DiffOptions, run_diff
+from xcompile.compile.pipeline import ExportRequest, export_engine_dir
+from xcompile.runtime.manifest import Manifest
+
+MAX_SEQ = 64
+# a KNOWN_MODELS stand-in small enough to export in seconds (the real aliases are 0.6B and up)
+TINY = config.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="session")
+def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
+    out = tmp_path_factory.getbasetemp() / "tiny-fp32"      # shared with test_export.py / test_ort.py
+    if not (out / "manifest.json").is_file():
+        export_engine_dir(ExportRequest(model=str(tiny_target), eagle3=str(tiny_eagle3), draft_model=str(tiny_draft),
+                                        out=out, dtype="fp32", max_seq_len=MAX_SEQ))
+    return out
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_diff_passes_and_saves_a_reproducible_check(fp32_dir, tmp_path):
+    save = tmp_path / "save"
+    result = cli("diff", fp32_dir, "--backend", "ort", "--prompt", "hello world the cat is", "--steps", 3,
+                 "--json", "--save", save)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["dtype"] == "fp32" and len(report["prompt_ids"]) == 5
+    steps = {(r["graph"], r["step"]) for r in report["results"]}
+    assert {("target", "prefill"), ("target", "decode3"), ("draft", "decode3"), ("eagle3_fc", "fc"),
+            ("eagle3", "prompt"), ("eagle3", "draft3")} <= steps
+    for r in report["results"]:
+        assert r["max_abs"] <= 1e-4 and r["mean_abs"] <= r["max_abs"]
+        if r["output"] == "logits":
+            assert r["top1"] == 1.0 and r["top5"] == 1.0
+    for graph in ("target", "draft", "eagle3", "eagle3_fc"):
+        assert (save / f"{graph}.inputs.json").is_file() and (save / f"{graph}.reference.json").is_file()
+    # the saved files alone re-run the target check (stateless: each step carries its KV inputs)
+    polygraphy = [str(Path(sys.executable).with_name("polygraphy")), "run", str(fp32_dir / "target.onnx"), "--onnxrt",
+                  "--load-inputs", str(save / "target.inputs.json"),
+                  "--load-outputs", str(save / "target.reference.json"),
+                  "--atol", "1e-4", "--rtol", "1e-3", "--check-error-stat", "max"]
+    run = subprocess.run(polygraphy, capture_output=True, text=True)
+    assert run.returncode == 0 and "Passed: 4/4 iterations" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def perturb(src: Path, dst: Path, tensor: str, scale: float) -> None:
+    """Copy an engine dir and add noise to one weight inside target.onnx.data."""
+    shutil.copytree(src, dst)
+    value = ir.load(dst / "target.onnx").graph.initializers[tensor].const_value
+    with open(dst / "target.onnx.data", "r+b") as f:
+        f.seek(value.offset)
+        w = np.frombuffer(f.read(value.length), dtype=np.float32).copy()
+        w += scale * np.random.default_rng(0).standard_normal(w.shape).astype(np.float32)
+        f.seek(value.offset)
+        f.write(w.tobytes())
+
+
+def test_diff_fails_on_a_perturbed_weight(fp32_dir, tmp_path):
+    bad = tmp_path / "bad"
+    perturb(fp32_dir, bad, "model.layers.3.mlp.down_proj.weight", 0.05)
+    result = cli("diff", bad, "--steps", 2, "--draft-steps", 1)
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("FAILED:") and "atol" in lines[-1]
+    failing = [line.split()[:3] for line in lines if line.endswith("FAIL")]
+    assert ["target", "prefill", "logits"] in failing and ["target", "decode2", "hidden_taps"] in failing
+    assert not any(row[0] in ("eagle3", "eagle3_fc", "draft") for row in failing)   # only the target changed
+    assert "Traceback" not in result.output
+
+
+def test_per_output_tolerances(fp32_dir):
+    """A default tolerance and a per-output one reach Polygraphy's compare function."""
+    tight = run_diff(fp32_dir, DiffOptions(steps=1, draft_steps=1, atol={"": 1e-12, "hidden_taps": 1.0},
+                                           rtol={"": 1e-12}))
+    failed = {(r.graph, r.output) for r in tight.results if not r.passed}
+    assert ("target", "logits") in failed and ("target", "hidden_taps") not in failed
+    assert "FAILED" in tight.table()
+
+
+def test_synthetic_export_round_trip(monkeypatch, tmp_path):
+    """--synthetic weights come from a seeded per-tensor generator: diff rebuilds the same reference
+    from the manifest's ``synthetic:<name>:<seed>`` sources (target, and its head at seed + 1)."""
+    monkeypatch.setitem(config.KNOWN_MODELS, "tiny-synthetic", config.KnownModel("none/tiny", TINY))
+    out = tmp_path / "synthetic"
+    result = cli("export", "--model", "tiny-synthetic", "--synthetic", "--seed", 3, "--eagle3", "--dtype", "fp32",
+                 "--max-seq-len", 32, "--out", out)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(out)
+    assert (m.models["target"].source, m.models["eagle3"].source) == ("synthetic:tiny-synthetic:3",
+                                                                      "synthetic:tiny-synthetic:4")
+    assert m.tokenizer_files == [] and m.inputs_sha256 == {}
+    result = cli("diff", out, "--steps", 2, "--draft-steps", 2)
+    assert result.exit_code == 0 and result.stdout.strip().endswith("PASSED"), result.output
+
+
+def test_bad_diff_requests(fp32_dir, tmp_path):
+    def error(*args) -> str:
+        result = cli("diff", *args)
+        assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+        return result.output
+    assert "no CUDA device" in error(fp32_dir, "--backend", "trt")
+    assert "not both" in error(fp32_dir, "--prompt", "hi", "--prompt-ids", "1,2")
+    assert "comma-separated" in error(fp32_dir, "--prompt-ids", "1,x")
+    assert "OUTPUT=TOL" in error(fp32_dir, "--atol", "logits=big")
+    assert "must lie in [0, 256)" in error(fp32_dir, "--prompt-ids", "1,999")
+    assert "not an xcompile engine dir" in error(tmp_path)
