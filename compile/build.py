@@ -1,0 +1,278 @@
+"""``xcompile build``'s engine step: the ONNX graphs of an engine dir -> TensorRT or TensorRT-RTX engines.
+
+Composed from Polygraphy-style loaders (compile/trt_loaders.py: parse -> check -> postprocess network
+-> config -> engine file),
+one engine per graph, recorded in the manifest:
+
+    target   two optimization profiles: prefill (tokens 1..max_seq_len) and decode/verify
+             (tokens 1..max_draft_tokens+1); ``rows`` follows ``tokens``. One engine keeps one copy
+             of the weights; the runtime picks the profile by the number of tokens.
+    eagle3, eagle3_fc, draft   one engine each, same two profiles.
+
+Strongly typed (the ONNX dtype is the engine's; TensorRT 11 and TRT-RTX know no other mode); fp32
+graphs mark attention decomposable (no fused fp32 kernel). Full TensorRT reuses a timing cache in
+the engine dir; TRT-RTX ignores timing caches and builds ahead of time, on CPU-only machines too,
+for the compute capabilities asked. An engine whose inputs (ONNX sha256, flavor, version, targets,
+profiles) are unchanged is kept.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from xcompile.compile.errors import CompileError
+from xcompile.compile.export import sha256_file
+from xcompile.compile.trt_loaders import (
+    EngineFileFromNetwork, NetworkReport, Progress, additive_masks, compute_capability, create_config, failure,
+    inspect_network, polygraphy_backend, polygraphy_errors, profile_shapes, progress_monitor,
+)
+from xcompile.plugins.registry import PluginError, load_plugins
+from xcompile.runtime.backends.trt import FLAVOR_NAMES, resolve_flavor
+from xcompile.runtime.contract import DTYPES, GraphSpec, graph_spec
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.manifest import EngineEntry, Manifest
+
+# decode/verify profile: up to 64 tokens, enough for the 60-node EAGLE trees of AngelSlim and
+# TensorRT-Edge-LLM (--maxVerifyTreeSize 60) and for any chain up to 63 drafts
+DEFAULT_MAX_DRAFT_TOKENS = 63
+# prefill profile's opt point: a typical prompt (TensorRT tunes kernels for opt)
+PREFILL_OPT_TOKENS = 512
+# host memory a build takes per byte of weights: TRT-RTX 1.7 building Qwen3-0.6B bf16 (1.2 GB of
+# weights, two profiles, SM 8.9) peaked at 4.06 GB RSS, parsing from file or from mmapped weights alike
+BUILDER_RAM_PER_WEIGHT_BYTE = 3.1
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """One optimization profile: (min, opt, max) of the contract's dynamic dims."""
+
+    name: str
+    tokens: tuple[int, int, int]
+    rows: tuple[int, int, int]
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "tokens": list(self.tokens), "rows": list(self.rows)}
+
+
+def default_profiles(max_seq_len: int, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS) -> list[ProfileSpec]:
+    """Prefill (1..max_seq_len tokens, usually one logits row) and decode/verify (1..k+1 tokens and rows)."""
+    k = min(max_draft_tokens + 1, max_seq_len)
+    return [ProfileSpec("prefill", (1, min(PREFILL_OPT_TOKENS, max_seq_len), max_seq_len), (1, 1, max_seq_len)),
+            ProfileSpec("decode", (1, k, k), (1, k, k))]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    flavor: str = "auto"                        # "auto" | "tensorrt" | "rtx"
+    compute_capabilities: tuple[str, ...] = ()  # TRT-RTX targets ("8.9", "12.0"); () = its default set
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
+    force: bool = False                         # rebuild engines even when their inputs are unchanged
+
+
+# --------------------------------------------------------------------------------------------
+# one engine
+
+
+def engine_entry(graph: str, flavor: str, trt, ccs: list[str], profiles: list[ProfileSpec], onnx_sha256: str
+                 ) -> EngineEntry:
+    return EngineEntry(file=f"{graph}.engine", graph=graph, flavor=flavor, trt_version=trt.__version__,
+                       compute_capabilities=list(ccs), profiles=[p.as_dict() for p in profiles],
+                       onnx_sha256=onnx_sha256)
+
+
+def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles: list[ProfileSpec], *,
+                 flavor: str, compute_capabilities: tuple[tuple[int, int], ...] = (), max_batch: int = 1,
+                 timing_cache: Path | None = None, progress: Progress = print) -> NetworkReport:
+    """Parse ``onnx``, check it against ``spec``, build and write ``engine``. ``dtype``: "fp32"|"fp16"|"bf16"."""
+    trt, poly = polygraphy_backend(flavor)
+    try:
+        load_plugins(trt)
+    except PluginError as e:
+        raise CompileError(str(e)) from None
+    label = onnx.name
+    with polygraphy_errors() as errors:
+        start = time.monotonic()
+        progress(f"  {label}: parsing with the {FLAVOR_NAMES[flavor]} {trt.__version__} ONNX parser")
+        try:
+            parsed = poly.NetworkFromOnnxPath(str(onnx), strongly_typed=True)()
+        except Exception as e:          # Polygraphy raises PolygraphyException after logging the parser's errors
+            raise failure(f"{onnx}: the {FLAVOR_NAMES[flavor]} parser rejected the graph", errors, e) from None
+        report = inspect_network(parsed[1], spec, DTYPES[dtype], trt)
+        if report.problems:
+            raise CompileError(f"{onnx}: graph does not follow the I/O contract: {'; '.join(report.problems)}; "
+                               "re-export it")
+        progress(f"  {label}: parsed in {time.monotonic() - start:.1f}s ({report.attention} attention, "
+                 f"{report.rope} RoPE, {len(report.kv_updates)} KV-cache-update layers)")
+        shapes = [profile_shapes(parsed[1], spec, {"tokens": p.tokens, "rows": p.rows, "batch": (1, 1, max_batch)})
+                  for p in profiles]
+        network = poly.PostprocessNetwork(parsed, additive_masks(trt), "AdditiveMasks")
+        if dtype == "fp32":
+            network = poly.SetDecomposableAttentions(network)      # no fused fp32 attention kernel
+        config = create_config(trt, poly, flavor, shapes, compute_capabilities, timing_cache,
+                               progress_monitor(trt, progress, label))
+        start = time.monotonic()
+        try:
+            with warnings.catch_warnings():
+                # Polygraphy always attaches a timing cache; TRT-RTX deprecates them as no-ops
+                warnings.filterwarnings("ignore", "Use Deprecated in TensorRT-RTX", DeprecationWarning)
+                size = EngineFileFromNetwork(trt, network, config, engine, timing_cache)()
+        except Exception as e:
+            raise failure(f"{onnx}: {FLAVOR_NAMES[flavor]} could not build the engine", errors, e) from None
+    progress(f"  {label}: built {engine.name} ({size / 2**20:.1f} MiB) in {time.monotonic() - start:.1f}s")
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# an engine dir
+
+
+def graph_num_layers(io: dict) -> int:
+    return sum(1 for t in io["outputs"] if t.get("aliases")) // 2
+
+
+def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
+    """Build one engine per ONNX graph of an exported engine dir and record them in its manifest.
+
+    Engines whose inputs are unchanged are kept (``options.force`` rebuilds them). The manifest is
+    saved after every engine, so an interrupted build keeps what it finished.
+    """
+    directory = Path(directory)
+    try:
+        manifest = Manifest.load(directory)
+        flavor = resolve_flavor(options.flavor)
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    if flavor != "rtx" and options.compute_capabilities:
+        raise CompileError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
+                           "it runs on")
+    if not manifest.graphs:
+        raise CompileError(f"{directory}: the manifest lists no ONNX graphs; run `xcompile export` first")
+    trt, _ = polygraphy_backend(flavor)
+    if flavor == "rtx":
+        ccs = tuple(compute_capability(c, trt) for c in options.compute_capabilities)
+        recorded = [f"{a}.{b}" for a, b in ccs]
+    else:
+        ccs, recorded = (), [_local_compute_capability()]
+    timing_cache = directory / "timing.cache" if flavor == "tensorrt" else None
+    profiles = default_profiles(manifest.max_seq_len, options.max_draft_tokens)
+    progress(f"building {len(manifest.graphs)} engine(s) in {directory} with {FLAVOR_NAMES[flavor]} {trt.__version__}"
+             + (f" for compute capability {', '.join(recorded)}" if recorded else ""))
+    for graph, g in manifest.graphs.items():
+        onnx = directory / g.onnx
+        if not onnx.is_file():
+            raise CompileError(f"{onnx}: missing; re-export the engine dir")
+        entry = engine_entry(graph, flavor, trt, recorded, profiles, sha256_file(onnx))
+        if not options.force and manifest.engines.get(graph) == entry and (directory / entry.file).is_file():
+            progress(f"  {entry.file}: up to date, kept")
+            continue
+        spec = graph_spec(graph, graph_num_layers(g.io))
+        warn_if_short_of_memory(onnx, progress)
+        build_engine(onnx, directory / entry.file, spec, manifest.dtype, profiles, flavor=flavor,
+                     compute_capabilities=ccs, max_batch=manifest.max_batch, timing_cache=timing_cache,
+                     progress=progress)
+        manifest.engines[graph] = entry
+        manifest.save(directory)
+    return manifest
+
+
+def warn_if_short_of_memory(onnx: Path, progress: Progress) -> None:
+    """Say so before a build that will likely be killed for memory (it takes minutes to get there)."""
+    weights = sum(p.stat().st_size for p in onnx.parent.glob(onnx.name + "*"))
+    need = BUILDER_RAM_PER_WEIGHT_BYTE * weights
+    available = _available_memory()
+    if available is not None and need > available:
+        progress(f"  warning: building {onnx.name} ({weights / 2**30:.1f} GiB of weights) takes about "
+                 f"{need / 2**30:.0f} GiB of host memory, {available / 2**30:.0f} GiB are available; it may be killed "
+                 "(build on a machine with more memory)")
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _local_compute_capability() -> str:
+    """Full TensorRT builds for the GPU it runs on; record that GPU's compute capability."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CompileError("full TensorRT builds engines on a CUDA GPU and none is visible; use "
+                           "--trt rtx --compute-capability X.Y to build TensorRT-RTX engines without a GPU")
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"
+
+
+# --------------------------------------------------------------------------------------------
+# export + build (``xcompile build``)
+
+
+def default_out(model: str) -> Path:
+    """``engines/<name>``: the alias, or the last part of a repo id or directory."""
+    return Path("engines") / Path(model.rstrip("/")).name.lower()
+
+
+def stale_export(req, manifest: Manifest) -> str | None:
+    """Why ``manifest``'s dir does not hold what export request ``req`` would write (None: it does).
+
+    Compares the request's fields and sources with the manifest and re-hashes the checkpoint files
+    it recorded, so an edited checkpoint is re-exported."""
+    from xcompile.compile import checkpoint as ckpt
+    from xcompile.compile.pipeline import SYNTHETIC
+
+    wanted = {"target"} | ({"eagle3", "eagle3_fc"} if req.eagle3 is not None else set()) | (
+        {"draft"} if req.draft_model is not None else set())
+    if set(manifest.graphs) != wanted:
+        return f"it holds graphs {sorted(manifest.graphs)}, the request wants {sorted(wanted)}"
+    for field, have, want in (("dtype", manifest.dtype, req.dtype), ("max_batch", manifest.max_batch, req.max_batch),
+                              ("max_seq_len", manifest.max_seq_len, req.max_seq_len or manifest.max_seq_len)):
+        if have != want:
+            return f"its {field} is {have}, the request's {want}"
+    sources = {"target": lambda: ckpt.resolve(req.model), "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
+               "draft": lambda: ckpt.resolve(req.draft_model)}
+    seeds = {"target": (req.model, 0), "eagle3": (req.model, 1), "draft": (req.draft_model, 2)}
+    for role, entry in manifest.models.items():
+        if req.synthetic:
+            name, offset = seeds[role]
+            want = f"{SYNTHETIC}:{name.lower()}:{req.seed + offset}"
+        else:
+            want = str(sources[role]())
+        if entry.source != want:
+            return f"its {role} comes from {entry.source}, the request's from {want}"
+    for key, digest in manifest.inputs_sha256.items():
+        role, file = key.split("/", 1)
+        path = Path(manifest.models[role].source) / file
+        if not path.is_file() or sha256_file(path) != digest:
+            return f"{path} changed since the export"
+    return None
+
+
+def export_and_build(req, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
+    """``xcompile build``: export ``req`` (an ExportRequest) unless its dir already holds that export,
+    then build every engine that is missing or stale. ``req.force`` re-exports and rebuilds all."""
+    from dataclasses import replace
+
+    from xcompile.compile.pipeline import export_engine_dir
+
+    out = Path(req.out)
+    ours = (out / "manifest.json").is_file()        # an engine dir: replaced when stale; anything else only with --force
+    reason = "--force" if req.force else "no export there yet"
+    if ours and not req.force:
+        try:
+            reason = stale_export(req, Manifest.load(out))
+        except EngineError as e:
+            reason = str(e)
+    if reason is None:
+        progress(f"{out}: ONNX graphs up to date, not re-exported")
+    else:
+        progress(f"exporting into {out} ({reason})")
+        export_engine_dir(replace(req, force=req.force or ours), log=progress)
+    return build(out, options if not req.force else replace(options, force=True), progress)

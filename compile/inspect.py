@@ -1,0 +1,158 @@
+"""``xcompile inspect DIR``: what an engine dir holds, as one readable report (or JSON).
+
+For every graph: its ONNX I/O as written (names, dtypes, symbolic shapes, which output aliases
+which input). For every engine: flavor, version, targets and, per optimization profile, the
+min..max shape of every tensor. Where the engine can be deserialized here (its TensorRT flavor is
+installed and a GPU is present) the shapes, dtypes and aliasing are read from the engine itself;
+elsewhere they are derived from the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from xcompile.compile.errors import CompileError
+from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.manifest import Manifest
+
+# onnx.TensorProto.DataType values
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool"}
+
+
+def onnx_io(path: Path) -> dict:
+    """Inputs/outputs of an ONNX file as written (weights are not read)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def rows(values):
+        return [{"name": v.name, "dtype": _ONNX_DTYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type)),
+                 "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
+
+    return {"inputs": rows(model.graph.input), "outputs": rows(model.graph.output)}
+
+
+def profile_shapes(io: dict, dims: dict, profiles: list[dict]) -> dict[str, list[str]]:
+    """tensor name -> per profile "min..max" shape, from the contract's symbolic dims."""
+    out = {}
+    for t in io["inputs"] + io["outputs"]:
+        per_profile = []
+        for p in profiles:
+            ranges = {"tokens": p["tokens"], "rows": p.get("rows", p["tokens"])}
+            per_profile.append(_shape_text(
+                [(ranges[d][0], ranges[d][2]) if d in ranges else (dims.get(d, d),) * 2 for d in t["shape"]]))
+        out[t["name"]] = per_profile
+    return out
+
+
+def _shape_text(dims: list[tuple]) -> str:
+    return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in dims) + "]"
+
+
+def engine_io(path: Path, flavor: str) -> dict:
+    """I/O read from a deserialized engine: per tensor mode, dtype, alias and per-profile shapes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineError("no CUDA GPU here; TensorRT deserializes engines on a GPU only")
+    trt = import_trt(flavor)
+    runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+    engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    if engine is None:
+        raise EngineError(f"{FLAVOR_NAMES[flavor]} {trt.__version__} could not deserialize it (other version or GPU)")
+    dtype_of = trt_dtype_names(trt)
+    tensors = []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+        row = {"name": name, "mode": "input" if is_input else "output",
+               "dtype": dtype_of.get(engine.get_tensor_dtype(name), str(engine.get_tensor_dtype(name))),
+               "shape": list(engine.get_tensor_shape(name)), "aliases": engine.get_aliased_input_tensor(name) or None}
+        if is_input:
+            row["profiles"] = []
+            for p in range(engine.num_optimization_profiles):
+                lo, _, hi = engine.get_tensor_profile_shape(name, p)
+                row["profiles"].append(_shape_text(list(zip(lo, hi))))
+        tensors.append(row)
+    return {"tensors": tensors, "device_memory": [engine.get_device_memory_size_for_profile_v2(p)
+                                                  for p in range(engine.num_optimization_profiles)]}
+
+
+def describe(directory: Path, read_engines: bool = True) -> dict:
+    """The engine dir as a dict: manifest fields, graphs (with ONNX I/O) and engines (with shapes)."""
+    directory = Path(directory)
+    try:
+        manifest = Manifest.load(directory)
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    out = {k: v for k, v in asdict(manifest).items() if k not in ("graphs", "engines")}
+    out["graphs"], out["engines"] = {}, {}
+    for graph, g in manifest.graphs.items():
+        path = directory / g.onnx
+        entry = {"onnx": g.onnx, "sha256": g.sha256, "dims": g.dims, "model": g.model,
+                 "io": onnx_io(path) if path.is_file() else None}
+        if entry["io"] is None:
+            entry["missing"] = f"{g.onnx} not found"
+        aliases = {t["name"]: t["aliases"] for t in g.io["outputs"] if t.get("aliases")}
+        entry["aliases"] = aliases
+        out["graphs"][graph] = entry
+    for graph, e in manifest.engines.items():
+        entry = asdict(e)
+        g = manifest.graphs.get(graph)
+        entry["shapes"] = profile_shapes(g.io, g.dims, e.profiles) if g else {}
+        entry["aliases"] = {t["name"]: t["aliases"] for t in g.io["outputs"] if t.get("aliases")} if g else {}
+        path = directory / e.file
+        if not path.is_file():
+            entry["read"] = f"{e.file} not found"
+        elif read_engines:
+            try:
+                entry["engine"] = engine_io(path, e.flavor)
+                entry["read"] = "from the engine"
+            except EngineError as err:
+                entry["read"] = f"from the manifest (engine not deserialized: {err})"
+        out["engines"][graph] = entry
+    return out
+
+
+def format_report(d: dict) -> str:
+    lines = [f"{d['name']}: {d['dtype']}, max_seq_len {d['max_seq_len']}, max_batch {d['max_batch']}, "
+             f"contract v{d['contract_version']}, xcompile {d['xcompile_version'] or '?'}"]
+    for key, m in d["models"].items():
+        lines.append(f"  model {key}: {m['kind']} from {m['source']}" + (f" {m['extra']}" if m["extra"] else ""))
+    if d["eos_token_ids"]:
+        lines.append(f"  eos token ids: {d['eos_token_ids']}")
+    for graph, g in d["graphs"].items():
+        lines.append(f"graph {graph}: {g['onnx']} (sha256 {g['sha256'][:12] or '?'}), dims {g['dims']}")
+        if g["io"] is None:
+            lines.append(f"  {g['missing']}")
+            continue
+        for kind in ("inputs", "outputs"):
+            for t in g["io"][kind]:
+                alias = f"  (in place: aliases {g['aliases'][t['name']]})" if t["name"] in g["aliases"] else ""
+                lines.append(f"  {kind[:-1]:6} {t['name']:16} {t['dtype']:9} {t['shape']}{alias}")
+    for graph, e in d["engines"].items():
+        ccs = ", ".join(e["compute_capabilities"]) or "default set"
+        lines.append(f"engine {graph}: {e['file']}, {e['flavor']} {e['trt_version']}, compute capability {ccs}; "
+                     f"shapes {e.get('read', '')}")
+        names = [p["name"] for p in e["profiles"]]
+        lines.append("  profiles: " + "; ".join(f"{p['name']} tokens {p['tokens'][0]}..{p['tokens'][2]} "
+                                                  f"(opt {p['tokens'][1]})" for p in e["profiles"]))
+        if "engine" in e:
+            for t in e["engine"]["tensors"]:
+                shapes = " | ".join(t.get("profiles", [])) or str(t["shape"])
+                alias = f"  aliases {t['aliases']}" if t["aliases"] else ""
+                lines.append(f"  {t['mode']:6} {t['name']:16} {t['dtype']:9} {shapes}{alias}")
+        else:
+            for name, shapes in e["shapes"].items():
+                alias = f"  aliases {e['aliases'][name]}" if name in e["aliases"] else ""
+                lines.append(f"  {name:16} " + " | ".join(f"{n} {s}" for n, s in zip(names, shapes)) + alias)
+    return "\n".join(lines)
+
+
+def inspect(directory: Path, as_json: bool = False, read_engines: bool = True) -> str:
+    """The report ``xcompile inspect`` prints."""
+    d = describe(directory, read_engines)
+    return json.dumps(d, indent=2) if as_json else format_report(d)
