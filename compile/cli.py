@@ -13,3 +13,148 @@ from xcompile.runtime.errors import cli_group_class
 @click.version_option(package_name="xcompile")
 def main() -> None:
     """Compile Qwen3 (+ EAGLE3 head or draft model) to ONNX and TensorRT engines."""
+
+
+@main.command("train-eagle3")
+@click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias.")
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Training text: plain text (documents split at form-feed lines) or JSONL with 'text' or 'prompt'.")
+@click.option("--heldout", type=click.Path(exists=True, dir_okay=False), help="Held-out text, evaluated at the end.")
+@click.option("--out", default="eagle3-head", show_default=True, help="Head directory to write (AngelSlim layout).")
+@click.option("--draft-vocab", default=32000, show_default=True, help="Draft vocabulary: the N most frequent tokens.")
+@click.option("--ttt-steps", default=7, show_default=True, help="Unrolled training-time-test steps.")
+@click.option("--steps", type=int, help="Optimizer steps (default: one pass over the data).")
+@click.option("--tokens", type=int, help="Training tokens, instead of --steps.")
+@click.option("--minutes", type=float, help="Wall-clock budget; the LR schedule follows it.")
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--batch", default=8, show_default=True, help="Windows per step.")
+@click.option("--seq-len", default=512, show_default=True, help="Tokens per window.")
+@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--regenerate", is_flag=True, help="Replace JSONL prompts' responses by the target's greedy ones.")
+@click.option("--max-new-tokens", default=256, show_default=True, help="Response length cap for --regenerate.")
+def train_eagle3_cmd(model, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr, batch, seq_len,
+                     device, seed, regenerate, max_new_tokens) -> None:
+    """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
+    from xcompile.compile.train_eagle3 import TrainOptions, train_eagle3_files
+
+    opts = TrainOptions(ttt_steps=ttt_steps, steps=steps, tokens=tokens, seconds=minutes * 60 if minutes else None,
+                        lr=lr, batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed, device=device)
+    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=click.echo)
+    if result.heldout:
+        click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
+
+
+@main.command("build")
+@click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias (qwen3-8b).")
+@click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
+              help="Add an EAGLE3 head: its directory or repo id; without a value, the head published for --model.")
+@click.option("--draft-model", default=None, help="Add a small Qwen3 draft model (directory, repo id or alias).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Graph and engine precision (engines are strongly typed: the ONNX dtype is the engine's).")
+@click.option("--max-seq-len", type=int, default=None, help="KV capacity per sequence [default: min(4096, config)].")
+@click.option("--max-batch", type=int, default=1, show_default=True)
+@click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Engine dir to write [default: engines/<model name>].")
+@click.option("--trt", "flavor", type=click.Choice(["auto", "tensorrt", "rtx"]), default="auto", show_default=True,
+              help="auto: full TensorRT when installed, else TensorRT-RTX.")
+@click.option("--compute-capability", "compute_capabilities", multiple=True, metavar="X.Y",
+              help="TensorRT-RTX target GPU (repeatable), e.g. 8.9 or 12.0 [default: TensorRT-RTX's set].")
+@click.option("--max-draft-tokens", type=int, default=None,
+              help="Decode/verify profile covers 1..N+1 tokens [default: 63, a 60-node EAGLE tree].")
+@click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed.")
+def build_cmd(model, eagle3, draft_model, dtype, max_seq_len, max_batch, synthetic, seed, out, flavor,
+              compute_capabilities, max_draft_tokens, force) -> None:
+    """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept."""
+    from pathlib import Path
+
+    from xcompile.compile.build import BuildOptions, default_out, export_and_build
+    from xcompile.compile.pipeline import ExportRequest
+
+    req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3, draft_model=draft_model,
+                        dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed,
+                        force=force)
+    options = BuildOptions(flavor=flavor, compute_capabilities=tuple(compute_capabilities), force=force,
+                           **({"max_draft_tokens": max_draft_tokens} if max_draft_tokens is not None else {}))
+    manifest = export_and_build(req, options, progress=lambda m: click.echo(m, err=True))
+    click.echo(f"{req.out}: " + ", ".join(f"{e.file} ({e.flavor} {e.trt_version})" for e in manifest.engines.values()))
+
+
+@main.command("inspect")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def inspect_cmd(directory, as_json) -> None:
+    """Show an engine dir: manifest, each graph's ONNX I/O and each engine's shapes per profile and aliasing."""
+    from xcompile.compile.inspect import inspect
+
+    click.echo(inspect(directory, as_json=as_json))
+
+
+@main.command("export")
+@click.option("--model", required=True, help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
+@click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
+              help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")
+@click.option("--draft-model", help="Add a small draft Qwen3 sharing the target's tokenizer.")
+@click.option("--out", required=True, type=click.Path(), help="Engine dir to write.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--max-seq-len", type=int, help="KV cache capacity [default: min(4096, max_position_embeddings)].")
+@click.option("--max-batch", type=int, default=1, show_default=True)
+@click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+def export_cmd(model, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed, force) -> None:
+    """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
+    from pathlib import Path
+
+    from xcompile.compile.pipeline import ExportRequest, describe, export_engine_dir
+
+    req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
+                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force)
+    click.echo(describe(export_engine_dir(req, log=lambda m: click.echo(m, err=True))))
+
+
+def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
+    """``--atol 1e-3 --atol logits=5e-2`` -> {"": 1e-3, "logits": 5e-2}."""
+    tols = {}
+    for v in values:
+        name, _, tol = v.rpartition("=")
+        try:
+            tols[name] = float(tol)
+        except ValueError:
+            raise click.BadParameter(f"{v!r}: expected TOL or OUTPUT=TOL", param_hint=option) from None
+    return tols
+
+
+@main.command("diff")
+@click.argument("engine_dir", type=click.Path())
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
+@click.option("--device", help="Device of engine and reference [default: cpu for ort, cuda for trt].")
+@click.option("--prompt", help="Prompt text, tokenized with the dir's tokenizer.")
+@click.option("--prompt-ids", help="Prompt token ids, comma-separated.")
+@click.option("--steps", type=int, default=4, show_default=True, help="Teacher-forced decode steps.")
+@click.option("--draft-steps", type=int, default=3, show_default=True, help="EAGLE3 draft steps.")
+@click.option("--atol", multiple=True, metavar="[OUTPUT=]TOL", help="Absolute tolerance, per output or default.")
+@click.option("--rtol", multiple=True, metavar="[OUTPUT=]TOL", help="Relative tolerance, per output or default.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--save", type=click.Path(), help="Save Polygraphy inputs and RunResults here.")
+def diff_cmd(engine_dir, backend, device, prompt, prompt_ids, steps, draft_steps, atol, rtol, as_json, save) -> None:
+    """Compare an engine dir with the PyTorch reference (teacher-forced, through Polygraphy)."""
+    if prompt is not None and prompt_ids is not None:
+        raise click.UsageError("give --prompt or --prompt-ids, not both")
+    try:
+        ids = None if prompt_ids is None else tuple(int(i) for i in prompt_ids.replace(" ", "").split(","))
+    except ValueError:
+        raise click.BadParameter(f"{prompt_ids!r}: expected comma-separated integers", param_hint="--prompt-ids") from None
+    from pathlib import Path
+
+    from xcompile.compile.diff import DiffOptions, run_diff
+
+    opts = DiffOptions(backend=backend, device=device, prompt=prompt, prompt_ids=ids, steps=steps,
+                       draft_steps=draft_steps, atol=_tolerances(atol, "--atol"), rtol=_tolerances(rtol, "--rtol"),
+                       save=None if save is None else Path(save))
+    report = run_diff(Path(engine_dir), opts)
+    click.echo(report.to_json() if as_json else report.table(), nl=not as_json)
+    if not report.passed:
+        raise SystemExit(1)
