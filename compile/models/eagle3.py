@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from xcompile.compile.config import Eagle3Config
-from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, attention_mask, select_rows
+from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
 
 
 class MidLayer(nn.Module):
@@ -32,9 +32,9 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
 
-    def forward(self, emb, hidden, position_ids, write_index, mask, k_cache, v_cache):
+    def forward(self, emb, hidden, step: Step, k_cache, v_cache):
         u = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)   # [B, S, 2H]
-        a, k_cache, v_cache = self.self_attn(u, position_ids, write_index, mask, k_cache, v_cache)
+        a, k_cache, v_cache = self.self_attn(u, step, k_cache, v_cache)
         x = hidden + a                                  # residual = hidden, not the embedding
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
@@ -65,9 +65,11 @@ class Eagle3(nn.Module):
         return self.fc(hidden_taps)
 
     def forward(self, input_ids, hidden_states, position_ids, write_index, tree_mask, logit_rows, k_cache, v_cache):
-        mask = attention_mask(write_index, tree_mask, self.max_seq_len)
         emb = self.embed_tokens(input_ids)
-        x, k_cache, v_cache = self.midlayer(emb, hidden_states, position_ids, write_index, mask, k_cache, v_cache)
+        c = self.cfg
+        step = make_step(position_ids, write_index, tree_mask, self.max_seq_len, emb.dtype,
+                         self.midlayer.self_attn.rotary, c.num_attention_heads // c.num_key_value_heads)
+        x, k_cache, v_cache = self.midlayer(emb, hidden_states, step, k_cache, v_cache)
         logits = self.lm_head(self.norm(select_rows(x, logit_rows)))
         return logits, x, k_cache, v_cache
 

@@ -8,6 +8,8 @@ No shape ever depends on a tensor's values, so every call is CUDA-graph capturab
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,12 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if exporting():
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)   # -> RMSNormalization
-        # HF Qwen3RMSNorm order: fp32 statistics, cast back, then scale by the weight
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # one op: RMSNormalization in ONNX, a fused kernel on CUDA (fp32 statistics, as HF Qwen3RMSNorm)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,16 +48,26 @@ class Rotary(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
-        if exporting():
-            return torch.onnx.ops.rotary_embedding(x, cos, sin, position_ids)      # -> RotaryEmbedding
-        c, s = cos[position_ids][:, None], sin[position_ids][:, None]               # [B, 1, S, D/2]
+    def tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, S, D] for these positions, halves duplicated (HF's cat(freqs, freqs)):
+        gathered once per forward and shared by every layer."""
+        cos, sin = self.cos[position_ids][:, None], self.sin[position_ids][:, None]
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = tables
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin                         # rotate-half
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if exporting():
+            cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+            return torch.onnx.ops.rotary_embedding(x, cos, sin, position_ids)      # -> RotaryEmbedding
+        return self.apply(x, self.tables(position_ids, x.dtype))
 
 
-def write_kv(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+def write_kv(cache: torch.Tensor, update: torch.Tensor, step: "Step") -> torch.Tensor:
     """Write update [B, Hkv, S, D] into cache [B, Hkv, S_max, D] at rows write_index[b] + 0..S-1.
 
     Eager: in place (the cache is a preallocated runtime buffer). Export: TensorScatter, which
@@ -67,18 +75,18 @@ def write_kv(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tenso
     """
     if exporting():
         return torch.onnx.ops.symbolic(
-            "TensorScatter", (cache, update, write_index), {"axis": -2, "mode": "linear"},
+            "TensorScatter", (cache, update, step.write_index), {"axis": -2, "mode": "linear"},
             dtype=cache.dtype, shape=cache.shape, version=ONNX_OPSET,
         )
-    b, h, s, d = update.shape
-    rows = write_index[:, None] + torch.arange(s, device=update.device)            # [B, S]
-    cache.scatter_(2, rows[:, None, :, None].expand(b, h, s, d), update)
-    return cache
+    return cache.scatter_(2, step.kv_rows.expand(update.shape), update)
 
 
-def attention_mask(write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """Boolean mask [B, 1, S, S_max]: query i sees every committed key (< write_index) and the new
-    keys tree_mask[b, i, :] allows. Built from a constant arange(S_max): no value-dependent shapes."""
+def attention_mask(write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_len: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """Additive mask [B, 1, S, S_max] (0 = visible, -inf = hidden): query i sees every committed key
+    (< write_index) and the new keys tree_mask[b, i, :] allows. Built from a constant arange(S_max),
+    so no shape depends on values. Additive rather than boolean: TensorRT-RTX 1.7 fails to build
+    graphs whose attention layers share one boolean mask."""
     b, s, _ = tree_mask.shape
     keys = torch.arange(max_seq_len, device=tree_mask.device)
     offset = keys[None, :] - write_index[:, None]                                  # [B, S_max]
@@ -86,7 +94,30 @@ def attention_mask(write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_l
     in_block = (offset >= 0) & (offset < s)
     index = offset.clamp(0, s - 1)[:, None, :].expand(b, s, max_seq_len)
     block = torch.gather(tree_mask, 2, index) & in_block[:, None, :]                # [B, S, S_max]
-    return (committed[:, None, :] | block)[:, None]
+    visible = (committed[:, None, :] | block)[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares, computed once per forward rather than per layer."""
+
+    position_ids: torch.Tensor                  # [B, S]
+    write_index: torch.Tensor                   # [B]
+    mask: torch.Tensor                          # additive; eager: grouped [B, 1, g*S, S_max] (grouped_attention)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None   # eager: cos/sin [B, 1, S, D]
+    kv_rows: torch.Tensor | None = None         # eager: cache rows written, [B, 1, S, 1]
+
+
+def make_step(position_ids: torch.Tensor, write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_len: int,
+              dtype: torch.dtype, rotary: "Rotary", groups: int) -> Step:
+    mask = attention_mask(write_index, tree_mask, max_seq_len, dtype)
+    if exporting():
+        return Step(position_ids, write_index, mask)
+    b, s = position_ids.shape
+    rows = write_index[:, None] + torch.arange(s, device=position_ids.device)      # [B, S]
+    return Step(position_ids, write_index, group_mask(mask, groups), rotary.tables(position_ids, dtype),
+                rows[:, None, :, None])
 
 
 class Attention(nn.Module):
@@ -106,7 +137,7 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         self.rotary = rotary
 
-    def forward(self, x, position_ids, write_index, mask, k_cache, v_cache):
+    def forward(self, x: torch.Tensor, step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
@@ -114,28 +145,54 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)          # [B, H, S, D]
-        q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
-        k_cache = write_kv(k_cache, k, write_index)
-        v_cache = write_kv(v_cache, v, write_index)
+        if step.rope is None:
+            q, k = self.rotary(q, step.position_ids), self.rotary(k, step.position_ids)
+        else:
+            q, k = Rotary.apply(q, step.rope), Rotary.apply(k, step.rope)
+        k_cache = write_kv(k_cache, k, step)
+        v_cache = write_kv(v_cache, v, step)
         # never is_causal with a cache: ONNX aligns it upper-left; the explicit mask is right
         if exporting():
-            y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # -> Attention
+            y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=step.mask, enable_gqa=True)
         else:
-            y = grouped_attention(q, k_cache, v_cache, mask)
+            y = grouped_attention(q, k_cache, v_cache, step.mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1)), k_cache, v_cache
+
+
+def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, 1, S, K] -> [B, 1, g*S, K]: the mask of grouped_attention's query layout."""
+    b, _, s, k = mask.shape
+    return mask[:, :, None].expand(b, 1, groups, s, k).reshape(b, 1, groups * s, k)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GQA without repeating the cache: the g query heads that share a KV head ride along the query
-    axis. q [B, Hkv*g, S, D], k/v [B, Hkv, S_max, D], mask [B, 1, S, S_max] -> [B, Hkv*g, S, D].
-    Any SDPA kernel (flash/mem-efficient/math) then reads each KV head once."""
+    axis. q [B, Hkv*g, S, D], k/v [B, Hkv, K, D], mask [B, 1, S, K] or already grouped
+    [B, 1, g*S, K] (bool or additive) -> [B, Hkv*g, S, D]. Any SDPA kernel then reads each KV head once."""
     b, h, s, d = q.shape
     kv_heads = k.shape[1]
     g = h // kv_heads
     q = q.reshape(b, kv_heads, g * s, d)                          # head j*g+i -> row block i of kv head j
-    mask = mask[:, :, None].expand(b, 1, g, s, mask.shape[-1]).reshape(b, 1, g * s, mask.shape[-1])
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if mask.shape[-2] != g * s:
+        mask = group_mask(mask, g)
+    if s <= MATMUL_ATTENTION_MAX_QUERIES and mask.is_floating_point():
+        y = matmul_attention(q, k, v, mask)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return y.reshape(b, h, s, d)
+
+
+# Decode/verify steps (few queries, the whole static cache as keys): plain batched matmuls. SDPA's
+# fused kernels parallelise over queries and heads, so with ~1 query per head a few thread blocks
+# stream the entire cache; cuBLAS spreads the same reads over every SM. Prefill keeps SDPA.
+MATMUL_ATTENTION_MAX_QUERIES = 64
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v with an fp32 softmax (HF eager attention's numerics).
+    q [B, H, Q, D], k/v [B, H, K, D], additive mask [B, 1, Q, K] -> [B, H, Q, D]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class MLP(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from xcompile.compile.config import Qwen3Config
-from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, attention_mask, select_rows
+from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
 
 
 class DecoderLayer(nn.Module):
@@ -24,8 +24,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, position_ids, write_index, mask, k_cache, v_cache):
-        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), position_ids, write_index, mask, k_cache, v_cache)
+    def forward(self, x, step: Step, k_cache, v_cache):
+        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), step, k_cache, v_cache)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
@@ -37,7 +37,7 @@ class Qwen3Body(nn.Module):
     def __init__(self, cfg: Qwen3Config, max_seq_len: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = Rotary(cfg.head_dim, max_seq_len, cfg.rope_theta)
+        self.rotary = rotary = Rotary(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -65,11 +65,13 @@ class Qwen3(nn.Module):
 
     def forward(self, input_ids, position_ids, write_index, tree_mask, logit_rows, *kv):
         assert len(kv) == 2 * self.cfg.num_hidden_layers, len(kv)
-        mask = attention_mask(write_index, tree_mask, self.max_seq_len)
         x = self.model.embed_tokens(input_ids)
+        c = self.cfg
+        step = make_step(position_ids, write_index, tree_mask, self.max_seq_len, x.dtype, self.model.rotary,
+                         c.num_attention_heads // c.num_key_value_heads)
         tapped, present = {}, []
         for i, layer in enumerate(self.model.layers):
-            x, k, v = layer(x, position_ids, write_index, mask, kv[2 * i], kv[2 * i + 1])
+            x, k, v = layer(x, step, kv[2 * i], kv[2 * i + 1])
             present += [k, v]
             if i in self.taps:
                 tapped[i] = x
