@@ -43,6 +43,25 @@ WEIGHT_FILES = (SAFETENSORS_INDEX, SAFETENSORS, TORCH_BIN_INDEX, TORCH_BIN)
 # resolution: never a network call
 
 
+@dataclass(frozen=True)
+class LocalModel:
+    """A checkpoint that ships inside the package (package data): its dir and its head's, if any."""
+
+    path: Path
+    eagle3_path: Path | None = None
+
+
+# The demo pair trained by scripts/train_demo.py (compile/demo/README.md): a 7M-param Qwen3 on
+# CPython's documentation and its EAGLE3 head, so every command runs offline from a fresh clone.
+DEMO_DIR = Path(__file__).parent / "demo"
+LOCAL_MODELS: dict[str, LocalModel] = {"demo": LocalModel(DEMO_DIR / "target", DEMO_DIR / "eagle3")}
+
+
+def aliases() -> str:
+    """Every alias ``resolve`` accepts, for error messages."""
+    return ", ".join([*LOCAL_MODELS, *KNOWN_MODELS])
+
+
 def hf_cache_dir() -> Path:
     """The HF hub cache, read from the environment at call time (HF_HUB_CACHE, else HF_HOME/hub)."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -70,19 +89,24 @@ def known_model(spec: str) -> KnownModel | None:
 
 
 def resolve(spec: str) -> Path:
-    """A checkpoint dir from a local directory, an HF repo id already in the local cache, or an
-    alias of ``config.KNOWN_MODELS``. Offline: a repo that is not cached is an error saying how to fetch it."""
+    """A checkpoint dir from a local directory, an alias of ``LOCAL_MODELS`` (shipped in the package),
+    an HF repo id already in the local cache, or an alias of ``config.KNOWN_MODELS``. Offline: a repo
+    that is not cached is an error saying how to fetch it. A checkpoint directory named like an alias
+    wins over the alias."""
     path = Path(spec).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CompileError(f"{path}: not a checkpoint directory (no config.json)")
+    if path.is_dir() and (path / "config.json").is_file():
         return path.absolute()
+    local = LOCAL_MODELS.get(spec.lower())
+    if local is not None:
+        return _packaged(local.path, spec)
+    if path.is_dir():
+        raise CompileError(f"{path}: not a checkpoint directory (no config.json)")
     known = KNOWN_MODELS.get(spec.lower())
     repo_id = known.repo_id if known else spec
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         if "/" in spec or "\\" in spec or spec.startswith((".", "~")):
             raise CompileError(f"{spec}: no such directory")
-        raise CompileError(f"unknown model alias {spec!r}; known aliases: {', '.join(KNOWN_MODELS)} "
+        raise CompileError(f"unknown model alias {spec!r}; known aliases: {aliases()} "
                            "(or pass a checkpoint directory or a Hugging Face repo id org/name)")
     cache = hf_cache_dir()
     try:
@@ -101,12 +125,23 @@ def resolve_eagle3(model_spec: str, eagle3: str | None) -> Path:
     published for ``model_spec`` (``KnownModel.eagle3_repo_id``)."""
     if eagle3:
         return resolve(eagle3)
+    local = LOCAL_MODELS.get(model_spec.lower())
+    if local is not None and local.eagle3_path is not None:
+        return _packaged(local.eagle3_path, model_spec)
     known = known_model(model_spec)
     if known is None or known.eagle3_repo_id is None:
-        heads = ", ".join(f"{alias} -> {m.eagle3_repo_id}" for alias, m in KNOWN_MODELS.items() if m.eagle3_repo_id)
+        heads = [f"{alias} -> the packaged head" for alias, m in LOCAL_MODELS.items() if m.eagle3_path]
+        heads += [f"{alias} -> {m.eagle3_repo_id}" for alias, m in KNOWN_MODELS.items() if m.eagle3_repo_id]
         raise CompileError(f"no published EAGLE3 head is known for {model_spec!r}; pass the head's directory or "
-                           f"repo id explicitly (published heads: {heads})")
+                           f"repo id explicitly (published heads: {', '.join(heads)})")
     return resolve(known.eagle3_repo_id)
+
+
+def _packaged(path: Path, alias: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise CompileError(f"{path}: the checkpoint of alias {alias!r} is missing from the installed package; "
+                           "reinstall xcompile (its wheel carries compile/demo as package data)")
+    return path
 
 
 # --------------------------------------------------------------------------------------------
