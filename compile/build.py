@@ -33,7 +33,7 @@ from xcompile.plugins.registry import PluginError, load_plugins
 from xcompile.runtime.backends.trt import FLAVOR_NAMES, resolve_flavor
 from xcompile.runtime.contract import DTYPES, GraphSpec, graph_spec
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import EngineEntry, Manifest
+from xcompile.runtime.manifest import EngineEntry, Manifest, kv_layers
 
 # decode/verify profile: up to 64 tokens, enough for the 60-node EAGLE trees of AngelSlim and
 # TensorRT-Edge-LLM (--maxVerifyTreeSize 60) and for any chain up to 63 drafts
@@ -66,6 +66,8 @@ def default_profiles(max_seq_len: int, max_draft_tokens: int = DEFAULT_MAX_DRAFT
 
 @dataclass(frozen=True)
 class BuildOptions:
+    """What ``xcompile build`` asks of the engine step."""
+
     flavor: str = "auto"                        # "auto" | "tensorrt" | "rtx"
     compute_capabilities: tuple[str, ...] = ()  # TRT-RTX targets ("8.9", "12.0"); () = its default set
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
@@ -78,6 +80,7 @@ class BuildOptions:
 
 def engine_entry(graph: str, flavor: str, trt, ccs: list[str], profiles: list[ProfileSpec], onnx_sha256: str
                  ) -> EngineEntry:
+    """The manifest entry an engine built with these inputs gets (compared to skip unchanged rebuilds)."""
     return EngineEntry(file=f"{graph}.engine", graph=graph, flavor=flavor, trt_version=trt.__version__,
                        compute_capabilities=list(ccs), profiles=[p.as_dict() for p in profiles],
                        onnx_sha256=onnx_sha256)
@@ -129,10 +132,6 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
 # an engine dir
 
 
-def graph_num_layers(io: dict) -> int:
-    return sum(1 for t in io["outputs"] if t.get("aliases")) // 2
-
-
 def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
     """Build one engine per ONNX graph of an exported engine dir and record them in its manifest.
 
@@ -168,7 +167,7 @@ def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Pro
         if not options.force and manifest.engines.get(graph) == entry and (directory / entry.file).is_file():
             progress(f"  {entry.file}: up to date, kept")
             continue
-        spec = graph_spec(graph, graph_num_layers(g.io))
+        spec = graph_spec(graph, kv_layers(g.io))      # what this version expects, not what was recorded
         warn_if_short_of_memory(onnx, progress)
         build_engine(onnx, directory / entry.file, spec, manifest.dtype, profiles, flavor=flavor,
                      compute_capabilities=ccs, max_batch=manifest.max_batch, timing_cache=timing_cache,
@@ -226,7 +225,7 @@ def stale_export(req, manifest: Manifest) -> str | None:
     Compares the request's fields and sources with the manifest and re-hashes the checkpoint files
     it recorded, so an edited checkpoint is re-exported."""
     from xcompile.compile import checkpoint as ckpt
-    from xcompile.compile.pipeline import SYNTHETIC
+    from xcompile.compile import synthetic
 
     wanted = {"target"} | ({"eagle3", "eagle3_fc"} if req.eagle3 is not None else set()) | (
         {"draft"} if req.draft_model is not None else set())
@@ -238,11 +237,10 @@ def stale_export(req, manifest: Manifest) -> str | None:
             return f"its {field} is {have}, the request's {want}"
     sources = {"target": lambda: ckpt.resolve(req.model), "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
                "draft": lambda: ckpt.resolve(req.draft_model)}
-    seeds = {"target": (req.model, 0), "eagle3": (req.model, 1), "draft": (req.draft_model, 2)}
+    names = {"target": req.model, "eagle3": req.model, "draft": req.draft_model}
     for role, entry in manifest.models.items():
         if req.synthetic:
-            name, offset = seeds[role]
-            want = f"{SYNTHETIC}:{name.lower()}:{req.seed + offset}"
+            want = synthetic.source(names[role].lower(), req.seed, role)
         else:
             want = str(sources[role]())
         if entry.source != want:

@@ -31,18 +31,13 @@ from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
-from xcompile.compile import checkpoint as ckpt
-from xcompile.compile import synthetic
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import TORCH_DTYPES
-from xcompile.compile.models.eagle3 import Eagle3FC
-from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.compile.pipeline import SYNTHETIC
+from xcompile.compile.reference import reference_engines
 from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET, GraphSpec
-from xcompile.runtime.engine import Engine, KVShape
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec
+from xcompile.runtime.engine import TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import XcompileError
-from xcompile.runtime.manifest import Manifest, spec_from_io
+from xcompile.runtime.manifest import Manifest
 
 REFERENCE, ENGINE = "reference", "engine"
 # Starting tolerances (Polygraphy "max" statistic: an output fails when both its max abs and max
@@ -55,6 +50,8 @@ DEFAULT_PROMPT_LEN = 8
 
 @dataclass(frozen=True)
 class DiffOptions:
+    """What ``xcompile diff`` asks for (see the CLI options)."""
+
     backend: str = "ort"                        # "ort" | "trt"
     device: str | None = None                   # default: cpu for ort, cuda for trt
     prompt: str | None = None                   # text, tokenized with the dir's tokenizer
@@ -68,6 +65,8 @@ class DiffOptions:
 
 @dataclass
 class StepResult:
+    """One output of one graph at one step: errors against the reference and whether it passed."""
+
     graph: str
     step: str
     output: str
@@ -80,6 +79,8 @@ class StepResult:
 
 @dataclass
 class DiffReport:
+    """Every StepResult of a diff, with its settings; ``table`` and ``to_json`` render it."""
+
     engine_dir: str
     backend: str
     dtype: str
@@ -125,8 +126,8 @@ class EngineRunner(BaseRunner):
 
     def get_input_metadata_impl(self):
         meta = TensorMetadata()
-        for t in _step_inputs(self.spec):
-            dtype = self.engine.dtype if t.dtype == "model" else getattr(torch, t.dtype)
+        for t in self.spec.step_inputs:
+            dtype = self.engine.dtype if t.dtype == MODEL_DTYPE else TORCH_DTYPES[t.dtype]
             meta.add(t.name, dtype=dtype, shape=[None if d in ("tokens", "rows") else self.dims[d] for d in t.shape])
         return meta
 
@@ -141,10 +142,6 @@ class EngineRunner(BaseRunner):
     def deactivate_impl(self):
         self.engine.close()
         self.engine = None
-
-
-def _step_inputs(spec: GraphSpec):
-    return spec.inputs[: len(spec.inputs) - 2 * spec.num_layers]
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,52 +160,22 @@ class _Graph:
         return TorchEngine(self.module, self.spec, self.kv, self.engine.dtype, self.engine.device)
 
 
-def _load_qwen3(source: str, max_seq_len: int, taps, dtype, device) -> Qwen3:
-    if source.startswith(f"{SYNTHETIC}:"):
-        _, name, seed = source.split(":")
-        return synthetic.synthetic_qwen3(name, max_seq_len, int(seed), dtype, device, taps=taps or None)
-    return ckpt.load_qwen3(Path(source), max_seq_len, taps or None, dtype, device)
-
-
-def _reference_models(manifest: Manifest, dtype: torch.dtype, device: str) -> dict[str, torch.nn.Module]:
-    models = {TARGET: _load_qwen3(manifest.models[TARGET].source, manifest.max_seq_len,
-                                  tuple(manifest.models[TARGET].extra.get("taps") or ()), dtype, device)}
-    if EAGLE3 in manifest.models:
-        e = manifest.models[EAGLE3]
-        theta = e.extra.get("rope_theta")
-        if e.source.startswith(f"{SYNTHETIC}:"):
-            seed = int(e.source.rsplit(":", 1)[1])
-            models[EAGLE3] = synthetic.synthetic_eagle3(models[TARGET], seed=seed, rope_theta=theta)
-        else:
-            models[EAGLE3] = ckpt.load_eagle3(Path(e.source), models[TARGET], manifest.max_seq_len, dtype, device,
-                                              theta)
-        models[EAGLE3_FC] = Eagle3FC(models[EAGLE3])
-    if DRAFT in manifest.models:
-        models[DRAFT] = _load_qwen3(manifest.models[DRAFT].source, manifest.max_seq_len, None, dtype, device)
-    return models
-
-
-def _load_engine(backend: str, directory: Path, graph: str, device: str) -> Engine:
+def _load_engine(backend: str, directory: Path, manifest: Manifest, graph: str, device: str) -> Engine:
     if backend == "ort":
         from xcompile.runtime.backends import ort
 
-        return ort.load(directory, graph, device)
+        return ort.load(directory, graph, device, manifest=manifest)
     from xcompile.runtime.backends import trt
 
-    return trt.load(directory, graph, device)
+    return trt.load(directory, graph, device, manifest=manifest)
 
 
 def _graphs(directory: Path, manifest: Manifest, backend: str, device: str) -> dict[str, _Graph]:
     """Engines load first, so a graph the backend cannot run fails before the reference is built."""
-    engines = {name: _load_engine(backend, directory, name, device) for name in manifest.graphs}
-    models = _reference_models(manifest, TORCH_DTYPES[manifest.dtype], device)
-    graphs = {}
-    for name, entry in manifest.graphs.items():
-        num_layers = sum(1 for t in entry.io["outputs"] if t.get("aliases")) // 2
-        kv = KVShape(num_layers, entry.dims["kv_heads"], entry.dims["head_dim"], entry.dims["max_seq_len"],
-                     entry.dims["batch"]) if num_layers else None
-        graphs[name] = _Graph(spec_from_io(name, entry.io, num_layers), entry.dims, kv, models[name], engines[name])
-    return graphs
+    engines = {name: _load_engine(backend, directory, manifest, name, device) for name in manifest.graphs}
+    references = reference_engines(manifest, device)
+    return {name: _Graph(manifest.graph_spec(name), entry.dims, manifest.kv_shape(name), references[name].module,
+                         engines[name]) for name, entry in manifest.graphs.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,7 +213,7 @@ class _Recorder:
 
     def full_feeds(self) -> list[dict]:
         """Feeds plus the KV inputs of the graph: what a stateless ``polygraphy run`` needs."""
-        names = self.spec.input_names[len(_step_inputs(self.spec)):]
+        names = self.spec.input_names[len(self.spec.step_inputs):]
         return [f | dict(zip(names, kv)) for f, kv in zip(self.feeds, self.kv or [[]] * len(self.feeds))]
 
 
@@ -302,7 +269,7 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     directory = Path(directory)
     manifest = Manifest.load(directory)
     device = opts.device or ("cuda" if opts.backend == "trt" else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise CompileError(f"--backend {opts.backend} on {device}: no CUDA device here; the engine is not runnable "
                            "on this machine (use --backend ort on cpu)")
     prompt = _prompt(directory, manifest, opts)

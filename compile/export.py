@@ -46,14 +46,15 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.contract import CONTRACT_VERSION, DTYPES, MODEL_DTYPE, GraphSpec, graph_spec
+from xcompile.runtime.contract import (
+    CONTRACT_VERSION, DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec, graph_spec,
+)
+from xcompile.runtime.engine import DTYPE_NAMES, TORCH_DTYPES
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# contract dtype name -> ONNX IR dtype, and IR dtype -> torch dtype (what a weight is written as)
 _IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16,
               "int64": ir.DataType.INT64, "bool": ir.DataType.BOOL}
-_TORCH_OF_IR = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16,
-                ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64, ir.DataType.BOOL: torch.bool}
+_TORCH_OF_IR = {ir_dtype: TORCH_DTYPES[name] for name, ir_dtype in _IR_DTYPES.items()}
 
 # Example sizes for tracing. torch.export specialises dims of size 0/1, and a dim whose example
 # equals another's may be unified with it, so the dynamic dims get distinct sizes >= 2.
@@ -99,15 +100,16 @@ def graph_dims(module: nn.Module, max_batch: int) -> dict[str, int]:
 def module_spec(module: nn.Module) -> GraphSpec:
     """The contract graph a module exports as: a Qwen3 with taps is the target, without the draft."""
     if isinstance(module, Qwen3):
-        return graph_spec("target" if module.taps else "draft", module.cfg.num_hidden_layers)
+        return graph_spec(TARGET if module.taps else DRAFT, module.cfg.num_hidden_layers)
     if isinstance(module, Eagle3):
-        return graph_spec("eagle3")
+        return graph_spec(EAGLE3)
     if isinstance(module, Eagle3FC):
-        return graph_spec("eagle3_fc")
+        return graph_spec(EAGLE3_FC)
     raise CompileError(f"cannot export {type(module).__name__}: expected Qwen3, Eagle3 or Eagle3FC")
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a module exports in: its parameters'."""
     return next(module.parameters()).dtype
 
 
@@ -196,7 +198,7 @@ def _untouched_cpu_storage(module: nn.Module) -> None:
 
 def check_io(model: ir.Model, spec: GraphSpec, dtype: torch.dtype) -> None:
     """The traced graph's I/O names, dtypes and dynamic axes must equal the contract's."""
-    model_dtype = _IR_DTYPES[DTYPES[DTYPE_NAMES[dtype]]]
+    model_dtype = _IR_DTYPES[DTYPE_NAMES[dtype]]
     sides = (("input", model.graph.inputs, spec.inputs), ("output", model.graph.outputs, spec.outputs))
     for kind, values, tensors in sides:
         got = [(v.name, v.dtype) for v in values]
@@ -285,6 +287,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in chunks (weights files are GBs)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

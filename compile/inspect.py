@@ -118,6 +118,7 @@ def describe(directory: Path, read_engines: bool = True) -> dict:
 
 
 def format_report(d: dict) -> str:
+    """``describe``'s dict as the text ``xcompile inspect`` prints."""
     lines = [f"{d['name']}: {d['dtype']}, max_seq_len {d['max_seq_len']}, max_batch {d['max_batch']}, "
              f"contract v{d['contract_version']}, xcompile {d['xcompile_version'] or '?'}"]
     for key, m in d["models"].items():

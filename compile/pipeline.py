@@ -29,10 +29,11 @@ from xcompile.compile.config import (
     read_json, synthetic_eagle3_config,
 )
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import TORCH_DTYPES, Weights, export_graph, sha256_file
+from xcompile.compile.export import Weights, export_graph, sha256_file
 from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.engine import MODEL_TORCH_DTYPES
 from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
 
 Log = Callable[[str], None]
@@ -44,7 +45,6 @@ MIN_SEQ_LEN = 8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "generation_config.json")
 D2T_FILE = "d2t.safetensors"
-SYNTHETIC = "synthetic"
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ class _Part:
 
 def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
     """Export the request's graphs into ``req.out`` atomically; returns the written manifest."""
-    if req.dtype not in TORCH_DTYPES:
-        raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
+    if req.dtype not in MODEL_TORCH_DTYPES:
+        raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(MODEL_TORCH_DTYPES)}")
     if req.max_batch < 1:
         raise CompileError(f"--max-batch {req.max_batch}: must be at least 1")
     out = Path(req.out).absolute()
@@ -117,10 +117,10 @@ def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest
 
 
 def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
-    dtype = TORCH_DTYPES[req.dtype]
+    dtype = MODEL_TORCH_DTYPES[req.dtype]
     if req.synthetic:
         cfg, target_dir = synthetic.known_config(req.model), None
-        source = f"{SYNTHETIC}:{req.model.lower()}:{req.seed}"
+        source = synthetic.source(req.model.lower(), req.seed)
         files = {}
     else:
         target_dir = ckpt.resolve(req.model)
@@ -169,13 +169,14 @@ def _head_part(req: ExportRequest, head_cfg: Eagle3Config, head_dir: Path | None
     # the head embeds with the target's table: stream it from the target's weights under the head's name
     embed = _target_embedding(req, target, target_dir)
     if req.synthetic:
-        source, files = f"{SYNTHETIC}:{req.model.lower()}:{req.seed + 1}", {}
+        source, files = synthetic.source(req.model.lower(), req.seed, EAGLE3), {}
     else:
         source, files = str(head_dir), _checkpoint_files("eagle3", head_dir)
     entry = ModelEntry("eagle3", head_cfg.to_dict(), source, {"taps": list(target.taps), "rope_theta": head.rope_theta})
-    own = _stream(req, head, head_dir, seed=req.seed + 1)
+    own = _stream(req, head, head_dir, EAGLE3)
     if req.synthetic:
-        d2t = lambda: synthetic.synthetic_tensor(head, "d2t", head.d2t, req.seed + 1)   # noqa: E731
+        seed = req.seed + synthetic.SEED_OFFSETS[EAGLE3]
+        d2t = lambda: synthetic.synthetic_tensor(head, "d2t", head.d2t, seed)           # noqa: E731
     else:
         d2t = lambda: ckpt.Checkpoint(head_dir).get("d2t")                               # noqa: E731
     return _Part(EAGLE3, head, lambda: itertools.chain(own(), embed()), entry, files, d2t)
@@ -184,7 +185,7 @@ def _head_part(req: ExportRequest, head_cfg: Eagle3Config, head_dir: Path | None
 def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype) -> _Part:
     if req.synthetic:
         cfg, draft_dir = synthetic.known_config(req.draft_model), None
-        source, files = f"{SYNTHETIC}:{req.draft_model.lower()}:{req.seed + 2}", {}
+        source, files = synthetic.source(req.draft_model.lower(), req.seed, DRAFT), {}
     else:
         draft_dir = ckpt.resolve(req.draft_model)
         cfg = parse_qwen3(draft_dir / "config.json")
@@ -198,15 +199,16 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
                            f"{cfg.max_position_embeddings} of {where}")
     with torch.device("meta"):
         draft = Qwen3(cfg, max_seq_len).to(dtype)
-    return _Part(DRAFT, draft, _stream(req, draft, draft_dir, seed=req.seed + 2),
+    return _Part(DRAFT, draft, _stream(req, draft, draft_dir, DRAFT),
                  ModelEntry("qwen3", cfg.to_dict(), source), files)
 
 
 def _stream(req: ExportRequest, module: torch.nn.Module, directory: Path | None,
-            seed: int | None = None) -> Callable[[], Weights]:
-    """A factory of (name, tensor) streams for ``module``: one per exported graph."""
+            role: str = TARGET) -> Callable[[], Weights]:
+    """A factory of (name, tensor) streams for ``module`` (the dir's ``role`` model): one per exported graph."""
     if req.synthetic:
-        return lambda: synthetic.synthetic_state(module, req.seed if seed is None else seed)
+        seed = req.seed + synthetic.SEED_OFFSETS[role]
+        return lambda: synthetic.synthetic_state(module, seed)
     return lambda: ckpt.iter_state(ckpt.Checkpoint(directory), module)
 
 

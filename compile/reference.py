@@ -4,6 +4,8 @@ The runtime reaches this through the ``xcompile.torch_models`` entry point (pypr
 ``xrun --backend torch`` works whenever the compile side is installed, while the runtime package
 itself never imports model code. Weights come from where the manifest says the graphs came from:
 the checkpoint dirs it records, or the same seeded synthetic weights (``synthetic:<name>:<seed>``).
+``qwen3_engine`` and ``eagle3_engines`` wrap any in-memory module the same way (training's acceptance
+check, the runtime tests).
 """
 
 from __future__ import annotations
@@ -14,61 +16,67 @@ import torch
 
 from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
-from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
+from xcompile.compile.config import Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET, graph_spec
-from xcompile.runtime.engine import Engine, KVShape
+from xcompile.runtime.engine import MODEL_TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.manifest import Manifest, ModelEntry
 
-SYNTHETIC = "synthetic"
+
+def qwen3_engine(module: Qwen3, graph: str = TARGET, max_seq_len: int | None = None) -> TorchEngine:
+    """``module`` as the ``target`` (or ``draft``) graph, in its own dtype and on its device, with KV for
+    ``max_seq_len`` tokens (default: the module's)."""
+    c, w = module.cfg, module.lm_head.weight
+    kv = KVShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_seq_len or module.max_seq_len)
+    return TorchEngine(module, graph_spec(graph, c.num_hidden_layers), kv, w.dtype, w.device)
+
+
+def eagle3_engines(head: Eagle3, max_seq_len: int | None = None) -> tuple[TorchEngine, TorchEngine]:
+    """An EAGLE3 head as its ``eagle3`` step graph (one KV layer for ``max_seq_len`` tokens, default: the
+    head's) and its ``eagle3_fc`` projection, in its own dtype and on its device."""
+    c, w = head.cfg, head.fc.weight
+    kv = KVShape(1, c.num_key_value_heads, c.head_dim, max_seq_len or head.max_seq_len)
+    return (TorchEngine(head, graph_spec(EAGLE3), kv, w.dtype, w.device),
+            TorchEngine(Eagle3FC(head), graph_spec(EAGLE3_FC), None, w.dtype, w.device))
 
 
 def _qwen3(entry: ModelEntry, max_seq_len: int, dtype: torch.dtype, device, taps=None) -> Qwen3:
-    if entry.source.startswith(SYNTHETIC + ":"):
-        _, name, seed = entry.source.split(":")
-        return synthetic.synthetic_qwen3(Qwen3Config(**entry.config), max_seq_len, int(seed), dtype, device, taps)
+    found = synthetic.parse_source(entry.source)
+    if found is not None:
+        return synthetic.synthetic_qwen3(Qwen3Config(**entry.config), max_seq_len, found[1], dtype, device, taps)
     path = Path(entry.source)
     if not path.is_dir():
-        raise CompileError(f"{path}: checkpoint recorded in the manifest is gone; the torch backend reloads weights "
-                           "from it (use --backend ort/trt, or rebuild from where the checkpoint now lives)")
+        raise CompileError(f"{path}: checkpoint recorded in the manifest is gone; the PyTorch reference (the torch "
+                           "backend, xcompile diff) reloads weights from it: rebuild from where the checkpoint now "
+                           "lives, or run the engines with --backend ort/trt")
     return ckpt.load_qwen3(path, max_seq_len, taps, dtype, device)
 
 
 def _eagle3(entry: ModelEntry, target: Qwen3) -> Eagle3:
     theta = entry.extra.get("rope_theta")
-    if entry.source.startswith(SYNTHETIC + ":"):
-        seed = int(entry.source.split(":")[2])
-        return synthetic.synthetic_eagle3(target, seed, target.max_seq_len, theta)
+    found = synthetic.parse_source(entry.source)
+    if found is not None:
+        return synthetic.synthetic_eagle3(target, found[1], target.max_seq_len, theta)
     return ckpt.load_eagle3(Path(entry.source), target, target.max_seq_len, rope_theta=theta)
-
-
-def _engine(graph: str, module: torch.nn.Module, kv_cfg: Qwen3Config | Eagle3Config | None, max_seq_len: int,
-            dtype: torch.dtype, device) -> TorchEngine:
-    layers = getattr(kv_cfg, "num_hidden_layers", 1) if kv_cfg is not None else 0
-    spec = graph_spec(graph, layers)
-    kv = KVShape(layers, kv_cfg.num_key_value_heads, kv_cfg.head_dim, max_seq_len) if kv_cfg is not None else None
-    return TorchEngine(module, spec, kv, dtype, device)
 
 
 def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None
                       ) -> dict[str, Engine]:
-    """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft)."""
-    dtype = dtype or {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[manifest.dtype]
+    """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft), with the
+    weights its sources name, in ``dtype`` (default: the manifest's)."""
+    dtype = dtype or MODEL_TORCH_DTYPES[manifest.dtype]
     n = manifest.max_seq_len
     models = manifest.models
     taps = tuple(models[TARGET].extra.get("taps") or ()) or None
     target = _qwen3(models[TARGET], n, dtype, device, taps)
-    engines: dict[str, Engine] = {TARGET: _engine(TARGET, target, target.cfg, n, dtype, device)}
+    engines: dict[str, Engine] = {TARGET: qwen3_engine(target)}
     if EAGLE3 in models:
-        head = _eagle3(models[EAGLE3], target)
-        engines[EAGLE3] = _engine(EAGLE3, head, head.cfg, n, dtype, device)
-        engines[EAGLE3_FC] = _engine(EAGLE3_FC, Eagle3FC(head), None, n, dtype, device)
+        engines[EAGLE3], engines[EAGLE3_FC] = eagle3_engines(_eagle3(models[EAGLE3], target))
     if DRAFT in models:
-        draft = _qwen3(models[DRAFT], n, dtype, device)
-        engines[DRAFT] = _engine(DRAFT, draft, draft.cfg, n, dtype, device)
+        engines[DRAFT] = qwen3_engine(_qwen3(models[DRAFT], n, dtype, device), DRAFT)
     return engines
 
 
@@ -87,14 +95,15 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
     if max_seq_len > cfg.max_position_embeddings:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
-    models = {TARGET: ModelEntry("qwen3", cfg.to_dict(), f"{SYNTHETIC}:{name}:{seed}",
+    models = {TARGET: ModelEntry("qwen3", cfg.to_dict(), synthetic.source(name, seed),
                                  {"taps": list(cfg.default_tap_layers) if eagle3 else []})}
     if eagle3:
         head = synthetic_eagle3_config(cfg)
-        models[EAGLE3] = ModelEntry("eagle3", head.to_dict(), f"{SYNTHETIC}:{name}:{seed + 1}",
+        models[EAGLE3] = ModelEntry("eagle3", head.to_dict(), synthetic.source(name, seed, EAGLE3),
                                     {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
     if draft:
-        models[DRAFT] = ModelEntry("qwen3", synthetic.known_config(draft).to_dict(), f"{SYNTHETIC}:{draft}:{seed + 2}")
+        models[DRAFT] = ModelEntry("qwen3", synthetic.known_config(draft).to_dict(),
+                                   synthetic.source(draft, seed, DRAFT))
     return Manifest(name=f"synthetic-{name}", dtype=dtype, max_seq_len=max_seq_len, max_batch=1, models=models)
 
 

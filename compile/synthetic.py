@@ -7,6 +7,11 @@ RAM) and still give the same weights as a fully built ``synthetic_qwen3``.
 Init: projections and embeddings N(0, std) with std 0.02 (HF ``initializer_range`` of Qwen3), RMSNorm
 weights 1, so residual activations stay O(1..100) and finite in bf16. An EAGLE3 head's d2t is a
 valid offset table: sorted distinct target ids minus arange (eagle3_semantics.md §2).
+
+An engine dir exported from synthetic weights records each model's source as
+``synthetic:<name>:<seed>`` (``source``/``parse_source``): the target draws from the request's seed,
+its EAGLE3 head from seed + 1 and the draft model from seed + 2 (``SEED_OFFSETS``), so the torch
+backend and ``xcompile diff`` rebuild the very weights the graphs hold.
 """
 
 from __future__ import annotations
@@ -23,8 +28,24 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.layers import RMSNorm
 from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
 
 INIT_STD = 0.02     # Qwen3 config.json initializer_range
+SOURCE_PREFIX = "synthetic:"
+SEED_OFFSETS = {TARGET: 0, EAGLE3: 1, DRAFT: 2}
+
+
+def source(name: str, seed: int, role: str = TARGET) -> str:
+    """The manifest source (``ModelEntry.source``) of ``role``'s weights in a dir made with ``seed``."""
+    return f"{SOURCE_PREFIX}{name}:{seed + SEED_OFFSETS[role]}"
+
+
+def parse_source(entry_source: str) -> tuple[str, int] | None:
+    """(name, seed) of a ``synthetic:<name>:<seed>`` source; None for a checkpoint dir."""
+    if not entry_source.startswith(SOURCE_PREFIX):
+        return None
+    name, _, seed = entry_source.removeprefix(SOURCE_PREFIX).rpartition(":")
+    return name, int(seed)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -66,6 +87,7 @@ def synthetic_state(model: nn.Module, seed: int = 0, std: float = INIT_STD, norm
 
 
 def known_config(name_or_cfg: str | Qwen3Config) -> Qwen3Config:
+    """The config of a KNOWN_MODELS alias (a config is returned as is); CompileError naming the known ones."""
     if isinstance(name_or_cfg, Qwen3Config):
         return name_or_cfg
     known = KNOWN_MODELS.get(name_or_cfg.lower())

@@ -20,7 +20,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,14 +28,14 @@ import torch.nn.functional as F
 
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3, resolve
-from xcompile.compile.config import Eagle3Config, parse_generation_config, parse_qwen3, read_json
+from xcompile.compile.config import (
+    Eagle3Config, Qwen3Config, parse_generation_config, parse_qwen3, read_json, synthetic_eagle3_config,
+)
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
+from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.layers import grouped_attention
-from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import EAGLE3, EAGLE3_FC, TARGET, graph_spec
+from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime.drafters import Eagle3ChainDrafter, NoDrafter
-from xcompile.runtime.engine import KVShape
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.text import Text
 
@@ -131,6 +131,7 @@ class SoftTargets:
 
 
 def soft_targets(target_logits: torch.Tensor, tokens: torch.Tensor, t2d: torch.Tensor) -> SoftTargets:
+    """The target's logits [B, T, V] restricted to the draft vocabulary ``tokens`` [Vd] and renormalised."""
     argmax = target_logits.argmax(-1)
     return SoftTargets(torch.softmax(target_logits[..., tokens].float(), -1), argmax, t2d[argmax])
 
@@ -171,22 +172,10 @@ def target_features(target, input_ids: torch.Tensor, kv: list[torch.Tensor]) -> 
 # the head, the schedule, the loop
 
 
-def head_config(target_cfg, draft_vocab: int) -> Eagle3Config:
+def head_config(target_cfg: Qwen3Config, draft_vocab: int) -> Eagle3Config:
     """A one-layer head of the target's attention/MLP shape (as AngelSlim builds them); RoPE θ is the
     target's, and inference reads it back from the head's config (§6.3), so train and serve agree."""
-    return Eagle3Config(
-        hidden_size=target_cfg.hidden_size,
-        intermediate_size=target_cfg.intermediate_size,
-        num_attention_heads=target_cfg.num_attention_heads,
-        num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim,
-        vocab_size=target_cfg.vocab_size,
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=target_cfg.hidden_size,
-        rms_norm_eps=target_cfg.rms_norm_eps,
-        rope_theta=target_cfg.rope_theta,
-        max_position_embeddings=target_cfg.max_position_embeddings,
-    )
+    return replace(synthetic_eagle3_config(target_cfg), draft_vocab_size=draft_vocab)
 
 
 def new_head(target, draft_vocab: int, windows: torch.Tensor, max_seq_len: int, seed: int) -> Eagle3:
@@ -233,7 +222,7 @@ def autocast(device: torch.device):
 
 
 def optimizer(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    # betas (0.9, 0.95) as EAGLE's ds_config; fused kernels on CUDA
+    """AdamW with betas (0.9, 0.95) as EAGLE's ds_config; fused kernels on CUDA."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=device.type == "cuda")
 
 
@@ -257,6 +246,8 @@ def evaluate(target, head: Eagle3, windows: torch.Tensor, opts: TrainOptions) ->
 
 @dataclass
 class TrainResult:
+    """What ``train_eagle3`` returns."""
+
     head: Eagle3
     history: list[dict] = field(default_factory=list)       # one row per log/eval point
     heldout: dict | None = None
@@ -359,15 +350,10 @@ def measure_acceptance(target, head: Eagle3, prompts: list[list[int]], max_new_t
     chains of ``k``, next to plain greedy decoding on the same target engine. Returns τ (tokens per
     verify round, bonus included), acceptance by draft depth, and the fraction of prompts whose output
     equals plain greedy token for token (1.0 in fp32; bf16 near-ties may flip a few)."""
-    tc, hc, n = target.cfg, head.cfg, min(target.max_seq_len, head.max_seq_len)
-    dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
-    target_engine = TorchEngine(target, graph_spec(TARGET, tc.num_hidden_layers), KVShape(
-        tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, target.max_seq_len), dtype, device)
-    head_engine = TorchEngine(head, graph_spec(EAGLE3), KVShape(
-        1, hc.num_key_value_heads, hc.head_dim, head.max_seq_len), head.fc.weight.dtype, device)
-    fc_engine = TorchEngine(Eagle3FC(head), graph_spec(EAGLE3_FC), None, head.fc.weight.dtype, device)
+    n = min(target.max_seq_len, head.max_seq_len)
+    target_engine = qwen3_engine(target)
     plain = Generator(target_engine, NoDrafter(), [], n)                       # no EOS: full-length runs
-    spec = Generator(target_engine, Eagle3ChainDrafter(head_engine, fc_engine, head.d2t, k), [], n)
+    spec = Generator(target_engine, Eagle3ChainDrafter(*eagle3_engines(head), head.d2t, k), [], n)
     rounds = accepted = same = 0
     at = [0] * k
     for p in prompts:

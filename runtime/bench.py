@@ -40,6 +40,8 @@ class BenchOptions:
     new_tokens: int = 64            # per generation
     repeats: int = 20               # per step timing
     peer: bool = False
+    num_prompts: int = 2
+    text_tokens: list[int] | None = None    # real text (e.g. held-out data): prompts are windows of it
     taus: tuple[float, ...] = (2.0, 3.0, PUBLISHED_TAU)
 
 
@@ -202,7 +204,10 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
         if ctx + max(64, opts.new_tokens) + 64 > es.manifest.max_seq_len:
             log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
             continue
-        prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(2)]
+        prompts = _prompts(opts, ctx, vocab, g)
+        if prompts is None:
+            log(f"context {ctx}: skipped, the text holds fewer than {opts.num_prompts} windows of {ctx} tokens")
+            continue
         which = drafters(es, opts) if i == 0 else drafters(es, opts)[:1]
         for use_graphs in ([True, False] if graphs and i == 0 else [graphs]):
             log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
@@ -215,6 +220,16 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
     _derive(report, opts)
     return report
+
+
+def _prompts(opts: BenchOptions, ctx: int, vocab: int, g: torch.Generator) -> list[list[int]] | None:
+    """``num_prompts`` prompts of ``ctx`` tokens: consecutive windows of the text, else random ids."""
+    if opts.text_tokens is None:
+        return [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(opts.num_prompts)]
+    t = opts.text_tokens
+    if len(t) < opts.num_prompts * ctx:
+        return None
+    return [t[i * ctx:(i + 1) * ctx] for i in range(opts.num_prompts)]
 
 
 def _derive(report: dict, opts: BenchOptions) -> None:

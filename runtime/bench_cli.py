@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch
 from xcompile.runtime.bench import BenchOptions, format_report, run_bench
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import EngineSet, open_engine_dir, torch_models
+from xcompile.runtime.text import Text
 
 
 @dataclass
@@ -30,6 +32,8 @@ class BenchRequest:
     peer: bool
     json_path: str | None
     plot: str | None
+    prompts: str | None = None
+    num_prompts: int = 2
 
 
 def _room(req: BenchRequest) -> int:
@@ -63,8 +67,13 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
         if es.backend != "torch":
             raise EngineError("--peer compares on the torch backend's weights; add --backend torch")
         peer = provider.hf_peer(es.engines)
+    text_tokens = None
+    if req.prompts:
+        if es.directory is None:
+            raise EngineError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
+        text_tokens = Text(es.directory).encode(Path(req.prompts).read_text())
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
-                        repeats=req.repeats, peer=req.peer)
+                        repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens)
     start = time.perf_counter()
     report = run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
     echo(format_report(report))

@@ -72,10 +72,13 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--peer", is_flag=True, help="Also time transformers generate() with a static cache on the same weights.")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+              help="Text whose consecutive windows are the prompts (real text gives real acceptance).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full report as JSON here.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of tokens/s per drafter (needs matplotlib).")
 def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats, peer,
-          json_path, plot):
+          prompts, num_prompts, json_path, plot):
     """Measure plain and speculative decoding speed against the device's bandwidth floor."""
     from xcompile.runtime.bench_cli import BenchRequest, run
 
@@ -86,4 +89,4 @@ def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tr
         raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, _ints(gammas),
                      dict(zip(("topk", "depth", "total_tokens"), tree_t)) or None, _ints(contexts), new_tokens,
-                     repeats, peer, json_path, plot), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts), echo=click.echo)

@@ -45,6 +45,8 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One input or output of a graph."""
+
     name: str
     dtype: str                      # "int64", "bool" or MODEL_DTYPE
     shape: tuple[str, ...]          # symbolic dims, see module docstring
@@ -52,18 +54,22 @@ class TensorSpec:
 
 
 def past_key(i: int) -> str:
+    """Name of layer ``i``'s key-cache input."""
     return f"past_key_{i}"
 
 
 def past_value(i: int) -> str:
+    """Name of layer ``i``'s value-cache input."""
     return f"past_value_{i}"
 
 
 def present_key(i: int) -> str:
+    """Name of layer ``i``'s key-cache output (aliases ``past_key(i)``)."""
     return f"present_key_{i}"
 
 
 def present_value(i: int) -> str:
+    """Name of layer ``i``'s value-cache output (aliases ``past_value(i)``)."""
     return f"present_value_{i}"
 
 
@@ -112,6 +118,16 @@ class GraphSpec:
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
 
+    @property
+    def step_inputs(self) -> tuple[TensorSpec, ...]:
+        """What ``Engine.run`` takes: every input but the KV caches, which come last."""
+        return self.inputs[: len(self.inputs) - 2 * self.num_layers]
+
+    @property
+    def step_outputs(self) -> tuple[TensorSpec, ...]:
+        """What ``Engine.run`` returns: every output but the KV caches (written in place), which come last."""
+        return self.outputs[: len(self.outputs) - 2 * self.num_layers]
+
     def aliases(self) -> dict[str, str]:
         """present output name -> past input name."""
         return {t.name: t.aliases for t in self.outputs if t.aliases}
@@ -141,6 +157,7 @@ def eagle3_spec() -> GraphSpec:
 
 
 def eagle3_fc_spec() -> GraphSpec:
+    """EAGLE3 ``fc``: target taps [B, S, 3H] -> the head's hidden input [B, S, H]."""
     return GraphSpec(
         EAGLE3_FC,
         (TensorSpec("hidden_taps", MODEL_DTYPE, ("batch", "tokens", "taps_hidden")),),
@@ -149,6 +166,7 @@ def eagle3_fc_spec() -> GraphSpec:
 
 
 def graph_spec(graph: str, num_layers: int = 0) -> GraphSpec:
+    """The contract of ``graph`` (one of GRAPHS); ``num_layers`` counts the KV layers of target/draft."""
     if graph == TARGET:
         return target_spec(num_layers, taps=True)
     if graph == DRAFT:

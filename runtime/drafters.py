@@ -33,6 +33,7 @@ Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its f
 
 
 def causal(s: int, device: torch.device, batch: int = 1) -> torch.Tensor:
+    """A causal tree_mask [batch, s, s]: token i sees tokens 0..i."""
     return torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(batch, s, s)
 
 
@@ -46,6 +47,8 @@ def prompt_inputs(prompt: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class Drafter(ABC):
+    """Proposes the block the target verifies each round and owns its engines' KV (module docstring)."""
+
     name = ""
     needs_taps = False          # start/commit read the target's hidden_taps
 
@@ -92,6 +95,8 @@ class Drafter(ABC):
 
 
 class NoDrafter(Drafter):
+    """Plain greedy decoding: the block is the root alone."""
+
     name = "none"
 
     def __init__(self):

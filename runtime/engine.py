@@ -14,11 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from xcompile.runtime.contract import GraphSpec
+from xcompile.runtime.contract import DTYPES, GraphSpec
 from xcompile.runtime.errors import EngineError
 
+# contract dtype name -> torch dtype, and back: the one map every backend and the exporter use
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int64": torch.int64, "bool": torch.bool}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# manifest dtype ("fp32", "fp16", "bf16") -> torch dtype of an engine's floating tensors
+MODEL_TORCH_DTYPES = {name: TORCH_DTYPES[contract_name] for name, contract_name in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,12 @@ def normalize_device(device: torch.device | str) -> torch.device:
 
 class Engine(ABC):
     """A compiled graph (or the reference module) that runs one step of the I/O contract."""
+
+    # Whether ``run`` may be recorded into an outer CUDA graph (runtime/graphs.py GraphedEngine): device
+    # work only, no host sync, fixed addresses. The torch backend's steps are; a TensorRT engine replays
+    # graphs of its own launches (recording it again would capture a capture), and an ONNX Runtime run is
+    # host code that may allocate or synchronise. A backend whose steps are capturable sets it True.
+    graph_capturable = False
 
     def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
         self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, normalize_device(device)

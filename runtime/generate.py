@@ -37,6 +37,8 @@ POISON = 1e4
 
 @dataclass
 class Stats:
+    """Counts and timings of one ``generate`` call."""
+
     prompt_tokens: int = 0
     new_tokens: int = 0
     prefill_s: float = 0.0          # prompt passes of target and drafter, to the first token on the host
@@ -78,6 +80,8 @@ class Stats:
 
 @dataclass
 class Result:
+    """What ``generate`` returns."""
+
     tokens: list[int]               # generated tokens, the stopping EOS / stop-string token included
     stats: Stats
     finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len"
@@ -113,14 +117,18 @@ class _Stops:
 
 
 class Generator:
+    """Greedy speculative generation over a target engine and a drafter (module docstring)."""
+
     def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
                  capture: Capture | None = None, debug: bool = False):
         """target: the ``target`` graph engine; drafter: what proposes blocks (``NoDrafter()`` for plain
         greedy); max_seq_len: KV capacity used (the engines may hold more); detokenize: ids -> text,
-        needed for stop strings; cuda_graphs: capture the fixed-shape steps of every engine (each falls
-        back to eager where capture is unavailable), with ``capture`` (default: one ``CudaGraphCapture``
-        shared by all, so one memory pool); debug: check KV lengths and poison stale rows every round."""
+        needed for stop strings; cuda_graphs: capture the fixed-shape steps of every engine whose steps
+        are ``graph_capturable`` (each falls back to eager where capture is unavailable; the others,
+        e.g. TensorRT engines with graphs of their own, run as they are), with ``capture`` (default: one
+        ``CudaGraphCapture`` shared by all, so one memory pool); debug: check KV lengths and poison
+        stale rows every round."""
         if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
             raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
@@ -139,12 +147,17 @@ class Generator:
         self.target = target
         if cuda_graphs:
             capture = capture or CudaGraphCapture()
-            self.target = GraphedEngine(target, {drafter.block_size, 1}, capture)
-            drafter.use_graphs(lambda engine, tokens: GraphedEngine(engine, tokens, capture))
+
+            def graphed(engine: Engine, tokens: set[int]) -> Engine:
+                return GraphedEngine(engine, tokens, capture) if engine.graph_capturable else engine
+
+            self.target = graphed(target, {drafter.block_size, 1})
+            drafter.use_graphs(graphed)
         # logit_rows of a verify pass: every block node
         self.rows = {s: torch.arange(s, device=self.device)[None] for s in {drafter.block_size, 1}}
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """EngineError unless the prompt is non-empty, in-range and leaves room for one drafter round."""
         need = len(prompt_ids) + self.drafter.lookahead
         if not prompt_ids:
             raise EngineError("empty prompt: give at least one token")
@@ -222,5 +235,6 @@ class Generator:
 
 
 def emit(tokens: list[int], on_tokens: Callable[[list[int]], None] | None) -> None:
+    """Hand ``tokens`` to the streaming callback, if any and if there are tokens."""
     if tokens and on_tokens is not None:
         on_tokens(tokens)

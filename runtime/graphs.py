@@ -1,10 +1,13 @@
-"""CUDA graphs for the fixed-shape steps of any Engine whose ``run`` is capturable (the torch backend).
+"""CUDA graphs for the fixed-shape steps of any Engine whose ``run`` is capturable (the torch backend),
+and the capture that both this wrapper and the trt backend (which records its own launches) use.
 
 ``GraphedEngine`` wraps an engine and is one itself. On the first call whose token count is one of
 its fixed-shape steps it clones the inputs into static buffers, warms up, captures one graph for
 that input signature (names, shapes, dtypes); later calls copy their inputs into the static buffers
 and replay. Other shapes (prompt passes) run eagerly, and so does every call once capture turns out
-to be unavailable (no CUDA device) or fails; ``fallback`` then says why.
+to be unavailable (no CUDA device) or fails, or when the engine does not declare its steps
+``graph_capturable`` (runtime/engine.py: a TensorRT engine replays graphs of its own); ``fallback``
+then says why.
 
 Two things callers rely on:
   - replay returns the graph's static output buffers: they hold until the next call of the same
@@ -18,14 +21,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
 from xcompile.runtime.engine import Engine
 
 Outputs = dict[str, torch.Tensor]
-# (step, device) -> (replay, the step's outputs as produced inside the capture)
-Capture = Callable[[Callable[[], Outputs], torch.device], tuple[Callable[[], None], Outputs]]
+T = TypeVar("T")
+# (step, device) -> (replay, what the step returned inside the capture)
+Capture = Callable[[Callable[[], T], torch.device], tuple[Callable[[], None], T]]
 
 
 class GraphUnavailable(Exception):
@@ -33,27 +38,43 @@ class GraphUnavailable(Exception):
 
 
 class CudaGraphCapture:
-    """Capture with ``torch.cuda.CUDAGraph``; the graphs of one instance share a memory pool (safe:
-    their outputs stay referenced, and replays run one after another on one stream)."""
+    """Capture with ``torch.cuda.CUDAGraph``: a whole torch-backend step for ``GraphedEngine``, one
+    engine launch for the trt backend. The graphs of one instance share a memory pool (safe: their
+    outputs stay referenced, and replays run one after another on one stream).
 
-    def __init__(self, warmup: int = 2):
-        self.warmup = warmup        # eager runs on a side stream first, so lazy initialisation stays out of the graph
+    Rules (torch.cuda.graphs, trtexec, Torch-TensorRT): shapes and addresses fixed first, the step run
+    uncaptured before its capture so lazy initialisation stays out of the graph, capture on a side
+    stream ordered after the current one.
+    """
+
+    def __init__(self, warmup: int = 2, error_mode: str = "global"):
+        # warmup: eager runs on the side stream right before capture. The trt backend passes 0: the
+        # first launch of each shape already ran uncaptured, as a real step.
+        # error_mode: torch.cuda.graph's capture_error_mode. The trt backend passes "thread_local": only
+        # this thread's CUDA calls are checked, so a call another thread makes meanwhile (TensorRT's or
+        # the application's) does not invalidate the capture.
+        self.warmup, self.error_mode = warmup, error_mode
         self.pool = None
 
-    def __call__(self, step: Callable[[], Outputs], device: torch.device) -> tuple[Callable[[], None], Outputs]:
+    def __call__(self, step: Callable[[], T], device: torch.device) -> tuple[Callable[[], None], T]:
+        """Warm up, then record one call of ``step``: (replay, what that call returned). Raises
+        GraphUnavailable off CUDA, RuntimeError when the step cannot be captured."""
         if device.type != "cuda" or not torch.cuda.is_available():
             raise GraphUnavailable(f"CUDA graphs need a CUDA device, the engine is on {device}")
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode=self.error_mode):
+                out = step()
+        finally:
+            current.wait_stream(side)
         return graph.replay, out
 
 
@@ -69,6 +90,8 @@ class _Graph:
 
 
 class GraphedEngine(Engine):
+    """``engine`` with its fixed-shape steps replayed from CUDA graphs (see the module docstring)."""
+
     def __init__(self, engine: Engine, tokens: Iterable[int], capture: Capture | None = None):
         """tokens: the token counts (the contract's dynamic axis) of the steps to capture."""
         super().__init__(engine.spec, engine.kv_shape, engine.dtype, engine.device)
@@ -76,6 +99,8 @@ class GraphedEngine(Engine):
         self.tokens = frozenset(tokens)
         self.capture = capture or CudaGraphCapture()
         self.fallback: str | None = None
+        if not engine.graph_capturable:
+            self.fallback = f"{type(engine).__name__} steps cannot be recorded into a CUDA graph (graph_capturable)"
         self.graphs: dict[tuple, _Graph] = {}
         # the first input with a "tokens" axis says how many tokens a call carries
         self._count_from = next((t.name, t.shape.index("tokens")) for t in engine.spec.inputs if "tokens" in t.shape)

@@ -20,7 +20,7 @@ from xcompile.runtime.drafters import (
 )
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import Manifest, spec_from_io
+from xcompile.runtime.manifest import Manifest
 
 BACKENDS = ("auto", "trt", "ort", "torch")
 DRAFTERS = ("auto", "none", "draft-model", "eagle3")
@@ -34,6 +34,8 @@ DEFAULT_TREE = dict(topk=10, depth=6, total_tokens=32)
 
 @dataclass
 class EngineSet:
+    """The engines of one engine dir on one backend (+ the EAGLE3 d2t map), as ``open_engine_dir`` opens them."""
+
     directory: Path | None
     manifest: Manifest
     backend: str
@@ -60,6 +62,7 @@ def torch_models():
 
 
 def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
+    """The backend ``auto`` stands for (module docstring); an explicit backend is returned as is."""
     if backend not in BACKENDS:
         raise EngineError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if backend != "auto":
@@ -78,21 +81,19 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
 
 
 def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int) -> dict[str, Engine]:
-    from xcompile.runtime.backends.ort import OrtEngine
+    from xcompile.runtime.backends import ort
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[manifest.dtype]
-    engines = {}
-    for graph, entry in manifest.graphs.items():
-        layers = sum(1 for t in entry.io["outputs"] if t.get("aliases")) // 2
-        spec = spec_from_io(graph, entry.io, layers)
-        engines[graph] = OrtEngine(directory / entry.onnx, spec, entry.dims, dtype, device,
-                                   max_tokens=max_tokens if graph != TARGET else None, max_rows=max_tokens)
-    return engines
+    # the target's buffers follow its KV capacity (max_tokens None); the drafts' may be asked for more
+    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens,
+                            max_tokens=max_tokens if graph != TARGET else None) for graph in manifest.graphs}
 
 
 def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = "cpu", *,
                     cuda_graphs: bool = True, max_draft_tokens: int = 64) -> EngineSet:
-    """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there."""
+    """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there.
+
+    ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches; torch-backend
+    steps are recorded by the Generator (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
     directory = Path(directory)
     manifest = Manifest.load(directory)
     dev = torch.device(device)
@@ -103,15 +104,14 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
         engines = torch_models().load_torch_models(manifest, dev)
     elif backend == "ort":
         engines = _ort_engines(directory, manifest, dev, max_tokens=max(max_draft_tokens, manifest.max_seq_len))
-    elif backend == "trt":
+    else:                                   # "trt": pick_backend has checked the name
         from xcompile.runtime.backends import trt
 
         if TARGET not in manifest.engines:
             raise EngineError(f"{directory}: holds no TensorRT engines; build them with `xcompile build`, or use "
                               "--backend ort/torch")
-        engines = {g: trt.load(directory, g, dev, cuda_graphs=cuda_graphs) for g in manifest.engines}
-    else:
-        raise EngineError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        # each TensorRT engine replays CUDA graphs of its own launches (never wrapped in GraphedEngine)
+        engines = {g: trt.load(directory, g, dev, cuda_graphs=cuda_graphs, manifest=manifest) for g in manifest.engines}
     d2t = None
     if EAGLE3 in engines:
         d2t = load_d2t(directory / D2T_FILE, dev)
@@ -119,6 +119,7 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
 
 
 def load_d2t(path: Path, device: torch.device) -> torch.Tensor:
+    """The EAGLE3 draft->target id offsets of an engine dir (``d2t.safetensors``)."""
     if not path.is_file():
         raise EngineError(f"{path}: missing; the EAGLE3 head needs its draft->target map (re-export the dir)")
     from safetensors import SafetensorError

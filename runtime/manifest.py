@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from xcompile.runtime.contract import CONTRACT_VERSION, GraphSpec, TensorSpec
+from xcompile.runtime.engine import KVShape
 from xcompile.runtime.errors import EngineError
 
 MANIFEST = "manifest.json"
@@ -37,6 +38,8 @@ class ModelEntry:
 
 @dataclass
 class GraphEntry:
+    """One exported ONNX graph of the dir."""
+
     onnx: str                                      # file name inside the dir
     model: str                                     # key into Manifest.models
     io: dict                                       # {"inputs": [TensorSpec...], "outputs": [...]} as dicts
@@ -46,6 +49,8 @@ class GraphEntry:
 
 @dataclass
 class EngineEntry:
+    """One TensorRT engine of the dir, with what it was built from and for."""
+
     file: str
     graph: str
     flavor: str                                    # "tensorrt" or "rtx"
@@ -57,6 +62,8 @@ class EngineEntry:
 
 @dataclass
 class Manifest:
+    """Everything an engine dir holds; ``load`` checks format and contract version."""
+
     name: str
     dtype: str                                     # "fp32" | "fp16" | "bf16"
     max_seq_len: int
@@ -105,12 +112,37 @@ class Manifest:
             raise EngineError(f"{path}: malformed ({e}); rebuild the engine dir with --force") from None
         return m
 
+    def graph_spec(self, graph: str) -> GraphSpec:
+        """``graph``'s I/O contract as its export recorded it (names, dtypes, symbolic shapes, aliases)."""
+        io = self.graphs[graph].io
+        return spec_from_io(graph, io, kv_layers(io))
+
+    def kv_shape(self, graph: str) -> KVShape | None:
+        """Static cache geometry of ``graph`` from the dims its export recorded (None: no KV cache)."""
+        layers = kv_layers(self.graphs[graph].io)
+        if not layers:
+            return None
+        dims = self.graphs[graph].dims
+        try:
+            return KVShape(layers, dims["kv_heads"], dims["head_dim"], dims.get("max_seq_len", self.max_seq_len),
+                           dims.get("batch", self.max_batch))
+        except KeyError as e:
+            raise EngineError(f"manifest graph {graph!r} records no {e.args[0]!r} dim; re-export the engine "
+                              "dir") from None
+
+
+def kv_layers(io: dict) -> int:
+    """KV layers of a graph from its recorded I/O table: each has a present key and value aliasing its past."""
+    return sum(1 for t in io["outputs"] if t.get("aliases")) // 2
+
 
 def io_table(spec: GraphSpec) -> dict:
+    """A graph's I/O as the manifest records it (``GraphEntry.io``)."""
     return {"inputs": [asdict(t) for t in spec.inputs], "outputs": [asdict(t) for t in spec.outputs]}
 
 
 def spec_from_io(graph: str, io: dict, num_layers: int) -> GraphSpec:
+    """The GraphSpec an ``io_table`` was written from."""
     def specs(rows):
         return tuple(TensorSpec(r["name"], r["dtype"], tuple(r["shape"]), r.get("aliases")) for r in rows)
 

@@ -16,6 +16,8 @@ from xcompile.runtime.text import Text
 
 @dataclass
 class GenerateRequest:
+    """What ``xrun generate`` asks for: one of prompt / prompt_ids / chat, and how to run it."""
+
     engine_dir: str
     prompt: str | None = None
     prompt_ids: list[int] | None = None
@@ -31,6 +33,7 @@ class GenerateRequest:
 
 
 def stats_dict(result: Result) -> dict:
+    """A generation's stats as the JSON ``xrun generate --json`` prints (rounded)."""
     s = result.stats
     return {
         "acceptance_length": round(s.acceptance_length, 4),
@@ -68,7 +71,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     drafter = make_drafter(es, req.drafter, req.gamma, req.tree)
     gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
                     detokenize=text.decode if text else None,
-                    cuda_graphs=req.cuda_graphs and es.device.type == "cuda" and es.backend == "torch")
+                    cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
     stream = None
     if not as_json and text is not None:
         done: list[int] = []

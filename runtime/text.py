@@ -13,6 +13,8 @@ from xcompile.runtime.errors import EngineError
 
 
 class Text:
+    """The tokenizer files of an engine dir (or checkpoint dir): encode, decode, chat template."""
+
     def __init__(self, directory: Path):
         directory = Path(directory)
         path = directory / "tokenizer.json"

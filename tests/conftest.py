@@ -33,6 +33,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny ops: more only add contention on the 2-core CI machine.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     """Tiny untied Qwen3 target (fixtures.TINY_QWEN3) with tokenizer, one safetensors file."""

@@ -216,14 +216,16 @@ def write_eagle3_checkpoint(path: Path, target_overrides: dict | None = None, ov
 
 def step_inputs(ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Contract step inputs for ``ids`` [B, S] written at ``start``: causal unless ``tree_mask``
-    [B, S, S] is given, positions start.. unless given, logits for every row unless ``rows``."""
+    """Contract step inputs for ``ids`` [B, S] written at ``start``, on ``ids``'s device: causal unless
+    ``tree_mask`` [B, S, S] is given, positions start.. unless given, logits for every row unless ``rows``."""
     b, s = ids.shape
+    dev = ids.device
     if positions is None:
-        positions = (start + torch.arange(s)).expand(b, s)
+        positions = (start + torch.arange(s, device=dev)).expand(b, s)
     if tree_mask is None:
-        tree_mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, s, s)
+        tree_mask = torch.ones(s, s, dtype=torch.bool, device=dev).tril().expand(b, s, s)
     if rows is None:
-        rows = torch.arange(s).expand(b, s)
-    return {"input_ids": ids, "position_ids": positions, "write_index": torch.full((b,), start, dtype=torch.int64),
-            "tree_mask": tree_mask, "logit_rows": rows}
+        rows = torch.arange(s, device=dev).expand(b, s)
+    return {"input_ids": ids, "position_ids": positions,
+            "write_index": torch.full((b,), start, dtype=torch.int64, device=dev), "tree_mask": tree_mask,
+            "logit_rows": rows}

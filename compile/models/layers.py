@@ -182,9 +182,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return y.reshape(b, h, s, d)
 
 
-# Decode/verify steps (few queries, the whole static cache as keys): plain batched matmuls. SDPA's
-# fused kernels parallelise over queries and heads, so with ~1 query per head a few thread blocks
-# stream the entire cache; cuBLAS spreads the same reads over every SM. Prefill keeps SDPA.
+# Decode/verify steps (few queries, the whole static cache as keys): plain batched matmuls (cuBLAS
+# spreads the cache reads over the SMs), as HF's eager attention computes. Prefill keeps SDPA.
+# Measured in the model on an H200 (docs/BENCHMARKS.md): attention is a small share of a decode step.
 MATMUL_ATTENTION_MAX_QUERIES = 64
 
 

@@ -21,32 +21,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xcompile.runtime.contract import DTYPES, GraphSpec
-from xcompile.runtime.engine import Engine, KVShape
+from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
+from xcompile.runtime.engine import MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import Manifest, spec_from_io
+from xcompile.runtime.manifest import Manifest
 
 # IOBinding element types; bf16 has no numpy dtype, ORT takes the ONNX enum (TensorProto.BFLOAT16)
 _ELEMENT_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: 16,
                   torch.int64: np.int64, torch.bool: np.bool_}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "int64": torch.int64, "bool": torch.bool}
 
 
 class OrtEngine(Engine):
     """One ONNX graph of the contract on ONNX Runtime.
 
-    ``dims`` are the graph's fixed symbolic sizes (the manifest's ``dims``). ``run`` returns views of
-    preallocated output buffers, overwritten by the next run: copy what you keep.
+    ``kv`` is the graph's cache geometry and ``dims`` its fixed symbolic sizes (the manifest's
+    ``Manifest.kv_shape`` and ``dims``). ``run`` returns views of preallocated output buffers,
+    overwritten by the next run: copy what you keep.
     """
 
-    def __init__(self, onnx_path: Path, spec: GraphSpec, dims: dict, dtype: torch.dtype,
+    def __init__(self, onnx_path: Path, spec: GraphSpec, kv: KVShape | None, dims: dict, dtype: torch.dtype,
                  device: torch.device | str = "cpu", *, max_tokens: int | None = None, max_rows: int = 64,
                  session_options=None):
         device = torch.device(device)
-        kv = None
-        if spec.num_layers:
-            kv = KVShape(spec.num_layers, dims["kv_heads"], dims["head_dim"], dims["max_seq_len"], dims["batch"])
         super().__init__(spec, kv, dtype, device)
         if device.type == "cpu" and dtype == torch.bfloat16:
             raise EngineError(f"{onnx_path}: ONNX Runtime's CPU provider has no bfloat16 MatMul kernel; run a bf16 "
@@ -58,9 +54,7 @@ class OrtEngine(Engine):
         self.max_rows = min(max_rows, self.max_tokens)
         self.session = _session(self.path, device, session_options)
         self._check_session()
-        n_kv = 2 * spec.num_layers
-        self._inputs = spec.inputs[: len(spec.inputs) - n_kv]
-        self._outputs = spec.outputs[: len(spec.outputs) - n_kv]
+        self._inputs, self._outputs = spec.step_inputs, spec.step_outputs
         # one flat buffer per output, sized for max_tokens / max_rows; runs bind a contiguous prefix
         self._buffers = {t.name: torch.empty(math.prod(self._size(d, self.max_tokens, self.max_rows) for d in t.shape),
                                              dtype=self._dtype(t.dtype), device=device) for t in self._outputs}
@@ -69,7 +63,7 @@ class OrtEngine(Engine):
         self._device_id = device.index or 0
 
     def _dtype(self, name: str) -> torch.dtype:
-        return self.dtype if name == "model" else _DTYPES[name]
+        return self.dtype if name == MODEL_DTYPE else TORCH_DTYPES[name]
 
     def _size(self, dim: str, tokens: int, rows: int) -> int:
         if dim == "tokens":
@@ -165,14 +159,17 @@ def _session(path: Path, device: torch.device, options):
         raise EngineError(f"{path}: ONNX Runtime cannot load it: {str(e).splitlines()[0]}") from e
 
 
-def load(directory: Path, graph: str, device: torch.device | str = "cpu", **options) -> OrtEngine:
-    """The ONNX graph ``graph`` of an engine dir on ONNX Runtime, checked against manifest and contract."""
+def load(directory: Path, graph: str, device: torch.device | str = "cpu", *, manifest: Manifest | None = None,
+         **options) -> OrtEngine:
+    """The ONNX graph ``graph`` of an engine dir on ONNX Runtime, checked against manifest and contract.
+
+    ``manifest``: the dir's, when the caller has read it already; ``options`` go to OrtEngine
+    (``max_tokens`` defaults to the dir's max_seq_len)."""
     directory = Path(directory)
-    manifest = Manifest.load(directory)
+    manifest = manifest if manifest is not None else Manifest.load(directory)
     if graph not in manifest.graphs:
         raise EngineError(f"{directory}: no {graph!r} graph in the manifest (has {sorted(manifest.graphs)})")
     entry = manifest.graphs[graph]
-    num_layers = sum(1 for t in entry.io["outputs"] if t.get("aliases")) // 2
-    spec = spec_from_io(graph, entry.io, num_layers)
     options.setdefault("max_tokens", manifest.max_seq_len)
-    return OrtEngine(directory / entry.onnx, spec, entry.dims, _DTYPES[DTYPES[manifest.dtype]], device, **options)
+    return OrtEngine(directory / entry.onnx, manifest.graph_spec(graph), manifest.kv_shape(graph), entry.dims,
+                     MODEL_TORCH_DTYPES[manifest.dtype], device, **options)

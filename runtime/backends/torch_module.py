@@ -13,13 +13,17 @@ from xcompile.runtime.engine import Engine, KVShape
 
 
 class TorchEngine(Engine):
+    """A reference module behind the Engine interface; its steps are plain torch ops, so CUDA graphs can
+    record them (``GraphedEngine``)."""
+
+    graph_capturable = True
+
     def __init__(self, module: torch.nn.Module, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
                  device: torch.device | str):
         super().__init__(spec, kv, dtype, torch.device(device))
         self.module = module
-        n_kv = 2 * spec.num_layers
-        self._inputs = spec.input_names[: len(spec.input_names) - n_kv]
-        self._outputs = spec.output_names[: len(spec.output_names) - n_kv]
+        self._inputs = [t.name for t in spec.step_inputs]
+        self._outputs = [t.name for t in spec.step_outputs]
 
     @torch.inference_mode()
     def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:

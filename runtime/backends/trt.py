@@ -6,7 +6,9 @@ directions, dtypes, static KV shape, every ``present_*`` aliased to its ``past_*
 
 Binding: every non-KV tensor owns one flat buffer sized for the largest profile; a step views its
 first ``numel`` elements in the step's shape, so tensor addresses never change and a fixed-shape
-step can be replayed from a CUDA graph. KV outputs are bound to their input's address (the engine's
+step can be replayed from a CUDA graph. The engine records those graphs itself, one per decode/verify
+shape (``runtime.graphs.CudaGraphCapture`` over one launch), so it is not ``graph_capturable``: the
+generator never wraps it in a GraphedEngine. KV outputs are bound to their input's address (the engine's
 KVCacheUpdate layers write in place). One execution context per optimization profile, all sharing
 one user-managed scratch allocation (they never run concurrently: one stream).
 """
@@ -22,10 +24,11 @@ from pathlib import Path
 import torch
 
 from xcompile.plugins.registry import PluginError, load_plugins
-from xcompile.runtime.contract import DTYPES, MODEL_DTYPE, GraphSpec
-from xcompile.runtime.engine import TORCH_DTYPES, Engine, KVShape
+from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
+from xcompile.runtime.engine import DTYPE_NAMES, MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import EngineEntry, Manifest, spec_from_io
+from xcompile.runtime.graphs import Capture, CudaGraphCapture, GraphUnavailable
+from xcompile.runtime.manifest import EngineEntry, Manifest
 
 # flavor -> import name (both expose the same Python API for what this backend uses)
 FLAVOR_MODULES = {"tensorrt": "tensorrt", "rtx": "tensorrt_rtx"}
@@ -95,42 +98,12 @@ def check_engine(engine, spec: GraphSpec, model_dtype: str, kv: KVShape | None, 
     return problems
 
 
-class CudaGraphCapture:
-    """Captures one engine launch into a ``torch.cuda.CUDAGraph``; graphs share one memory pool.
-
-    Rules (trtexec, Torch-TensorRT): shapes and addresses fixed first, one uncaptured launch before
-    capture, capture on a side stream; a launch that fails under capture discards the graph.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def capture(self, launch: Callable[[int], bool]) -> Callable[[], None] | None:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
-        try:
-            with warnings.catch_warnings():
-                # a launch that failed under capture leaves an empty graph: it is discarded below
-                warnings.filterwarnings("ignore", "The CUDA Graph is empty", UserWarning)
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                    ok = launch(stream.cuda_stream)
-        except RuntimeError:
-            ok = False
-        current.wait_stream(stream)
-        return graph.replay if ok else None
-
-
 class TrtEngine(Engine):
     """One engine of an engine dir behind the Engine interface (see module docstring)."""
 
     def __init__(self, plan: bytes, entry: EngineEntry, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
-                 device: torch.device | str, *, trt, source: str = "", graphs: CudaGraphCapture | None = None):
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())   # buffers report cuda:N
+                 device: torch.device | str, *, trt, source: str = "", graphs: Capture | None = None):
+        """``graphs`` records repeated fixed-shape launches (None: every step launches eagerly)."""
         super().__init__(spec, kv, dtype, device)
         self.entry, self.trt, self.source, self.graphs = entry, trt, source or entry.file, graphs
         self._check_version()
@@ -146,14 +119,12 @@ class TrtEngine(Engine):
                               f"the engine (built with {entry.trt_version} for compute capabilities "
                               f"{entry.compute_capabilities or 'of the build GPU'}); rebuild it on this machine with "
                               "`xcompile build ... --force`")
-        model_dtype = {v: k for k, v in TORCH_DTYPES.items()}[dtype]
-        problems = check_engine(self.engine, spec, model_dtype, kv, trt)
+        problems = check_engine(self.engine, spec, DTYPE_NAMES[dtype], kv, trt)
         if problems:
             raise EngineError(f"{self.source}: engine does not match the I/O contract: {'; '.join(problems)}; "
                               "rebuild with `xcompile build ... --force`")
-        n_kv = 2 * spec.num_layers
-        self._inputs = spec.input_names[: len(spec.input_names) - n_kv]
-        self._outputs = spec.output_names[: len(spec.output_names) - n_kv]
+        self._inputs = [t.name for t in spec.step_inputs]
+        self._outputs = [t.name for t in spec.step_outputs]
         self._profiles = self._read_profiles()
         self._contexts = self._create_contexts()
         self._buffers = self._allocate_buffers()
@@ -318,44 +289,40 @@ class TrtEngine(Engine):
         self._warm.add(key)
 
     def _capture(self, ctx) -> Callable[[], None] | None:
+        """A graph of one launch of ``ctx`` (its inputs already set), or None where it cannot be captured."""
         if self.entry.flavor == "rtx" and not ctx.is_stream_capturable(self._stream()):
             return None
-        return self.graphs.capture(ctx.execute_async_v3)
-
-
-def kv_shape(manifest: Manifest, graph: str, num_layers: int) -> KVShape | None:
-    """Static cache geometry of ``graph`` from the dims its export recorded."""
-    if num_layers == 0:
-        return None
-    dims = manifest.graphs[graph].dims
-    try:
-        return KVShape(num_layers, dims["kv_heads"], dims["head_dim"], dims.get("max_seq_len", manifest.max_seq_len),
-                       dims.get("batch", manifest.max_batch))
-    except KeyError as e:
-        raise EngineError(f"manifest graph {graph!r} records no {e.args[0]!r} dim; re-export the engine dir") from None
+        try:
+            with warnings.catch_warnings():
+                # a launch that failed under capture leaves an empty graph: it is discarded below
+                warnings.filterwarnings("ignore", "The CUDA Graph is empty", UserWarning)
+                # inside the capture the current stream is the capture stream
+                replay, ok = self.graphs(lambda: ctx.execute_async_v3(self._stream()), self.device)
+        except (GraphUnavailable, RuntimeError):
+            return None
+        return replay if ok else None
 
 
 def load(directory: Path, graph: str, device: torch.device | str = "cuda", *, cuda_graphs: bool = True,
-         trt=None) -> TrtEngine:
+         trt=None, manifest: Manifest | None = None) -> TrtEngine:
     """The TensorRT engine of ``graph`` in an engine dir, checked against manifest and contract.
 
     ``trt`` overrides the TensorRT module (tests pass a stand-in); by default the manifest's flavor
     is imported. ``cuda_graphs`` replays repeated fixed-shape decode/verify steps from CUDA graphs.
+    ``manifest``: the dir's, when the caller has read it already.
     """
     directory = Path(directory)
-    manifest = Manifest.load(directory)
+    manifest = manifest if manifest is not None else Manifest.load(directory)
     if graph not in manifest.engines:
         raise EngineError(f"{directory}: no {graph!r} engine in the manifest (has {sorted(manifest.engines)}); "
                           "run `xcompile build` first")
     entry = manifest.engines[graph]
     trt = trt if trt is not None else import_trt(entry.flavor)
-    io = manifest.graphs[graph].io
-    num_layers = sum(1 for t in io["outputs"] if t.get("aliases")) // 2
-    spec = spec_from_io(graph, io, num_layers)
     path = directory / entry.file
     if not path.is_file():
         raise EngineError(f"{path}: engine file missing; run `xcompile build` again")
     device = torch.device(device)
-    graphs = CudaGraphCapture(device) if cuda_graphs and device.type == "cuda" else None
-    return TrtEngine(path.read_bytes(), entry, spec, kv_shape(manifest, graph, num_layers),
-                     TORCH_DTYPES[DTYPES[manifest.dtype]], device, trt=trt, source=str(path), graphs=graphs)
+    # no warm-up runs: a shape's first step runs uncaptured (TrtEngine._launch) before its capture
+    graphs = CudaGraphCapture(warmup=0, error_mode="thread_local") if cuda_graphs and device.type == "cuda" else None
+    return TrtEngine(path.read_bytes(), entry, manifest.graph_spec(graph), manifest.kv_shape(graph),
+                     MODEL_TORCH_DTYPES[manifest.dtype], device, trt=trt, source=str(path), graphs=graphs)

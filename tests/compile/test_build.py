@@ -20,7 +20,7 @@ from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export import sha256_file
 from xcompile.runtime.contract import MODEL_DTYPE, graph_spec
-from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table, kv_layers
 
 MAX_SEQ = 64
 RTX = ["--trt", "rtx", "--compute-capability", "8.9"]
@@ -67,7 +67,7 @@ def test_parsed_network_follows_contract(built, graph):
     KV-cache-update layer whose output is its present output, attention and RoPE layers present."""
     trt, poly = loaders.polygraphy_backend("rtx")
     m = Manifest.load(built)
-    layers = b.graph_num_layers(m.graphs[graph].io)
+    layers = kv_layers(m.graphs[graph].io)
     spec = graph_spec(graph, layers)
     with loaders.polygraphy_errors():
         _, network, _ = poly.NetworkFromOnnxPath(str(built / f"{graph}.onnx"), strongly_typed=True)()

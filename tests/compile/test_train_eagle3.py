@@ -22,15 +22,7 @@ from xcompile.compile.train_eagle3 import (
 from xcompile.runtime.text import Text
 
 SEQ = 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: threads only add contention on the 2-core CI machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def word_text(n_docs: int, words: int, seed: int = 0) -> list[str]:

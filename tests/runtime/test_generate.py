@@ -19,15 +19,7 @@ from xcompile.runtime.speculative import Block, chain_block
 
 NEW = 64        # new tokens per prompt in the equivalence tests
 MAX_SEQ_LEN = 160
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: threads only add contention on the 2-core CI machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

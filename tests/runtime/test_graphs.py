@@ -12,12 +12,14 @@ import time
 import pytest
 import torch
 import tiny_engines as T
+from fixtures import step_inputs
 
 from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
 
 MAX_SEQ_LEN = 128
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Emulated:
@@ -39,29 +41,14 @@ class Emulated:
         return replay, out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> T.Tiny:
     return T.build(MAX_SEQ_LEN)
 
 
-def decode_inputs(token: int, pos: int) -> dict[str, torch.Tensor]:
-    return dict(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), write_index=torch.tensor([pos]),
-                tree_mask=torch.ones(1, 1, 1, dtype=torch.bool), logit_rows=torch.zeros(1, 1, dtype=torch.int64))
-
-
 def block_inputs(tokens: list[int], pos: int) -> dict[str, torch.Tensor]:
-    s = len(tokens)
-    return dict(input_ids=torch.tensor([tokens]), position_ids=torch.arange(pos, pos + s)[None],
-                write_index=torch.tensor([pos]), tree_mask=torch.ones(s, s, dtype=torch.bool).tril()[None],
-                logit_rows=torch.arange(s)[None])
+    """Causal step inputs for ``tokens`` written at ``pos``, logits for every row."""
+    return step_inputs(torch.tensor([tokens]), pos)
 
 
 def test_cpu_falls_back_to_eager_with_a_reason(tiny):
@@ -69,9 +56,9 @@ def test_cpu_falls_back_to_eager_with_a_reason(tiny):
     eager.new_kv()
     graphed.new_kv()
     with pytest.warns(UserWarning, match="running eagerly"):
-        out = graphed.run(**decode_inputs(5, 0))
+        out = graphed.run(**block_inputs([5], 0))
     assert "CUDA device" in graphed.fallback and not graphed.graphs
-    assert torch.equal(out["logits"], eager.run(**decode_inputs(5, 0))["logits"])
+    assert torch.equal(out["logits"], eager.run(**block_inputs([5], 0))["logits"])
 
 
 def test_capture_once_per_shape_then_replay_into_the_same_buffers(tiny):
@@ -81,8 +68,8 @@ def test_capture_once_per_shape_then_replay_into_the_same_buffers(tiny):
     graphed.new_kv()
     first = None
     for pos, token in enumerate([5, 9, 17, 33]):
-        out = graphed.run(**decode_inputs(token, pos))
-        want = eager.run(**decode_inputs(token, pos))
+        out = graphed.run(**block_inputs([token], pos))
+        want = eager.run(**block_inputs([token], pos))
         assert torch.equal(out["logits"], want["logits"]) and torch.equal(out["hidden_taps"], want["hidden_taps"])
         first = out["logits"] if first is None else first
         assert out["logits"].data_ptr() == first.data_ptr()            # the graph's fixed output buffer
@@ -107,6 +94,23 @@ def test_capture_failure_falls_back(tiny):
         tokens = g.generate([5, 6, 7], 16).tokens
     assert "not permitted" in g.target.fallback
     assert tokens == Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 16).tokens
+
+
+def test_engines_not_graph_capturable_run_as_they_are(tiny):
+    """GraphedEngine records only engines that declare their steps capturable: a TensorRT engine replays
+    graphs of its own launches, and recording those again would capture a capture."""
+    engine = tiny.target_engine()
+    engine.graph_capturable = False                                     # as TrtEngine and OrtEngine declare
+    capture = Emulated()
+    graphed = GraphedEngine(engine, {1}, capture)
+    graphed.new_kv()
+    graphed.run(**block_inputs([5], 0))
+    assert "graph_capturable" in graphed.fallback and capture.captures == 0
+    g = Generator(engine, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
+    assert g.target is engine
+    assert g.generate([5, 6, 7], 8).tokens == Generator(tiny.target_engine(), NoDrafter(), [],
+                                                        MAX_SEQ_LEN).generate([5, 6, 7], 8).tokens
+    assert capture.captures == 0
 
 
 # drafter, and the token counts each engine captures; the target's 1 comes from a one-token prompt (a decode

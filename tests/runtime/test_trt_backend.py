@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from fake_trt import FakeTrt, engine_bytes
+from fixtures import step_inputs
 from xcompile.runtime.backends import trt as backend
-from xcompile.runtime.contract import graph_spec
+from xcompile.runtime.contract import DTYPES, graph_spec
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import EngineEntry, GraphEntry, Manifest, ModelEntry, io_table
 
@@ -36,8 +37,7 @@ def make_dir(root: Path, version: str = VERSION, manifest_version: str | None = 
         io = io_table(graph_spec(graph, layers))
         graphs[graph] = GraphEntry(f"{graph}.onnx", "target", io, DIMS[graph])
         engines[graph] = EngineEntry(f"{graph}.engine", graph, flavor, manifest_version or version, [], PROFILES)
-        torch_dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-        (root / f"{graph}.engine").write_bytes(engine_bytes(io, DIMS[graph], PROFILES, torch_dtype, version,
+        (root / f"{graph}.engine").write_bytes(engine_bytes(io, DIMS[graph], PROFILES, DTYPES[dtype], version,
                                                             **overrides))
     Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic:tiny:0")}, graphs,
              engines).save(root)
@@ -45,30 +45,36 @@ def make_dir(root: Path, version: str = VERSION, manifest_version: str | None = 
 
 
 def step(ids: list[int], start: int, rows: list[int] | None = None, device="cpu") -> dict[str, torch.Tensor]:
-    n = len(ids)
-    return {"input_ids": torch.tensor([ids], device=device),
-            "position_ids": torch.arange(start, start + n, device=device)[None],
-            "write_index": torch.tensor([start], device=device),
-            "tree_mask": torch.ones(1, n, n, dtype=torch.bool, device=device).tril(),
-            "logit_rows": torch.tensor([rows if rows is not None else [n - 1]], device=device)}
+    """Causal step inputs for ``ids`` written at ``start``; logits of ``rows`` (default: the last)."""
+    rows = [len(ids) - 1] if rows is None else rows
+    return step_inputs(torch.tensor([ids], device=device), start, rows=torch.tensor([rows], device=device))
 
 
 class FakeCapture:
-    """Records captures; ``fail`` makes every capture fail (as a non-capturable engine does)."""
+    """Stands in for ``graphs.CudaGraphCapture`` on CPU and records captures; ``fail`` makes every
+    capture fail as a launch that cannot be captured does."""
 
     def __init__(self, fail: bool = False):
         self.fail, self.captures, self.replays = fail, 0, 0
 
-    def capture(self, launch):
+    def __call__(self, launch, device):
         self.captures += 1
         if self.fail:
-            return None
+            raise RuntimeError("operation not permitted when stream is capturing")
 
         def replay():
             self.replays += 1
-            assert launch(0)
+            assert launch()
 
-        return replay
+        return replay, True
+
+
+def captured_engine(directory: Path, fake: FakeTrt, graphs: FakeCapture) -> backend.TrtEngine:
+    """The dir's target engine on cpu, capturing through ``graphs``."""
+    manifest = Manifest.load(directory)
+    return backend.TrtEngine((directory / "target.engine").read_bytes(), manifest.engines["target"],
+                             graph_spec("target", 2), manifest.kv_shape("target"), torch.float32, "cpu",
+                             trt=fake, graphs=graphs)
 
 
 @pytest.fixture
@@ -179,12 +185,8 @@ def test_missing_engine_says_build(tmp_path, fake):
 
 
 def test_cuda_graph_capture_replays_fixed_shape_steps(tmp_path, fake):
-    directory = make_dir(tmp_path)
-    manifest = Manifest.load(directory)
     graphs = FakeCapture()
-    eng = backend.TrtEngine((directory / "target.engine").read_bytes(), manifest.engines["target"],
-                            graph_spec("target", 2), backend.kv_shape(manifest, "target", 2), torch.float32, "cpu",
-                            trt=fake, graphs=graphs)
+    eng = captured_engine(make_dir(tmp_path), fake, graphs)
     kv = eng.new_kv()
     eng.run(**step(list(range(8)), 0))                   # prefill profile: never captured
     committed = sum(range(8))
@@ -204,12 +206,8 @@ def test_cuda_graph_capture_replays_fixed_shape_steps(tmp_path, fake):
 
 
 def test_cuda_graph_capture_failure_falls_back(tmp_path, fake):
-    directory = make_dir(tmp_path)
-    manifest = Manifest.load(directory)
     graphs = FakeCapture(fail=True)
-    eng = backend.TrtEngine((directory / "target.engine").read_bytes(), manifest.engines["target"],
-                            graph_spec("target", 2), backend.kv_shape(manifest, "target", 2), torch.float32, "cpu",
-                            trt=fake, graphs=graphs)
+    eng = captured_engine(make_dir(tmp_path), fake, graphs)
     kv = eng.new_kv()
     eng.run(**step([1], 0))
     with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
@@ -222,12 +220,8 @@ def test_cuda_graph_capture_failure_falls_back(tmp_path, fake):
 
 def test_rtx_engine_not_stream_capturable_runs_uncaptured(tmp_path, fake):
     fake.capturable = False
-    directory = make_dir(tmp_path)
-    manifest = Manifest.load(directory)
     graphs = FakeCapture()
-    eng = backend.TrtEngine((directory / "target.engine").read_bytes(), manifest.engines["target"],
-                            graph_spec("target", 2), backend.kv_shape(manifest, "target", 2), torch.float32, "cpu",
-                            trt=fake, graphs=graphs)
+    eng = captured_engine(make_dir(tmp_path), fake, graphs)
     eng.new_kv()
     eng.run(**step([1], 0))
     with pytest.warns(RuntimeWarning):

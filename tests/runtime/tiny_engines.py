@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from xcompile.compile.config import Eagle3Config, Qwen3Config
-from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
+from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET, graph_spec
-from xcompile.runtime.engine import KVShape
+from xcompile.runtime.contract import DRAFT
 
 VOCAB, DRAFT_VOCAB, EOS = 128, 64, 3
 TARGET_CFG = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -41,12 +41,6 @@ def init_(module: torch.nn.Module, seed: int, std: float = 0.3) -> torch.nn.Modu
     return module.eval()
 
 
-def qwen3_engine(module: Qwen3, graph: str = TARGET, max_seq_len: int | None = None) -> TorchEngine:
-    c, w = module.cfg, module.lm_head.weight
-    kv = KVShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_seq_len or module.max_seq_len)
-    return TorchEngine(module, graph_spec(graph, c.num_hidden_layers), kv, w.dtype, w.device)
-
-
 @dataclass
 class Tiny:
     target: Qwen3
@@ -69,11 +63,7 @@ class Tiny:
         return qwen3_engine(noisy_copy(self.target, std), DRAFT)
 
     def eagle3_engines(self) -> tuple[TorchEngine, TorchEngine]:
-        c, w = self.eagle3.cfg, self.eagle3.fc.weight
-        kv = KVShape(1, c.num_key_value_heads, c.head_dim, self.max_seq_len)
-        head = TorchEngine(self.eagle3, graph_spec(EAGLE3), kv, w.dtype, w.device)
-        fc = TorchEngine(Eagle3FC(self.eagle3), graph_spec(EAGLE3_FC), None, w.dtype, w.device)
-        return head, fc
+        return eagle3_engines(self.eagle3, self.max_seq_len)
 
 
 def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Tiny:
