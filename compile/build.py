@@ -1,8 +1,7 @@
 """``xcompile build``'s engine step: the ONNX graphs of an engine dir -> TensorRT or TensorRT-RTX engines.
 
-Composed from Polygraphy-style loaders (compile/trt_loaders.py: parse -> check -> postprocess network
--> config -> engine file),
-one engine per graph, recorded in the manifest:
+Composed from Polygraphy-style loaders (compile/trt_loaders.py: parse -> check -> config -> engine
+file), one engine per graph, recorded in the manifest:
 
     target   two optimization profiles: prefill (tokens 1..max_seq_len) and decode/verify
              (tokens 1..max_draft_tokens+1); ``rows`` follows ``tokens``. One engine keeps one copy
@@ -26,7 +25,7 @@ from pathlib import Path
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export import sha256_file
 from xcompile.compile.trt_loaders import (
-    EngineFileFromNetwork, NetworkReport, Progress, additive_masks, compute_capability, create_config, failure,
+    EngineFileFromNetwork, NetworkReport, Progress, compute_capability, create_config, failure,
     inspect_network, polygraphy_backend, polygraphy_errors, profile_shapes, progress_monitor,
 )
 from xcompile.plugins.registry import PluginError, load_plugins
@@ -111,7 +110,9 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
                  f"{report.rope} RoPE, {len(report.kv_updates)} KV-cache-update layers)")
         shapes = [profile_shapes(parsed[1], spec, {"tokens": p.tokens, "rows": p.rows, "batch": (1, 1, max_batch)})
                   for p in profiles]
-        network = poly.PostprocessNetwork(parsed, additive_masks(trt), "AdditiveMasks")
+        # the exporter's attention masks are additive floats: TRT-RTX 1.7 fails to build a boolean
+        # mask shared by several attention layers ("Graph contains more than one op named <mask>_iota")
+        network = parsed
         if dtype == "fp32":
             network = poly.SetDecomposableAttentions(network)      # no fused fp32 attention kernel
         config = create_config(trt, poly, flavor, shapes, compute_capabilities, timing_cache,

@@ -1,10 +1,9 @@
 """Polygraphy-style loaders and checks for building TensorRT / TensorRT-RTX engines from our ONNX.
 
-Small composable pieces that ``compile/build.py`` chains (parse -> check -> postprocess network ->
-config -> engine file): binding Polygraphy to a TensorRT flavor, turning TensorRT's logged errors
-into one CompileError, build progress, the network's contract check, the boolean-mask rewrite that
-TRT-RTX 1.7 needs, optimization-profile shapes, compute-capability targets, and a loader that
-streams the plan to disk.
+Small composable pieces that ``compile/build.py`` chains (parse -> check -> config -> engine file):
+binding Polygraphy to a TensorRT flavor, turning TensorRT's logged errors into one CompileError,
+build progress, the network's contract check, optimization-profile shapes, compute-capability
+targets, and a loader that streams the plan to disk.
 """
 
 from __future__ import annotations
@@ -23,10 +22,6 @@ from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.errors import EngineError
 
 Progress = Callable[[str], None]
-
-# additive mask value for hidden keys (see additive_masks)
-MASK_NEG = float("-inf")
-
 
 # --------------------------------------------------------------------------------------------
 # flavor, Polygraphy binding, logging
@@ -154,39 +149,6 @@ def inspect_network(network, spec: GraphSpec, model_dtype: str, trt) -> NetworkR
     return NetworkReport(inputs, outputs, kv_updates,
                          sum(layer.type == trt.LayerType.ATTENTION_INPUT for layer in layers),
                          sum(layer.type == trt.LayerType.ROTARY_EMBEDDING for layer in layers), problems)
-
-
-def additive_masks(trt):
-    """Network postprocess: feed every IAttention a float additive mask (0 / -inf in the query
-    dtype) instead of a boolean one. TRT-RTX 1.7 fails to build a boolean mask shared by two or
-    more attention layers ("Myelin ... Graph contains more than one op named <mask>_iota"); the
-    additive form is equivalent wherever a query sees at least one key (always: it sees itself)."""
-    import numpy as np
-
-    keep = []       # constants' numpy arrays: TensorRT reads them at build time, so the closure keeps them
-
-    def apply(network):
-        consts = {}     # one (0, -inf) pair per query dtype
-        for i in range(network.num_layers):
-            layer = network.get_layer(i)
-            if layer.type != trt.LayerType.ATTENTION_INPUT:
-                continue
-            layer.__class__ = trt.IAttentionInputLayer       # the Python binding's downcast (as Polygraphy does)
-            attention = layer.attention
-            mask, dtype = attention.mask, attention.get_input(0).dtype
-            if mask is None or mask.dtype != trt.DataType.BOOL:
-                continue
-            if dtype not in consts:
-                pair = []
-                for value in (0.0, MASK_NEG):
-                    array = np.full([1] * len(mask.shape), value, np.float32)
-                    keep.append(array)
-                    const = network.add_constant(array.shape, trt.Weights(array)).get_output(0)
-                    pair.append(network.add_cast(const, dtype).get_output(0))
-                consts[dtype] = pair
-            attention.mask = network.add_select(mask, *consts[dtype]).get_output(0)
-
-    return apply
 
 
 def profile_shapes(network, spec: GraphSpec, ranges: dict[str, tuple[int, int, int]]) -> dict[str, tuple]:
