@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("runtime", "plugins")
 FORBIDDEN = ("onnx", "onnxscript", "transformers", "compile", "xcompile.compile")
@@ -85,3 +87,21 @@ print(json.dumps({{"loaded": loaded, "skipped": skipped}}))
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["loaded"] == [], f"importing the runtime loaded {result['loaded']}"
     assert len(result["skipped"]) < len(modules), result["skipped"]
+
+
+@pytest.mark.parametrize("cli", ["xcompile.compile.cli", "xcompile.runtime.cli"])
+def test_cli_help_imports_nothing_heavy(cli):
+    """--help stays instant: the CLI modules import torch, onnx, tensorrt only inside commands."""
+    script = f"""
+import sys
+from click.testing import CliRunner
+import {cli} as m
+result = CliRunner().invoke(m.main, ["--help"])
+assert result.exit_code == 0, result.output
+heavy = sorted({{n.split(".")[0] for n in sys.modules}} & {{"torch", "onnx", "onnxruntime", "tensorrt",
+                                                          "tensorrt_rtx", "polygraphy", "transformers"}})
+print(heavy)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", f"{cli} --help imported {run.stdout.strip()}"
