@@ -10,7 +10,7 @@ import torch
 
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator, Result
-from xcompile.runtime.load import make_drafter, open_engine_dir
+from xcompile.runtime.load import EngineSet, make_drafter, open_engine_dir
 from xcompile.runtime.text import Text
 
 
@@ -52,49 +52,50 @@ def stats_dict(result: Result) -> dict:
     }
 
 
+def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[int]:
+    if req.prompt_ids is not None:
+        vocab = es.manifest.models["target"].config["vocab_size"]
+        if req.prompt_ids and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab):
+            raise EngineError(f"--prompt-ids: ids must lie in [0, {vocab}) for this model")
+        return list(req.prompt_ids)
+    return text.chat(req.chat) if req.chat is not None else text.encode(req.prompt)
+
+
 def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> Result:
     """Open the dir, encode the prompt, generate (streaming text unless ``as_json``), print stats."""
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
     es = open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs)
-    text = None
-    if req.prompt_ids is None or req.stop:
-        text = Text(es.directory)
-    if req.prompt_ids is not None:
-        ids = list(req.prompt_ids)
-        vocab = es.manifest.models["target"].config["vocab_size"]
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise EngineError(f"--prompt-ids: ids must lie in [0, {vocab}) for this model")
-    elif req.chat is not None:
-        ids = text.chat(req.chat)
-    else:
-        ids = text.encode(req.prompt)
-    drafter = make_drafter(es, req.drafter, req.gamma, req.tree)
-    gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
-                    detokenize=text.decode if text else None,
-                    cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
-    stream = None
-    if not as_json and text is not None:
-        done: list[int] = []
+    try:
+        text = Text(es.directory) if req.prompt_ids is None or req.stop else None
+        ids = prompt_ids(req, es, text)
+        drafter = make_drafter(es, req.drafter, req.gamma, req.tree)
+        gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
+                        detokenize=text.decode if text else None,
+                        cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
+        stream = None
+        if not as_json and text is not None:
+            done: list[int] = []
 
-        def stream(tokens: list[int]) -> None:
-            # decode the whole output each time: byte-level BPE pieces only form text together
-            before = text.decode(done)
-            done.extend(tokens)
-            echo(text.decode(done)[len(before):], nl=False)
+            def stream(tokens: list[int]) -> None:
+                # decode the whole output each time: byte-level BPE pieces only form text together
+                before = text.decode(done)
+                done.extend(tokens)
+                echo(text.decode(done)[len(before):], nl=False)
 
-    result = gen.generate(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream)
+        result = gen.generate(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream)
+    finally:
+        es.close()
     stats = stats_dict(result)
     stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name or "none")
     if as_json:
-        out = {"tokens": result.tokens, "text": text.decode(result.tokens) if text else None, "stats": stats}
-        echo(json.dumps(out))
-    else:
-        if text is None:
-            echo(" ".join(map(str, result.tokens)), nl=False)
-        echo("")
-        echo(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
-             f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} "
-             f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target forwards), "
-             f"finish: {stats['finish_reason']}")
-    es.close()
+        echo(json.dumps({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None,
+                         "stats": stats}))
+        return result
+    if text is None:
+        echo(" ".join(map(str, result.tokens)), nl=False)
+    echo("")
+    echo(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
+         f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} "
+         f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target forwards), "
+         f"finish: {stats['finish_reason']}")
     return result
