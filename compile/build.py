@@ -237,7 +237,7 @@ def stale_export(req, manifest: Manifest) -> str | None:
         if have != want:
             return f"its {field} is {have}, the request's {want}"
     sources = {"target": lambda: ckpt.resolve(req.model), "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
-               "draft": lambda: ckpt.resolve(req.draft_model)}
+               "draft": lambda: ckpt.resolve_draft(req.draft_model)}
     names = {"target": req.model, "eagle3": req.model, "draft": req.draft_model}
     for role, entry in manifest.models.items():
         if req.synthetic:

@@ -45,16 +45,20 @@ WEIGHT_FILES = (SAFETENSORS_INDEX, SAFETENSORS, TORCH_BIN_INDEX, TORCH_BIN)
 
 @dataclass(frozen=True)
 class LocalModel:
-    """A checkpoint that ships inside the package (package data): its dir and its head's, if any."""
+    """A checkpoint that ships inside the package (package data): its dir, and its EAGLE3 head's and
+    small draft model's, if any."""
 
     path: Path
     eagle3_path: Path | None = None
+    draft_path: Path | None = None
 
 
 # The demo pair trained by scripts/train_demo.py (compile/demo/README.md): a 7M-param Qwen3 on
-# CPython's documentation and its EAGLE3 head, so every command runs offline from a fresh clone.
+# CPython's documentation, its EAGLE3 head and a 1.2M-param draft model on its tokenizer, so every
+# command runs offline from a fresh clone.
 DEMO_DIR = Path(__file__).parent / "demo"
-LOCAL_MODELS: dict[str, LocalModel] = {"demo": LocalModel(DEMO_DIR / "target", DEMO_DIR / "eagle3")}
+LOCAL_MODELS: dict[str, LocalModel] = {
+    "demo": LocalModel(DEMO_DIR / "target", DEMO_DIR / "eagle3", DEMO_DIR / "draft")}
 
 
 def aliases() -> str:
@@ -135,6 +139,16 @@ def resolve_eagle3(model_spec: str, eagle3: str | None) -> Path:
         raise CompileError(f"no published EAGLE3 head is known for {model_spec!r}; pass the head's directory or "
                            f"repo id explicitly (published heads: {', '.join(heads)})")
     return resolve(known.eagle3_repo_id)
+
+
+def resolve_draft(spec: str) -> Path:
+    """The draft model dir of ``--draft-model``: resolved like ``resolve``, except that an alias of
+    ``LOCAL_MODELS`` that ships a draft means that draft (``demo`` -> the demo target's draft model).
+    A checkpoint directory named like the alias still wins."""
+    local = LOCAL_MODELS.get(spec.lower())
+    if local is not None and local.draft_path is not None and not (Path(spec).expanduser() / "config.json").is_file():
+        return _packaged(local.draft_path, spec)
+    return resolve(spec)
 
 
 def _packaged(path: Path, alias: str) -> Path:

@@ -187,7 +187,7 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
         cfg, draft_dir = synthetic.known_config(req.draft_model), None
         source, files = synthetic.source(req.draft_model.lower(), req.seed, DRAFT), {}
     else:
-        draft_dir = ckpt.resolve(req.draft_model)
+        draft_dir = ckpt.resolve_draft(req.draft_model)
         cfg = parse_qwen3(draft_dir / "config.json")
         source, files = str(draft_dir), _checkpoint_files("draft", draft_dir)
     where = draft_dir / "config.json" if draft_dir else f"the {req.draft_model} config"

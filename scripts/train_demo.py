@@ -1,13 +1,19 @@
 """Train the demo pair from scratch: a small Qwen3 target on CPython's own documentation, then its
 EAGLE3 head with ``xcompile train-eagle3``'s function. Both are written as HF-format checkpoint dirs.
+With --draft-only, train instead a small draft Qwen3 on the demo target's tokenizer.
 
     python scripts/train_demo.py --device cuda --out demo --minutes 5     # one H200: ~5 minutes
     python scripts/train_demo.py --tiny --device cpu --out /tmp/demo       # smoke check, ~1 minute
+    python scripts/train_demo.py --draft-only --distil --device cpu --out /tmp/demo-draft --minutes 12  # 2 cores
 
 Steps: byte-level BPE tokenizer on data/corpus.train.txt (scripts/make_corpus.py) -> target trained
 as a causal LM (bf16 autocast, fused AdamW, warmup + cosine, the held-out best kept) -> written to
 OUT/target -> head distilled from that checkpoint on the same text -> OUT/eagle3. Held-out loss and
 accuracy of both are printed and recorded in OUT/demo.json.
+
+--draft-only: the tokenizer of --target (default: the packaged demo target, tokenizer not retrained)
+-> the DRAFT sizes trained by the same function as the target, on the text or (--distil) on the
+target's greedy next tokens -> OUT/draft, with its held-out figures in OUT/draft/train_demo.json.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -23,13 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from xcompile.compile import data as textdata
-from xcompile.compile.checkpoint import module_state
-from xcompile.compile.config import Qwen3Config
+from xcompile.compile.checkpoint import load_qwen3, module_state
+from xcompile.compile.config import Qwen3Config, parse_qwen3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.train_eagle3 import Schedule, TrainOptions, autocast, optimizer, train_eagle3_files
 from xcompile.runtime.text import Text
 
 REPO = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO / "compile" / "demo" / "target"     # the packaged target: --draft-only's default
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")       # Qwen's names; <|endoftext|> ends documents
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -61,13 +69,19 @@ class Demo:
     head_lr: float = 2e-3
     head_epochs: float = 40.0
     head_eval_every: int = 250
-    draft_vocab: int = 4096
+    draft_vocab: int = 4096             # the EAGLE3 head's, not the draft model's (which is the target's)
     docs: int | None = None             # use only the first N train documents (tiny)
 
 
 TINY = Demo(vocab=512, hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, intermediate=128, seq_len=64,
             batch=8, target_epochs=1.0, eval_every=25, head_batch=8, head_seq_len=64, head_epochs=0.5,
             draft_vocab=256, docs=16)
+
+# --draft-only: a draft model for the demo target (compile/demo/draft). 0.39M non-embedding params plus
+# the tied 6144 x 128 embedding (1.18M in all); 2 layers so a draft step is ~1/4 of a target step. Sized
+# for ~12 minutes on 2 CPU cores (~9k tokens/s there, ~7 epochs): batch 8 gives more steps from the same tokens.
+# Its vocab is replaced by the tokenizer's; the target_* budget fields apply to it.
+DRAFT = Demo(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, batch=8, eval_every=25)
 
 
 def train_tokenizer(docs: list[str], vocab: int, out: Path, seq_len: int) -> None:
@@ -86,7 +100,7 @@ def train_tokenizer(docs: list[str], vocab: int, out: Path, seq_len: int) -> Non
         "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
 
 
-def target_config(d: Demo) -> Qwen3Config:
+def qwen3_config(d: Demo) -> Qwen3Config:
     return Qwen3Config(vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
                        num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
                        head_dim=d.head_dim, rope_theta=d.rope_theta, max_position_embeddings=d.seq_len,
@@ -113,16 +127,34 @@ def train_kv(model: Qwen3, batch: int, device: torch.device) -> list[torch.Tenso
             for i in range(2 * c.num_hidden_layers)]
 
 
-def lm_loss(model: Qwen3, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal LM loss and next-token top-1 accuracy of one batch of windows [B, T]."""
+def lm_logits(model: Qwen3, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of a causal forward over windows [B, T]."""
     b, t = ids.shape
     positions = torch.arange(t, device=ids.device).expand(b, t)
     causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril().expand(b, t, t)
     kv = train_kv(model, b, ids.device)
-    logits = model(ids, positions, torch.zeros(b, dtype=torch.int64, device=ids.device), causal, positions, *kv)[0]
-    logits, labels = logits[:, :-1].float(), ids[:, 1:]
+    return model(ids, positions, torch.zeros(b, dtype=torch.int64, device=ids.device), causal, positions, *kv)[0]
+
+
+def lm_loss(model: Qwen3, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and top-1 accuracy of one batch: windows [B, T], whose labels are the next tokens,
+    or [B, 2, T], windows and a label per position (--distil: the target's greedy next tokens)."""
+    ids, labels = (batch[:, 0], batch[:, 1, :-1]) if batch.dim() == 3 else (batch, batch[:, 1:])
+    logits = lm_logits(model, ids)[:, :-1].float()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     return loss, (logits.argmax(-1) == labels).float().mean()
+
+
+@torch.no_grad()
+def with_target_labels(target: Qwen3, windows: torch.Tensor, batch: int) -> torch.Tensor:
+    """[N, 2, T]: ``windows`` [N, T] and, at each position, the target's greedy next token, so that
+    the draft learns to agree with the target (what speculative decoding accepts), not with the text."""
+    device = next(target.parameters()).device
+    labels = []
+    for i in range(0, len(windows), batch):
+        with autocast(device):
+            labels.append(lm_logits(target, windows[i:i + batch].to(device)).argmax(-1).cpu())
+    return torch.stack((windows, torch.cat(labels)), 1)
 
 
 @torch.no_grad()
@@ -137,10 +169,13 @@ def evaluate(model: Qwen3, windows: torch.Tensor, batch: int) -> tuple[float, fl
     return loss / len(windows), acc / len(windows)
 
 
-def train_target(d: Demo, train: torch.Tensor, heldout: torch.Tensor, device: torch.device, seconds: float,
-                 seed: int) -> tuple[Qwen3, dict]:
+def train_lm(d: Demo, train: torch.Tensor, heldout: torch.Tensor, device: torch.device, seconds: float,
+             seed: int, name: str = "target") -> tuple[Qwen3, dict]:
+    """A Qwen3 of ``d``'s sizes trained as a causal LM on ``train`` (windows [N, seq_len], or with labels
+    [N, 2, seq_len]: see ``lm_loss``) for ``d.target_epochs`` or ``seconds``, whichever ends first; the
+    held-out best is returned."""
     torch.manual_seed(seed)
-    model = Qwen3(target_config(d), d.seq_len).to(device)
+    model = Qwen3(qwen3_config(d), d.seq_len).to(device)
     init_weights(model)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -149,7 +184,7 @@ def train_target(d: Demo, train: torch.Tensor, heldout: torch.Tensor, device: to
     steps = max(1, round(d.target_epochs * len(train) / d.batch))
     sched = Schedule(d.lr, steps, seconds, warmup=0.05, min_ratio=0.1)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"target: {n_params / 1e6:.2f}M params, {len(train)} windows x {d.seq_len}, "
+    print(f"{name}: {n_params / 1e6:.2f}M params, {len(train)} windows x {d.seq_len}, "
           f"budget {steps} steps / {seconds:.0f} s")
     data = textdata.batches(train, d.batch, seed)
     best, best_state, step, t0, meter = (math.inf, 0.0), None, 0, time.perf_counter(), []
@@ -170,7 +205,7 @@ def train_target(d: Demo, train: torch.Tensor, heldout: torch.Tensor, device: to
             hl, ha = evaluate(model, heldout, d.batch)
             if hl < best[0]:         # keep the held-out best: the corpus is small enough to overfit
                 best, best_state = (hl, ha), {k: v.detach().clone() for k, v in model.state_dict().items()}
-            print(f"target step {step:5d} ({step * d.batch / len(train):.1f} epochs, "
+            print(f"{name} step {step:5d} ({step * d.batch / len(train):.1f} epochs, "
                   f"{time.perf_counter() - t0:.0f} s)  "
                   f"train loss {tl:.3f} acc {ta:.3f}  held-out loss {hl:.3f} acc {ha:.3f}", flush=True)
     model.load_state_dict(best_state)
@@ -178,7 +213,7 @@ def train_target(d: Demo, train: torch.Tensor, heldout: torch.Tensor, device: to
                    "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def save_target(model: Qwen3, out: Path, eos: list[int]) -> None:
+def save_lm(model: Qwen3, out: Path, eos: list[int]) -> None:
     """HF Qwen3ForCausalLM layout, bf16 safetensors; tied: lm_head.weight is not written."""
     from safetensors.torch import save_file
 
@@ -197,43 +232,72 @@ def save_target(model: Qwen3, out: Path, eos: list[int]) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--minutes", type=float, default=5.0, help="total budget (target + head)")
-    ap.add_argument("--data", type=Path, default=REPO / "data")
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes and a slice of the corpus (CPU smoke check)")
-    ap.add_argument("--target-epochs", type=float, help=f"corpus passes for the target (default {Demo.target_epochs})")
-    ap.add_argument("--head-epochs", type=float, help=f"corpus passes for the head (default {Demo.head_epochs})")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    d = TINY if args.tiny else Demo()
-    d = replace(d, target_epochs=args.target_epochs or d.target_epochs, head_epochs=args.head_epochs or d.head_epochs)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")         # TF32 for what autocast leaves in fp32
-    start = time.perf_counter()
-    budget = args.minutes * 60
-
-    train_path, heldout_path = args.data / "corpus.train.txt", args.data / "corpus.heldout.txt"
-    records = textdata.read_records(train_path)[: d.docs]
-    heldout_records = textdata.read_records(heldout_path)
+def read_corpus(data: Path, d: Demo) -> tuple[list[textdata.Record], list[textdata.Record]]:
+    """Train and held-out documents (the first ``d.docs`` train documents and a quarter as many held-out)."""
+    records = textdata.read_records(data / "corpus.train.txt")[: d.docs]
+    heldout = textdata.read_records(data / "corpus.heldout.txt")
     if d.docs is not None:
-        heldout_records = heldout_records[: max(1, d.docs // 4)]
-    target_dir, head_dir = args.out / "target", args.out / "eagle3"
-    target_dir.mkdir(parents=True, exist_ok=True)
-    train_tokenizer([r.text for r in records], d.vocab, target_dir, d.seq_len)
-    text = Text(target_dir)
+        heldout = heldout[: max(1, d.docs // 4)]
+    return records, heldout
+
+
+def pack_corpus(records: list[textdata.Record], heldout_records: list[textdata.Record], text: Text, d: Demo,
+                start: float) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Train and held-out windows [N, seq_len] and the EOS ids (<|endoftext|>, <|im_end|>)."""
     doc_end = textdata.doc_end_id(text)
     eos = [doc_end, text.tokenizer.token_to_id("<|im_end|>")]
     train = textdata.pack(textdata.tokenize(records, text), doc_end, d.seq_len)
     heldout = textdata.pack(textdata.tokenize(heldout_records, text), doc_end, d.seq_len)
     print(f"corpus: {len(records)} documents, {train.numel():,} train / {heldout.numel():,} held-out tokens "
           f"(vocab {text.tokenizer.get_vocab_size()}, {time.perf_counter() - start:.0f} s)", flush=True)
+    return train, heldout, eos
 
-    model, target_stats = train_target(d, train, heldout, device, d.target_share * budget, args.seed)
-    save_target(model, target_dir, eos)
+
+def train_draft(args: argparse.Namespace, d: Demo, device: torch.device) -> None:
+    """--draft-only: OUT/draft, a Qwen3 of ``d``'s sizes with --target's tokenizer (copied, not retrained)
+    and vocabulary, trained with ``train_lm`` like the target, on the text or (--distil) on the target's
+    greedy next tokens; its record, with held-out top-1 agreement with the target, in OUT/draft/train_demo.json."""
+    start, budget = time.perf_counter(), args.minutes * 60
+    d = replace(d, vocab=parse_qwen3(args.target / "config.json").vocab_size)
+    draft_dir = args.out / "draft"
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(args.target / name, draft_dir / name)
+    records, heldout_records = read_corpus(args.data, d)
+    train, heldout, eos = pack_corpus(records, heldout_records, Text(draft_dir), d, start)
+    target = load_qwen3(args.target, d.seq_len, device=device)
+    agree = with_target_labels(target, heldout, d.batch)          # held-out windows + the target's tokens
+    if args.distil:
+        train = with_target_labels(target, train, d.batch)
+        print(f"target's greedy tokens: {time.perf_counter() - start:.0f} s", flush=True)
+    del target
+    left = budget - (time.perf_counter() - start) - 10            # for the final evaluation and saving
+    model, stats = train_lm(d, train, agree if args.distil else heldout, device, max(left, 10.0), args.seed, "draft")
+    save_lm(model, draft_dir, eos)
+    size = (draft_dir / "model.safetensors").stat().st_size
+    (loss, acc), (_, agreement) = evaluate(model, heldout, d.batch), evaluate(model, agree, d.batch)
+    summary = {"draft": asdict(d), "target": str(args.target), "distil": args.distil, "train": stats,
+               "heldout": {"loss": loss, "acc": acc, "target_agreement": agreement}, "bytes": size,
+               "seconds": round(time.perf_counter() - start, 1), "device": str(device),
+               "threads": torch.get_num_threads()}
+    (draft_dir / "train_demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\ndraft  {stats['params'] / 1e6:.2f}M params, {size / 1e6:.1f} MB: held-out loss {loss:.3f}, "
+          f"next-token acc {acc:.3f}, top-1 agreement with the target {agreement:.3f}")
+    print(f"done in {summary['seconds']:.0f} s -> {draft_dir}")
+
+
+def train_pair(args: argparse.Namespace, d: Demo, device: torch.device) -> None:
+    """The target (tokenizer trained here) -> OUT/target, then its EAGLE3 head -> OUT/eagle3."""
+    start, budget = time.perf_counter(), args.minutes * 60
+    train_path, heldout_path = args.data / "corpus.train.txt", args.data / "corpus.heldout.txt"
+    records, heldout_records = read_corpus(args.data, d)
+    target_dir, head_dir = args.out / "target", args.out / "eagle3"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    train_tokenizer([r.text for r in records], d.vocab, target_dir, d.seq_len)
+    train, heldout, eos = pack_corpus(records, heldout_records, Text(target_dir), d, start)
+
+    model, target_stats = train_lm(d, train, heldout, device, d.target_share * budget, args.seed)
+    save_lm(model, target_dir, eos)
     del model
 
     # the head trains on the written checkpoint (bf16 on CUDA), exactly as `xcompile train-eagle3` would
@@ -264,6 +328,35 @@ def main() -> None:
           f"tokens per target pass, acceptance by depth {a['acceptance_by_position']}, "
           f"== plain greedy {a['match_plain']:.0%}")
     print(f"done in {summary['seconds']:.0f} s -> {args.out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--minutes", type=float, default=5.0, help="total budget (target + head, or the draft)")
+    ap.add_argument("--data", type=Path, default=REPO / "data")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and a slice of the corpus (CPU smoke check)")
+    ap.add_argument("--draft-only", action="store_true",
+                    help="train only a draft model with --target's tokenizer and vocabulary -> OUT/draft")
+    ap.add_argument("--target", type=Path, default=DEMO_TARGET,
+                    help="with --draft-only: the target checkpoint dir whose tokenizer the draft shares")
+    ap.add_argument("--distil", action="store_true",
+                    help="with --draft-only: learn the target's greedy next tokens instead of the text's")
+    ap.add_argument("--target-epochs", type=float,
+                    help=f"corpus passes for the target or the draft (default {Demo.target_epochs})")
+    ap.add_argument("--head-epochs", type=float, help=f"corpus passes for the head (default {Demo.head_epochs})")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    d = TINY if args.tiny else DRAFT if args.draft_only else Demo()
+    d = replace(d, target_epochs=args.target_epochs or d.target_epochs, head_epochs=args.head_epochs or d.head_epochs)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")         # TF32 for what autocast leaves in fp32
+    if args.draft_only:
+        train_draft(args, d, device)
+    else:
+        train_pair(args, d, device)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The embedded demo pair (compile/demo: a trained Qwen3 target + its EAGLE3 head) behind ``--model demo``:
-it resolves offline, loads strictly, and its exported graphs speculate on held-out text with output
-equal to plain greedy decoding."""
+"""The embedded demo pair (compile/demo: a trained Qwen3 target + its EAGLE3 head, and a small draft model)
+behind ``--model demo`` and ``--draft-model demo``: it resolves offline, loads strictly, and its exported
+graphs speculate on held-out text with output equal to plain greedy decoding."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ PROMPT_DOC, PROMPT_TOKENS, NEW_TOKENS, GAMMA = 6, 48, 64, 4
 # measured on the 2-core CPU (ORT, fp32): tau 3.10 on this prompt (2.1-3.9 over held-out docs 0-11);
 # demo.json records 3.26 over 8 held-out prompts on the H200
 MIN_TAU = 2.0
+# the draft model (compile/demo/draft), chain of GAMMA, same prompt and backend: tau 2.71 measured
+# (1.9-3.6 over held-out docs 0-11); a draft that agrees with nothing gives 1.0
+MIN_DRAFT_TAU = 1.8
 # the target's teacher-forced next-token accuracy on that document's first MAX_SEQ_LEN tokens: 0.169
 # measured (demo.json: 0.232 over the whole held-out text); untrained weights score ~1/6144
 MIN_ACC = 0.1
@@ -70,11 +73,13 @@ def test_demo_pair_loads_and_predicts_heldout_text():
 
 @pytest.fixture(scope="module")
 def demo_engine_dir(tmp_path_factory) -> Path:
-    """``xcompile export --model demo --eagle3 --dtype fp32``, once for the module (~10 s on 2 cores)."""
+    """``xcompile export --model demo --eagle3 --draft-model demo --dtype fp32``, once for the module
+    (~10 s on 2 cores)."""
     from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 
     out = tmp_path_factory.mktemp("engines") / "demo"
-    export_engine_dir(ExportRequest(model="demo", out=out, eagle3="", dtype="fp32", max_seq_len=MAX_SEQ_LEN))
+    export_engine_dir(ExportRequest(model="demo", out=out, eagle3="", draft_model="demo", dtype="fp32",
+                                    max_seq_len=MAX_SEQ_LEN))
     return out
 
 
@@ -95,3 +100,36 @@ def test_demo_speculates_heldout_text_like_plain_greedy(demo_engine_dir):
     es.close()
     assert chain.tokens == plain.tokens and len(plain.tokens) == NEW_TOKENS
     assert chain.stats.acceptance_length > MIN_TAU, chain.stats.acceptance_length
+
+
+def test_demo_draft_model_alias_resolves_and_loads(tmp_path, monkeypatch, tiny_target):
+    target_dir, draft_dir = ck.resolve("demo"), ck.resolve_draft("demo")
+    assert draft_dir == ck.DEMO_DIR / "draft" and ck.resolve_draft("DEMO") == draft_dir
+    assert ck.resolve_draft(str(tiny_target)) == tiny_target            # anything else resolves like resolve
+    target_cfg = parse_qwen3(target_dir / "config.json")
+    draft = ck.load_draft_model(draft_dir, target_cfg, MAX_SEQ_LEN)
+    assert draft.cfg.vocab_size == target_cfg.vocab_size and draft.cfg.num_hidden_layers < target_cfg.num_hidden_layers
+    assert (draft_dir / "tokenizer.json").read_bytes() == (target_dir / "tokenizer.json").read_bytes()
+    monkeypatch.chdir(tmp_path)                                         # a checkpoint dir named demo wins
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "config.json").write_text((tiny_target / "config.json").read_text())
+    assert ck.resolve_draft("demo") == tmp_path / "demo"
+
+
+def test_demo_draft_model_speculates_heldout_text_like_plain_greedy(demo_engine_dir):
+    from xcompile.runtime.generate import Generator
+    from xcompile.runtime.load import make_drafter, open_engine_dir
+    from xcompile.runtime.text import Text
+
+    es = open_engine_dir(demo_engine_dir, "auto", "cpu")
+    assert es.manifest.models["draft"].source == str(ck.DEMO_DIR / "draft")
+    prompt = Text(demo_engine_dir).encode(heldout_text(PROMPT_DOC))[:PROMPT_TOKENS]
+
+    def run(drafter: str):
+        return Generator(es.engines["target"], make_drafter(es, drafter, GAMMA), es.manifest.eos_token_ids,
+                         es.manifest.max_seq_len).generate(prompt, NEW_TOKENS)
+
+    plain, draft = run("none"), run("draft-model")
+    es.close()
+    assert draft.tokens == plain.tokens and len(plain.tokens) == NEW_TOKENS
+    assert draft.stats.acceptance_length > MIN_DRAFT_TAU, draft.stats.acceptance_length
