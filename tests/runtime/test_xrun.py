@@ -106,3 +106,19 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
     steps = {(r["graph"], r["tokens"]) for r in report["steps"]}
     assert {("target", 1), ("target", 2), ("target", 3), ("eagle3", 1), ("draft", 1)} <= steps
     assert "speedup_e2e" in out
+
+
+def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
+    from xcompile.runtime.errors import EngineError
+    from xcompile.runtime.load import make_drafter, open_engine_dir
+
+    es = open_engine_dir(tiny_engine_dir, "torch", "cpu")
+    del es.engines["draft"]
+    with pytest.raises(EngineError, match="holds no draft model; rebuild with --draft-model"):
+        make_drafter(es, "draft-model", 2)
+    for graph in ("eagle3", "eagle3_fc"):
+        del es.engines[graph]
+    with pytest.raises(EngineError, match="holds no EAGLE3 head; rebuild with --eagle3"):
+        make_drafter(es, "eagle3", 2)
+    assert make_drafter(es, "auto").name == "none"
+    es.close()
