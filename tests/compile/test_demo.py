@@ -83,23 +83,25 @@ def demo_engine_dir(tmp_path_factory) -> Path:
     return out
 
 
-def test_demo_speculates_heldout_text_like_plain_greedy(demo_engine_dir):
+@pytest.mark.parametrize("drafter, min_tau", [("eagle3", MIN_TAU), ("draft-model", MIN_DRAFT_TAU)])
+def test_demo_speculates_heldout_text_like_plain_greedy(demo_engine_dir, drafter, min_tau):
     from xcompile.runtime.generate import Generator
     from xcompile.runtime.load import make_drafter, open_engine_dir
     from xcompile.runtime.text import Text
 
     es = open_engine_dir(demo_engine_dir, "auto", "cpu")
     assert es.backend == "ort"                          # auto on a CPU with fp32 graphs
+    assert es.manifest.models["draft"].source == str(ck.DEMO_DIR / "draft")
     prompt = Text(demo_engine_dir).encode(heldout_text(PROMPT_DOC))[:PROMPT_TOKENS]
 
-    def run(drafter: str):
-        return Generator(es.engines["target"], make_drafter(es, drafter, GAMMA), es.manifest.eos_token_ids,
+    def run(name: str):
+        return Generator(es.engines["target"], make_drafter(es, name, GAMMA), es.manifest.eos_token_ids,
                          es.manifest.max_seq_len).generate(prompt, NEW_TOKENS)
 
-    plain, chain = run("none"), run("eagle3")
+    plain, spec = run("none"), run(drafter)
     es.close()
-    assert chain.tokens == plain.tokens and len(plain.tokens) == NEW_TOKENS
-    assert chain.stats.acceptance_length > MIN_TAU, chain.stats.acceptance_length
+    assert spec.tokens == plain.tokens and len(plain.tokens) == NEW_TOKENS
+    assert spec.stats.acceptance_length > min_tau, spec.stats.acceptance_length
 
 
 def test_demo_draft_model_alias_resolves_and_loads(tmp_path, monkeypatch, tiny_target):
@@ -114,22 +116,3 @@ def test_demo_draft_model_alias_resolves_and_loads(tmp_path, monkeypatch, tiny_t
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "config.json").write_text((tiny_target / "config.json").read_text())
     assert ck.resolve_draft("demo") == tmp_path / "demo"
-
-
-def test_demo_draft_model_speculates_heldout_text_like_plain_greedy(demo_engine_dir):
-    from xcompile.runtime.generate import Generator
-    from xcompile.runtime.load import make_drafter, open_engine_dir
-    from xcompile.runtime.text import Text
-
-    es = open_engine_dir(demo_engine_dir, "auto", "cpu")
-    assert es.manifest.models["draft"].source == str(ck.DEMO_DIR / "draft")
-    prompt = Text(demo_engine_dir).encode(heldout_text(PROMPT_DOC))[:PROMPT_TOKENS]
-
-    def run(drafter: str):
-        return Generator(es.engines["target"], make_drafter(es, drafter, GAMMA), es.manifest.eos_token_ids,
-                         es.manifest.max_seq_len).generate(prompt, NEW_TOKENS)
-
-    plain, draft = run("none"), run("draft-model")
-    es.close()
-    assert draft.tokens == plain.tokens and len(plain.tokens) == NEW_TOKENS
-    assert draft.stats.acceptance_length > MIN_DRAFT_TAU, draft.stats.acceptance_length
