@@ -13,6 +13,7 @@ import torch
 from xcompile.runtime.bench import BenchOptions, format_report, run_bench
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import EngineSet, open_engine_dir, torch_models
+from xcompile.runtime.sampling import GREEDY, SamplingParams
 from xcompile.runtime.text import Text
 
 
@@ -34,6 +35,7 @@ class BenchRequest:
     plot: str | None
     prompts: str | None = None
     num_prompts: int = 2
+    sampling: SamplingParams = GREEDY
 
 
 def _room(req: BenchRequest) -> int:
@@ -73,7 +75,8 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
             raise EngineError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
         text_tokens = Text(es.directory).encode(Path(req.prompts).read_text())
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
-                        repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens)
+                        repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens,
+                        sampling=req.sampling)
     start = time.perf_counter()
     report = run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
     echo(format_report(report))

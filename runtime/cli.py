@@ -36,10 +36,20 @@ def _ids(text: str) -> list[int]:
 @click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--sample", is_flag=True,
+              help="Sample with the checkpoint's generation_config.json values (the flags below override).")
+@click.option("--temperature", type=float, help="0: greedy (the default without --sample).")
+@click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, help="Keep the smallest set with this much probability (1: off).")
+@click.option("--min-p", type=float, help="Drop tokens below min_p times the top token's probability (0: off).")
+@click.option("--seed", type=int, help="Random seed (default: a fresh one, printed with the stats).")
+@click.option("--num-samples", type=int, help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-             stop, backend, device, no_cuda_graphs, as_json):
-    """Generate greedily from ENGINE_DIR with speculative decoding (same tokens as plain greedy)."""
+             stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed, num_samples,
+             as_json):
+    """Generate from ENGINE_DIR with speculative decoding: greedy (the same tokens as plain greedy
+    decoding), or sampled (each token distributed as plain sampling would draw it)."""
     from xcompile.runtime.request import GenerateRequest, run_generate
 
     if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
@@ -47,7 +57,9 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
     tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=_ids(prompt_ids) if prompt_ids else None, chat=chat,
                           max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma, tree=tree or None,
-                          stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs)
+                          stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs,
+                          sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                          num_samples=num_samples)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
@@ -77,16 +89,24 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full report as JSON here.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of tokens/s per drafter (needs matplotlib).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Sample (speculative sampling) instead of greedy decoding.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats, peer,
-          prompts, num_prompts, json_path, plot):
+          prompts, num_prompts, json_path, plot, temperature, top_k, top_p, min_p, seed):
     """Measure plain and speculative decoding speed against the device's bandwidth floor."""
     from xcompile.runtime.bench_cli import BenchRequest, run
+    from xcompile.runtime.sampling import SamplingParams
 
     tree_t = _ints(tree)
     if tree_t and len(tree_t) != 3:
         raise click.BadParameter("--tree takes topk,depth,tokens", param_hint="--tree")
     if (engine_dir is None) == (synthetic is None):
         raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, _ints(gammas),
                      dict(zip(("topk", "depth", "total_tokens"), tree_t)) or None, _ints(contexts), new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, sampling), echo=click.echo)
