@@ -121,14 +121,16 @@ def accept_sampled(block: Block, logits: torch.Tensor, sampler: Sampler) -> Acce
     target's warped p, token by token. logits [B, S, V] at every block node.
 
     Rule (recursive rejection sampling over siblings: SpecInfer's multi-step speculative sampling,
-    Miao et al. 2024, Algorithm 2; EAGLE-2/3's tree sampling, SafeAILab/EAGLE ``evaluate_posterior``).
+    Miao et al., ASPLOS 2024; EAGLE-2/3's tree sampling, SafeAILab/EAGLE eagle/model/utils.py
+    ``evaluate_posterior``, which takes q = 1 for its top-k drafts).
     At an accepted node, with residual r = p(. | node), try its children in node order: child x drawn
     from q is accepted with probability min(1, r(x) / q(x)); if rejected, r <- norm(max(0, r - q)) and
     the next child is tried against it. The walk descends into the accepted child; where no child is
     accepted (or at a leaf), the bonus token is drawn from the residual left there. Each step emits
-    r(x) exactly (Leviathan et al. 2023, Thm 1, applied recursively), so a chain is the classic rule
-    with bonus from p, and deterministic drafts (q = None: point masses q = delta_x, the EAGLE-2 tree
-    and greedy drafters) accept x with probability r(x) and zero it in the residual.
+    r exactly (modified rejection sampling: Chen et al. 2023, Theorem 1; Leviathan et al. 2023, App. A,
+    applied sibling by sibling), so a chain is the classic rule with bonus from p, and deterministic
+    drafts (q = None: point masses q = delta_x, the EAGLE-2 tree and greedy drafters) accept x with
+    probability r(x) and zero it in the residual. Drafts must not depend on the verify's coins.
 
     Every node's coin is tossed at once and the walk is a mask computation, so shapes depend only on
     the block (S coins and one V-row of noise per round) and nothing is read back."""
