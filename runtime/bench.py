@@ -209,6 +209,7 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
                         cuda_graphs=cuda_graphs)
         gen.generate(prompts[0], 4, sampling=opts.sampling)             # warm-up, graph capture
         decode_s = tokens = rounds = drafted = accepted = 0
+        accepted_at = [0] * gen.drafter.max_depth
         for i, p in enumerate(prompts):
             r = gen.generate(p, opts.new_tokens, sampling=opts.sampling, index=i)
             s = r.stats
@@ -217,10 +218,12 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
             rounds += s.rounds
             drafted += s.drafted
             accepted += s.accepted
+            accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)]
         rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
                      "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
                      "tokens_per_s": tokens / decode_s if decode_s else 0.0,
-                     "tau": (accepted + rounds) / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted})
+                     "tau": (accepted + rounds) / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
+                     "acceptance_by_position": [a / rounds for a in accepted_at] if rounds else []})
         for engine in gen.drafter.engines:
             if isinstance(engine, GraphedEngine):
                 engine.graphs.clear()
@@ -324,4 +327,10 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
                      f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
                      f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
+    by_pos = [r for r in report["generation"] if r.get("acceptance_by_position")]
+    if by_pos:
+        lines += ["", "acceptance by position (rounds whose draft at depth i was accepted / rounds)"]
+        for r in by_pos:
+            lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
+                         + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]))
     return "\n".join(lines)
