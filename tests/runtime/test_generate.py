@@ -282,6 +282,19 @@ def test_temperature_zero_is_greedy(name, tiny, prompts, reference):
         assert r.tokens == reference[tuple(p)][:NEW // 2] and r.seed is None
 
 
+@pytest.mark.parametrize("name", ["draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
+def test_vanishing_temperature_is_the_greedy_limit(name, tiny, prompts, reference):
+    """At T = 1e-4 every warped distribution is one-hot on the argmax (these logits are far apart), so
+    speculative sampling must reproduce greedy decoding: the same tokens, the same acceptance at every
+    position (min(1, p/q) = 1 on agreement, residual = the target's argmax on rejection)."""
+    cold = SamplingParams(temperature=1e-4, seed=1)
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    for p in prompts[1:3]:
+        greedy, sampled = g.generate(p, NEW), g.generate(p, NEW, sampling=cold)
+        assert sampled.tokens == greedy.tokens == reference[tuple(p)][:NEW]
+        assert sampled.stats.accepted_at == greedy.stats.accepted_at
+
+
 @pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
 def test_sampled_rounds_keep_the_kv_invariants(name, tiny, prompts):
     """debug=True while sampling: KV lengths checked and stale rows poisoned every round, and the
