@@ -1,0 +1,198 @@
+"""y = epilogue(prologue(x) @ W^T): every projection of a decode/verify step in one kernel.
+
+    x [M, K] (M <= MAX_ROWS), W [N, K] row-major (K contiguous), y [M, N] (or [M, N/2] when gated)
+    prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm)
+    epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
+              residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
+              extra: also store y into a second buffer (the EAGLE3 taps)
+
+Memory-bound at these M: every weight byte is read once, by the program that owns its BLOCK_N output
+columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
+of them. Rounding follows the reference modules (each matmul output rounded to the model dtype
+before the next elementwise op), so the reference below is what the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot
+
+
+@triton.jit
+def _load_x(X, stride_xm, rows, M, ks, K, rstd, G, NORM: tl.constexpr, EVEN_K: tl.constexpr):
+    """A [ROWS, BLOCK_K] tile of x, RMS-normalised when NORM (rstd [ROWS], weight G [K])."""
+    if EVEN_K:
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=rows[:, None] < M, other=0.0)
+    else:
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+    if NORM:
+        g = tl.load(G + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd[:, None] * g[None, :]).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _rstd(X, stride_xm, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr):
+    """acc + x @ w^T. IEEE: fp32 operands multiplied in full fp32 (not tf32), for fp32 engines and
+    for the interpreter, whose tl.dot mishandles bf16 (products of bf16 values are exact in fp32)."""
+    if IEEE:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _epilogue(acc, accu, Y, stride_ym, Y2, stride_y2m, R, stride_rm, rows, cols, M, N_OUT,
+              GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
+    dt = Y.dtype.element_ty
+    y = acc.to(dt)
+    if GATED:
+        g = y.to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(dt)                                  # F.silu, rounded
+        y = (s.to(tl.float32) * accu.to(dt).to(tl.float32)).to(dt)      # * up, rounded
+    mask = (rows[:, None] < M) & (cols[None, :] < N_OUT)
+    if RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+    if EXTRA:
+        tl.store(Y2 + rows[:, None] * stride_y2m + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
+                   NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrows = tl.where(cols < N_OUT, cols, 0)                 # clamp instead of masking the weight loads
+    r0 = tl.arange(0, BLOCK_M)
+    r1 = r0 + BLOCK_M
+    r2 = r0 + 2 * BLOCK_M
+    r3 = r0 + 3 * BLOCK_M
+    # per-row 1/rms of each tile (unused without NORM)
+    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s3 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 1:
+            s1 = _rstd(X, stride_xm, r1, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 2:
+            s2 = _rstd(X, stride_xm, r2, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 3:
+            s3 = _rstd(X, stride_xm, r3, M, K, eps, BLOCK_M, BLOCK_K)
+    # accumulators of each tile (u*: the up half when gated)
+    a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptr = W + wrows[:, None] * K
+    u_ptr = W + (wrows[:, None] + N_OUT) * K                # gated: the up rows follow the N_OUT gate rows
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptr + ks[None, :])
+        else:
+            w = tl.load(w_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        if GATED:
+            if EVEN_K:
+                wu = tl.load(u_ptr + ks[None, :])
+            else:
+                wu = tl.load(u_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        x = _load_x(X, stride_xm, r0, M, ks, K, s0, G, NORM, EVEN_K)
+        a0 = _dot(x, w, a0, IEEE)
+        if GATED:
+            u0 = _dot(x, wu, u0, IEEE)
+        if TILES > 1:
+            x = _load_x(X, stride_xm, r1, M, ks, K, s1, G, NORM, EVEN_K)
+            a1 = _dot(x, w, a1, IEEE)
+            if GATED:
+                u1 = _dot(x, wu, u1, IEEE)
+        if TILES > 2:
+            x = _load_x(X, stride_xm, r2, M, ks, K, s2, G, NORM, EVEN_K)
+            a2 = _dot(x, w, a2, IEEE)
+            if GATED:
+                u2 = _dot(x, wu, u2, IEEE)
+        if TILES > 3:
+            x = _load_x(X, stride_xm, r3, M, ks, K, s3, G, NORM, EVEN_K)
+            a3 = _dot(x, w, a3, IEEE)
+            if GATED:
+                u3 = _dot(x, wu, u3, IEEE)
+    _epilogue(a0, u0, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+    if TILES > 1:
+        _epilogue(a1, u1, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r1, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+    if TILES > 2:
+        _epilogue(a2, u2, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r2, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+    if TILES > 3:
+        _epilogue(a3, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r3, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+
+
+# Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); never per row count,
+# so a row's reduction order is the same in decode and verify. Chosen on the H200 by
+# benchmarks/kernels.py (docs/BENCHMARKS.md, kernel table); DEFAULT_TILE elsewhere.
+DEFAULT_TILE = (32, 256, 4, 4)
+TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+
+def tile_for(n_out: int, k: int) -> tuple[int, int, int, int]:
+    block_n, block_k, warps, stages = TILES.get((n_out, k), DEFAULT_TILE)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    return block_n, block_k, warps, stages
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
+           gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           extra_out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] (module docstring). w [N, K] (gated: [2N, K], gate rows then up rows);
+    norm [K]: RMSNorm weight of the prologue; residual [M, N] (may be ``out``); extra_out [M, N]
+    (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous."""
+    m, k = x.shape
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
+    if out is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = tile_for(n_out, k)
+    dummy = out
+    _linear_kernel[(triton.cdiv(n_out, block_n),)](
+        x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
+        extra_out if extra_out is not None else dummy, m, n_out, k, x.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
+        NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
+        IEEE=ieee_dot(x.dtype), EVEN_K=k % block_k == 0, TILES=triton.cdiv(m, ROW_TILE),
+        BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
+                     gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``linear`` computes, in plain torch ops with the reference modules' rounding."""
+    if norm is not None:
+        x = F.rms_norm(x, (x.shape[-1],), norm, eps)
+    if gated:
+        gate, up = w.chunk(2)
+        y = F.silu(x @ gate.T) * (x @ up.T)
+    else:
+        y = x @ w.T
+    return y if residual is None else residual + y
