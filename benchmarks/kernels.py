@@ -58,8 +58,11 @@ def graph_time(fns, reps: int = 20) -> float:
 
 
 def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device copy (after a warm-up that raises the clocks)."""
     x = torch.randn(2**29, device="cuda")
     y = torch.empty_like(x)
+    for _ in range(20):
+        y.copy_(x)
     t = graph_time([lambda: y.copy_(x)] * 5, reps=10)
     return 2 * x.numel() * 4 / (t * 1e-6)
 
@@ -152,6 +155,9 @@ def main() -> None:
         t7, t32 = time_linear(n, k, gated, tile, 7), time_linear(n, k, gated, tile, 32)
         rep.update(tile=list(tile), us=t, gbs=nbytes / t / 1e3, cublas_us=tc, us7=t7, us32=t32)
         out["linear"].append(rep)
+        if args.json:                                       # written as it goes: a crash later keeps these
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
         e = rep["rel_err"]
         print(f"{name:<16}{n:>8}{k:>7} {str(tile):<20}{t:>8.1f}{nbytes / t / 1e3:>7.0f}{100 * nbytes / t / 1e3 / (bw / 1e9):>6.0f}"
               f"  {tc:>9.1f}{100 * nbytes / tc / 1e3 / (bw / 1e9):>6.0f}  {t7:>7.1f}  {t32:>7.1f}  {str(rep['invariant']):>9}"
@@ -185,8 +191,8 @@ def main() -> None:
         qn, kn = (torch.rand(d, device="cuda", dtype=DT) + 0.5 for _ in range(2))
         k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
         a = rope_kv(qkv, pos, wi, cos, sin, k1, v1, hq, hkv, d, qn, kn)
-        b = rope_kv_reference(qkv, pos.cpu(), wi.cpu(), cos.cpu(), sin.cpu(), k2.cpu(), v2.cpu(), hq, hkv, d, qn.cpu(),
-                              kn.cpu())
+        b = rope_kv_reference(qkv.cpu(), pos.cpu(), wi.cpu(), cos.cpu(), sin.cpu(), k2.cpu(), v2.cpu(), hq, hkv, d,
+                              qn.cpu(), kn.cpu())
         t = graph_time([lambda: rope_kv(qkv, pos, wi, cos, sin, k1, v1, hq, hkv, d, qn, kn)] * 20)
         print(f"{'rope_kv':<12}{'':>6}{m:>6}{t:>8.1f}{rel(a.cpu(), b):>10.1e}")
     print(f"(attention chunk {chunk_for(smax)} keys per split)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fast path on the H200, in two device calls (each well inside the 10-minute limit):
 #   bash scripts/h200_fast.sh check   GPU tests of the kernels, fast engines and round graphs; kernel sweep
-#   bash scripts/h200_fast.sh bench   xrun bench of the Qwen3-8B shape (+ 0.6B draft) on the fast backend
+#   bash scripts/h200_fast.sh decode  one 8B-shaped decode step, fast vs reference, PDL on/off; kernel table
+#   bash scripts/h200_fast.sh bench    xrun bench of the Qwen3-8B shape (+ 0.6B draft) on the fast backend
 # Logs and JSON land in $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -14,6 +15,10 @@ check)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kernels.py tests/runtime/test_fast.py \
       tests/runtime/test_graphs.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   timeout 330 python3 benchmarks/kernels.py ${SWEEP---sweep} --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+  ;;
+decode)
+  timeout 400 python3 benchmarks/fast_decode.py --json "$OUT/fast_decode.json" 2>&1 | tee "$OUT/fast_decode.log"
+  SWEEP= timeout 150 python3 benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
   ;;
 bench)
   shift

@@ -18,6 +18,7 @@ set before triton is imported), which is how CI checks their logic against the r
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -30,6 +31,27 @@ ROW_TILE = 16       # rows per tile: the smallest tl.dot M, fixed so results do 
 def available() -> bool:
     """Whether triton is importable (the fast backend also needs a CUDA device or the interpreter)."""
     return importlib.util.find_spec("triton") is not None
+
+
+# Programmatic dependent launch (Hopper+): each kernel starts while the previous one drains and waits
+# for its results with gdc_wait (weight loads go before the wait). Off in the interpreter and before
+# sm_90; benchmarks may switch it off to measure what it gives.
+PDL = {"enabled": True}
+
+
+@functools.cache
+def _pdl_capable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl() -> bool:
+    """Whether kernels are launched with programmatic dependent launch (their PDL constexpr)."""
+    return PDL["enabled"] and not interpreted() and _pdl_capable()
+
+
+def launch() -> dict:
+    """Launch options of every kernel: ``launch_pdl`` when ``pdl()``."""
+    return {"launch_pdl": True} if pdl() else {}
 
 
 def interpreted() -> bool:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, ieee_dot
+from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
 
 BLOCK_S = 64        # keys per inner step
 MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 programs for 132 SMs
@@ -31,7 +31,9 @@ MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 pr
 @triton.jit
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -72,6 +74,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, stride_q, stride_ch, stride_tm,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # partials [splits, M, HQ, (D | m, l)]
     slot = (split * M + tok) * HQ + head
     tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
@@ -81,7 +85,10 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, stride_q, stride_ch, stride_tm,
 
 @triton.jit
 def _combine_kernel(OP, MLP, OUT, M, stride_o, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
-                    SPLITS_P2: tl.constexpr):
+                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -118,11 +125,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), num_warps=4, num_stages=2)
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     _combine_kernel[(m, heads)](partial, stats, out, m, out.stride(0), splits, HQ=heads, D=d,
-                                SPLITS_P2=triton.next_power_of_2(splits), num_warps=1)
+                                SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl(), num_warps=1, **launch())
     return out
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
 
 
 @triton.jit
@@ -75,17 +75,66 @@ def _epilogue(acc, accu, Y, stride_ym, Y2, stride_y2m, R, stride_rm, rows, cols,
 
 
 @triton.jit
+def _load_w(w_ptr, u_ptr, ks, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns ks (and its up tile when gated)."""
+    if EVEN_K:
+        w = tl.load(w_ptr + ks[None, :])
+    else:
+        w = tl.load(w_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    wu = w
+    if GATED:
+        if EVEN_K:
+            wu = tl.load(u_ptr + ks[None, :])
+        else:
+            wu = tl.load(u_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    return w, wu
+
+
+@triton.jit
+def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u1, u2, u3,
+         BLOCK_M: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+         EVEN_K: tl.constexpr, TILES: tl.constexpr):
+    """Accumulate one K step of every row tile against the weight tile(s)."""
+    r0 = tl.arange(0, BLOCK_M)
+    x = _load_x(X, stride_xm, r0, M, ks, K, s0, G, NORM, EVEN_K)
+    a0 = _dot(x, w, a0, IEEE)
+    if GATED:
+        u0 = _dot(x, wu, u0, IEEE)
+    if TILES > 1:
+        x = _load_x(X, stride_xm, r0 + BLOCK_M, M, ks, K, s1, G, NORM, EVEN_K)
+        a1 = _dot(x, w, a1, IEEE)
+        if GATED:
+            u1 = _dot(x, wu, u1, IEEE)
+    if TILES > 2:
+        x = _load_x(X, stride_xm, r0 + 2 * BLOCK_M, M, ks, K, s2, G, NORM, EVEN_K)
+        a2 = _dot(x, w, a2, IEEE)
+        if GATED:
+            u2 = _dot(x, wu, u2, IEEE)
+    if TILES > 3:
+        x = _load_x(X, stride_xm, r0 + 3 * BLOCK_M, M, ks, K, s3, G, NORM, EVEN_K)
+        a3 = _dot(x, w, a3, IEEE)
+        if GATED:
+            u3 = _dot(x, wu, u3, IEEE)
+    return a0, a1, a2, a3, u0, u1, u2, u3
+
+
+@triton.jit
 def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
                    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
-                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr,
+                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     wrows = tl.where(cols < N_OUT, cols, 0)                 # clamp instead of masking the weight loads
+    w_ptr = W + wrows[:, None] * K
+    u_ptr = W + (wrows[:, None] + N_OUT) * K                # gated: the up rows follow the N_OUT gate rows
+    # the weights never depend on the previous kernel: fetch the first tile before waiting for it
+    # (programmatic dependent launch: this kernel may start while the previous one drains)
+    ks = tl.arange(0, BLOCK_K)
+    w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     r0 = tl.arange(0, BLOCK_M)
-    r1 = r0 + BLOCK_M
-    r2 = r0 + 2 * BLOCK_M
-    r3 = r0 + 3 * BLOCK_M
     # per-row 1/rms of each tile (unused without NORM)
     s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
     s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -94,11 +143,11 @@ def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_
     if NORM:
         s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 1:
-            s1 = _rstd(X, stride_xm, r1, M, K, eps, BLOCK_M, BLOCK_K)
+            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 2:
-            s2 = _rstd(X, stride_xm, r2, M, K, eps, BLOCK_M, BLOCK_K)
+            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 3:
-            s3 = _rstd(X, stride_xm, r3, M, K, eps, BLOCK_M, BLOCK_K)
+            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
     # accumulators of each tile (u*: the up half when gated)
     a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -108,52 +157,44 @@ def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_
     u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_ptr = W + wrows[:, None] * K
-    u_ptr = W + (wrows[:, None] + N_OUT) * K                # gated: the up rows follow the N_OUT gate rows
-    for k0 in range(0, K, BLOCK_K):
+    a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
+                                          u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptr + ks[None, :])
-        else:
-            w = tl.load(w_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        if GATED:
-            if EVEN_K:
-                wu = tl.load(u_ptr + ks[None, :])
-            else:
-                wu = tl.load(u_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        x = _load_x(X, stride_xm, r0, M, ks, K, s0, G, NORM, EVEN_K)
-        a0 = _dot(x, w, a0, IEEE)
-        if GATED:
-            u0 = _dot(x, wu, u0, IEEE)
-        if TILES > 1:
-            x = _load_x(X, stride_xm, r1, M, ks, K, s1, G, NORM, EVEN_K)
-            a1 = _dot(x, w, a1, IEEE)
-            if GATED:
-                u1 = _dot(x, wu, u1, IEEE)
-        if TILES > 2:
-            x = _load_x(X, stride_xm, r2, M, ks, K, s2, G, NORM, EVEN_K)
-            a2 = _dot(x, w, a2, IEEE)
-            if GATED:
-                u2 = _dot(x, wu, u2, IEEE)
-        if TILES > 3:
-            x = _load_x(X, stride_xm, r3, M, ks, K, s3, G, NORM, EVEN_K)
-            a3 = _dot(x, w, a3, IEEE)
-            if GATED:
-                u3 = _dot(x, wu, u3, IEEE)
+        w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K)
+        a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
+                                              u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()               # the next kernel may launch (and wait) now
     _epilogue(a0, u0, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
     if TILES > 1:
-        _epilogue(a1, u1, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r1, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+        _epilogue(a1, u1, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + BLOCK_M, cols, M, N_OUT, GATED,
+                  RESIDUAL, EXTRA)
     if TILES > 2:
-        _epilogue(a2, u2, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r2, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+        _epilogue(a2, u2, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + 2 * BLOCK_M, cols, M, N_OUT, GATED,
+                  RESIDUAL, EXTRA)
     if TILES > 3:
-        _epilogue(a3, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r3, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+        _epilogue(a3, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + 3 * BLOCK_M, cols, M, N_OUT, GATED,
+                  RESIDUAL, EXTRA)
 
 
 # Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); never per row count,
-# so a row's reduction order is the same in decode and verify. Chosen on the H200 by
-# benchmarks/kernels.py (docs/BENCHMARKS.md, kernel table); DEFAULT_TILE elsewhere.
-DEFAULT_TILE = (32, 256, 4, 4)
-TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# so a row's reduction order is the same in decode and verify. The fastest of benchmarks/kernels.py's
+# candidates at one row on the H200 (2026-12-01, `python benchmarks/kernels.py --sweep`); DEFAULT_TILE
+# for other shapes.
+DEFAULT_TILE = (32, 512, 4, 3)
+TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (64, 256, 4, 3),          # Qwen3-8B qkv
+    (4096, 4096): (32, 512, 4, 3),          # Qwen3-8B o_proj
+    (12288, 4096): (128, 128, 8, 3),        # Qwen3-8B gate/up (gated: 2 x 12288 rows)
+    (4096, 12288): (32, 512, 4, 3),         # Qwen3-8B down_proj, EAGLE3 fc
+    (151936, 4096): (128, 128, 8, 3),       # Qwen3-8B lm_head
+    (6144, 8192): (64, 256, 4, 3),          # EAGLE3 qkv (over [embedding, hidden])
+    (32000, 4096): (128, 128, 8, 3),        # EAGLE3 lm_head (draft vocabulary)
+    (4096, 1024): (32, 256, 4, 3),          # Qwen3-0.6B qkv
+    (3072, 1024): (32, 256, 4, 3),          # Qwen3-0.6B gate/up
+    (151936, 1024): (128, 128, 8, 3),       # Qwen3-0.6B lm_head
+}
 
 
 def tile_for(n_out: int, k: int) -> tuple[int, int, int, int]:
@@ -180,8 +221,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         extra_out if extra_out is not None else dummy, m, n_out, k, x.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
         NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-        IEEE=ieee_dot(x.dtype), EVEN_K=k % block_k == 0, TILES=triton.cdiv(m, ROW_TILE),
-        BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        IEEE=ieee_dot(x.dtype), EVEN_K=k % block_k == 0, TILES=triton.cdiv(m, ROW_TILE), PDL=pdl(),
+        BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch())
     return out
 
 

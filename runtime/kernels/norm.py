@@ -12,9 +12,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from xcompile.runtime.kernels import launch, pdl
+
 
 @triton.jit
-def _embed_norms_kernel(IDS, EMB, W1, HID, W2, U, stride_h, eps, H: tl.constexpr, BLOCK: tl.constexpr):
+def _embed_norms_kernel(IDS, EMB, W1, HID, W2, U, stride_h, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
     half = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -37,7 +43,7 @@ def embed_norms(ids: torch.Tensor, embed: torch.Tensor, w_embed: torch.Tensor, h
     assert hidden.stride(1) == 1 and embed.is_contiguous() and ids.shape == (m,)
     u = torch.empty(m, 2 * h, dtype=hidden.dtype, device=hidden.device)
     _embed_norms_kernel[(m, 2)](ids, embed, w_embed, hidden, w_hidden, u, hidden.stride(0), eps, H=h,
-                                BLOCK=triton.next_power_of_2(h), num_warps=4)
+                                BLOCK=triton.next_power_of_2(h), PDL=pdl(), num_warps=4, **launch())
     return u
 
 

@@ -16,7 +16,7 @@ from fixtures import step_inputs
 
 from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
+from xcompile.runtime.graphs import GraphedEngine
 
 MAX_SEQ_LEN = 128
 pytestmark = pytest.mark.usefixtures("one_thread")
