@@ -65,7 +65,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--contexts", default="128,4096")
     ap.add_argument("--json")
+    ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
     args = ap.parse_args()
+    if args.tiles:
+        from xcompile.runtime.kernels import linear as L
+
+        for key, tile in json.load(open(args.tiles))["tiles"].items():
+            L.TILES[tuple(map(int, key.split(",")))] = tuple(tile)
+        print("tiles:", L.TILES)
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))

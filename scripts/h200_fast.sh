@@ -15,6 +15,8 @@ check)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kernels.py tests/runtime/test_fast.py \
       tests/runtime/test_graphs.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   timeout 330 python3 benchmarks/kernels.py ${SWEEP---sweep} --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+  [ "${DECODE:-1}" = 1 ] && timeout 200 python3 benchmarks/fast_decode.py --tiles "$OUT/kernels.json" \
+      --json "$OUT/fast_decode.json" 2>&1 | tee "$OUT/fast_decode.log"
   ;;
 decode)
   timeout 400 python3 benchmarks/fast_decode.py --json "$OUT/fast_decode.json" 2>&1 | tee "$OUT/fast_decode.log"

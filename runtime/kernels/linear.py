@@ -119,18 +119,21 @@ def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
-                   NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm, stride_y2m,
+                   eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                    IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
+    # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split)
+    pid_n = tl.program_id(0)
+    k_begin = tl.program_id(1) * K_SPLIT
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wrows = tl.where(cols < N_OUT, cols, 0)                 # clamp instead of masking the weight loads
     w_ptr = W + wrows[:, None] * K
     u_ptr = W + (wrows[:, None] + N_OUT) * K                # gated: the up rows follow the N_OUT gate rows
     # the weights never depend on the previous kernel: fetch the first tile before waiting for it
     # (programmatic dependent launch: this kernel may start while the previous one drains)
-    ks = tl.arange(0, BLOCK_K)
+    ks = k_begin + tl.arange(0, BLOCK_K)
     w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -159,13 +162,41 @@ def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_
     u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
                                           u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K)
         a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
                                               u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()               # the next kernel may launch (and wait) now
+    if SPLIT == 1:
+        _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT,
+                   GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
+    else:
+        # Split K: each program leaves its fp32 partial sums in WS [SPLIT, 2 (gate, up), TILES*BLOCK_M, N_OUT];
+        # the last of a column block's SPLIT programs to arrive (counter CNT[pid_n]) adds them up in split
+        # order, so the result does not depend on which program finished last, and runs the epilogue.
+        rows_pad = TILES * BLOCK_M
+        part = WS + (tl.program_id(1) * 2 * rows_pad) * N_OUT
+        _store_partials(part, a0, a1, a2, a3, r0, cols, N_OUT, BLOCK_M, TILES)
+        if GATED:
+            _store_partials(part + rows_pad * N_OUT, u0, u1, u2, u3, r0, cols, N_OUT, BLOCK_M, TILES)
+        tl.debug_barrier()                                  # every thread's partials before the release
+        arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()
+            a0, a1, a2, a3 = _sum_partials(WS, 0, SPLIT, r0, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+            if GATED:
+                u0, u1, u2, u3 = _sum_partials(WS, rows_pad, SPLIT, r0, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
+                       N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
+            tl.store(CNT + pid_n, 0)                        # ready for the next launch
+
+
+@triton.jit
+def _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT,
+               GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_M: tl.constexpr,
+               TILES: tl.constexpr):
     _epilogue(a0, u0, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
     if TILES > 1:
         _epilogue(a1, u1, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + BLOCK_M, cols, M, N_OUT, GATED,
@@ -178,29 +209,84 @@ def _linear_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_
                   RESIDUAL, EXTRA)
 
 
-# Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); never per row count,
+@triton.jit
+def _store_partials(P, a0, a1, a2, a3, r0, cols, N_OUT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """Row tiles of one program's partial sums into P [TILES*BLOCK_M, N_OUT] (fp32)."""
+    ok = cols[None, :] < N_OUT
+    tl.store(P + r0[:, None] * N_OUT + cols[None, :], a0, mask=ok)
+    if TILES > 1:
+        tl.store(P + (r0 + BLOCK_M)[:, None] * N_OUT + cols[None, :], a1, mask=ok)
+    if TILES > 2:
+        tl.store(P + (r0 + 2 * BLOCK_M)[:, None] * N_OUT + cols[None, :], a2, mask=ok)
+    if TILES > 3:
+        tl.store(P + (r0 + 3 * BLOCK_M)[:, None] * N_OUT + cols[None, :], a3, mask=ok)
+
+
+@triton.jit
+def _sum_tile(WS, offset, SPLIT: tl.constexpr, rows, cols, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              TILES: tl.constexpr):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    stride = 2 * TILES * BLOCK_M * N_OUT                    # one split's partials (gate and up halves)
+    for s in tl.static_range(SPLIT):                        # split order: deterministic
+        # .cg: read through to L2, where the other programs' partials are (this SM's L1 may hold stale lines)
+        acc += tl.load(WS + s * stride + (offset + rows)[:, None] * N_OUT + cols[None, :],
+                       mask=cols[None, :] < N_OUT, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _sum_partials(WS, offset, SPLIT: tl.constexpr, r0, cols, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TILES: tl.constexpr):
+    a0 = _sum_tile(WS, offset, SPLIT, r0, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    if TILES > 1:
+        a1 = _sum_tile(WS, offset, SPLIT, r0 + BLOCK_M, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+    if TILES > 2:
+        a2 = _sum_tile(WS, offset, SPLIT, r0 + 2 * BLOCK_M, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+    if TILES > 3:
+        a3 = _sum_tile(WS, offset, SPLIT, r0 + 3 * BLOCK_M, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+    return a0, a1, a2, a3
+
+
+# Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split of K); never per row count,
 # so a row's reduction order is the same in decode and verify. The fastest of benchmarks/kernels.py's
 # candidates at one row on the H200 (2026-12-01, `python benchmarks/kernels.py --sweep`); DEFAULT_TILE
 # for other shapes.
-DEFAULT_TILE = (32, 512, 4, 3)
-TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (6144, 4096): (64, 256, 4, 3),          # Qwen3-8B qkv
-    (4096, 4096): (32, 512, 4, 3),          # Qwen3-8B o_proj
-    (12288, 4096): (128, 128, 8, 3),        # Qwen3-8B gate/up (gated: 2 x 12288 rows)
-    (4096, 12288): (32, 512, 4, 3),         # Qwen3-8B down_proj, EAGLE3 fc
-    (151936, 4096): (128, 128, 8, 3),       # Qwen3-8B lm_head
-    (6144, 8192): (64, 256, 4, 3),          # EAGLE3 qkv (over [embedding, hidden])
-    (32000, 4096): (128, 128, 8, 3),        # EAGLE3 lm_head (draft vocabulary)
-    (4096, 1024): (32, 256, 4, 3),          # Qwen3-0.6B qkv
-    (3072, 1024): (32, 256, 4, 3),          # Qwen3-0.6B gate/up
-    (151936, 1024): (128, 128, 8, 3),       # Qwen3-0.6B lm_head
+DEFAULT_TILE = (32, 512, 4, 3, 1)
+TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (6144, 4096): (64, 256, 4, 3, 1),       # Qwen3-8B qkv
+    (4096, 4096): (32, 512, 4, 3, 1),       # Qwen3-8B o_proj
+    (12288, 4096): (128, 128, 8, 3, 1),     # Qwen3-8B gate/up (gated: 2 x 12288 rows)
+    (4096, 12288): (32, 512, 4, 3, 1),      # Qwen3-8B down_proj, EAGLE3 fc
+    (151936, 4096): (128, 128, 8, 3, 1),    # Qwen3-8B lm_head
+    (6144, 8192): (64, 256, 4, 3, 1),       # EAGLE3 qkv (over [embedding, hidden])
+    (32000, 4096): (128, 128, 8, 3, 1),     # EAGLE3 lm_head (draft vocabulary)
+    (4096, 1024): (32, 256, 4, 3, 1),       # Qwen3-0.6B qkv
+    (3072, 1024): (32, 256, 4, 3, 1),       # Qwen3-0.6B gate/up
+    (151936, 1024): (128, 128, 8, 3, 1),    # Qwen3-0.6B lm_head
 }
 
 
-def tile_for(n_out: int, k: int) -> tuple[int, int, int, int]:
-    block_n, block_k, warps, stages = TILES.get((n_out, k), DEFAULT_TILE)
+def tile_for(n_out: int, k: int) -> tuple[int, int, int, int, int]:
+    block_n, block_k, warps, stages, split = TILES.get((n_out, k), DEFAULT_TILE)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return block_n, block_k, warps, stages
+    if k % (split * block_k):                   # a split covers whole K blocks
+        split = 1
+    return block_n, block_k, warps, stages, split
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the split-K column blocks, zero between launches (each launch resets those it
+    used); one buffer per device, allocated on first use (before any graph capture records it)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -214,14 +300,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tile_for(n_out, k)
+    block_n, block_k, warps, stages, split = tile_for(n_out, k)
     dummy = out
-    _linear_kernel[(triton.cdiv(n_out, block_n),)](
+    blocks, tiles = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
+    ws = torch.empty(split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
+    cnt = _counters(x.device, blocks) if split > 1 else dummy
+    _linear_kernel[(blocks, split)](
         x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
-        extra_out if extra_out is not None else dummy, m, n_out, k, x.stride(0), out.stride(0),
+        extra_out if extra_out is not None else dummy, ws, cnt, m, n_out, k, k // split, x.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
         NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-        IEEE=ieee_dot(x.dtype), EVEN_K=k % block_k == 0, TILES=triton.cdiv(m, ROW_TILE), PDL=pdl(),
+        IEEE=ieee_dot(x.dtype), EVEN_K=k % block_k == 0, TILES=tiles, PDL=pdl(), SPLIT=split,
         BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch())
     return out
 
