@@ -24,6 +24,7 @@ from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime import kernels
+from xcompile.runtime.kernels import linear as L
 from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
 from xcompile.runtime.drafters import causal, prompt_inputs
 from xcompile.runtime.graphs import CudaGraphCapture
@@ -68,11 +69,11 @@ def main() -> None:
     ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
     args = ap.parse_args()
     if args.tiles:
-        from xcompile.runtime.kernels import linear as L
-
-        for key, tile in json.load(open(args.tiles))["tiles"].items():
-            L.TILES[tuple(map(int, key.split(",")))] = tuple(tile)
-        print("tiles:", L.TILES)
+        chosen = json.load(open(args.tiles))
+        for table, key in ((L.TILES, "tiles"), (L.GEMV_TILES, "gemv_tiles")):
+            for shape, tile in chosen.get(key, {}).items():
+                table[tuple(map(int, shape.split(",")))] = tuple(tile)
+        print("tiles:", L.TILES, "\none-row gemv tiles:", L.GEMV_TILES)
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))
@@ -89,19 +90,24 @@ def main() -> None:
     fe3, ffc = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg)), FastFCEngine(fc, {})
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
-    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}")
+    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}")
     for ctx in map(int, args.contexts.split(",")):
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             row = {"what": "target step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(ref.run, inputs)}
             row["fast_ms"] = graphed_ms(fast.run, inputs)
+            if tokens == 1 and L.GEMV_TILES:                   # the tile kernel for one row too
+                saved = dict(L.GEMV_TILES)
+                L.GEMV_TILES.clear()
+                row["fast_tile_kernel_ms"] = graphed_ms(fast.run, inputs)
+                L.GEMV_TILES.update(saved)
             kernels.PDL["enabled"] = False
             row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
             kernels.PDL["enabled"] = True
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
-                  f"{row['fast_nopdl_ms']:>11.3f}")
+                  f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}")
         for tokens in (1, 10):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)

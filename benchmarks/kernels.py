@@ -33,10 +33,16 @@ SHAPES = [
     ("0.6b down", 1024, 3072, False), ("0.6b lm_head", 151936, 1024, False),
 ]
 # tiles (BLOCK_N, BLOCK_K, warps, stages, split of K) tried per kind of shape
-NARROW = [(bn, bk, 4, 3, sp) for bn in (16, 32, 64) for bk in (256, 512) for sp in (1, 2, 4)]
+NARROW = [(32, 256, 4, 3, 1), (32, 256, 4, 3, 2), (64, 256, 4, 3, 1), (64, 256, 4, 3, 2), (64, 256, 4, 3, 4),
+          (32, 512, 4, 3, 1), (32, 512, 4, 3, 2), (64, 512, 4, 3, 1), (64, 512, 4, 3, 2)]
 GATED = [(64, 256, 4, 3, 1), (64, 256, 4, 3, 2), (128, 128, 8, 3, 1), (128, 128, 8, 3, 2), (128, 256, 8, 3, 1),
          (32, 512, 4, 3, 1), (64, 128, 4, 4, 1)]
 WIDE = [(128, 128, 8, 3, 1), (64, 256, 4, 3, 1), (128, 256, 8, 2, 1), (256, 128, 8, 3, 1)]
+
+
+# one-row CUDA-core GEMV tiles (BLOCK_N, BLOCK_K, warps): at most 64 fp32 accumulators per thread
+GEMV = [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4),
+        (16, 512, 8), (16, 1024, 8), (32, 256, 8)]
 
 
 def candidates(name: str, n: int, k: int, gated: bool) -> list[tuple]:
@@ -45,7 +51,7 @@ def candidates(name: str, n: int, k: int, gated: bool) -> list[tuple]:
     elif n > 16384:
         tiles = WIDE
     else:
-        tiles = NARROW if name.startswith(("8b", "eagle3")) else [t for t in NARROW if t[0] == 32 and t[1] == 256]
+        tiles = NARROW if name.startswith(("8b", "eagle3")) else NARROW[:2]
     return [t for t in tiles if k % (t[4] * min(t[1], k)) == 0]
 DT = torch.bfloat16
 
@@ -114,20 +120,24 @@ def check_linear(name, n, k, gated, report):
     report["rel_err"] = errs
 
 
-def time_linear(n, k, gated, tile, m=1) -> float:
+def time_linear(n, k, gated, tile, m=1, table=None) -> float:
+    """µs of one launch with ``tile`` in ``table`` (L.TILES, or L.GEMV_TILES for the one-row kernel)."""
+    table = L.TILES if table is None else table
     ws = weights(2 * n if gated else n, k)
     x = torch.randn(m, k, device="cuda", dtype=DT)
     g = torch.rand(k, device="cuda", dtype=DT) + 0.5
     outs = [torch.empty(m, n, device="cuda", dtype=DT) for _ in ws]
-    saved = L.TILES.get((n, k))
-    L.TILES[(n, k)] = tuple(tile)
+    saved = table.get((n, k))
+    table[(n, k)] = tuple(tile)
     try:
+        if table is L.TILES:                                  # the tile must also fit 4 row tiles (64 rows)
+            L.linear(torch.randn(64, k, device="cuda", dtype=DT), ws[0], norm=g, gated=gated)
         return graph_time([lambda w=w, o=o: L.linear(x, w, norm=g, gated=gated, out=o) for w, o in zip(ws, outs)])
     finally:
         if saved is None:
-            L.TILES.pop((n, k), None)
+            table.pop((n, k), None)
         else:
-            L.TILES[(n, k)] = saved
+            table[(n, k)] = saved
 
 
 def time_cublas(n, k, gated, m=1) -> float:
@@ -164,6 +174,19 @@ def main() -> None:
             tile = L.tile_for(n, k)
             t = time_linear(n, k, gated, tile)
         L.TILES[(n, k)] = tuple(tile)                       # checked and timed below with the chosen tile
+        if args.sweep and name.startswith(("8b", "eagle3")):
+            # the one-row CUDA-core GEMV: kept for decode where it beats the tile kernel
+            g_results = []
+            for gt in GEMV:
+                try:
+                    g_results.append((time_linear(n, k, gated, gt, table=L.GEMV_TILES), gt))
+                except Exception as e:                       # noqa: BLE001 - out of registers etc.
+                    rep.setdefault("failed", []).append(f"gemv {gt}: {type(e).__name__}")
+            rep["gemv_sweep"] = [(tg, list(gt)) for tg, gt in g_results]
+            if g_results and min(g_results)[0] < t:
+                rep["gemv"] = list(min(g_results)[1])
+                rep["gemv_us"] = min(g_results)[0]
+                L.GEMV_TILES[(n, k)] = tuple(rep["gemv"])
         check_linear(name, n, k, gated, rep)
         tc = time_cublas(n, k, gated)
         t7, t32 = time_linear(n, k, gated, tile, 7), time_linear(n, k, gated, tile, 32)
@@ -173,6 +196,9 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
         e = rep["rel_err"]
+        if "gemv" in rep:
+            print(f"{'  (one row)':<16}{'':>15} gemv {str(tuple(rep['gemv'])):<17}{rep['gemv_us']:>8.1f}"
+                  f"{nbytes / rep['gemv_us'] / 1e3:>7.0f}")
         print(f"{name:<16}{n:>8}{k:>7} {str(tuple(tile)):<22}{t:>8.1f}{nbytes / t / 1e3:>7.0f}{100 * nbytes / t / 1e3 / (bw / 1e9):>6.0f}"
               f"  {tc:>9.1f}{100 * nbytes / tc / 1e3 / (bw / 1e9):>6.0f}  {t7:>7.1f}  {t32:>7.1f}  {str(rep['invariant']):>9}"
               f"  {e[1]:.1e}/{e[7]:.1e}/{e[33]:.1e}")
@@ -211,6 +237,7 @@ def main() -> None:
         print(f"{'rope_kv':<12}{'':>6}{m:>6}{t:>8.1f}{rel(a.cpu(), b):>10.1e}")
     print(f"(attention chunk {chunk_for(smax)} keys per split)")
     out["tiles"] = {f"{n},{k}": list(L.tile_for(n, k)) for _, n, k, _ in SHAPES}
+    out["gemv_tiles"] = {f"{n},{k}": list(t) for (n, k), t in L.GEMV_TILES.items()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -250,6 +250,44 @@ def _sum_partials(WS, offset, SPLIT: tl.constexpr, r0, cols, N_OUT, BLOCK_M: tl.
     return a0, a1, a2, a3
 
 
+@triton.jit
+def _gemv_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+                 RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
+    # per lane over K and reduced once at the end; the next weight tile is requested before the
+    # current one is used (software double buffering), and the first before waiting for the
+    # previous kernel (PDL). K is a multiple of BLOCK_K.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrows = tl.where(cols < N_OUT, cols, 0)
+    w_ptr = W + wrows[:, None] * K
+    u_ptr = W + (wrows[:, None] + N_OUT) * K
+    ks = tl.arange(0, BLOCK_K)
+    w_next, wu_next = _load_w(w_ptr, u_ptr, ks, K, GATED, True)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = tl.zeros([1], dtype=tl.float32) + 1.0
+    if NORM:
+        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w, wu = w_next, wu_next
+        nk = k0 + BLOCK_K + ks
+        w_next = tl.load(w_ptr + nk[None, :], mask=nk[None, :] < K, other=0.0)
+        if GATED:
+            wu_next = tl.load(u_ptr + nk[None, :], mask=nk[None, :] < K, other=0.0)
+        x = _load_x(X, 0, tl.arange(0, 1), 1, k0 + ks, K, rstd, G, NORM, True).to(tl.float32)   # [1, BLOCK_K]
+        acc += w.to(tl.float32) * x
+        if GATED:
+            accu += wu.to(tl.float32) * x
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(acc, axis=1)[None, :]
+    yu = tl.sum(accu, axis=1)[None, :]
+    _epilogue(y, yu, Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL, EXTRA)
+
+
 # Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split of K); never per row count,
 # so a row's reduction order is the same in decode and verify. The fastest of benchmarks/kernels.py's
 # candidates at one row on the H200 (2026-12-01, `python benchmarks/kernels.py --sweep`); DEFAULT_TILE
@@ -277,6 +315,12 @@ def tile_for(n_out: int, k: int) -> tuple[int, int, int, int, int]:
     return block_n, block_k, warps, stages, split
 
 
+# One-row (decode) tiles on the CUDA-core GEMV (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps); shapes not
+# listed run one-row calls on the tile kernel above. A row decoded alone then rounds differently from
+# the same row inside a verify block (another reduction order), so speculative and plain greedy may
+# part at near-ties; benchmarks/kernels.py measures both.
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -300,8 +344,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages, split = tile_for(n_out, k)
     dummy = out
+    gemv = GEMV_TILES.get((n_out, k)) if m == 1 else None
+    if gemv is not None and k % gemv[1] == 0:
+        block_n, block_k, warps = gemv
+        _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+            x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
+            extra_out if extra_out is not None else dummy, n_out, k, eps, NORM=norm is not None, GATED=gated,
+            RESIDUAL=residual is not None, EXTRA=extra_out is not None, PDL=pdl(), BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=1, **launch())
+        return out
+    block_n, block_k, warps, stages, split = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
     ws = torch.empty(split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
     cnt = _counters(x.device, blocks) if split > 1 else dummy
