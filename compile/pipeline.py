@@ -26,7 +26,8 @@ from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
-    Eagle3Config, Qwen3Config, check_eagle3_fits, parse_generation_config, read_json, synthetic_eagle3_config,
+    TAP_DEFAULT, TAP_OVERRIDE, Eagle3Config, Qwen3Config, check_eagle3_fits, parse_generation_config, read_json,
+    synthetic_eagle3_config, tap_convention,
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export import Weights, export_graph
@@ -63,6 +64,7 @@ class ExportRequest:
     synthetic: bool = False
     seed: int = 0
     force: bool = False
+    eagle3_taps: tuple[int, ...] | None = None   # 0-based layer-output ids overriding the head config's
 
 
 # the family of each model slot (recorded as ModelEntry.kind)
@@ -151,17 +153,24 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
     cfg, source, target_dir = _open(req, TARGET)
     max_seq_len = _max_seq_len(req, cfg, target_dir)
     taps, head = cfg.default_tap_layers, None
+    if req.eagle3_taps is not None:
+        if req.eagle3 is None:
+            raise CompileError(f"{TAP_OVERRIDE} sets the EAGLE3 head's taps; add --eagle3")
+        if len(req.eagle3_taps) != 3 or not all(0 <= t < cfg.num_hidden_layers for t in req.eagle3_taps):
+            raise CompileError(f"{TAP_OVERRIDE} {','.join(map(str, req.eagle3_taps))}: expected three layer-output "
+                               f"ids in 0..{cfg.num_hidden_layers - 1} (the target has {cfg.num_hidden_layers} layers)")
     if req.eagle3 is not None:
         head = _open(req, EAGLE3, cfg)
         head_cfg, _, head_dir = head
-        taps = ckpt.tap_layers(head_cfg, cfg)
+        taps = req.eagle3_taps or ckpt.tap_layers(head_cfg, cfg)
         check_eagle3_fits(head_cfg, cfg, _where(head_dir, "synthetic head"), taps)
     with torch.device("meta"):
         target = Qwen3(cfg, max_seq_len, tuple(taps)).to(dtype)
     parts = [_Part(TARGET, target, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source,
                                                       {"taps": list(target.taps)}))]
     if head is not None:
-        parts.append(_head_part(head[0], head[1], parts[0], dtype))
+        field = TAP_OVERRIDE if req.eagle3_taps else head[0].tap_field or TAP_DEFAULT
+        parts.append(_head_part(head[0], head[1], parts[0], dtype, field))
     if req.draft_model is not None:
         parts.append(_draft_part(req, cfg, max_seq_len, dtype))
     return parts, target_dir
@@ -179,11 +188,14 @@ def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) 
     return req.max_seq_len
 
 
-def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtype: torch.dtype) -> _Part:
+def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtype: torch.dtype,
+               taps_from: str) -> _Part:
     with torch.device("meta"):
         head = Eagle3(head_cfg, target.module.max_seq_len).to(dtype)
+    # which config field (or option) the taps came from and how its ids count (config.TAP_FIELDS)
     entry = ModelEntry(eagle3.KIND, head_cfg.to_dict(), source.source,
-                       {"taps": list(target.module.taps), "rope_theta": head.rope_theta})
+                       {"taps": list(target.module.taps), "taps_from": taps_from,
+                        "taps_convention": tap_convention(taps_from), "rope_theta": head.rope_theta})
 
     def embedding() -> Weights:
         # the head embeds with the target's table: streamed from the target's weights under the head's name
