@@ -122,8 +122,11 @@ def inspect_cmd(directory, as_json) -> None:
 @click.option("--max-batch", type=int, default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,
+              help="With --synthetic: the alias's shape with this many layers (a quicker stand-in).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
-def export_cmd(model, eagle3, eagle3_taps, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed, force) -> None:
+def export_cmd(model, eagle3, eagle3_taps, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed,
+               synthetic_layers, force) -> None:
     """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path
 
@@ -131,7 +134,7 @@ def export_cmd(model, eagle3, eagle3_taps, draft_model, out, dtype, max_seq_len,
 
     req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
                         max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force,
-                        eagle3_taps=eagle3_taps)
+                        eagle3_taps=eagle3_taps, synthetic_layers=synthetic_layers)
     click.echo(describe(export_engine_dir(req, log=lambda m: click.echo(m, err=True))))
 
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -65,6 +65,7 @@ class ExportRequest:
     seed: int = 0
     force: bool = False
     eagle3_taps: tuple[int, ...] | None = None   # 0-based layer-output ids overriding the head config's
+    synthetic_layers: int | None = None          # --synthetic: the alias's shape with fewer (or more) layers
 
 
 # the family of each model slot (recorded as ModelEntry.kind)
@@ -134,10 +135,14 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
     """The config, weight source and checkpoint dir (None: synthetic) of the dir's ``role`` model: the one
     place export tells a checkpoint from synthetic weights."""
     name = req.draft_model if role == DRAFT else req.model
+    if req.synthetic_layers is not None and (not req.synthetic or req.synthetic_layers < 1):
+        raise CompileError(f"--synthetic-layers {req.synthetic_layers}: needs --synthetic and at least 1 layer")
     if req.synthetic:
         if role == EAGLE3 and req.eagle3:
             raise CompileError("--synthetic builds the head in the published shape; give --eagle3 without a value")
         cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else synthetic.known_config(name)
+        if role == TARGET and req.synthetic_layers:
+            cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
     directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else
                  ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name))
