@@ -35,7 +35,8 @@ TAP_FIELDS = {
 }
 TAP_OVERRIDE = "--eagle3-taps"
 TAP_DEFAULT = "default"
-TAP_CONVENTIONS = {TAP_OVERRIDE: "layer-output ids", TAP_DEFAULT: "layer-output ids 1, L/2-1, L-4 (the target's default)"}
+TAP_CONVENTIONS = {TAP_OVERRIDE: "layer-output ids",
+                   TAP_DEFAULT: "layer-output ids: the target's default (Qwen3Config.default_tap_layers)"}
 
 # speculators serializes transformer_layer_config with transformers' to_diff_dict (Eagle3SpeculatorConfig
 # .serialize_transformer_config), which may drop fields equal to LlamaConfig's defaults: read a missing

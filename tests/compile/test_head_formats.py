@@ -279,7 +279,7 @@ def test_exported_speculators_head_matches_and_manifest_records_taps(tmp_path, t
         step.close()
 
 
-def test_eagle3_taps_option_is_checked_before_any_work(tmp_path, tiny_target, tiny_eagle3):
+def test_tap_and_layer_options_are_checked_before_any_work(tmp_path, tiny_target, tiny_eagle3):
     from click.testing import CliRunner
 
     from xcompile.compile.cli import main
@@ -289,9 +289,10 @@ def test_eagle3_taps_option_is_checked_before_any_work(tmp_path, tiny_target, ti
 
     bad = run("--eagle3", str(tiny_eagle3), "--eagle3-taps", "1,x,2")
     assert bad.exit_code == 2 and "--eagle3-taps" in bad.stderr and "comma-separated" in bad.stderr
-    for args, why in ((("--eagle3", str(tiny_eagle3), "--eagle3-taps", "0,1,9"), "ids in 0..3"),
-                      (("--eagle3-taps", "0,1,2"), "add --eagle3")):
+    for args, why in ((("--eagle3", str(tiny_eagle3), "--eagle3-taps", "0,1,9"), "--eagle3-taps 0,1,9: expected"),
+                      (("--eagle3-taps", "0,1,2"), "add --eagle3"),
+                      (("--synthetic-layers", "2"), "--synthetic-layers 2: needs --synthetic")):
         r = run(*args)
         lines = r.stderr.strip().splitlines()
-        assert r.exit_code == 1 and len(lines) == 1 and "--eagle3-taps" in lines[0] and why in lines[0], r.stderr
+        assert r.exit_code == 1 and len(lines) == 1 and why in lines[0], r.stderr
     assert not (tmp_path / "o").exists()
