@@ -115,7 +115,7 @@ def test_draft_model_loads(tiny_draft, target):
 def test_iter_state_streams_onto_a_meta_model(tiny_target, target):
     with torch.device("meta"):
         meta = Qwen3(parse_qwen3(tiny_target / "config.json"), MAX_SEQ, TAPS).to(torch.bfloat16)
-    seen = dict(ck.iter_state(ck.Checkpoint(tiny_target), meta))
+    seen = dict(ck.CheckpointSource(tiny_target).tensors(meta))
     assert seen.keys() == ck.module_state(target).keys()
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in seen.values())
     assert torch.equal(seen["lm_head.weight"], target.lm_head.weight.bfloat16())
@@ -299,8 +299,9 @@ def test_resolve_eagle3_without_published_head(tiny_target):
 def test_tap_layers(tiny_eagle3, tmp_path):
     target_cfg = KNOWN_MODELS["qwen3-8b"].config
     assert ck.tap_layers(parse_eagle3(tiny_eagle3 / "config.json"), target_cfg) == (1, 17, 32)
+    # the top-level field counts HF hidden_states (the input of that layer): [2, 18, 33] = outputs of 1, 17, 32
     path = write_eagle3_checkpoint(tmp_path, overrides={"eagle_aux_hidden_state_layer_ids": [2, 18, 33]})
-    assert ck.tap_layers(parse_eagle3(path / "config.json"), target_cfg) == (2, 18, 33)
+    assert ck.tap_layers(parse_eagle3(path / "config.json"), target_cfg) == (1, 17, 32)
 
 
 # ---------------------------------------------------------------------------------------------
