@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from xcompile.runtime.errors import cli_group_class
+from xcompile.runtime.load import BACKEND_CHOICES, DRAFTER_CHOICES, DrafterSpec, TreeShape
 
 
 @click.group(cls=cli_group_class())
@@ -26,14 +27,14 @@ def _ids(text: str) -> list[int]:
 @click.option("--prompt-ids", help="Prompt token ids, e.g. '1,2,3'.")
 @click.option("--chat", help="One user message, wrapped in the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--drafter", type=click.Choice(["auto", "none", "draft-model", "eagle3"]), default="auto",
+@click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto",
               show_default=True, help="auto: eagle3 if the dir has a head, else the draft model, else none.")
 @click.option("--gamma", type=click.IntRange(min=1), help="Draft tokens per round (chain drafters).")
 @click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node.")
 @click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round.")
 @click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 tree: draft tokens verified per round.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text up to it is kept.")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
@@ -44,10 +45,10 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
 
     if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-ids, --chat")
-    tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
+    spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=_ids(prompt_ids) if prompt_ids else None, chat=chat,
-                          max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma, tree=tree or None,
-                          stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs)
+                          max_new_tokens=max_new_tokens, drafter=spec, stop=list(stop), backend=backend,
+                          device=device, cuda_graphs=not no_cuda_graphs)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
@@ -62,7 +63,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.argument("engine_dir", required=False, type=click.Path(path_type=str))
 @click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
 @click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="With --synthetic.")
@@ -88,5 +89,5 @@ def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tr
     if (engine_dir is None) == (synthetic is None):
         raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, _ints(gammas),
-                     dict(zip(("topk", "depth", "total_tokens"), tree_t)) or None, _ints(contexts), new_tokens,
+                     TreeShape(*tree_t) if tree_t else None, _ints(contexts), new_tokens,
                      repeats, peer, json_path, plot, prompts, num_prompts), echo=click.echo)
