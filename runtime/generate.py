@@ -17,6 +17,7 @@ advances ``length`` by a+1. Rows past ``length`` are stale and no mask ever read
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ class Result:
 
     tokens: list[int]               # generated tokens, the stopping EOS / stop-string token included
     stats: Stats
-    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len"
+    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len" | "cancelled"
 
 
 class _Stops:
@@ -170,9 +171,11 @@ class Generator:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
-                 on_tokens: Callable[[list[int]], None] | None = None) -> Result:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 cancel: threading.Event | None = None) -> Result:
         """Greedy generation of up to ``max_new_tokens`` after ``prompt_ids``. Stops at an EOS id or a stop
-        string (both kept); ``on_tokens`` receives each round's new tokens as they are committed."""
+        string (both kept); ``on_tokens`` receives each round's new tokens as they are committed. Setting
+        ``cancel`` (from another thread) ends the generation before its next round (reason "cancelled")."""
         self.check_prompt(prompt_ids)
         if stop and self.detokenize is None:
             raise EngineError("stop strings need a detokenize callback (Generator(..., detokenize=...))")
@@ -193,6 +196,9 @@ class Generator:
         n = len(prompt_ids)                                                     # KV length, on the host
         length = torch.full((1,), n, dtype=torch.int64, device=self.device)     # and on the device
         while not stops.reason:
+            if cancel is not None and cancel.is_set():      # once per round: a server frees the engine promptly
+                stops.reason = "cancelled"
+                break
             if n + drafter.lookahead > self.max_seq_len:
                 if n + 1 > self.max_seq_len:
                     stops.reason = "max_seq_len"
