@@ -24,17 +24,16 @@ from xcompile.runtime.serve.scheduler import ServeConfig
 NAME = "xcompile"
 
 
-def application(config: ServeConfig, replicas: int = 1, autoscaling: dict | None = None, gpu: bool = False):
-    """The bound Ray Serve application: ``replicas`` fixed replicas, or Ray's ``autoscaling`` config."""
+def deployment(config: ServeConfig, replicas: int = 1, autoscaling: dict | None = None, gpu: bool = False):
+    """The Ray Serve deployment: ``replicas`` fixed replicas, or Ray's ``autoscaling`` config."""
 
     def build_app():                # called on each replica: its engines are opened there
         return create_app(config, background_load=False)
 
-    deployment = serve.deployment(
+    return serve.deployment(
         serve.ingress(build_app)(), name=NAME, num_replicas=None if autoscaling else replicas,
         autoscaling_config=autoscaling, max_ongoing_requests=config.max_queue + 1,
         ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": 1})
-    return deployment.bind()
 
 
 def uses_gpus(config: ServeConfig) -> bool:
@@ -50,9 +49,8 @@ ARGS = {"engine_dir": str, "backend": str, "device": str, "served_model_name": s
         "tree_depth": int, "tree_tokens": int, "replicas": int, "min_replicas": int, "max_replicas": int}
 
 
-def build(args: dict[str, str]):
-    """``serve run``'s application builder (module docstring): ``xrun serve``'s options as key=value,
-    ``replicas=N``, or ``min_replicas=A max_replicas=B`` for Ray's autoscaling."""
+def parse(args: dict[str, str]) -> tuple[ServeConfig, int, dict | None]:
+    """``serve run``'s key=value arguments -> (config, replicas, autoscaling config or None)."""
     if unknown := sorted(set(args) - set(ARGS)):
         raise EngineError(f"serve run: unknown argument(s) {', '.join(unknown)}; expected engine_dir=DIR and any of "
                           f"{', '.join(sorted(set(ARGS) - {'engine_dir'}))}")
@@ -66,10 +64,17 @@ def build(args: dict[str, str]):
                                     a.pop("tree_depth", None), a.pop("tree_tokens", None))
     replicas = a.pop("replicas", 1)
     scale = {k: a.pop(k) for k in ("min_replicas", "max_replicas") if k in a}
-    config = ServeConfig(drafter=spec, **a)
+    autoscaling = None
+    if scale:
+        # Ray scales on ongoing requests per replica: one on the device is what a batch-1 replica is for
+        autoscaling = {"min_replicas": 1, **scale, "target_ongoing_requests": 1}
+        autoscaling["max_replicas"] = max(autoscaling.get("max_replicas", 1), autoscaling["min_replicas"])
+    return ServeConfig(drafter=spec, **a), replicas, autoscaling
+
+
+def build(args: dict[str, str]):
+    """``serve run``'s application builder (module docstring): ``xrun serve``'s options as key=value,
+    ``replicas=N``, or ``min_replicas=A max_replicas=B`` for Ray's autoscaling."""
+    config, replicas, autoscaling = parse(args)
     gpu = uses_gpus(config)
-    # autoscale on ongoing requests per replica: one on the device is what a batch-1 replica is for
-    autoscaling = {"min_replicas": 1, "max_replicas": 1, **scale, "target_ongoing_requests": 1} if scale else None
-    if autoscaling:
-        autoscaling["max_replicas"] = max(autoscaling["max_replicas"], autoscaling["min_replicas"])
-    return application(replace(config, device="cuda") if gpu else config, replicas, autoscaling, gpu)
+    return deployment(replace(config, device="cuda") if gpu else config, replicas, autoscaling, gpu).bind()

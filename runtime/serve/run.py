@@ -41,13 +41,18 @@ def serve_http(config: ServeConfig, host: str, port: int) -> None:
 
 
 def serve_ray(config: ServeConfig, host: str, port: int, replicas: int) -> None:
-    """``replicas`` Ray Serve replicas behind Ray's proxy on host:port; blocks until Ctrl-C."""
+    """``replicas`` Ray Serve replicas behind Ray's proxy on host:port; blocks until Ctrl-C or SIGTERM,
+    then deletes the application (a Ray started here stops with the process)."""
     import dataclasses
+    import signal
 
     import ray
     from ray import serve
 
-    from xcompile.runtime.serve.ray_app import NAME, application, uses_gpus
+    from xcompile.runtime.serve.ray_app import NAME, deployment, uses_gpus
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
 
     check(config)
     ray.init()                      # joins the cluster RAY_ADDRESS names, else starts one on this machine
@@ -55,4 +60,10 @@ def serve_ray(config: ServeConfig, host: str, port: int, replicas: int) -> None:
     if gpu and config.device is None:
         config = dataclasses.replace(config, device="cuda")
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(config, replicas, gpu=gpu), name=NAME, route_prefix="/", blocking=True)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        serve.run(deployment(config, replicas, gpu=gpu).bind(), name=NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        serve.delete(NAME)
+    finally:
+        ray.shutdown()

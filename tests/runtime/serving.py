@@ -6,7 +6,10 @@ Every server listens on 127.0.0.1 on a port the OS picks; every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,34 +72,33 @@ class ThreadServer:
 class XrunServe:
     """``xrun serve DIR ARGS --port 0`` as a subprocess; ``url`` from the port uvicorn reports."""
 
-    def __init__(self, engine_dir: Path, *args: str):
+    def __init__(self, engine_dir: Path, *args: str, port: int = 0):
         xrun = Path(sys.executable).with_name("xrun")           # the console script beside this interpreter
-        self.cmd = [str(xrun), "serve", str(engine_dir), "--port", "0", *args]
+        self.cmd = [str(xrun), "serve", str(engine_dir), "--port", str(port), *args]
+        self.url = f"http://127.0.0.1:{port}" if port else None
         self.log = ""
 
-    def start(self) -> XrunServe:
+    def start(self, timeout: float = START_TIMEOUT) -> XrunServe:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + START_TIMEOUT
-        for line in self.proc.stdout:                      # uvicorn: "Uvicorn running on http://127.0.0.1:PORT"
+        deadline = time.monotonic() + timeout
+        while self.url is None:                             # uvicorn: "Uvicorn running on http://127.0.0.1:PORT"
+            line = self.proc.stdout.readline()
             self.log += line
             if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
                 self.url = m.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        else:
-            raise RuntimeError(f"xrun serve exited:\n{self.log}")
+            elif not line or time.monotonic() > deadline:
+                raise RuntimeError(f"xrun serve did not start:\n{self.log}")
         threading.Thread(target=self._drain, daemon=True).start()
-        wait_healthy(self.url)
+        wait_healthy(self.url, max(1.0, deadline - time.monotonic()))
         return self
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
             self.log += line
 
-    def stop(self) -> int:
-        self.proc.terminate()                               # SIGTERM: uvicorn shuts down, engines close
-        return self.proc.wait(60)
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)                          # SIGTERM: uvicorn shuts down, engines close
+        return self.proc.wait(120)
 
 
 class HeldWorker(EngineWorker):
@@ -120,6 +122,29 @@ class HeldWorker(EngineWorker):
             return run(**inputs)
 
         target.run = held_run
+
+
+def generate_json(engine_dir: Path, *args) -> dict:
+    """``xrun generate ... --json``, the reference every answer is held to."""
+    from click.testing import CliRunner
+
+    from xcompile.runtime.cli import main
+
+    r = CliRunner().invoke(main, ["generate", str(engine_dir), "--device", "cpu", "--json", *map(str, args)])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+def extra(obj, name: str):
+    """A field the OpenAI API does not define (``token_ids``, ``usage.xcompile``) from an openai object."""
+    return (obj.model_extra or {}).get(name)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for servers that cannot report the one they bound (Ray's proxy)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def reference(engine_dir: Path, prompts: list, backend: str, spec, max_new_tokens: int) -> list[tuple[list[int], str]]:

@@ -18,10 +18,9 @@ import httpx2 as httpx     # the HTTP client the openai package itself uses
 import openai
 import pytest
 import serving
-from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
+from serving import extra, generate_json
 
-from xcompile.runtime.cli import main
 from xcompile.runtime.load import DrafterSpec
 from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig
 
@@ -30,13 +29,6 @@ SPEC = DrafterSpec("eagle3", 3)
 PROMPT, MESSAGE, NEW = "the cat", "hello there", 24
 KEY = "test-key"
 FINISH = {"max_tokens": "length", "max_seq_len": "length", "eos": "stop", "stop": "stop"}
-
-
-def generate_json(engine_dir, *args) -> dict:
-    """``xrun generate ... --json``, the reference every answer is held to."""
-    r = CliRunner().invoke(main, ["generate", str(engine_dir), "--device", "cpu", "--json", *map(str, args)])
-    assert r.exit_code == 0, r.output
-    return json.loads(r.output.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +50,6 @@ def client(server) -> openai.OpenAI:
 def model(client) -> str:
     (m,) = client.models.list().data
     return m.id
-
-
-def extra(obj, name):
-    return (obj.model_extra or {}).get(name)
 
 
 # ---------------------------------------------------------------------------------------------
