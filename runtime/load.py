@@ -2,9 +2,10 @@
 
 ``BACKENDS`` maps a backend name to how it opens a dir's graphs and when ``auto`` takes it; ``auto``
 takes the first entry, in registry order, that can run the dir on the device: trt when engines were
-built and TensorRT imports on a CUDA device, else ort on the CPU for fp32/fp16 graphs, else torch (the
-PyTorch reference modules, through the ``xcompile.torch_models`` entry point, i.e. when the compile
-side is installed). ``DRAFTERS`` maps a drafter name to the graphs it needs and how it is made from a
+built and TensorRT imports on a CUDA device, else fast (the reference modules' weights on fused Triton
+kernels, runtime/backends/fast.py) on CUDA when triton imports, else ort on the CPU for fp32/fp16
+graphs, else torch (the PyTorch reference modules, through the ``xcompile.torch_models`` entry point,
+i.e. when the compile side is installed). ``DRAFTERS`` maps a drafter name to the graphs it needs and how it is made from a
 ``DrafterSpec`` (a chain of gamma tokens, or an EAGLE3 tree); ``auto`` takes the first the dir holds.
 Adding a backend or a drafter is one entry; the CLI's choices are these keys.
 
@@ -138,9 +139,32 @@ def _torch_load(directory, manifest, device, options):
     return torch_models().load_torch_models(manifest, device)
 
 
+def _fast_load(directory, manifest, device, options):
+    return fast_engines(manifest, _torch_load(directory, manifest, device, options))
+
+
+def _fast_auto(manifest, device) -> bool:
+    if device.type != "cuda":
+        return False
+    from xcompile.runtime import kernels
+
+    return kernels.available()
+
+
+def fast_engines(manifest: Manifest, engines: dict[str, Engine]) -> dict[str, Engine]:
+    """The torch backend's engines of ``manifest`` on the fused kernels (runtime/backends/fast.py)."""
+    from xcompile.runtime.backends import fast
+
+    fast.check_device(engines[TARGET].device)
+    models = manifest.models
+    configs = {g: models[EAGLE3 if g == EAGLE3_FC else g].config for g in engines}
+    return fast.wrap(engines, configs, list(models[TARGET].extra.get("taps") or ()))
+
+
 # order is auto's preference (module docstring)
 BACKENDS: dict[str, Backend] = {
     "trt": Backend(_trt_load, _trt_auto, "TensorRT engines built by `xcompile build` (CUDA)"),
+    "fast": Backend(_fast_load, _fast_auto, "the reference modules' weights on fused Triton kernels (CUDA)"),
     "ort": Backend(_ort_load, lambda m, d: d.type == "cpu" and m.dtype != "bf16",
                    "the ONNX graphs on ONNX Runtime (CPU; CUDA with onnxruntime-gpu)"),
     "torch": Backend(_torch_load, lambda m, d: True, "the PyTorch reference modules (needs the compile side)"),

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xcompile.runtime import load
+from xcompile.runtime import kernels, load
 from xcompile.runtime.cli import main
 from xcompile.runtime.contract import TARGET
 from xcompile.runtime.errors import EngineError
@@ -35,7 +35,8 @@ def test_cli_choices_are_the_registries():
 
 @pytest.mark.parametrize("device, dtype, engines, want", [
     ("cpu", "fp32", {}, "ort"), ("cpu", "fp16", {}, "ort"), ("cpu", "bf16", {}, "torch"),
-    ("cuda", "bf16", {}, "torch"),       # no built engines: trt's test fails before importing TensorRT
+    # no built engines: trt's test fails before importing TensorRT; then fast when triton imports
+    ("cuda", "bf16", {}, "fast" if kernels.available() else "torch"),
 ])
 def test_auto_takes_the_first_backend_that_fits(device, dtype, engines, want):
     manifest = SimpleNamespace(dtype=dtype, engines=engines)
