@@ -163,15 +163,12 @@ class _CountResponses:
 
 
 def _check(body, worker: EngineWorker) -> None:
-    """What the request model alone cannot say: the model name, fields not implemented, sampling."""
+    """What the request model alone cannot say: the model name, fields not implemented."""
     if body.model is not None and body.model != worker.model_name:
         raise ServeError(404, f"model {body.model!r} not found; this server serves {worker.model_name!r}",
                          "model", "model_not_found")
     if (name := body.refused()) is not None:
         raise ServeError(400, f"{name}: not implemented by this server; leave it out", name)
-    if body.temperature:
-        raise ServeError(400, f"temperature {body.temperature}: sampling is not available in this build "
-                              "(greedy decoding only); send temperature 0 or leave it out", "temperature")
 
 
 async def _answer(request: Request, body, kind: str, prompts: list, param: str):
@@ -180,8 +177,10 @@ async def _answer(request: Request, body, kind: str, prompts: list, param: str):
     _check(body, worker)
     ids = [worker.encode(p, param) for p in prompts]
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or worker.max_seq_len
-    job = Job([Generation(p, max_tokens, body.stop) for p in ids for _ in range(body.n)], sched.deadline())
-    reply = _Reply(kind, body, worker, ids, request.app.state.metrics, job)
+    sampling = body.sampling()
+    job = Job([Generation(p, max_tokens, body.stop, sampling, j) for p in ids for j in range(body.n)],
+              sched.deadline())
+    reply = _Reply(kind, body, worker, ids, request.app.state.metrics, job, sampling.seed)
     events = sched.run(job)
     await anext(events)                     # admitted (or ServeError 429 as an HTTP error, before any stream)
     reply.metrics.prompt_tokens.inc(reply.prompt_tokens)
@@ -213,8 +212,8 @@ class _Reply:
     renders the OpenAI stream chunks or the whole response body."""
 
     def __init__(self, kind: str, body, worker: EngineWorker, prompt_ids: list[list[int]], metrics: Metrics,
-                 job: Job):
-        self.kind, self.body, self.worker, self.metrics, self.job = kind, body, worker, metrics, job
+                 job: Job, seed: int | None):
+        self.kind, self.body, self.worker, self.metrics, self.job, self.seed = kind, body, worker, metrics, job, seed
         self.chat = kind == "chat.completion"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -263,7 +262,7 @@ class _Reply:
         return f"data: {json.dumps(chunk)}\n\n"
 
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, [r.stats for r in self.results if r is not None])
+        return usage(self.prompt_tokens, [r.stats for r in self.results if r is not None], self.seed)
 
     async def sse(self, events: AsyncIterator[tuple]) -> AsyncIterator[str]:
         try:

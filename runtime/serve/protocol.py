@@ -14,7 +14,8 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from xcompile.runtime.errors import XcompileError
+from xcompile.runtime.errors import EngineError, XcompileError
+from xcompile.runtime.sampling import SamplingParams, with_seed
 
 MAX_N = 16          # choices per request: they run one after another on the one device slot
 
@@ -55,9 +56,9 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2)     # None: 0, greedy (OpenAI's default is 1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1)                  # -1 or 0: off (vLLM's convention)
     min_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -86,6 +87,16 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self) -> SamplingParams:
+        """The request's SamplingParams, with a seed drawn here when sampling without one, so that every
+        choice of the request shares it (choice j is stream j of the seed) and the reply can report it."""
+        try:
+            return with_seed(SamplingParams(temperature=self.temperature or 0.0, top_k=max(self.top_k or 0, 0),
+                                            top_p=1.0 if self.top_p is None else self.top_p,
+                                            min_p=self.min_p or 0.0, seed=self.seed))
+        except EngineError as e:
+            raise ServeError(400, str(e)) from None
 
 
 class CompletionRequest(_Request):
@@ -150,14 +161,14 @@ class ChatCompletionRequest(_Request):
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_tokens": "length", "max_seq_len": "length"}
 
 
-def usage(prompt_tokens: int, stats: list) -> dict:
+def usage(prompt_tokens: int, stats: list, seed: int | None = None) -> dict:
     """OpenAI usage over all choices, plus ``xcompile``: tau (tokens per target forward, bonus included),
-    drafted and accepted draft tokens, verify rounds."""
+    drafted and accepted draft tokens, verify rounds, and the sampling seed (None: greedy)."""
     completion = sum(s.new_tokens for s in stats)
     rounds, drafted, accepted = (sum(getattr(s, k) for s in stats) for k in ("rounds", "drafted", "accepted"))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "xcompile": {"acceptance_length": round((accepted + rounds) / rounds, 4) if rounds else 0.0,
-                         "drafted": drafted, "accepted": accepted, "rounds": rounds}}
+                         "drafted": drafted, "accepted": accepted, "rounds": rounds, "seed": seed}}
 
 
 class TextStream:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from xcompile.runtime.errors import EngineError, XcompileError
 from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
+from xcompile.runtime.sampling import GREEDY, SamplingParams
 from xcompile.runtime.serve.protocol import ServeError
 
 
@@ -95,8 +96,8 @@ class EngineWorker:
         for i, g in enumerate(job.generations):
             if job.cancel.is_set():
                 return
-            result = self.gen.generate(g.prompt, g.max_new_tokens, stop=g.stop, cancel=job.cancel,
-                                       on_tokens=lambda tokens, i=i: post(("tokens", i, tokens)))
+            result = self.gen.generate(g.prompt, g.max_new_tokens, stop=g.stop, sampling=g.sampling, index=g.index,
+                                       cancel=job.cancel, on_tokens=lambda tokens, i=i: post(("tokens", i, tokens)))
             if result.finish_reason != "cancelled":
                 post(("done", i, result))
 
@@ -106,11 +107,14 @@ class EngineWorker:
 
 @dataclass
 class Generation:
-    """One choice: a prompt's ids, its token budget and stop strings."""
+    """One choice: a prompt's ids, its token budget and stop strings, how it samples and which of the
+    seed's streams it draws from (choice j of a prompt: stream j)."""
 
     prompt: list[int]
     max_new_tokens: int
     stop: list[str]
+    sampling: SamplingParams = GREEDY
+    index: int = 0
 
 
 @dataclass

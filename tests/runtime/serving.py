@@ -147,11 +147,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reference(engine_dir: Path, prompts: list, backend: str, spec, max_new_tokens: int) -> list[tuple[list[int], str]]:
-    """(tokens, text) of greedy generation as ``xrun generate`` runs it, for each prompt (text, ids or a
-    chat message list), on one engine set."""
+def reference(engine_dir: Path, prompts: list, backend: str, spec, max_new_tokens: int, sampling=None,
+              index: int = 0) -> list[tuple[list[int], str]]:
+    """(tokens, text) of generation as ``xrun generate`` runs it (greedy unless ``sampling``; ``index``:
+    the seed's stream), for each prompt (text, ids or a chat message list), on one engine set."""
     from xcompile.runtime.generate import Generator
     from xcompile.runtime.load import make_drafter, open_engine_dir
+    from xcompile.runtime.sampling import GREEDY
     from xcompile.runtime.text import Text
 
     out = []
@@ -162,6 +164,6 @@ def reference(engine_dir: Path, prompts: list, backend: str, spec, max_new_token
         for p in prompts:
             ids = p if isinstance(p, list) and isinstance(p[0], int) else \
                 text.chat(p) if isinstance(p, list) else text.encode(p)
-            tokens = gen.generate(ids, max_new_tokens).tokens
+            tokens = gen.generate(ids, max_new_tokens, sampling=sampling or GREEDY, index=index).tokens
             out.append((tokens, text.decode(tokens)))
     return out

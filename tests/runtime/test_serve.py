@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import extra, generate_json
 
 from xcompile.runtime.load import DrafterSpec
+from xcompile.runtime.sampling import SamplingParams
 from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig
 
 ARGS = ("--backend", "ort", "--drafter", "eagle3", "--gamma", "3")
@@ -117,6 +118,27 @@ def test_n_choices_and_several_prompts(tiny_engine_dir, client, model):
     assert r.usage.completion_tokens == 2 * sum(len(t) for t, _ in refs)
 
 
+def test_sampling_with_a_seed(tiny_engine_dir, client, model):
+    """T > 0: choice j is stream j of the request's seed, as the Generator draws it; the same seed gives
+    the same text again, and a seedless request reports the seed it drew, which reproduces it."""
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
+    refs = [serving.reference(tiny_engine_dir, [PROMPT], "ort", SPEC, 16, sampling, index=j)[0] for j in (0, 1)]
+    assert refs[0] != refs[1]                       # two streams of one seed: different samples
+    kw = dict(model=model, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, n=2,
+              extra_body={"top_k": 20, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert [(extra(c, "token_ids"), c.text) for c in r.choices] == refs
+    assert extra(r.usage, "xcompile")["seed"] == 1234
+    parts = [ch.choices[0] for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    for j in (0, 1):
+        mine = [p for p in parts if p.index == j]
+        assert (sum((extra(p, "token_ids") for p in mine), []), "".join(p.text for p in mine)) == refs[j]
+    unseeded = client.completions.create(**{**kw, "seed": None, "n": 1})
+    seed = extra(unseeded.usage, "xcompile")["seed"]
+    again = client.completions.create(**{**kw, "seed": seed, "n": 1})
+    assert isinstance(seed, int) and extra(again.choices[0], "token_ids") == extra(unseeded.choices[0], "token_ids")
+
+
 def test_curl_style_stream_wire_format(server, model):
     body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -167,7 +189,9 @@ BAD = [
     ({"prompt": "x", "stream": "sometimes"}, 400, "stream"),
     ({"prompt": "word " * 300}, 400, "exceed max_seq_len 256"),
     ({"prompt": [1, 99999]}, 400, "token ids must lie in [0, 256)"),
-    ({"prompt": "x", "temperature": 0.5}, 400, "sampling is not available"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than or equal to 0"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
+    ({"prompt": "x", "temperature": 1, "seed": -5}, 400, "seed must be an integer in [0, 2**63)"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias: not implemented"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model 'gpt-9' not found"),
     ({}, 400, "prompt: Field required"),
