@@ -7,7 +7,8 @@ one CPU each on a machine without GPUs), routed and autoscaled by Ray Serve itse
 Each replica opens the engine dir itself (a shared path, or its own copy at the same path), so every
 node needs the dir where ``engine_dir`` says. Inside a replica the scheduling is the server's own:
 batch 1, a FIFO queue of ``max_queue``, cancel on disconnect (runtime/serve/scheduler.py); Ray sends a
-replica at most ``max_queue + 1`` requests at once and queues the rest in its proxy.
+replica at most ``max_queue + 1`` requests at once, queues up to ``max_queue`` more in its proxy and
+answers 503 past that (Ray's back-pressure, not ours).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def deployment(config: ServeConfig, replicas: int = 1, autoscaling: dict | None 
     return serve.deployment(
         serve.ingress(build_app)(), name=NAME, num_replicas=None if autoscaling else replicas,
         autoscaling_config=autoscaling, max_ongoing_requests=config.max_queue + 1,
+        max_queued_requests=max(config.max_queue, 1),
         ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": 1})
 
 

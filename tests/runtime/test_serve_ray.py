@@ -76,7 +76,8 @@ def test_serve_run_arguments():
         ("d", "trt", DrafterSpec("auto", 3), 8, 2.5)
     assert (replicas, scaling) == (4, None)
     d = deployment(config, replicas, gpu=True)
-    assert (d.num_replicas, d.ray_actor_options["num_gpus"], d.max_ongoing_requests) == (4, 1, 9)
+    assert (d.num_replicas, d.ray_actor_options["num_gpus"], d.max_ongoing_requests, d.max_queued_requests) == \
+        (4, 1, 9, 8)
     assert deployment(config, 2).ray_actor_options.get("num_gpus", 0) == 0
     _, _, scaling = parse({"engine_dir": "d", "min_replicas": "2", "max_replicas": "8"})
     assert scaling == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 1}
