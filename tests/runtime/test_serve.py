@@ -14,16 +14,20 @@ import json
 import signal
 import time
 
-import httpx2 as httpx     # the HTTP client the openai package itself uses
-import openai
 import pytest
-import serving
-from prometheus_client.parser import text_string_to_metric_families
-from serving import extra, generate_json
 
-from xcompile.runtime.load import DrafterSpec
-from xcompile.runtime.sampling import SamplingParams
-from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig
+pytest.importorskip("fastapi", reason="needs the serve extra (pip install -e '.[serve]')")
+pytest.importorskip("openai", reason="needs the openai client (pip install -e '.[dev]')")
+
+import httpx2 as httpx  # noqa: E402  (the HTTP client the openai package itself uses)
+import openai  # noqa: E402
+import serving  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serving import extra, generate_json  # noqa: E402
+
+from xcompile.runtime.load import DrafterSpec  # noqa: E402
+from xcompile.runtime.sampling import SamplingParams  # noqa: E402
+from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig  # noqa: E402
 
 ARGS = ("--backend", "ort", "--drafter", "eagle3", "--gamma", "3")
 SPEC = DrafterSpec("eagle3", 3)

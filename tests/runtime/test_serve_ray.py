@@ -8,15 +8,17 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import httpx2 as httpx     # the HTTP client the openai package itself uses
-import openai
 import pytest
-import serving
-from serving import extra, generate_json
 
-from xcompile.runtime.errors import EngineError
+pytest.importorskip("ray.serve", reason="needs the serve-ray extra (pip install -e '.[serve-ray]')")
+pytest.importorskip("openai", reason="needs the openai client (pip install -e '.[dev]')")
 
-ray_serve = pytest.importorskip("ray.serve", reason="needs the serve-ray extra (pip install -e '.[serve-ray]')")
+import httpx2 as httpx  # noqa: E402  (the HTTP client the openai package itself uses)
+import openai  # noqa: E402
+import serving  # noqa: E402
+from serving import extra, generate_json  # noqa: E402
+
+from xcompile.runtime.errors import EngineError  # noqa: E402
 
 ARGS = ("--backend", "ort", "--device", "cpu", "--drafter", "eagle3", "--gamma", "3")
 PROMPT, NEW = "the cat", 16
