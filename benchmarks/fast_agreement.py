@@ -20,7 +20,7 @@ import torch
 
 from xcompile.runtime.drafters import NoDrafter, causal, prompt_inputs
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import make_drafter, open_engine_dir
+from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
 from xcompile.runtime.text import Text
 
 
@@ -49,8 +49,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
-    ref_es = open_engine_dir(args.engine_dir, "torch", "cuda")
-    fast_es = open_engine_dir(args.engine_dir, "fast", "cuda")
+    with open_engine_dir(args.engine_dir, "torch", "cuda") as ref_es, \
+            open_engine_dir(args.engine_dir, "fast", "cuda") as fast_es:
+        run(args, ref_es, fast_es)
+
+
+def run(args, ref_es, fast_es) -> None:
     ids = Text(Path(args.engine_dir)).encode(Path(args.prompts).read_text())
     n = args.prompt_len
     prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
@@ -78,12 +82,11 @@ def main() -> None:
           f"({100 * (positions - disagreements) / positions:.2f} %); {disagreements} disagreements, reference top-2 "
           f"gaps there: {[round(g, 4) for g in sorted(gaps)]}; positions with a gap <= {eps:.4f}: {near}")
     fast_plain = Generator(fast_t, NoDrafter(), [], fast_es.manifest.max_seq_len, cuda_graphs=True)
-    for name, kw in (("eagle3 chain 4", dict(gamma=4)), ("eagle3 chain 6", dict(gamma=6)),
-                     ("eagle3 tree 10/6/32", dict(tree=dict(topk=10, depth=6, total_tokens=32)))):
+    for spec in (DrafterSpec("eagle3", 4), DrafterSpec("eagle3", 6), DrafterSpec("eagle3", tree=TreeShape(10, 6, 32))):
+        name = spec.label
         taus = {}
         for label, es in (("torch", ref_es), ("fast", fast_es)):
-            gen = Generator(es.engines["target"], make_drafter(es, "eagle3", **kw), [], es.manifest.max_seq_len,
-                            cuda_graphs=True)
+            gen = Generator(es.engines["target"], make_drafter(es, spec), [], es.manifest.max_seq_len, cuda_graphs=True)
             runs = [gen.generate(p, args.new_tokens) for p in prompts]
             taus[label] = sum(r.stats.accepted + r.stats.rounds for r in runs) / sum(r.stats.rounds for r in runs)
         same, diverged = 0, []

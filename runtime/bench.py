@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
-from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter, causal
+from xcompile.runtime.drafters import causal
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
-from xcompile.runtime.load import EngineSet
+from xcompile.runtime.load import DRAFTERS, DrafterSpec, EngineSet, TreeShape, make_drafter
 
 PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
 
@@ -36,7 +36,7 @@ PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (ref
 class BenchOptions:
     contexts: tuple[int, ...] = (128, 1024, 4096)
     gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
-    tree: dict | None = field(default_factory=lambda: dict(topk=10, depth=6, total_tokens=32))
+    tree: TreeShape | None = field(default_factory=TreeShape)
     new_tokens: int = 64            # per generation
     repeats: int = 20               # per step timing
     peer: bool = False
@@ -102,7 +102,7 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
         if not engine.kv and engine.kv_shape:
             engine.new_kv()
     sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
-             EAGLE3: [1] + ([opts.tree["topk"]] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
+             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
     for graph, tokens_list in sizes.items():
         if graph not in es.engines:
             continue
@@ -133,19 +133,15 @@ def _taps_width(es: EngineSet) -> int:
 
 
 def drafters(es: EngineSet, opts: BenchOptions) -> list[tuple[str, Callable[[], object]]]:
-    out = [("plain", lambda: NoDrafter())]
-    e = es.engines
-    if EAGLE3 in e:
-        for g in opts.gammas:
-            out.append((f"eagle3 chain g={g}", lambda g=g: Eagle3ChainDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, g)))
-        if opts.tree:
-            t = opts.tree
-            out.append((f"eagle3 tree {t['topk']}/{t['depth']}/{t['total_tokens']}",
-                        lambda: Eagle3TreeDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, **t)))
-    if DRAFT in e:
-        for g in opts.gammas:
-            out.append((f"draft-model g={g}", lambda g=g: DraftModelDrafter(e[DRAFT], g)))
-    return out
+    """(label, make) of plain decoding and each drafter the dir holds: every chain of ``opts.gammas``,
+    and the tree for drafters that draft trees."""
+    specs = [DrafterSpec("none")]
+    for name, kind in DRAFTERS.items():
+        if kind.graphs and kind.holds(es):
+            specs += [DrafterSpec(name, g) for g in opts.gammas]
+            if kind.tree and opts.tree:
+                specs.append(DrafterSpec(name, tree=opts.tree))
+    return [(s.label, lambda s=s: make_drafter(es, s)) for s in specs]
 
 
 def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bool, prompts: list[list[int]],
@@ -195,7 +191,7 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     g = torch.Generator().manual_seed(0)
     vocab = es.manifest.models[TARGET].config["vocab_size"]
     graphs = dev.type == "cuda"
-    tree_tokens = opts.tree["total_tokens"] if opts.tree and EAGLE3 in es.engines else None
+    tree_tokens = opts.tree.total_tokens if opts.tree and EAGLE3 in es.engines else None
     report["steps"] = []
     report["generation"] = []
     for i, ctx in enumerate(opts.contexts):

@@ -12,7 +12,7 @@ import torch
 
 from xcompile.runtime.bench import BenchOptions, format_report, run_bench
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.load import EngineSet, fast_engines, open_engine_dir, pick_backend, torch_models
+from xcompile.runtime.load import EngineSet, TreeShape, fast_engines, open_engine_dir, pick_backend, torch_models
 from xcompile.runtime.text import Text
 
 
@@ -25,7 +25,7 @@ class BenchRequest:
     device: str | None
     dtype: str
     gammas: tuple[int, ...]
-    tree: dict | None
+    tree: TreeShape | None
     contexts: tuple[int, ...]
     new_tokens: int
     repeats: int
@@ -38,7 +38,7 @@ class BenchRequest:
 
 def _room(req: BenchRequest) -> int:
     """KV slots a synthetic bench needs: the longest context, its new tokens and one round's lookahead."""
-    lookahead = max([*req.gammas, (req.tree or {}).get("total_tokens", 0), 8]) + 1
+    lookahead = max([*req.gammas, req.tree.total_tokens if req.tree else 0, 8]) + 1
     need = max(req.contexts) + req.new_tokens + lookahead + 64
     return -(-need // 256) * 256
 
@@ -64,8 +64,19 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     start = time.perf_counter()
-    es = open_engines(req, device)
-    echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+    with open_engines(req, device) as es:
+        echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+        report = _bench(req, es, echo)
+    echo(format_report(report))
+    if req.json_path:
+        with open(req.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if req.plot:
+        plot(report, req.plot)
+    return report
+
+
+def _bench(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dict:
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
@@ -82,15 +93,7 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
                         repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens)
     start = time.perf_counter()
-    report = run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
-    echo(format_report(report))
-    if req.json_path:
-        with open(req.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    if req.plot:
-        plot(report, req.plot)
-    es.close()
-    return report
+    return run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 
 
 def plot(report: dict, path: str) -> None:

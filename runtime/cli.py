@@ -1,10 +1,11 @@
-"""``xrun``: run engine dirs (generate, bench). Thin commands; heavy imports happen inside them."""
+"""``xrun``: run engine dirs (generate, bench, serve). Thin commands; heavy imports happen inside them."""
 
 from __future__ import annotations
 
 import click
 
 from xcompile.runtime.errors import cli_group_class
+from xcompile.runtime.load import BACKEND_CHOICES, DRAFTER_CHOICES, DrafterSpec, TreeShape
 
 
 @click.group(cls=cli_group_class())
@@ -26,14 +27,14 @@ def _ids(text: str) -> list[int]:
 @click.option("--prompt-ids", help="Prompt token ids, e.g. '1,2,3'.")
 @click.option("--chat", help="One user message, wrapped in the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--drafter", type=click.Choice(["auto", "none", "draft-model", "eagle3"]), default="auto",
+@click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto",
               show_default=True, help="auto: eagle3 if the dir has a head, else the draft model, else none.")
 @click.option("--gamma", type=click.IntRange(min=1), help="Draft tokens per round (chain drafters).")
 @click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node.")
 @click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round.")
 @click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 tree: draft tokens verified per round.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text up to it is kept.")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch", "fast"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
@@ -44,10 +45,10 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
 
     if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-ids, --chat")
-    tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
+    spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=_ids(prompt_ids) if prompt_ids else None, chat=chat,
-                          max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma, tree=tree or None,
-                          stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs)
+                          max_new_tokens=max_new_tokens, drafter=spec, stop=list(stop), backend=backend,
+                          device=device, cuda_graphs=not no_cuda_graphs)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
@@ -62,7 +63,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.argument("engine_dir", required=False, type=click.Path(path_type=str))
 @click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
 @click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch", "fast"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="With --synthetic.")
@@ -88,5 +89,43 @@ def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tr
     if (engine_dir is None) == (synthetic is None):
         raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, _ints(gammas),
-                     dict(zip(("topk", "depth", "total_tokens"), tree_t)) or None, _ints(contexts), new_tokens,
+                     TreeShape(*tree_t) if tree_t else None, _ints(contexts), new_tokens,
                      repeats, peer, json_path, plot, prompts, num_prompts), echo=click.echo)
+
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=str))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
+@click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto", show_default=True)
+@click.option("--gamma", type=click.IntRange(min=1), help="Draft tokens per round (chain drafters).")
+@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node.")
+@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round.")
+@click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 tree: draft tokens verified per round.")
+@click.option("--served-model-name", help="Model id clients send (default: the engine dir's model name).")
+@click.option("--api-key", envvar="XRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait behind the running one; more get 429.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds from arrival to the last token; later requests end with an error. Default: none.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve as Ray Serve replicas behind Ray's proxy.")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --ray: replicas (one GPU each on CUDA).")
+def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
+          served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, use_ray, replicas):
+    """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming), one request at a time."""
+    from xcompile.runtime.serve.run import serve_http, serve_ray
+    from xcompile.runtime.serve.scheduler import ServeConfig
+
+    if replicas != 1 and not use_ray:
+        raise click.UsageError("--replicas needs --ray (one process serves one engine set)")
+    config = ServeConfig(engine_dir, backend, device, DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth,
+                                                                               tree_tokens),
+                         served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs)
+    if use_ray:
+        serve_ray(config, host, port, replicas)
+    else:
+        serve_http(config, host, port)

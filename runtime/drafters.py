@@ -1,9 +1,13 @@
 """Drafters: what proposes the block the target verifies each round, each owning its KV buffers.
 
-    none         plain greedy decoding: the block is the root alone
-    draft-model  a small Qwen3 (contract graph ``draft``) with its own KV proposes k tokens greedily
+    none         plain decoding: the block is the root alone
+    draft-model  a small Qwen3 (contract graph ``draft``) with its own KV proposes k tokens
     eagle3       EAGLE3 head, chain of k tokens (graphs ``eagle3`` + ``eagle3_fc``)
     eagle3-tree  EAGLE3 head, EAGLE-2 dynamic tree (top-k, depth, total tokens)
+
+Chain drafters pick each token with the request's sampler (``bind``): the argmax when greedy, else a
+draw from the warped draft distribution q, whose row they record in the block (``Block.q``) for
+verification. The tree's children are the draft's top-k whatever the sampler (deterministic picks).
 
 Life of a request: after the target's prefill ``start(prompt, taps, root)``; then per round
 ``propose(root, length) -> Block``, the target verifies it, and ``commit(block, accepted, taps, length)``
@@ -27,6 +31,7 @@ import torch
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
+from xcompile.runtime.sampling import Sampler
 from xcompile.runtime.speculative import Accepted, Block, chain_block, select_tree, to_target, topk_children
 
 Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its fixed-shape steps) -> engine
@@ -57,9 +62,12 @@ class Drafter(ABC):
         self.block_size = block_size        # tokens per verify pass, the root included
         self.lookahead = lookahead          # KV slots past `length` that one round writes (target included)
         self.engines = engines
+        self.sampler = Sampler()
 
-    def bind(self, max_seq_len: int, device: torch.device, batch: int = 1) -> None:
-        """Check the engines against the generator's limits, allocate KV and step buffers."""
+    def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None) -> None:
+        """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
+        (the generator's) picks the drafted tokens (default: greedy)."""
+        self.sampler = sampler or Sampler(device, batch)
         for e in self.engines:
             if e.device != device:
                 raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
@@ -93,9 +101,27 @@ class Drafter(ABC):
     def use_graphs(self, wrap: Wrap) -> None:
         """Replace each engine by ``wrap(engine, token counts of its fixed-shape steps)``."""
 
+    def _pick(self, block: Block, i: int, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft token i of ``block`` (target ids [B]) from draft logits [B, Vq]: the argmax when greedy,
+        else a draw from the warped q, with q's row and q(token) written into the block."""
+        s = self.sampler
+        if s.greedy:
+            return to_target(logits.argmax(-1), d2t)
+        w = s.warp(logits)
+        col = s.draw(w)                                                         # [B] column of q
+        q = w.probs()
+        if block.q is None:                 # made on the first sampled round (the vocab is the logits')
+            b, n = block.tokens.shape
+            block.q = q.new_zeros(b, n, q.shape[-1])
+            block.q_tok = q.new_ones(b, n)
+            block.q_ids = None if d2t is None else to_target(torch.arange(q.shape[-1], device=q.device), d2t)
+        block.q[:, i] = q
+        block.q_tok[:, i] = q.gather(1, col[:, None])[:, 0]
+        return to_target(col, d2t)
+
 
 class NoDrafter(Drafter):
-    """Plain greedy decoding: the block is the root alone."""
+    """Plain decoding: the block is the root alone."""
 
     name = "none"
 
@@ -111,7 +137,7 @@ class NoDrafter(Drafter):
 
 
 class DraftModelDrafter(Drafter):
-    """A small Qwen3 with the target's tokenizer drafts k tokens greedily, one forward each.
+    """A small Qwen3 with the target's tokenizer drafts k tokens, one forward each.
 
     Its KV tracks the target's: after a round it holds the committed tokens, except that when every
     draft was accepted the last one was never run. So each round's first step runs [token before the
@@ -150,12 +176,12 @@ class DraftModelDrafter(Drafter):
         pos = length[:, None] + self.offsets                                    # [B, k+1]
         out = self.engine.run(input_ids=self.pair, position_ids=pos[:, :2], write_index=pos[:, 0],
                               tree_mask=self.pair_mask, logit_rows=self.row1)
-        t[:, 1] = out["logits"][:, 0].argmax(-1)
+        t[:, 1] = self._pick(self.block, 1, out["logits"][:, 0])
         for i in range(1, self.k):
             # draft token i at position length+i predicts draft token i+1
             out = self.engine.run(input_ids=t[:, i:i + 1], position_ids=pos[:, i + 1:i + 2],
                                   write_index=pos[:, i + 1], tree_mask=self.one_mask, logit_rows=self.row0)
-            t[:, i + 1] = out["logits"][:, 0].argmax(-1)
+            t[:, i + 1] = self._pick(self.block, i + 1, out["logits"][:, 0])
         return self.block
 
     def commit(self, block, acc, taps, length):
@@ -257,7 +283,7 @@ class Eagle3ChainDrafter(_Eagle3):
     def propose(self, root, length):
         t = self.block.tokens
         t[:, 0] = root
-        t[:, 1] = to_target(self.logits[:, 0].argmax(-1), self.d2t)
+        t[:, 1] = self._pick(self.block, 1, self.logits[:, 0], self.d2t)
         hidden = self.hidden
         pos = length[:, None] + self.offsets                                    # [B, k-1]
         for i in range(1, self.k):
@@ -265,7 +291,7 @@ class Eagle3ChainDrafter(_Eagle3):
             # the entry is temporary (past the persistent length)
             out = self.eagle3.run(input_ids=t[:, i:i + 1], hidden_states=hidden, position_ids=pos[:, i - 1:i],
                                   write_index=pos[:, i - 1], tree_mask=self.one_mask, logit_rows=self.row0)
-            t[:, i + 1] = to_target(out["logits"][:, 0].argmax(-1), self.d2t)
+            t[:, i + 1] = self._pick(self.block, i + 1, out["logits"][:, 0], self.d2t)
             hidden = out["hidden_out"]
         return self.block
 

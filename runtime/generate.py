@@ -3,12 +3,15 @@
     gen = Generator(target, Eagle3TreeDrafter(eagle3, fc, d2t, topk=8, depth=6, total_tokens=48),
                     eos_ids=[151645], max_seq_len=4096, detokenize=tokenizer.decode)
     result = gen.generate(prompt_ids, max_new_tokens=256, stop=["\\n\\n"], on_tokens=print)
+    samples = gen.generate_n(prompt_ids, 256, sampling=SamplingParams(temperature=0.6, top_p=0.95, n=4))
 
 A round is device work end to end; the host reads back one small tensor (the accepted count and the
 emitted tokens) per round to apply stops, stream and decide whether to go on. With greedy
 verification the output equals plain greedy decoding of the target token for token, whatever the
 drafter proposes (exactly so in fp32; in bf16 a verify pass over S tokens may round differently from
-S single steps and flip a near-tie).
+S single steps and flip a near-tie). With sampling, speculative sampling makes every token a draw
+from the target's warped distribution, whatever the drafter proposes; the random state is the
+generator's ``Sampler`` (device tensors), so a seed reproduces a run on the same backend.
 
 KV bookkeeping: the target's KV holds every committed token but the last (the root), which the next
 verify writes at ``length`` first; a round writes rows length .. length+S-1, and accepting a drafts
@@ -17,6 +20,7 @@ advances ``length`` by a+1. Rows past ``length`` are stale and no mask ever read
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +32,7 @@ from xcompile.runtime.drafters import Drafter, NoDrafter, prompt_inputs
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.graphs import Capture, CudaGraphCapture, GraphedEngine, GraphUnavailable
+from xcompile.runtime.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.speculative import Accepted, Block, accept_chain, accept_tree, bonus, compact_kv, for_host
 
 # debug mode: stale KV rows are filled with this between rounds. Finite on purpose: attention kernels
@@ -85,7 +90,9 @@ class Result:
 
     tokens: list[int]               # generated tokens, the stopping EOS / stop-string token included
     stats: Stats
-    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len"
+    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len" | "cancelled"
+    seed: int | None = None         # the sampling seed used (None: greedy); with the index, reproduces the run
+    index: int = 0                  # which of the request's n samples this is
 
 
 class _Stops:
@@ -118,7 +125,7 @@ class _Stops:
 
 
 class Generator:
-    """Greedy speculative generation over a target engine and a drafter (module docstring)."""
+    """Speculative generation over a target engine and a drafter (module docstring)."""
 
     def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
@@ -147,8 +154,9 @@ class Generator:
         self.max_seq_len, self.eos_ids, self.detokenize, self.debug = max_seq_len, frozenset(eos_ids), detokenize, debug
         self.drafter = drafter
         self.plain = NoDrafter()        # takes over when the drafter's lookahead no longer fits the cache
+        self.sampler = Sampler(self.device)     # one for every request: its tensors keep their addresses
         for d in (drafter, self.plain):
-            d.bind(max_seq_len, self.device)
+            d.bind(max_seq_len, self.device, sampler=self.sampler)
         self.target = target
         # the round's state on the device: the root (last committed token, not yet in the KV) and the
         # target's KV length; every round updates both in place
@@ -184,23 +192,50 @@ class Generator:
         if min(prompt_ids) < 0:
             raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
-                 on_tokens: Callable[[list[int]], None] | None = None) -> Result:
-        """Greedy generation of up to ``max_new_tokens`` after ``prompt_ids``. Stops at an EOS id or a stop
-        string (both kept); ``on_tokens`` receives each round's new tokens as they are committed."""
+    def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                   on_tokens: Callable[[int, list[int]], None] | None = None,
+                   sampling: SamplingParams = GREEDY, cancel: threading.Event | None = None) -> list[Result]:
+        """``sampling.n`` independent samples of one prompt, generated one after another (batch 1).
+        They share one seed (drawn here when ``sampling.seed`` is None) and differ by stream index;
+        ``on_tokens(index, tokens)`` streams each; ``cancel`` ends the current one and skips the rest."""
+        self._check(prompt_ids, max_new_tokens, stop, sampling)
+        sampling = with_seed(sampling)
+        results = []
+        for j in range(sampling.n):
+            if cancel is not None and cancel.is_set():
+                break
+            results.append(self.generate(prompt_ids, max_new_tokens, stop, None if on_tokens is None else
+                                         (lambda tokens, j=j: on_tokens(j, tokens)), sampling, index=j, cancel=cancel))
+        return results
+
+    def _check(self, prompt_ids, max_new_tokens, stop, sampling) -> None:
+        """Everything a request can get wrong, before any work."""
+        if not isinstance(sampling, SamplingParams):
+            raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         self.check_prompt(prompt_ids)
         if stop and self.detokenize is None:
             raise EngineError("stop strings need a detokenize callback (Generator(..., detokenize=...))")
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                 on_tokens: Callable[[list[int]], None] | None = None, sampling: SamplingParams = GREEDY,
+                 index: int = 0, cancel: threading.Event | None = None) -> Result:
+        """One sequence of up to ``max_new_tokens`` after ``prompt_ids``, greedy unless ``sampling`` has a
+        temperature (``index``: which stream of the seed, i.e. sample ``index`` of ``generate_n``). Stops
+        at an EOS id or a stop string (both kept); ``on_tokens`` receives each round's new tokens as they
+        are committed. Setting ``cancel`` (from another thread) ends the generation before its next round
+        (reason "cancelled")."""
+        self._check(prompt_ids, max_new_tokens, stop, sampling)
         stats = Stats(prompt_tokens=len(prompt_ids), target_forwards=1, accepted_at=[0] * self.drafter.max_depth)
         stops = _Stops(max_new_tokens, self.eos_ids, stop, self.detokenize)
+        seed = self.sampler.reset(sampling, index)
         start = time.perf_counter()
 
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=self.device)
         out = self.target.run(**prompt_inputs(prompt))
-        self.root.copy_(out["logits"][:, -1].argmax(-1))                        # [1]
+        self.root.copy_(self.sampler.sample(out["logits"][:, -1]))              # [1]
         drafter = self.drafter
         drafter.start(prompt, out.get("hidden_taps"), self.root)
         emit(stops.push(self.root.tolist()), on_tokens)                         # the first token: one sync
@@ -209,11 +244,14 @@ class Generator:
         n = len(prompt_ids)                                                     # KV length, on the host
         self.length.fill_(n)                                                    # and on the device
         while not stops.reason:
+            if cancel is not None and cancel.is_set():      # once per round: a server frees the engine promptly
+                stops.reason = "cancelled"
+                break
             if n + drafter.lookahead > self.max_seq_len:
                 if n + 1 > self.max_seq_len:
                     stops.reason = "max_seq_len"
                     break
-                drafter = self.plain        # for good: the room only shrinks, and greedy output is unchanged
+                drafter = self.plain        # for good: the room only shrinks, and the output law is unchanged
             drafted, back = self._advance(drafter)
             host = back[0].tolist()                                            # the one copy back per round
             a = host[0]
@@ -225,7 +263,7 @@ class Generator:
 
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.new_tokens = len(stops.tokens)
-        return Result(stops.tokens, stats, stops.reason)
+        return Result(stops.tokens, stats, stops.reason, seed, index)
 
     def _advance(self, drafter: Drafter) -> tuple[int, torch.Tensor]:
         """One round from the device state (root, length), which it updates in place: (drafted tokens,
@@ -268,7 +306,7 @@ class Generator:
         block = drafter.propose(root, length)
         out = self.target.run(input_ids=block.tokens, position_ids=length[:, None] + block.depth,
                               write_index=length, tree_mask=block.mask, logit_rows=self.rows[block.tokens.shape[1]])
-        acc = (accept_chain if block.chain else accept_tree)(block, out["logits"])
+        acc = (accept_chain if block.chain else accept_tree)(block, out["logits"], self.sampler)
         if not block.chain:
             compact_kv(self.target.kv, length, acc.path)
         drafter.commit(block, acc, out.get("hidden_taps"), length)

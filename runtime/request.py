@@ -10,7 +10,7 @@ import torch
 
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator, Result
-from xcompile.runtime.load import EngineSet, make_drafter, open_engine_dir
+from xcompile.runtime.load import DrafterSpec, EngineSet, make_drafter, open_engine_dir
 from xcompile.runtime.text import Text
 
 
@@ -23,9 +23,7 @@ class GenerateRequest:
     prompt_ids: list[int] | None = None
     chat: str | None = None
     max_new_tokens: int = 128
-    drafter: str = "auto"
-    gamma: int | None = None
-    tree: dict | None = None
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
     stop: list[str] = field(default_factory=list)
     backend: str = "auto"
     device: str | None = None
@@ -64,11 +62,10 @@ def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[i
 def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> Result:
     """Open the dir, encode the prompt, generate (streaming text unless ``as_json``), print stats."""
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    es = open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs)
-    try:
+    with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs) as es:
         text = Text(es.directory) if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
-        drafter = make_drafter(es, req.drafter, req.gamma, req.tree)
+        drafter = make_drafter(es, req.drafter)
         gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
                         detokenize=text.decode if text else None,
                         cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
@@ -83,8 +80,6 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                 echo(text.decode(done)[len(before):], nl=False)
 
         result = gen.generate(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream)
-    finally:
-        es.close()
     stats = stats_dict(result)
     stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name or "none")
     if as_json:

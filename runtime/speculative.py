@@ -1,10 +1,15 @@
-"""Speculative decoding as pure tensor functions: the block to verify, greedy acceptance, KV compaction.
+"""Speculative decoding as pure tensor functions: the block to verify, acceptance, KV compaction.
 
 A round (DESIGN.md "Runtime"): a drafter proposes a ``Block`` (the root plus drafted tokens; a chain
 is the tree whose node i hangs under node i-1), the target runs the block once, ``accept_chain`` or
-``accept_tree`` keeps the longest drafted path the target agrees with plus one bonus token, and
-``compact_kv`` moves that path's KV rows to contiguous slots. ``select_tree`` builds the EAGLE-2
-dynamic tree from the draft's top-k candidates (reference/eagle3_semantics.md §4).
+``accept_tree`` keeps a drafted path plus one bonus token, and ``compact_kv`` moves that path's KV
+rows to contiguous slots. ``select_tree`` builds the EAGLE-2 dynamic tree from the draft's top-k
+candidates (reference/eagle3_semantics.md §4).
+
+Acceptance takes the request's ``Sampler``. Greedy (temperature 0): the longest path the target's
+argmax agrees with, so the output equals plain greedy decoding. Sampling: speculative (rejection)
+sampling, so every emitted token is distributed exactly as the target's warped distribution p,
+whatever the drafter proposes (``accept_sampled``).
 
 Every function takes and returns device tensors whose shapes depend only on the drafter's parameters
 (never on values), reads nothing back to the host and keeps the batch axis, so a round can be
@@ -17,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from xcompile.runtime.sampling import Sampler
+
 
 @dataclass
 class Block:
@@ -28,6 +35,12 @@ class Block:
     depth: torch.Tensor     # [B, S] int64: distance from the root; position_ids = write_index + depth
     max_depth: int          # longest drafted path the drafter can produce (Accepted has max_depth+1 slots)
     chain: bool             # node i's parent is i-1 for every i (no compaction needed)
+    width: int | None = None    # most children a node can have (None: S-1); bounds sampled-sibling loops
+    # Sampling: the warped draft distribution each node's token was drawn from. None: the drafts are
+    # deterministic picks (argmax, the tree's top-k), i.e. point masses, and need no probabilities.
+    q: torch.Tensor | None = None       # [B, S, Vq] float32 (row 0, the root, unused)
+    q_tok: torch.Tensor | None = None   # [B, S] q of each node's own token
+    q_ids: torch.Tensor | None = None   # [Vq] target id of each column of q (EAGLE3 draft vocab); None: identity
 
 
 @dataclass
@@ -46,7 +59,7 @@ def chain_block(tokens: torch.Tensor) -> Block:
     node = torch.arange(s, device=tokens.device)
     mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
     return Block(tokens, (node - 1).clamp(min=0).expand(b, s), mask.expand(b, s, s), node.expand(b, s),
-                 max_depth=s - 1, chain=True)
+                 max_depth=s - 1, chain=True, width=1)
 
 
 def ancestors(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +75,10 @@ def ancestors(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torc
     return mask, mask.sum(-1) - 1
 
 
-def accept_chain(block: Block, logits: torch.Tensor) -> Accepted:
-    """Greedy verification of a chain. logits [B, S, V] are the target's at every block node."""
+def accept_chain(block: Block, logits: torch.Tensor, sampler: Sampler | None = None) -> Accepted:
+    """Verification of a chain. logits [B, S, V] are the target's at every block node."""
+    if sampler is not None and not sampler.greedy:
+        return accept_sampled(block, logits, sampler)
     pred = logits.argmax(-1)                                                # [B, S]
     # Acceptance rule: draft i+1 is kept iff it equals the target's greedy token after node i and every
     # earlier draft was kept; cumprod zeroes everything from the first mismatch on.
@@ -74,8 +89,10 @@ def accept_chain(block: Block, logits: torch.Tensor) -> Accepted:
     return Accepted(count, path, pred)
 
 
-def accept_tree(block: Block, logits: torch.Tensor) -> Accepted:
-    """Greedy verification of a tree (a chain works too). logits [B, S, V] at every block node."""
+def accept_tree(block: Block, logits: torch.Tensor, sampler: Sampler | None = None) -> Accepted:
+    """Verification of a tree (a chain works too). logits [B, S, V] at every block node."""
+    if sampler is not None and not sampler.greedy:
+        return accept_sampled(block, logits, sampler)
     b, s = block.tokens.shape
     pred = logits.argmax(-1)                                                # [B, S]
     node = torch.arange(s, device=pred.device)
@@ -85,13 +102,126 @@ def accept_tree(block: Block, logits: torch.Tensor) -> Accepted:
     # accepted node (first on ties); every accepted path is the target's greedy continuation.
     accepted = ~(block.mask & ~right[:, None, :]).any(-1)                   # [B, S]
     best = torch.where(accepted, block.depth, -1).argmax(-1)                # [B]
-    count = block.depth.gather(1, best[:, None])[:, 0]
-    # path[j] = the ancestor of `best` at depth j (0, i.e. the root, past `count`)
-    on_path = block.mask.gather(1, best[:, None, None].expand(b, 1, s))     # [B, 1, S]
-    levels = torch.arange(block.max_depth + 1, device=pred.device)
-    at_depth = on_path & (block.depth[:, None, :] == levels[None, :, None])  # [B, D+1, S]
-    path = at_depth.long().argmax(-1)                                       # [B, D+1]
+    count, path = _path_to(block, best)
     return Accepted(count, path, pred.gather(1, path))
+
+
+def _path_to(block: Block, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth of node ``best`` [B], path [B, D+1]: its ancestor at depth j, the root past its depth)."""
+    b, s = block.tokens.shape
+    count = block.depth.gather(1, best[:, None])[:, 0]
+    on_path = block.mask.gather(1, best[:, None, None].expand(b, 1, s))     # [B, 1, S]
+    levels = torch.arange(block.max_depth + 1, device=best.device)
+    at_depth = on_path & (block.depth[:, None, :] == levels[None, :, None])  # [B, D+1, S]
+    return count, at_depth.long().argmax(-1)
+
+
+def accept_sampled(block: Block, logits: torch.Tensor, sampler: Sampler) -> Accepted:
+    """Speculative sampling over a chain or a tree: the emitted tokens are distributed exactly as the
+    target's warped p, token by token. logits [B, S, V] at every block node.
+
+    Rule (recursive rejection sampling over siblings: SpecInfer's multi-step speculative sampling,
+    Miao et al. 2024, Algorithm 2; EAGLE-2/3's tree sampling, SafeAILab/EAGLE ``evaluate_posterior``).
+    At an accepted node, with residual r = p(. | node), try its children in node order: child x drawn
+    from q is accepted with probability min(1, r(x) / q(x)); if rejected, r <- norm(max(0, r - q)) and
+    the next child is tried against it. The walk descends into the accepted child; where no child is
+    accepted (or at a leaf), the bonus token is drawn from the residual left there. Each step emits
+    r(x) exactly (Leviathan et al. 2023, Thm 1, applied recursively), so a chain is the classic rule
+    with bonus from p, and deterministic drafts (q = None: point masses q = delta_x, the EAGLE-2 tree
+    and greedy drafters) accept x with probability r(x) and zero it in the residual.
+
+    Every node's coin is tossed at once and the walk is a mask computation, so shapes depend only on
+    the block (S coins and one V-row of noise per round) and nothing is read back."""
+    b, s = block.tokens.shape
+    dev = logits.device
+    w = sampler.warp(logits)                                                # rows: block nodes
+    node = torch.arange(s, device=dev)
+    x, par = block.tokens, block.parents
+    drafted = node > 0                                                      # [S]: the root is not a draft
+    # earlier[b, i, j]: node j is a sibling of node i that comes before it (tried first)
+    earlier = (par[:, :, None] == par[:, None, :]) & (node[:, None] > node[None, :]) & drafted[None, :]
+    p_x = w.prob_at(par, x)                                                 # [B, S] p(x_i | parent of i)
+    if block.q is None:
+        # point masses: r = p with the earlier siblings' tokens zeroed, so r(x) = p(x) / (mass left);
+        # a repeated token was already rejected, r(x) = 0
+        p_x = torch.where((earlier & (x[:, :, None] == x[:, None, :])).any(-1), 0.0, p_x)
+        left = 1 - (earlier * p_x[:, None, :]).sum(-1)
+        accept_w, accept_r = left, p_x                  # accept iff U * left < p(x), i.e. U < r(x)/q(x)
+    else:
+        accept_w, accept_r = block.q_tok, _residual_at(block, w, earlier, p_x)
+    u = sampler.uniform(s)                                                  # [B, S] one coin per node
+    passed = (u * accept_w < accept_r) & drafted
+    first = passed & ~(earlier & passed[:, None, :]).any(-1)               # the first sibling to pass
+    first = first | ~drafted
+    # accepted nodes (it and every ancestor first to pass) form one path from the root
+    accepted = ~(block.mask & ~first[:, None, :]).any(-1)                   # [B, S]
+    best = torch.where(accepted, block.depth, -1).argmax(-1)                # [B]
+    count, path = _path_to(block, best)
+    # the bonus: drawn from the residual at `best` once every child of it has been rejected
+    children = (par == best[:, None]) & drafted                             # [B, S]
+    p = w.row(best).probs()                                                 # [B, V]
+    if block.q is None:
+        hit = torch.zeros_like(p).scatter_add_(1, x, children.float())
+        r = torch.where(hit > 0, 0.0, p)
+    else:
+        r = p
+        rank = earlier.sum(-1)                                              # [B, S] order among siblings
+        for j in range(_width(block)):
+            child = children & (rank == j)                                  # at most one node per row
+            q = _q_rows(block, torch.where(child, node, 0).argmax(-1)[:, None], p.shape[-1])[:, 0]
+            r = torch.where(child.any(-1, keepdim=True), _minus(r, q), r)
+    r = torch.where(r.sum(-1, keepdim=True) > 0, r, p)    # rounding left nothing: p itself (never reached exactly)
+    extra = sampler.gumbel_argmax(torch.log(r))                             # [B]
+    # emitted: the accepted drafts along the path, then the bonus at index `count`
+    drafts = x.gather(1, path).roll(-1, dims=1)
+    slots = torch.arange(path.shape[1], device=dev)
+    tokens = torch.where(slots[None] == count[:, None], extra[:, None], drafts)
+    return Accepted(count, path, tokens)
+
+
+def _width(block: Block) -> int:
+    return block.tokens.shape[1] - 1 if block.width is None else block.width
+
+
+def _minus(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, r - q)) over the last axis (r left as is where that is all zero: r = q exactly,
+    where rejection cannot happen)."""
+    d = (r - q).clamp(min=0)
+    z = d.sum(-1, keepdim=True)
+    return torch.where(z > 0, d / torch.where(z > 0, z, 1.0), r)
+
+
+def _q_rows(block: Block, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft distributions of nodes rows [B, R] over the target vocabulary: [B, R, V]."""
+    q = block.q.gather(1, rows[:, :, None].expand(-1, -1, block.q.shape[-1]))
+    if block.q_ids is None:
+        return q
+    return q.new_zeros(*q.shape[:2], vocab).scatter_(2, block.q_ids.expand_as(q), q)
+
+
+def _residual_at(block: Block, w, earlier: torch.Tensor, p_x: torch.Tensor) -> torch.Tensor:
+    """[B, S] r(x_i): the residual at node i's parent after its earlier siblings were rejected, for
+    drafts drawn from block.q. A chain node has no earlier sibling, so r = p; a tree with sampled
+    siblings needs the residual rows, one subtraction per sibling rank (tests and small trees)."""
+    if _width(block) == 1:
+        return p_x
+    b, s = p_x.shape
+    node = torch.arange(s, device=p_x.device)
+    par, rank = block.parents, earlier.sum(-1)                              # [B, S]
+    # child[b, u, j]: node index of the j-th child of node u (s: none; the root is nobody's child)
+    slot = torch.where(node > 0, par * s + rank, s * s)
+    child = torch.full((b, s * s + 1), s, dtype=torch.int64, device=p_x.device).scatter_(1, slot, node.expand(b, s))
+    child = child[:, :-1].view(b, s, s)
+    r = w.probs()                                                           # [B, S, V]: per parent row
+    q = torch.cat((_q_rows(block, node.expand(b, s), r.shape[-1]), r.new_zeros(b, 1, r.shape[-1])), 1)
+    out = p_x
+    for j in range(1, _width(block)):
+        # subtract each parent's rank j-1 child's q from its row, then read the rank-j children there
+        c = child[:, :, j - 1]                                              # [B, S]
+        r = torch.where((c < s)[:, :, None], _minus(r, q.gather(1, c[:, :, None].expand(-1, -1, r.shape[-1]))), r)
+        got = r.flatten(1).gather(1, par * r.shape[-1] + block.tokens)
+        out = torch.where(rank == j, got, out)
+    return out
 
 
 def compact_kv(kv: list[torch.Tensor], write_index: torch.Tensor, path: torch.Tensor) -> None:

@@ -42,8 +42,10 @@ class Text:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def chat(self, message: str) -> list[int]:
-        """Token ids of one user message under the chat template, with the assistant turn opened."""
+    def chat(self, message: str | list[dict]) -> list[int]:
+        """Token ids of a conversation under the chat template, with the assistant turn opened: one user
+        message, or OpenAI-style messages ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``."""
+        messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
         template = self.config.get("chat_template")
         jinja = self.directory / "chat_template.jinja"
         if template is None and jinja.is_file():
@@ -53,8 +55,15 @@ class Text:
                               "of --chat")
         import jinja2
 
+        def raise_exception(message: str):     # what HF templates call to refuse a conversation
+            raise jinja2.TemplateError(message)
+
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(template).render(
-            messages=[{"role": "user", "content": message}], add_generation_prompt=True,
-            bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "")
+        env.globals["raise_exception"] = raise_exception
+        try:
+            text = env.from_string(template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "")
+        except jinja2.TemplateError as e:
+            raise EngineError(f"the chat template refused these messages: {e}") from None
         return self.encode(text)

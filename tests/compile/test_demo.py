@@ -86,20 +86,19 @@ def demo_engine_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("drafter, min_tau", [("eagle3", MIN_TAU), ("draft-model", MIN_DRAFT_TAU)])
 def test_demo_speculates_heldout_text_like_plain_greedy(demo_engine_dir, drafter, min_tau):
     from xcompile.runtime.generate import Generator
-    from xcompile.runtime.load import make_drafter, open_engine_dir
+    from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
     from xcompile.runtime.text import Text
 
-    es = open_engine_dir(demo_engine_dir, "auto", "cpu")
-    assert es.backend == "ort"                          # auto on a CPU with fp32 graphs
-    assert es.manifest.models["draft"].source == str(ck.DEMO_DIR / "draft")
-    prompt = Text(demo_engine_dir).encode(heldout_text(PROMPT_DOC))[:PROMPT_TOKENS]
+    with open_engine_dir(demo_engine_dir, "auto", "cpu") as es:
+        assert es.backend == "ort"                          # auto on a CPU with fp32 graphs
+        assert es.manifest.models["draft"].source == str(ck.DEMO_DIR / "draft")
+        prompt = Text(demo_engine_dir).encode(heldout_text(PROMPT_DOC))[:PROMPT_TOKENS]
 
-    def run(name: str):
-        return Generator(es.engines["target"], make_drafter(es, name, GAMMA), es.manifest.eos_token_ids,
-                         es.manifest.max_seq_len).generate(prompt, NEW_TOKENS)
+        def run(name: str):
+            return Generator(es.engines["target"], make_drafter(es, DrafterSpec(name, GAMMA)),
+                             es.manifest.eos_token_ids, es.manifest.max_seq_len).generate(prompt, NEW_TOKENS)
 
-    plain, spec = run("none"), run(drafter)
-    es.close()
+        plain, spec = run("none"), run(drafter)
     assert spec.tokens == plain.tokens and len(plain.tokens) == NEW_TOKENS
     assert spec.stats.acceptance_length > min_tau, spec.stats.acceptance_length
 

@@ -364,3 +364,24 @@ def test_drafter_parameters_are_checked(tiny):
         DraftModelDrafter(head, 2)
     with pytest.raises(EngineError, match="hidden_taps"):           # a target exported without EAGLE3 taps
         Generator(T.qwen3_engine(tiny.target, "draft"), Eagle3ChainDrafter(head, fc, tiny.d2t, 2), [], MAX_SEQ_LEN)
+
+
+@pytest.mark.parametrize("name", ["none", "eagle3-k4"])
+def test_cancel_ends_the_generation_within_one_round(name, tiny, prompts, reference):
+    """A cancel set while round r's tokens are handed out stops the loop before round r+1; the tokens
+    so far are the greedy prefix, and the generator serves the next request as usual."""
+    import threading
+
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    p = prompts[3]
+    cancel, calls = threading.Event(), []
+
+    def on_tokens(tokens):
+        calls.append(tokens)
+        if len(calls) == 3:                 # the prefill's token, then two rounds
+            cancel.set()
+
+    r = g.generate(p, NEW, on_tokens=on_tokens, cancel=cancel)
+    assert r.finish_reason == "cancelled" and len(calls) == 3 and r.stats.rounds == 2
+    assert r.tokens == sum(calls, []) == reference[tuple(p)][:len(r.tokens)]
+    assert g.generate(p, NEW).tokens == reference[tuple(p)][:NEW]

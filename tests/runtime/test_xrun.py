@@ -110,15 +110,17 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
 
 def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
     from xcompile.runtime.errors import EngineError
-    from xcompile.runtime.load import make_drafter, open_engine_dir
+    from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
 
-    es = open_engine_dir(tiny_engine_dir, "torch", "cpu")
-    del es.engines["draft"]
-    with pytest.raises(EngineError, match="holds no draft model; rebuild with --draft-model"):
-        make_drafter(es, "draft-model", 2)
-    for graph in ("eagle3", "eagle3_fc"):
-        del es.engines[graph]
-    with pytest.raises(EngineError, match="holds no EAGLE3 head; rebuild with --eagle3"):
-        make_drafter(es, "eagle3", 2)
-    assert make_drafter(es, "auto").name == "none"
-    es.close()
+    with open_engine_dir(tiny_engine_dir, "torch", "cpu") as es:
+        es.engines.pop("draft").close()
+        with pytest.raises(EngineError, match="holds no draft model; rebuild with --draft-model, or use --drafter "
+                                              "eagle3"):
+            make_drafter(es, DrafterSpec("draft-model", 2))
+        for graph in ("eagle3", "eagle3_fc"):
+            es.engines.pop(graph).close()
+        with pytest.raises(EngineError, match="holds no EAGLE3 head; rebuild with --eagle3, or use --drafter none"):
+            make_drafter(es, DrafterSpec("eagle3", 2))
+        with pytest.raises(EngineError, match="--tree-\\* needs an EAGLE3 head"):
+            make_drafter(es, DrafterSpec.from_options("auto", tree_topk=2))
+        assert make_drafter(es, "auto").name == "none"
