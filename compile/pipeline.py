@@ -32,6 +32,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.export import Weights, export_graph, sha256_file
 from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime import logs
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES
 from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
@@ -87,16 +88,19 @@ def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest
     if out.exists() and not out.is_dir():
         raise CompileError(f"{out}: exists and is not a directory")
     parts, target_dir = _plan(req)
-    with _staged(out) as tmp:
+    graphs = sum(len(_graphs(p)) for p in parts)
+    with _staged(out) as tmp, logs.progress("export", graphs, "graphs") as bar:
         manifest = Manifest(name=out.name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
                             max_batch=req.max_batch, models={p.key: p.entry for p in parts},
                             xcompile_version=_version())
         for p in parts:
             for graph, module in _graphs(p):
                 log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
+                bar.update(note=graph)
                 done = export_graph(module, tmp / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
                                     weights=p.weights(), max_batch=req.max_batch)
                 manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims, done.sha256)
+                bar.advance()
             for name, path in p.files.items():
                 log(f"hashing {path.name} ...")
                 manifest.inputs_sha256[name] = sha256_file(path)

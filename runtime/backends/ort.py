@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xcompile.runtime import logs
 from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
@@ -141,9 +142,10 @@ def _session(path: Path, device: torch.device, options):
 
     if not path.is_file():
         raise EngineError(f"{path}: ONNX graph not found; export it with `xcompile export`")
+    ort.set_default_logger_severity(logs.library_levels().onnxruntime)    # messages outside a session
     if options is None:
         options = ort.SessionOptions()
-        options.log_severity_level = 3          # errors only: ORT warns about every unfoldable CastLike
+        options.log_severity_level = logs.library_levels().onnxruntime   # errors only unless -v (logs.py)
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise EngineError("ONNX Runtime has no CUDA provider here; install onnxruntime-gpu (not next to "
