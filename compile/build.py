@@ -268,7 +268,8 @@ def stale_export(req, manifest: Manifest) -> str | None:
                               ("max_seq_len", manifest.max_seq_len, req.max_seq_len or manifest.max_seq_len)):
         if have != want:
             return f"its {field} is {have}, the request's {want}"
-    sources = {"target": lambda: ckpt.resolve(req.model), "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
+    sources = {"target": lambda: ckpt.resolve(req.model, req.revision),
+               "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
                "draft": lambda: ckpt.resolve_draft(req.draft_model)}
     names = {"target": req.model, "eagle3": req.model, "draft": req.draft_model}
     for role, entry in manifest.models.items():

@@ -25,6 +25,7 @@ def main() -> None:
 
 @main.command("train-eagle3")
 @click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias.")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Training text: plain text (documents split at form-feed lines) or JSONL with 'text' or 'prompt'.")
 @click.option("--heldout", type=click.Path(exists=True, dir_okay=False), help="Held-out text, evaluated at the end.")
@@ -46,8 +47,8 @@ def main() -> None:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Response length cap for --regenerate.")
 @click.pass_context
-def train_eagle3_cmd(ctx, model, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr, batch,
-                     seq_len, device, seed, regenerate, max_new_tokens) -> None:
+def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr,
+                     batch, seq_len, device, seed, regenerate, max_new_tokens) -> None:
     """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
     if steps is not None and tokens is not None:
         raise click.UsageError("--steps and --tokens both set the step budget (--tokens is turned into steps); "
@@ -61,7 +62,8 @@ def train_eagle3_cmd(ctx, model, data, heldout, out, draft_vocab, ttt_steps, ste
 
     opts = TrainOptions(ttt_steps=ttt_steps, steps=steps, tokens=tokens, seconds=minutes * 60 if minutes else None,
                         lr=lr, batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed, device=device)
-    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=log.info)
+    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=log.info,
+                                revision=revision)
     if result.heldout:
         click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
 
@@ -73,18 +75,21 @@ def _compute_capabilities(ctx, param, values):
     """--compute-capability X.Y, each (their support is checked against TensorRT-RTX before any export)."""
     for v in values:
         if not _CC.match(v):
-            raise click.BadParameter(f"{v!r}: expected MAJOR.MINOR, e.g. 8.9 or 12.0", param_hint="--compute-capability")
+            raise click.BadParameter(f"{v!r}: expected MAJOR.MINOR, e.g. 8.9 or 12.0",
+                                     param_hint="--compute-capability")
     return values
 
 
 # what an exported dir already fixed: refused next to `xcompile build DIRECTORY`
-_EXPORT_OPTIONS = ["model", "eagle3", "draft_model", "dtype", "max_seq_len", "max_batch", "synthetic", "seed", "out"]
+_EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "dtype", "max_seq_len", "max_batch", "synthetic",
+                   "seed", "out"]
 
 
 @main.command("build")
 @click.argument("directory", required=False, type=click.Path(file_okay=False))
 @click.option("--model", help="Target checkpoint: directory, cached HF repo id or alias (qwen3-8b); or give an "
               "exported DIRECTORY instead.")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its directory or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", default=None, help="Add a small Qwen3 draft model (directory, repo id or alias).")
@@ -114,8 +119,9 @@ _EXPORT_OPTIONS = ["model", "eagle3", "draft_model", "dtype", "max_seq_len", "ma
 @click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed (with DIRECTORY: "
               "rebuild its engines).")
 @click.pass_context
-def build_cmd(ctx, directory, model, eagle3, draft_model, dtype, max_seq_len, max_batch, synthetic, seed, out, flavor,
-              compute_capabilities, max_draft_tokens, workspace, optimization_level, timing_cache, force) -> None:
+def build_cmd(ctx, directory, model, revision, eagle3, draft_model, dtype, max_seq_len, max_batch, synthetic, seed,
+              out, flavor, compute_capabilities, max_draft_tokens, workspace, optimization_level, timing_cache,
+              force) -> None:
     """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept.
 
     With DIRECTORY, an engine dir `xcompile export` wrote, build engines from the ONNX graphs already
@@ -129,6 +135,8 @@ def build_cmd(ctx, directory, model, eagle3, draft_model, dtype, max_seq_len, ma
         raise click.UsageError("give --model (export, then build) or an exported DIRECTORY (build only)")
     elif not synthetic:
         refuse_inert(ctx, ["seed"], "seeds --synthetic weights only")
+    else:
+        refuse_inert(ctx, ["revision"], "picks a snapshot of a checkpoint; --synthetic weights have none")
     from xcompile.compile.build import BuildOptions, build, default_out, export_and_build
     from xcompile.compile.pipeline import ExportRequest
 
@@ -141,7 +149,7 @@ def build_cmd(ctx, directory, model, eagle3, draft_model, dtype, max_seq_len, ma
     else:
         req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3,
                             draft_model=draft_model, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-                            synthetic=synthetic, seed=seed, force=force)
+                            synthetic=synthetic, seed=seed, force=force, revision=revision)
         where, manifest = req.out, export_and_build(req, options, progress=log.info)
     click.echo(f"{where}: " + ", ".join(f"{e.file} ({e.flavor} {e.trt_version})" for e in manifest.engines.values()))
 
@@ -158,6 +166,7 @@ def inspect_cmd(directory, as_json) -> None:
 
 @main.command("export")
 @click.option("--model", required=True, help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", help="Add a small draft Qwen3 sharing the target's tokenizer.")
@@ -170,16 +179,20 @@ def inspect_cmd(directory, as_json) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.pass_context
-def export_cmd(ctx, model, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed, force) -> None:
+def export_cmd(ctx, model, revision, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed,
+               force) -> None:
     """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path
 
     if not synthetic:
         refuse_inert(ctx, ["seed"], "seeds --synthetic weights only")
+    else:
+        refuse_inert(ctx, ["revision"], "picks a snapshot of a checkpoint; --synthetic weights have none")
     from xcompile.compile.pipeline import ExportRequest, describe, export_engine_dir
 
     req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
-                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force)
+                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force,
+                        revision=revision)
     click.echo(describe(export_engine_dir(req, log=log.info)))
 
 
@@ -200,7 +213,8 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
 @click.argument("engine_dir", type=click.Path())
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
 @click.option("--device", help="Device of engine and reference [default: cpu for ort, cuda for trt].")
-@click.option("--prompt", callback=text_or_stdin, help="Prompt text, tokenized with the dir's tokenizer; '-' reads stdin.")
+@click.option("--prompt", callback=text_or_stdin,
+              help="Prompt text, tokenized with the dir's tokenizer; '-' reads stdin.")
 @click.option("--prompt-ids", help="Prompt token ids, comma-separated.")
 @click.option("--steps", type=click.IntRange(min=0), default=4, show_default=True, help="Teacher-forced decode steps.")
 @click.option("--draft-steps", type=click.IntRange(min=0), default=3, show_default=True, help="EAGLE3 draft steps.")

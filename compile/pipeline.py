@@ -64,6 +64,7 @@ class ExportRequest:
     synthetic: bool = False
     seed: int = 0
     force: bool = False
+    revision: str | None = None         # of the --model repo id (a branch, tag or commit)
 
 
 # the family of each model slot (recorded as ModelEntry.kind)
@@ -142,7 +143,7 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
         cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else synthetic.known_config(name)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
     directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else
-                 ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name))
+                 ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name, req.revision))
     return family(_KINDS[role]).parse(directory / "config.json"), CheckpointSource(directory), directory
 
 

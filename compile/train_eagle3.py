@@ -375,7 +375,8 @@ def measure_acceptance(target, head: Eagle3, prompts: list[list[int]], max_new_t
 
 def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opts: TrainOptions,
                        heldout_data: str | Path | None = None, regenerate: bool = False,
-                       max_new_tokens: int = 256, log: Callable[[str], None] = print) -> TrainResult:
+                       max_new_tokens: int = 256, log: Callable[[str], None] = print,
+                       revision: str | None = None) -> TrainResult:
     """``xcompile train-eagle3``: load the target checkpoint and its tokenizer, read and pack the data
     (regenerating prompt responses greedily with the target when asked), train, write the head dir
     (plus xcompile_train.json with the options, the log and the measured acceptance), reload it with
@@ -383,7 +384,7 @@ def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opt
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CompileError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
-    model_dir = resolve(str(model))
+    model_dir = resolve(str(model), revision)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # max_seq_len = seq_len: training windows are whole prefills; generation stays inside it too
     taps = parse_qwen3(model_dir / "config.json").default_tap_layers      # the head config's default
@@ -406,7 +407,7 @@ def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opt
     windows = windows_of(data)
     heldout = windows_of(heldout_data) if heldout_data is not None else None
     result = train_eagle3(target, windows, opts, heldout, log)
-    meta = {"target": str(model), "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
+    meta = {"target": str(model), "revision": revision, "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
             "regenerate": regenerate, "tap_layers": list(target.taps), "options": asdict(opts),
             "heldout": result.heldout, "history": result.history}
     save_head(result.head, out, metadata=meta)

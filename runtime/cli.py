@@ -66,7 +66,8 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=str))
-@click.option("--prompt", callback=text_or_stdin, help="Prompt text (encoded with the dir's tokenizer); '-' reads stdin.")
+@click.option("--prompt", callback=text_or_stdin,
+              help="Prompt text (encoded with the dir's tokenizer); '-' reads stdin.")
 @click.option("--prompt-ids", callback=_ids, help="Prompt token ids, e.g. '1,2,3'.")
 @click.option("--chat", callback=text_or_stdin,
               help="One user message, wrapped in the tokenizer's chat template; '-' reads stdin.")
@@ -79,7 +80,8 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
 @click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round  [default: 6]")
 @click.option("--tree-tokens", type=click.IntRange(min=2),
               help="EAGLE3 tree: tokens verified per round, the root included  [default: 32]")
-@click.option("--stop", multiple=True, callback=stop_strings, help="Stop string (repeatable); the text up to it is kept.")
+@click.option("--stop", multiple=True, callback=stop_strings,
+              help="Stop string (repeatable); the text up to it is kept.")
 @click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")

@@ -156,7 +156,8 @@ def given(ctx, name: str) -> bool:
 
 
 def refuse_inert(ctx, names: list[str], why: str) -> None:
-    """UsageError when any of the options ``names`` (parameter names) was given: ``why`` says why it would do nothing."""
+    """UsageError when any of the options ``names`` (parameter names) was given; ``why`` says why it
+    would do nothing."""
     flags = {p.name: p.opts[0] for p in ctx.command.params}
     hit = [flags[n] for n in names if given(ctx, n)]
     if hit:

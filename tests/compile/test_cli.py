@@ -180,3 +180,23 @@ def test_builder_controls_reach_the_tensorrt_rtx_config():
     config = loader(builder, network)
     assert config.builder_optimization_level == 2
     assert config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE) == 3 * 2**20
+
+
+def test_revision_picks_the_cached_snapshot(tiny_target, tmp_path, monkeypatch):
+    """--revision reaches resolution: the export reads the snapshot of that revision and records it."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("ab" * 20)
+    shutil.copytree(tiny_target, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "v1").write_text("ab" * 20)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    refused(xcompile("export", "--model", "org/tiny", "--out", tmp_path / "x", "--revision", "v2"),
+            "at revision 'v2'", "--revision v2", code=1)
+    refused(xcompile("export", "--model", "qwen3-0.6b", "--synthetic", "--out", tmp_path / "x", "--revision", "v1"),
+            "--revision", "--synthetic")
+    r = xcompile("export", "--model", "org/tiny", "--revision", "v1", "--out", tmp_path / "out", "--dtype", "fp32",
+                 "--max-seq-len", 16)
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["models"]["target"]["source"] == str(snapshot)
