@@ -82,7 +82,7 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
               help="EAGLE3 tree: tokens verified per round, the root included  [default: 32]")
 @click.option("--stop", multiple=True, callback=stop_strings,
               help="Stop string (repeatable); the text up to it is kept.")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch", "fast"]), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
@@ -110,10 +110,11 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> No
         refuse_inert(ctx, ["draft_model", "dtype"], "apply to --synthetic weights only (an engine dir has its own)")
     elif prompts is not None:
         raise click.UsageError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
-    if synthetic is not None and backend not in ("auto", "torch"):
-        raise click.UsageError("--synthetic runs the torch backend (no engine dir to load TensorRT or ONNX from)")
-    if given(ctx, "peer") and backend not in ("auto", "torch"):
-        raise click.UsageError("--peer compares on the torch backend's weights; use --backend torch")
+    if synthetic is not None and backend not in ("auto", "torch", "fast"):
+        raise click.UsageError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX "
+                               "from)")
+    if given(ctx, "peer") and backend not in ("auto", "torch", "fast"):
+        raise click.UsageError("--peer compares on the reference modules' weights; use --backend torch or fast")
     if tree:
         _check_tree(dict(zip(("topk", "depth", "total_tokens"), tree)), "--tree TOPK", "DEPTH", "TOKENS")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
@@ -124,7 +125,7 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> No
 @click.argument("engine_dir", required=False, type=click.Path(path_type=str))
 @click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
 @click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch", "fast"]), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="With --synthetic.")

@@ -2,8 +2,10 @@
 
 Backends: ``trt`` (the built TensorRT engines), ``ort`` (the ONNX graphs on ONNX Runtime), ``torch``
 (the PyTorch reference modules, through the ``xcompile.torch_models`` entry point, i.e. when the
-compile side is installed). ``auto`` picks trt when engines were built and TensorRT imports on a
-CUDA device, else torch on CUDA, else ort on the CPU (fp32/fp16 graphs), else torch.
+compile side is installed), ``fast`` (the reference modules' weights on fused Triton kernels,
+runtime/backends/fast.py). ``auto`` picks trt when engines were built and TensorRT imports on a
+CUDA device, else fast on CUDA when triton imports, else torch on CUDA, else ort on the CPU
+(fp32/fp16 graphs), else torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import Manifest
 
-BACKENDS = ("auto", "trt", "ort", "torch")
+BACKENDS = ("auto", "trt", "ort", "torch", "fast")
 DRAFTERS = ("auto", "none", "draft-model", "eagle3")
 D2T_FILE = "d2t.safetensors"
 
@@ -75,7 +77,11 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
             return "trt"
         except EngineError:
             pass
-    if device.type == "cpu" and manifest.dtype != "bf16":
+    if device.type == "cuda":
+        from xcompile.runtime import kernels
+
+        return "fast" if kernels.available() else "torch"
+    if manifest.dtype != "bf16":
         return "ort"
     return "torch"
 
@@ -102,6 +108,8 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     backend = pick_backend(manifest, backend, dev)
     if backend == "torch":
         engines = torch_models().load_torch_models(manifest, dev)
+    elif backend == "fast":
+        engines = fast_engines(manifest, torch_models().load_torch_models(manifest, dev))
     elif backend == "ort":
         engines = _ort_engines(directory, manifest, dev, max_tokens=max(max_draft_tokens, manifest.max_seq_len))
     else:                                   # "trt": pick_backend has checked the name
@@ -116,6 +124,16 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     if EAGLE3 in engines:
         d2t = load_d2t(directory / D2T_FILE, dev)
     return EngineSet(directory, manifest, backend, engines, d2t)
+
+
+def fast_engines(manifest: Manifest, engines: dict[str, Engine]) -> dict[str, Engine]:
+    """The torch backend's engines of ``manifest`` on the fused kernels (runtime/backends/fast.py)."""
+    from xcompile.runtime.backends import fast
+
+    fast.check_device(engines[TARGET].device)
+    models = manifest.models
+    configs = {g: models[EAGLE3 if g == EAGLE3_FC else g].config for g in engines}
+    return fast.wrap(engines, configs, list(models[TARGET].extra.get("taps") or ()))
 
 
 def load_d2t(path: Path, device: torch.device) -> torch.Tensor:

@@ -213,7 +213,7 @@ def test_help_shows_the_drafter_defaults():
     (["--tree", "3,5,4"], ["TOKENS 4", "at least 6"]),
     (["--draft-model", "qwen3-0.6b"], ["--draft-model", "--synthetic"]),
     (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
-    (["--peer", "--backend", "ort"], ["--peer", "--backend torch"]),
+    (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
     (["--new-tokens", 1], ["--new-tokens"]),
 ])
 def test_bench_option_checks(tiny_engine_dir, args, needles):
@@ -225,7 +225,7 @@ def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
     refused(r, "--json", "does not exist")
     refused(run("bench", tiny_engine_dir, "--device", "cpu", "--plot", tmp_path), "--plot", "is a directory")
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--prompts", __file__), "--prompts", "tokenizer")
-    refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch backend")
+    refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
 
 
 def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
