@@ -10,7 +10,7 @@ import click
 
 from xcompile.runtime import logs
 from xcompile.runtime.cli_types import (
-    ByteSize, Finite, given, positive_float, refuse_inert, text_or_stdin, writable_dir, writable_file,
+    ByteSize, Finite, positive_float, refuse_inert, text_or_stdin, writable_dir, writable_file,
 )
 from xcompile.runtime.errors import cli_group_class
 

@@ -286,7 +286,7 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     # and to stderr: stdout holds the report
     logs.bind_polygraphy(G_LOGGER)
     chatter = G_LOGGER.EXTRA_VERBOSE if logs.level() <= logging.DEBUG else G_LOGGER.CRITICAL
-    for name, rec in runs.items():
+    for name, rec in logs.each(runs.items(), "diff", "graphs", note=lambda item: item[0]):
         g = graphs[name]
         runners = [EngineRunner(g.reference, g.spec, g.dims, REFERENCE),
                    EngineRunner(lambda e=g.engine: e, g.spec, g.dims, ENGINE)]

@@ -117,7 +117,7 @@ def configure(lvl: int = DEFAULT_LEVEL) -> None:
         root.removeHandler(h)
     root.addHandler(_Stderr())
     logger().setLevel(lvl)
-    root.setLevel(logging.WARNING if lvl > logging.DEBUG else logging.DEBUG)
+    root.setLevel(logging.DEBUG if lvl <= logging.DEBUG else max(logging.WARNING, lvl))   # others' info: -v only
     logging.getLogger("Polygraphy").setLevel(library_levels().polygraphy_python_level)
 
 
@@ -187,12 +187,10 @@ class Bar:
         if self._live is not None:
             self._live.update(self._task, advance=n, **({} if note is None else {"note": note}))
 
-    def update(self, completed: float | None = None, note: str | None = None, description: str | None = None,
-               total: float | None = None) -> None:
+    def update(self, completed: float | None = None, note: str | None = None) -> None:
         if self._live is not None:
-            fields = {k: v for k, v in (("completed", completed), ("description", description), ("total", total))
-                      if v is not None}
-            self._live.update(self._task, **fields, **({} if note is None else {"note": note}))
+            fields = {k: v for k, v in (("completed", completed), ("note", note)) if v is not None}
+            self._live.update(self._task, **fields)
 
 
 # the live display bars are drawn on: rich allows one at a time, so a bar opened inside another

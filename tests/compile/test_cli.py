@@ -167,8 +167,6 @@ def test_build_from_an_existing_export_with_builder_controls(tiny_engine_dir, tm
 @rtx
 def test_builder_controls_reach_the_tensorrt_rtx_config():
     """create_config hands workspace and optimization level to the IBuilderConfig TensorRT-RTX gets."""
-    import tensorrt_rtx as trt
-
     from xcompile.compile.trt_loaders import create_config, polygraphy_backend
 
     trt, poly = polygraphy_backend("rtx")
