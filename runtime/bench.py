@@ -31,6 +31,7 @@ from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
 from xcompile.runtime.load import EngineSet
 
+_log = logs.logger("bench")
 PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
 
 
@@ -239,16 +240,22 @@ def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree
         for use_graphs in ([True, False] if graphs and first else [graphs]):
             log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
             report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which,
-                                                    tick=lambda name: bar.advance(note=f"{ctx}: {name}"))
+                                                    tick=lambda name: _tick(bar, f"{ctx}: {name}"))
         if first:
             log(f"context {ctx}: step costs ...")
             report["steps"] += [{"context": ctx, **r} for r in step_costs(
-                es, ctx, opts, tree_tokens, tick=lambda step: bar.advance(note=f"{ctx}: step {step}"))]
+                es, ctx, opts, tree_tokens, tick=lambda step: _tick(bar, f"{ctx}: step {step}"))]
         if peer is not None and first:
             log(f"context {ctx}: peer (transformers generate, static cache) ...")
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
-            bar.advance()
+            _tick(bar, f"{ctx}: peer")
         first = False
+
+
+def _tick(bar, what: str) -> None:
+    """One measurement done: the bar advances (a terminal), a debug line says which (-v, any output)."""
+    bar.advance(note=what)
+    _log.debug(f"measured {what}")
 
 
 def context_fits(ctx: int, new_tokens: int, max_seq_len: int) -> bool:
