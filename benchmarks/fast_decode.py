@@ -61,6 +61,19 @@ def graphed_ms(run, inputs: dict, reps: int = 30) -> float:
     return statistics.median(times)
 
 
+def timed_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
@@ -120,6 +133,19 @@ def main() -> None:
                "fast_ms": graphed_ms(ffc.run, taps_in)}
         out["rows"].append(row)
         print(f"{row['what']:<22}{ctx:>6}{7:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}")
+    # prefill: TTFT of a 4096-token prompt (the fast engine runs it on the reference modules) against the
+    # bf16 matmul rate measured here: 2 * parameters * tokens + attention (QK^T and PV, causal half)
+    n = 4096
+    prompt = prompt_inputs(torch.randint(0, cfg.vocab_size, (1, n), device=DEV))
+    ttft = timed_ms(lambda: fast.run(**prompt))
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    mm = timed_ms(lambda: a @ a)
+    rate = 2 * 8192 ** 3 / (mm / 1e3)
+    params = sum(p.numel() for name, p in target.named_parameters() if "embed_tokens" not in name)
+    flops = 2 * params * n + 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n
+    out["prefill"] = {"tokens": n, "ttft_ms": ttft, "matmul_tflops": rate / 1e12, "fraction": flops / (ttft / 1e3) / rate}
+    print(f"prefill {n} tokens: {ttft:.1f} ms, {flops / (ttft / 1e3) / 1e12:.0f} TFLOP/s = "
+          f"{100 * out['prefill']['fraction']:.0f} % of the {rate / 1e12:.0f} TFLOP/s bf16 matmul rate measured here")
     # teacher-forced agreement: the same tokens into both paths (separate caches), logits compared
     ref_kv = [b.clone() for b in kv]
     ref.bind_kv(ref_kv)

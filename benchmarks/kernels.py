@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from xcompile.runtime.bench import copy_bandwidth
 from xcompile.runtime.kernels import linear as L
 from xcompile.runtime.kernels.attention import attention, attention_reference, chunk_for
 from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference
@@ -74,16 +75,6 @@ def graph_time(fns, reps: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(fns))
     return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device copy (after a warm-up that raises the clocks)."""
-    x = torch.randn(2**29, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(20):
-        y.copy_(x)
-    t = graph_time([lambda: y.copy_(x)] * 5, reps=10)
-    return 2 * x.numel() * 4 / (t * 1e-6)
 
 
 def rel(a, b) -> float:
@@ -152,7 +143,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))                # xrun bench's measurement
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}")
     out = {"copy_bandwidth": bw, "linear": [], "attention": []}
     print(f"\n{'shape':<16}{'N':>8}{'K':>7} {'tile (bn,bk,w,s,split)':<22}{'us':>8}{'GB/s':>7}{'%bw':>6}  {'cublas us':>9}"

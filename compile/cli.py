@@ -17,6 +17,19 @@ from xcompile.runtime.errors import cli_group_class
 log = logs.logger("compile")
 
 
+def _taps(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    """``--eagle3-taps 1,17,32`` -> (1, 17, 32); ranges are checked against the target before work starts."""
+    if value is None:
+        return None
+    try:
+        taps = tuple(int(t) for t in value.replace(" ", "").split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected three comma-separated layer ids", param=param) from None
+    if len(taps) != 3 or min(taps) < 0:
+        raise click.BadParameter(f"{value!r}: expected three layer ids >= 0", param=param)
+    return taps
+
+
 @click.group(cls=cli_group_class())
 @click.version_option(package_name="xcompile")
 def main() -> None:
@@ -81,8 +94,8 @@ def _compute_capabilities(ctx, param, values):
 
 
 # what an exported dir already fixed: refused next to `xcompile build DIRECTORY`
-_EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "dtype", "max_seq_len", "max_batch", "synthetic",
-                   "seed", "out"]
+_EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "eagle3_taps", "dtype", "max_seq_len", "max_batch",
+                   "synthetic", "seed", "out"]
 
 
 @main.command("build")
@@ -93,6 +106,9 @@ _EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "dtype", "max_s
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its directory or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", default=None, help="Add a small Qwen3 draft model (directory, repo id or alias).")
+@click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
+              help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
+                   "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="Graph and engine precision (engines are strongly typed: the ONNX dtype is the engine's).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
@@ -119,9 +135,9 @@ _EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "dtype", "max_s
 @click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed (with DIRECTORY: "
               "rebuild its engines).")
 @click.pass_context
-def build_cmd(ctx, directory, model, revision, eagle3, draft_model, dtype, max_seq_len, max_batch, synthetic, seed,
-              out, flavor, compute_capabilities, max_draft_tokens, workspace, optimization_level, timing_cache,
-              force) -> None:
+def build_cmd(ctx, directory, model, revision, eagle3, draft_model, eagle3_taps, dtype, max_seq_len, max_batch,
+              synthetic, seed, out, flavor, compute_capabilities, max_draft_tokens, workspace, optimization_level,
+              timing_cache, force) -> None:
     """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept.
 
     With DIRECTORY, an engine dir `xcompile export` wrote, build engines from the ONNX graphs already
@@ -149,7 +165,8 @@ def build_cmd(ctx, directory, model, revision, eagle3, draft_model, dtype, max_s
     else:
         req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3,
                             draft_model=draft_model, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-                            synthetic=synthetic, seed=seed, force=force, revision=revision)
+                            synthetic=synthetic, seed=seed, force=force, eagle3_taps=eagle3_taps,
+                            revision=revision)
         where, manifest = req.out, export_and_build(req, options, progress=log.info)
     click.echo(f"{where}: " + ", ".join(f"{e.file} ({e.flavor} {e.trt_version})" for e in manifest.engines.values()))
 
@@ -170,6 +187,9 @@ def inspect_cmd(directory, as_json) -> None:
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", help="Add a small draft Qwen3 sharing the target's tokenizer.")
+@click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
+              help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
+                   "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
 @click.option("--out", required=True, type=click.Path(), help="Engine dir to write.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1),
@@ -177,10 +197,12 @@ def inspect_cmd(directory, as_json) -> None:
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,
+              help="With --synthetic: the alias's shape with this many layers (a quicker stand-in).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.pass_context
-def export_cmd(ctx, model, revision, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed,
-               force) -> None:
+def export_cmd(ctx, model, revision, eagle3, draft_model, eagle3_taps, out, dtype, max_seq_len, max_batch, synthetic,
+               seed, synthetic_layers, force) -> None:
     """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path
 
@@ -192,7 +214,7 @@ def export_cmd(ctx, model, revision, eagle3, draft_model, out, dtype, max_seq_le
 
     req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
                         max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force,
-                        revision=revision)
+                        eagle3_taps=eagle3_taps, synthetic_layers=synthetic_layers, revision=revision)
     click.echo(describe(export_engine_dir(req, log=log.info)))
 
 

@@ -162,6 +162,9 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
     """One row per drafter of ``which``: whole generations over ``prompts``; ``tick(name)`` after each."""
     rows = []
     max_seq_len = es.manifest.max_seq_len
+    if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (backends/ort.py)
+        for engine in es.engines.values():
+            engine.cuda_graphs = cuda_graphs
     for name, make in which:
         gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
                         cuda_graphs=cuda_graphs)
@@ -208,6 +211,10 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     report["generation"] = []
     with logs.progress("bench", _measurements(es, opts, graphs, tree_tokens, peer is not None), "measurements") as bar:
         _measure(es, opts, report, graphs, tree_tokens, g, vocab, log, peer, bar)
+    if es.backend == "ort" and dev.type == "cuda":
+        report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
+                                     for g, e in es.engines.items()}
+        log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
     if not report["generation"]:
         raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
                           f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")

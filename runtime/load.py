@@ -86,11 +86,14 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
     return "torch"
 
 
-def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int) -> dict[str, Engine]:
+def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int,
+                 cuda_graphs: bool) -> dict[str, Engine]:
     from xcompile.runtime.backends import ort
 
-    # the target's buffers follow its KV capacity (max_tokens None); the drafts' may be asked for more
-    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens,
+    # the target's buffers follow its KV capacity (max_tokens None); the drafts' may be asked for more.
+    # cuda_graphs: ORT's own CUDA graphs (runtime/backends/ort.py), on CUDA only
+    graphs = cuda_graphs and device.type == "cuda"
+    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens, cuda_graphs=graphs,
                             max_tokens=max_tokens if graph != TARGET else None) for graph in manifest.graphs}
 
 
@@ -98,8 +101,9 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
                     cuda_graphs: bool = True, max_draft_tokens: int = 64) -> EngineSet:
     """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there.
 
-    ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches; torch-backend
-    steps are recorded by the Generator (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
+    ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches, and to ORT on
+    CUDA (its ``enable_cuda_graph``); torch-backend steps are recorded by the Generator
+    (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
     directory = Path(directory)
     manifest = Manifest.load(directory)
     dev = torch.device(device)
@@ -111,7 +115,7 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     elif backend == "fast":
         engines = fast_engines(manifest, torch_models().load_torch_models(manifest, dev))
     elif backend == "ort":
-        engines = _ort_engines(directory, manifest, dev, max_tokens=max(max_draft_tokens, manifest.max_seq_len))
+        engines = _ort_engines(directory, manifest, dev, max(max_draft_tokens, manifest.max_seq_len), cuda_graphs)
     else:                                   # "trt": pick_backend has checked the name
         from xcompile.runtime.backends import trt
 

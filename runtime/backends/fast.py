@@ -192,6 +192,8 @@ class FastEagle3Engine(_FastEngine):
         self.norm = p.get("norm.weight")
         self.lm_head = p.get("lm_head.weight")
         self.rope = p.rope()
+        # speculators / vLLM heads: the attention residual is hidden_norm(hidden) (compile/models/eagle3.py)
+        self.norm_before_residual = bool(config.get("norm_before_residual", False))
 
     def run(self, **inputs):
         ids = inputs["input_ids"]
@@ -205,7 +207,9 @@ class FastEagle3Engine(_FastEngine):
         u = embed_norms(ids[0], self.embed, layer.ln1, hidden, self.hidden_norm, self.eps)
         qkv = linear(u, layer.qkv)
         a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope)
-        x = linear(a, layer.o, residual=hidden)                                # residual = the hidden
+        h = hidden.shape[-1]
+        residual = u[:, h:] if self.norm_before_residual else hidden           # u[:, H:] = hidden_norm(hidden)
+        x = linear(a, layer.o, residual=residual)                              # residual = the hidden
         g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True)
         linear(g, layer.down, residual=x, out=x)
         rows = x.index_select(0, inputs["logit_rows"][0])

@@ -288,21 +288,23 @@ def _gemv_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl
     _epilogue(y, yu, Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL, EXTRA)
 
 
-# Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split of K); never per row count,
-# so a row's reduction order is the same in decode and verify. The fastest of benchmarks/kernels.py's
-# candidates at one row on the H200 (2026-12-01, `python benchmarks/kernels.py --sweep`); DEFAULT_TILE
-# for other shapes.
+# Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split of K); never per row
+# count, so a row's reduction order is the same at every row count the tile kernel serves. The fastest
+# of benchmarks/kernels.py's candidates at one row on the H200 (2026-12-01, `python benchmarks/kernels.py
+# --sweep`, docs/BENCHMARKS.md); DEFAULT_TILE for other shapes.
 DEFAULT_TILE = (32, 512, 4, 3, 1)
 TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (6144, 4096): (64, 256, 4, 3, 1),       # Qwen3-8B qkv
-    (4096, 4096): (32, 512, 4, 3, 1),       # Qwen3-8B o_proj
+    (6144, 4096): (32, 256, 4, 3, 2),       # Qwen3-8B qkv
+    (4096, 4096): (64, 256, 4, 3, 4),       # Qwen3-8B o_proj
     (12288, 4096): (128, 128, 8, 3, 1),     # Qwen3-8B gate/up (gated: 2 x 12288 rows)
     (4096, 12288): (32, 512, 4, 3, 1),      # Qwen3-8B down_proj, EAGLE3 fc
     (151936, 4096): (128, 128, 8, 3, 1),    # Qwen3-8B lm_head
-    (6144, 8192): (64, 256, 4, 3, 1),       # EAGLE3 qkv (over [embedding, hidden])
+    (6144, 8192): (32, 256, 4, 3, 2),       # EAGLE3 qkv (over [embedding, hidden])
     (32000, 4096): (128, 128, 8, 3, 1),     # EAGLE3 lm_head (draft vocabulary)
     (4096, 1024): (32, 256, 4, 3, 1),       # Qwen3-0.6B qkv
-    (3072, 1024): (32, 256, 4, 3, 1),       # Qwen3-0.6B gate/up
+    (1024, 2048): (32, 256, 4, 3, 2),       # Qwen3-0.6B o_proj
+    (3072, 1024): (64, 256, 4, 3, 2),       # Qwen3-0.6B gate/up
+    (1024, 3072): (32, 256, 4, 3, 2),       # Qwen3-0.6B down_proj
     (151936, 1024): (128, 128, 8, 3, 1),    # Qwen3-0.6B lm_head
 }
 
@@ -319,7 +321,12 @@ def tile_for(n_out: int, k: int) -> tuple[int, int, int, int, int]:
 # listed run one-row calls on the tile kernel above. A row decoded alone then rounds differently from
 # the same row inside a verify block (another reduction order), so speculative and plain greedy may
 # part at near-ties; benchmarks/kernels.py measures both.
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (16, 512, 4),             # Qwen3-8B qkv: 19.8 us against 22.0 on the tile kernel
+    (4096, 4096): (4, 512, 4),              # Qwen3-8B o_proj: 14.0 / 16.9
+    (4096, 12288): (4, 512, 4),             # Qwen3-8B down_proj, EAGLE3 fc: 39.3 / 44.1
+    (6144, 8192): (16, 512, 4),             # EAGLE3 qkv: 36.2 / 41.6
+}
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 

@@ -99,6 +99,24 @@ def test_eagle3_steps_match_the_reference(tiny):
         assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
 
 
+def test_eagle3_norm_before_residual_matches_the_reference():
+    """speculators-format heads add hidden_norm(hidden), not the hidden, to the attention output."""
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    tiny.eagle3.midlayer.norm_before_residual = True
+    config = {**cfg(tiny.eagle3), "norm_before_residual": True}
+    ref = tiny.eagle3_engines()[0]
+    got = fast.FastEagle3Engine(tiny.eagle3_engines()[0], config)
+    plain = fast.FastEagle3Engine(tiny.eagle3_engines()[0], cfg(tiny.eagle3))      # the rule ignored
+    ref.new_kv()
+    got.new_kv()
+    hidden = torch.randn(1, 5, T.EAGLE3_CFG.hidden_size)
+    inputs = step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0)
+    plain.new_kv()
+    want, have = ref.run(hidden_states=hidden, **inputs), got.run(hidden_states=hidden, **inputs)
+    assert close(have["hidden_out"], want["hidden_out"]) and close(have["logits"], want["logits"])
+    assert not close(plain.run(hidden_states=hidden, **inputs)["hidden_out"], want["hidden_out"], 1e-2)
+
+
 DRAFTERS = {
     "none": lambda t: NoDrafter(),
     "eagle3": lambda t: Eagle3ChainDrafter(*fast_eagle3(t), t.d2t, 3),

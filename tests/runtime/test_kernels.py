@@ -80,6 +80,24 @@ def test_linear_split_k_matches_reference(split, gated, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated"])
+def test_one_row_gemv_matches_reference(kind, dtype, monkeypatch):
+    from xcompile.runtime.kernels import linear as L
+
+    n, k = 40, 1024
+    monkeypatch.setitem(L.GEMV_TILES, (n, k), (8, 256, 4))
+    gated = kind == "gated"
+    w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
+    x, g = randn(1, k, dtype=dtype), randn(k, dtype=dtype) + 1
+    r = randn(1, n, dtype=dtype) if kind != "gated" else None
+    taps = torch.zeros(1, 3 * n, dtype=dtype, device=DEV)
+    norm = None if kind == "plain" else g
+    got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=taps[:, n:2 * n])
+    assert rel(got, linear_reference(x, w, norm=norm, gated=gated, residual=r)) < TOL[dtype]
+    assert torch.equal(taps[:, n:2 * n], got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_rows_do_not_depend_on_the_row_count(dtype):
     """A row's output is the same bits alone and inside a block (speculative == plain greedy)."""
     torch.manual_seed(0)
