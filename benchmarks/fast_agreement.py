@@ -88,7 +88,8 @@ def run(args, ref_es, fast_es) -> None:
         for label, es in (("torch", ref_es), ("fast", fast_es)):
             gen = Generator(es.engines["target"], make_drafter(es, spec), [], es.manifest.max_seq_len, cuda_graphs=True)
             runs = [gen.generate(p, args.new_tokens) for p in prompts]
-            taus[label] = sum(r.stats.accepted + r.stats.rounds for r in runs) / sum(r.stats.rounds for r in runs)
+            # tau as Stats.acceptance_length defines it: tokens the rounds emitted, over the rounds
+            taus[label] = sum(r.stats.new_tokens - 1 for r in runs) / sum(r.stats.rounds for r in runs)
         same, diverged = 0, []
         for p, r in zip(prompts, runs):                          # the fast runs against fast plain greedy
             want = fast_plain.generate(p, args.new_tokens).tokens

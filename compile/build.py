@@ -29,7 +29,8 @@ from xcompile.compile.trt_loaders import (
     inspect_network, polygraphy_backend, polygraphy_errors, profile_shapes, progress_monitor,
 )
 from xcompile.plugins.registry import PluginError, load_plugins
-from xcompile.runtime.backends.trt import FLAVOR_NAMES, resolve_flavor
+from xcompile.runtime import logs
+from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, resolve_flavor
 from xcompile.runtime.contract import DTYPES, GraphSpec, graph_spec
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import EngineEntry, Manifest, kv_layers
@@ -71,24 +72,35 @@ class BuildOptions:
     compute_capabilities: tuple[str, ...] = ()  # TRT-RTX targets ("8.9", "12.0"); () = its default set
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
     force: bool = False                         # rebuild engines even when their inputs are unchanged
+    # builder controls, as trtexec's --memPoolSize=workspace / --builderOptimizationLevel / --timingCacheFile
+    workspace: int | None = None                # WORKSPACE memory pool limit, bytes (None: TensorRT's, the device's)
+    optimization_level: int | None = None       # 0..5 (None: TensorRT's default, 3)
+    timing_cache: Path | None = None            # full TensorRT only (None: <engine dir>/timing.cache)
+
+    def builder(self) -> dict:
+        """The controls that change the engine, as its manifest entry records them (unset ones omitted)."""
+        return {k: v for k, v in (("workspace", self.workspace), ("optimization_level", self.optimization_level))
+                if v is not None}
 
 
 # --------------------------------------------------------------------------------------------
 # one engine
 
 
-def engine_entry(graph: str, flavor: str, trt, ccs: list[str], profiles: list[ProfileSpec], onnx_sha256: str
-                 ) -> EngineEntry:
+def engine_entry(graph: str, flavor: str, trt, ccs: list[str], profiles: list[ProfileSpec], onnx_sha256: str,
+                 builder: dict | None = None) -> EngineEntry:
     """The manifest entry an engine built with these inputs gets (compared to skip unchanged rebuilds)."""
     return EngineEntry(file=f"{graph}.engine", graph=graph, flavor=flavor, trt_version=trt.__version__,
                        compute_capabilities=list(ccs), profiles=[p.as_dict() for p in profiles],
-                       onnx_sha256=onnx_sha256)
+                       onnx_sha256=onnx_sha256, builder=dict(builder or {}))
 
 
 def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles: list[ProfileSpec], *,
                  flavor: str, compute_capabilities: tuple[tuple[int, int], ...] = (), max_batch: int = 1,
-                 timing_cache: Path | None = None, progress: Progress = print) -> NetworkReport:
-    """Parse ``onnx``, check it against ``spec``, build and write ``engine``. ``dtype``: "fp32"|"fp16"|"bf16"."""
+                 timing_cache: Path | None = None, builder: dict | None = None, progress: Progress = print
+                 ) -> NetworkReport:
+    """Parse ``onnx``, check it against ``spec``, build and write ``engine``. ``dtype``: "fp32"|"fp16"|"bf16";
+    ``builder``: BuildOptions.builder() (workspace bytes, optimization level)."""
     trt, poly = polygraphy_backend(flavor)
     try:
         load_plugins(trt)
@@ -116,7 +128,7 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
         if dtype == "fp32":
             network = poly.SetDecomposableAttentions(network)      # no fused fp32 attention kernel
         config = create_config(trt, poly, flavor, shapes, compute_capabilities, timing_cache,
-                               progress_monitor(trt, progress, label))
+                               progress_monitor(trt, progress, label), **(builder or {}))
         start = time.monotonic()
         try:
             with warnings.catch_warnings():
@@ -142,12 +154,9 @@ def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Pro
     directory = Path(directory)
     try:
         manifest = Manifest.load(directory)
-        flavor = resolve_flavor(options.flavor)
     except EngineError as e:
         raise CompileError(str(e)) from None
-    if flavor != "rtx" and options.compute_capabilities:
-        raise CompileError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
-                           "it runs on")
+    flavor = check_options(options)
     if not manifest.graphs:
         raise CompileError(f"{directory}: the manifest lists no ONNX graphs; run `xcompile export` first")
     trt, _ = polygraphy_backend(flavor)
@@ -156,15 +165,15 @@ def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Pro
         recorded = [f"{a}.{b}" for a, b in ccs]
     else:
         ccs, recorded = (), [_local_compute_capability()]
-    timing_cache = directory / "timing.cache" if flavor == "tensorrt" else None
+    timing_cache = (options.timing_cache or directory / "timing.cache") if flavor == "tensorrt" else None
     profiles = default_profiles(manifest.max_seq_len, options.max_draft_tokens)
     progress(f"building {len(manifest.graphs)} engine(s) in {directory} with {FLAVOR_NAMES[flavor]} {trt.__version__}"
              + (f" for compute capability {', '.join(recorded)}" if recorded else ""))
-    for graph, g in manifest.graphs.items():
+    for graph, g in logs.each(manifest.graphs.items(), "build", "engines", note=lambda item: item[0]):
         onnx = directory / g.onnx
         if not onnx.is_file():
             raise CompileError(f"{onnx}: missing; re-export the engine dir")
-        entry = engine_entry(graph, flavor, trt, recorded, profiles, sha256_file(onnx))
+        entry = engine_entry(graph, flavor, trt, recorded, profiles, sha256_file(onnx), options.builder())
         if not options.force and manifest.engines.get(graph) == entry and (directory / entry.file).is_file():
             progress(f"  {entry.file}: up to date, kept")
             continue
@@ -172,10 +181,33 @@ def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Pro
         warn_if_short_of_memory(onnx, progress)
         build_engine(onnx, directory / entry.file, spec, manifest.dtype, profiles, flavor=flavor,
                      compute_capabilities=ccs, max_batch=manifest.max_batch, timing_cache=timing_cache,
-                     progress=progress)
+                     builder=options.builder(), progress=progress)
         manifest.engines[graph] = entry
         manifest.save(directory)
     return manifest
+
+
+def check_options(options: BuildOptions) -> str:
+    """The flavor ``options`` build with, every option checked against it before anything is exported
+    or parsed: that flavor is installed, compute capabilities are TensorRT-RTX's and known to it, full
+    TensorRT has a GPU to build on, a timing cache is asked only of the flavor that uses one."""
+    try:
+        flavor = resolve_flavor(options.flavor)
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    if flavor != "rtx" and options.compute_capabilities:
+        raise CompileError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
+                           "it runs on")
+    if flavor == "rtx" and options.timing_cache is not None:
+        raise CompileError("--timing-cache applies to full TensorRT only; TensorRT-RTX keeps no timing cache "
+                           "(it deprecates them as no-ops)")
+    if flavor == "rtx":
+        trt = import_trt(flavor)
+        for c in options.compute_capabilities:
+            compute_capability(c, trt)
+    else:
+        _local_compute_capability()
+    return flavor
 
 
 def warn_if_short_of_memory(onnx: Path, progress: Progress) -> None:
@@ -242,7 +274,8 @@ def stale_export(req, manifest: Manifest) -> str | None:
     head = manifest.models.get("eagle3")
     if req.eagle3_taps is None and head is not None and head.extra.get("taps_from") == "--eagle3-taps":
         return f"its EAGLE3 taps {taps} came from --eagle3-taps, the request reads the head's config"
-    sources = {"target": lambda: ckpt.resolve(req.model), "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
+    sources = {"target": lambda: ckpt.resolve(req.model, req.revision),
+               "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
                "draft": lambda: ckpt.resolve_draft(req.draft_model)}
     names = {"target": req.model, "eagle3": req.model, "draft": req.draft_model}
     for role, entry in manifest.models.items():
@@ -267,6 +300,7 @@ def export_and_build(req, options: BuildOptions = BuildOptions(), progress: Prog
 
     from xcompile.compile.pipeline import export_engine_dir
 
+    check_options(options)                          # before a minutes-long export, not after it
     out = Path(req.out)
     ours = (out / "manifest.json").is_file()        # an engine dir: replaced when stale; anything else only with --force
     reason = "--force" if req.force else "no export there yet"

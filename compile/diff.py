@@ -18,6 +18,7 @@ here, and this module only by the ``diff`` command.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from polygraphy.logger import G_LOGGER
 
 from xcompile.compile.errors import CompileError
 from xcompile.compile.reference import reference_engines
+from xcompile.runtime import logs
 from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec
 from xcompile.runtime.engine import TORCH_DTYPES, Engine, KVShape
@@ -280,11 +282,15 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     rtol = {"": DEFAULT_RTOL[manifest.dtype], **opts.rtol}
     compare = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="max")
     report = DiffReport(str(directory), opts.backend, manifest.dtype, prompt, atol, rtol)
-    for name, rec in runs.items():
+    # Polygraphy's per-iteration chatter (and its logging of failures this report tabulates) only at -v,
+    # and to stderr: stdout holds the report
+    logs.bind_polygraphy(G_LOGGER)
+    chatter = G_LOGGER.EXTRA_VERBOSE if logs.level() <= logging.DEBUG else G_LOGGER.CRITICAL
+    for name, rec in logs.each(runs.items(), "diff", "graphs", note=lambda item: item[0]):
         g = graphs[name]
         runners = [EngineRunner(g.reference, g.spec, g.dims, REFERENCE),
                    EngineRunner(lambda e=g.engine: e, g.spec, g.dims, ENGINE)]
-        with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+        with G_LOGGER.verbosity(chatter):
             try:
                 results = Comparator.run(runners, data_loader=rec.feeds)
                 steps = Comparator.compare_accuracy(results, compare_func=compare)[0][(REFERENCE, ENGINE)]

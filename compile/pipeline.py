@@ -35,6 +35,7 @@ from xcompile.compile.families import family
 from xcompile.compile.models import eagle3, qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime import logs
 from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES
 from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
@@ -66,6 +67,7 @@ class ExportRequest:
     force: bool = False
     eagle3_taps: tuple[int, ...] | None = None   # 0-based layer-output ids overriding the head config's
     synthetic_layers: int | None = None          # --synthetic: the alias's shape with fewer (or more) layers
+    revision: str | None = None                  # of the --model repo id (a branch, tag or commit)
 
 
 # the family of each model slot (recorded as ModelEntry.kind)
@@ -100,16 +102,19 @@ def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest
     if out.exists() and not out.is_dir():
         raise CompileError(f"{out}: exists and is not a directory")
     parts, target_dir = _plan(req)
-    with _staged(out) as tmp:
+    graphs = sum(len(p.module.graphs(p.key)) for p in parts)
+    with _staged(out) as tmp, logs.progress("export", graphs, "graphs") as bar:
         manifest = Manifest(name=out.name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
                             max_batch=req.max_batch, models={p.key: p.entry for p in parts},
                             xcompile_version=_version())
         for p in parts:
             for graph, module in p.module.graphs(p.key):
                 log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
+                bar.update(note=graph)
                 done = export_graph(module, tmp / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
                                     weights=p.weights(), max_batch=req.max_batch)
                 manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims, done.sha256)
+                bar.advance()
             if p.source.files():
                 log(f"hashing the {p.key} checkpoint files ...")
             for name, digest in p.source.hashes().items():
@@ -145,7 +150,7 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
             cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
     directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else
-                 ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name))
+                 ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name, req.revision))
     return family(_KINDS[role]).parse(directory / "config.json"), CheckpointSource(directory), directory
 
 

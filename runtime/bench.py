@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xcompile.runtime import logs
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.drafters import causal
+from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
 from xcompile.runtime.load import DRAFTERS, DrafterSpec, EngineSet, TreeShape, make_drafter
 
+_log = logs.logger("bench")
 PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
 
 
@@ -94,18 +97,23 @@ def _step_inputs(tokens: int, write_index: int, vocab: int, device: torch.device
                 logit_rows=torch.arange(tokens, **i64)[None])
 
 
-def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
-    """Milliseconds of single engine steps at KV length ``ctx``, eager and (on CUDA) graphed."""
+def step_sizes(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> dict[str, list[int]]:
+    """graph -> the token counts ``step_costs`` times it at (graphs the dir holds)."""
+    sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
+             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
+    return {graph: tokens for graph, tokens in sizes.items() if graph in es.engines}
+
+
+def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | None,
+               tick: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """Milliseconds of single engine steps at KV length ``ctx``, eager and (on CUDA) graphed;
+    ``tick(label)`` after each."""
     dev, rows = es.device, []
     capture = CudaGraphCapture()
     for engine in es.engines.values():
         if not engine.kv and engine.kv_shape:
             engine.new_kv()
-    sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
-             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
-    for graph, tokens_list in sizes.items():
-        if graph not in es.engines:
-            continue
+    for graph, tokens_list in step_sizes(es, opts, tree_tokens).items():
         engine = es.engines[graph]
         graphed = GraphedEngine(engine, set(tokens_list), capture) if dev.type == "cuda" else None
         for s in tokens_list:
@@ -119,6 +127,7 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
             if graphed is not None:
                 row["graph_ms"] = timed(lambda: graphed.run(**inputs), dev, opts.repeats)
             rows.append(row)
+            tick(f"{graph} x{s}")
         if graphed is not None:
             graphed.graphs.clear()
     return rows
@@ -145,7 +154,8 @@ def drafters(es: EngineSet, opts: BenchOptions) -> list[tuple[str, Callable[[], 
 
 
 def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bool, prompts: list[list[int]],
-                    which: list[tuple[str, Callable]]) -> list[dict]:
+                    which: list[tuple[str, Callable]], tick: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """One row per drafter of ``which``: whole generations over ``prompts``; ``tick(name)`` after each."""
     rows = []
     max_seq_len = es.manifest.max_seq_len
     if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (backends/ort.py)
@@ -160,19 +170,20 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
             r = gen.generate(p, opts.new_tokens)
             s = r.stats
             decode_s += s.decode_s
-            tokens += s.new_tokens - 1
+            tokens += s.new_tokens - 1                  # the rounds' tokens: tau's numerator (Stats)
             rounds += s.rounds
             drafted += s.drafted
             accepted += s.accepted
         rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
                      "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
                      "tokens_per_s": tokens / decode_s if decode_s else 0.0,
-                     "tau": (accepted + rounds) / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted})
+                     "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted})
         for engine in gen.drafter.engines:
             if isinstance(engine, GraphedEngine):
                 engine.graphs.clear()
         if isinstance(gen.target, GraphedEngine):
             gen.target.graphs.clear()
+        tick(name)
     return rows
 
 
@@ -194,30 +205,66 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     tree_tokens = opts.tree.total_tokens if opts.tree and EAGLE3 in es.engines else None
     report["steps"] = []
     report["generation"] = []
-    for i, ctx in enumerate(opts.contexts):
-        if ctx + max(64, opts.new_tokens) + 64 > es.manifest.max_seq_len:
+    with logs.progress("bench", _measurements(es, opts, graphs, tree_tokens, peer is not None), "measurements") as bar:
+        _measure(es, opts, report, graphs, tree_tokens, g, vocab, log, peer, bar)
+    if es.backend == "ort" and dev.type == "cuda":
+        report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
+                                     for g, e in es.engines.items()}
+        log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
+    if not report["generation"]:
+        raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
+                          f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")
+    _derive(report, opts)
+    return report
+
+
+def _measurements(es: EngineSet, opts: BenchOptions, graphs: bool, tree_tokens: int | None, peer: bool) -> int:
+    """How many measurements ``_measure`` makes, for the progress bar: every drafter (in both graph
+    modes on CUDA), the step costs and the peer at the first context that fits; plain decoding at
+    the others."""
+    fits = sum(context_fits(c, opts.new_tokens, es.manifest.max_seq_len) for c in opts.contexts)
+    first = len(drafters(es, opts)) * (2 if graphs else 1) + sum(map(len, step_sizes(es, opts, tree_tokens).values()))
+    return (first + peer + fits - 1) if fits else 0
+
+
+def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree_tokens: int | None,
+             g: torch.Generator, vocab: int, log: Callable[[str], None], peer, bar) -> None:
+    """The measurements of ``run_bench`` into ``report``; the first context that fits gets them all."""
+    first = True
+    for ctx in opts.contexts:
+        if not context_fits(ctx, opts.new_tokens, es.manifest.max_seq_len):
             log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
             continue
         prompts = _prompts(opts, ctx, vocab, g)
         if prompts is None:
             log(f"context {ctx}: skipped, the text holds fewer than {opts.num_prompts} windows of {ctx} tokens")
             continue
-        which = drafters(es, opts) if i == 0 else drafters(es, opts)[:1]
-        for use_graphs in ([True, False] if graphs and i == 0 else [graphs]):
+        which = drafters(es, opts) if first else drafters(es, opts)[:1]
+        for use_graphs in ([True, False] if graphs and first else [graphs]):
             log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
-            report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which)
-        if i == 0:
+            report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which,
+                                                    tick=lambda name: _tick(bar, f"{ctx}: {name}"))
+        if first:
             log(f"context {ctx}: step costs ...")
-            report["steps"] += [{"context": ctx, **r} for r in step_costs(es, ctx, opts, tree_tokens)]
-        if peer is not None and i == 0:
+            report["steps"] += [{"context": ctx, **r} for r in step_costs(
+                es, ctx, opts, tree_tokens, tick=lambda step: _tick(bar, f"{ctx}: step {step}"))]
+        if peer is not None and first:
             log(f"context {ctx}: peer (transformers generate, static cache) ...")
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
-    if es.backend == "ort" and dev.type == "cuda":
-        report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
-                                     for g, e in es.engines.items()}
-        log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
-    _derive(report, opts)
-    return report
+            _tick(bar, f"{ctx}: peer")
+        first = False
+
+
+def _tick(bar, what: str) -> None:
+    """One measurement done: the bar advances (a terminal), a debug line says which (-v, any output)."""
+    bar.advance(note=what)
+    _log.debug(f"measured {what}")
+
+
+def context_fits(ctx: int, new_tokens: int, max_seq_len: int) -> bool:
+    """Whether a context of ``ctx`` tokens leaves an engine of ``max_seq_len`` room for the generation
+    (at least 64 tokens) and a round's lookahead (64)."""
+    return ctx + max(64, new_tokens) + 64 <= max_seq_len
 
 
 def _prompts(opts: BenchOptions, ctx: int, vocab: int, g: torch.Generator) -> list[list[int]] | None:

@@ -10,10 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from xcompile.runtime.bench import BenchOptions, format_report, run_bench
+from xcompile.runtime import logs
+from xcompile.runtime.bench import BenchOptions, context_fits, format_report, run_bench
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import EngineSet, TreeShape, fast_engines, open_engine_dir, pick_backend, torch_models
+from xcompile.runtime.manifest import Manifest
 from xcompile.runtime.text import Text
+
+log = logs.logger("bench")
 
 
 @dataclass
@@ -59,13 +63,26 @@ def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     return EngineSet(None, manifest, backend, engines, d2t, {"provider": provider})
 
 
+def check_contexts(req: BenchRequest) -> None:
+    """EngineError unless some context fits the engine dir (a synthetic bench is sized for them all)."""
+    if req.engine_dir is None:
+        return
+    max_seq_len = Manifest.load(req.engine_dir).max_seq_len
+    if not any(context_fits(c, req.new_tokens, max_seq_len) for c in req.contexts):
+        raise EngineError(f"--contexts {','.join(map(str, req.contexts))}: none fits {req.engine_dir}, which holds "
+                          f"{max_seq_len} tokens (a context needs room for --new-tokens and a round too); give "
+                          "shorter contexts or rebuild with a larger --max-seq-len")
+
+
 def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
+    """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    check_contexts(req)
     start = time.perf_counter()
     with open_engines(req, device) as es:
-        echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+        log.info(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
         report = _bench(req, es, echo)
     echo(format_report(report))
     if req.json_path:
@@ -93,7 +110,7 @@ def _bench(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dic
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
                         repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens)
     start = time.perf_counter()
-    return run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
+    return run_bench(es, opts, log=lambda m: log.info(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 
 
 def plot(report: dict, path: str) -> None:

@@ -52,7 +52,7 @@ class Stats:
     target_forwards: int = 0        # prefill included
     rounds: int = 0                 # verify passes after the prefill
     drafted: int = 0                # drafted tokens sent to verification
-    accepted: int = 0               # of those, accepted
+    accepted: int = 0               # of those, accepted by verification (a stop may drop some after)
     accepted_at: list[int] = field(default_factory=list)   # [i]: rounds whose draft at depth i+1 was accepted
 
     def add_round(self, drafted: int, accepted: int) -> None:
@@ -76,8 +76,11 @@ class Stats:
 
     @property
     def acceptance_length(self) -> float:
-        """τ: mean tokens committed per verify round, the bonus token included."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        """τ, the one definition used everywhere (bench, train-eagle3, README): tokens emitted per verify
+        round, the bonus token included and tokens dropped by a stop or the length cap excluded. Every
+        emitted token but the first (the prefill's) comes from a round, so τ = (new_tokens - 1) / rounds;
+        ``accepted`` also counts drafts a stop then dropped, so (accepted + rounds) / rounds can be more."""
+        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:

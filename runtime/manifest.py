@@ -58,6 +58,7 @@ class EngineEntry:
     compute_capabilities: list = field(default_factory=list)
     profiles: list = field(default_factory=list)   # [{"name": "prefill", "tokens": [min, opt, max]}, ...]
     onnx_sha256: str = ""
+    builder: dict = field(default_factory=dict)    # builder controls that were set: workspace, optimization_level
 
 
 @dataclass

@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xcompile.runtime import logs
+from xcompile.runtime.contract import DRAFT, EAGLE3
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator, Result
 from xcompile.runtime.load import DrafterSpec, EngineSet, make_drafter, open_engine_dir
+from xcompile.runtime.manifest import Manifest
 from xcompile.runtime.text import Text
+
+log = logs.logger("generate")
 
 
 @dataclass
@@ -59,10 +64,28 @@ def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[i
     return text.chat(req.chat) if req.chat is not None else text.encode(req.prompt)
 
 
+def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
+    """Refuse a tree the drafter ``req.drafter`` resolves to in this dir would ignore (``auto`` picks as
+    ``make_drafter`` does), before any engine is loaded. (An explicit --gamma with ``none`` is the CLI's
+    to refuse: a DrafterSpec always carries a gamma.)"""
+    spec = req.drafter
+    drafter = spec.name
+    if drafter == "auto":
+        drafter = "eagle3" if EAGLE3 in manifest.graphs else "draft-model" if DRAFT in manifest.graphs else "none"
+    auto = f" (--drafter auto picks {drafter} for {req.engine_dir})" if spec.name == "auto" else ""
+    if drafter == "none" and spec.tree:
+        raise EngineError(f"--tree-* would do nothing: no drafter runs{auto}")
+    if drafter == "draft-model" and spec.tree:
+        raise EngineError(f"--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens{auto}")
+
+
 def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> Result:
-    """Open the dir, encode the prompt, generate (streaming text unless ``as_json``), print stats."""
+    """Open the dir, encode the prompt, generate (``echo``: the text as it streams, or the JSON with
+    ``as_json``), and log the stats line (stderr at the CLI, hidden by -q)."""
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_drafter_options(req, Manifest.load(req.engine_dir))
     with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs) as es:
+        log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
         text = Text(es.directory) if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
         drafter = make_drafter(es, req.drafter)
@@ -89,8 +112,8 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     if text is None:
         echo(" ".join(map(str, result.tokens)), nl=False)
     echo("")
-    echo(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
-         f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} "
-         f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target forwards), "
-         f"finish: {stats['finish_reason']}")
+    log.info(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
+             f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
+             f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target forwards), "
+             f"finish: {stats['finish_reason']}")
     return result

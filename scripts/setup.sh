@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,trt,serve-ray]"
+# setuptools notes every editable install of a package-dir mapping ("Editable installation. Please be
+# careful with folders ... with the same name as your package"): information only, nothing to fix
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[dev,trt,plot,serve-ray]"

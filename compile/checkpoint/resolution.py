@@ -46,16 +46,19 @@ def known_model(spec: str) -> KnownModel | None:
         (m for m in KNOWN_MODELS.values() if m.repo_id is not None and m.repo_id.lower() == key), None)
 
 
-def resolve(spec: str) -> Path:
+def resolve(spec: str, revision: str | None = None) -> Path:
     """A checkpoint dir from a local directory, a packaged alias (``demo``), an HF repo id already in
     the local cache, or a published alias of ``config.KNOWN_MODELS``. Offline: a repo that is not
     cached is an error saying how to fetch it. A checkpoint directory named like an alias wins over
-    the alias."""
+    the alias. ``revision`` (a branch, tag or commit of the repo, as ``hf download --revision``)
+    picks the cached snapshot; it applies to repo ids (and the aliases that name one) only."""
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        _no_revision(revision, f"{spec} is a local directory")
         return path.absolute()
     known = KNOWN_MODELS.get(spec.lower())
     if known is not None and known.path is not None:
+        _no_revision(revision, f"{spec} is packaged with xcompile")
         return _packaged(known.path, spec)
     if path.is_dir():
         raise CompileError(f"{path}: not a checkpoint directory (no config.json)")
@@ -67,14 +70,20 @@ def resolve(spec: str) -> Path:
                            "(or pass a checkpoint directory or a Hugging Face repo id org/name)")
     cache = hf_cache_dir()
     try:
-        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
     except ValueError as e:                       # huggingface_hub's HFValidationError
         raise CompileError(f"{repo_id}: not a valid Hugging Face repo id ({e})") from None
     if not isinstance(found, str):                # None or the cached "does not exist" marker
-        raise CompileError(f"{repo_id} is not a local directory and not in the Hugging Face cache ({cache}); "
-                           f"download it with `{fetch_command(repo_id)}` (older clients: "
-                           f"`huggingface-cli download {repo_id}`)")
+        at, rev = ("", "") if revision is None else (f" at revision {revision!r}", f" --revision {revision}")
+        raise CompileError(f"{repo_id}{at} is not a local directory and not in the Hugging Face cache ({cache}); "
+                           f"download it with `{fetch_command(repo_id)}{rev}` (older clients: "
+                           f"`huggingface-cli download {repo_id}{rev}`)")
     return Path(found).parent
+
+
+def _no_revision(revision: str | None, why: str) -> None:
+    if revision is not None:
+        raise CompileError(f"--revision {revision}: {why}; a revision picks a snapshot of a Hugging Face repo id")
 
 
 def resolve_eagle3(model_spec: str, eagle3: str | None) -> Path:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xcompile.runtime import logs
 from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
@@ -196,20 +197,17 @@ class OrtEngine(Engine):
         self.session = None
 
 
-# ORT's severities: 0 verbose, 1 info, 2 warning, 3 error. Errors only: ORT warns about every
-# unfoldable CastLike and about shape nodes it places on the CPU, a stream of lines per session.
-_LOG_ERRORS_ONLY = 3
-
-
 def _session(path: Path, device: torch.device, options, cuda_graphs: bool = False):
     import onnxruntime as ort
 
     if not path.is_file():
         raise EngineError(f"{path}: ONNX graph not found; export it with `xcompile export`")
-    ort.set_default_logger_severity(_LOG_ERRORS_ONLY)       # the environment's logger, used before a session's
+    # errors only unless -v (runtime/logs.py): ORT warns about every unfoldable CastLike and about
+    # shape nodes it places on the CPU, a stream of lines per session
+    ort.set_default_logger_severity(logs.library_levels().onnxruntime)   # the environment's, before a session's
     if options is None:
         options = ort.SessionOptions()
-        options.log_severity_level = _LOG_ERRORS_ONLY
+        options.log_severity_level = logs.library_levels().onnxruntime
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise EngineError("ONNX Runtime has no CUDA provider here; install onnxruntime-gpu (pip install "
@@ -239,7 +237,7 @@ def _run_options(device: torch.device, graph_id: str | None):
     import onnxruntime as ort
 
     options = ort.RunOptions()
-    options.log_severity_level = _LOG_ERRORS_ONLY
+    options.log_severity_level = logs.library_levels().onnxruntime
     if graph_id is not None:
         options.add_run_config_entry("gpu_graph_id", graph_id)
     if device.type == "cuda":

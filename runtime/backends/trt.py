@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from xcompile.plugins.registry import PluginError, load_plugins
+from xcompile.runtime import logs
 from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import DTYPE_NAMES, MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
@@ -112,7 +113,7 @@ class TrtEngine(Engine):
             load_plugins(trt)
         except PluginError as e:
             raise EngineError(str(e)) from None
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.runtime = trt.Runtime(trt.Logger(logs.trt_severity(trt)))
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
             raise EngineError(f"{self.source}: {FLAVOR_NAMES[entry.flavor]} {trt.__version__} could not deserialize "

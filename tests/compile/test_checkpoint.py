@@ -368,3 +368,20 @@ def test_fixture_tensors_cover_configs():
     assert "lm_head.weight" not in qwen3_tensors(cfg)
     head = eagle3_tensors(eagle3_config(cfg))
     assert head["d2t"].dtype == torch.int64 and head["t2d"].sum() == head["d2t"].numel()
+
+
+def test_resolve_revision(tmp_path, monkeypatch, tiny_target, tiny_draft):
+    """--revision picks a cached snapshot by branch, tag or commit; not cached names the download command;
+    a local dir or packaged alias has no revisions."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    main = fake_hf_cache(tmp_path, "Qwen/Qwen3-8B", tiny_target)
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    shutil.copytree(tiny_draft, main.parent / other)
+    (main.parents[1] / "refs" / "v2").write_text(other)
+    assert ck.resolve("Qwen/Qwen3-8B") == main
+    assert ck.resolve("Qwen/Qwen3-8B", "v2") == main.parent / other
+    assert ck.resolve("qwen3-8b", other) == main.parent / other                # alias -> repo id, by commit
+    msg = error(ck.resolve, "Qwen/Qwen3-8B", "v3")
+    assert "at revision 'v3'" in msg and "`hf download Qwen/Qwen3-8B --revision v3`" in msg
+    assert "is a local directory" in error(ck.resolve, str(tiny_target), "v2")
+    assert "is packaged with xcompile" in error(ck.resolve, "demo", "main")

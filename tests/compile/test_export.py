@@ -58,9 +58,9 @@ def cli(*args: str):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def one_line_error(result) -> str:
-    """A failed command: exit 1, one `error:` line on stderr, no traceback."""
-    assert result.exit_code == 1, (result.exit_code, result.output)
+def one_line_error(result, code: int = 1) -> str:
+    """A failed command: exit 1 (2 for a bad option), one `error:` line on stderr, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.output)
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -225,5 +225,5 @@ def test_requests_rejected_before_any_work(tiny_target, tmp_path):
     out = tmp_path / "out"
     assert "unknown model" in one_line_error(cli("export", "--model", "qwen3-9000b", "--synthetic", "--out", out))
     assert "no published EAGLE3 head" in one_line_error(cli("export", "--model", tiny_target, "--eagle3", "--out", out))
-    assert "at least 1" in one_line_error(cli("export", "--model", tiny_target, "--max-batch", 0, "--out", out))
+    assert "--max-batch" in one_line_error(cli("export", "--model", tiny_target, "--max-batch", 0, "--out", out), 2)
     assert not out.exists() and leftovers(tmp_path) == []

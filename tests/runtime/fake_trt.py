@@ -74,7 +74,7 @@ def tensor_at(address: int, shape: tuple, dtype: torch.dtype, device: torch.devi
 
 
 class Logger:
-    ERROR, WARNING, INFO = 0, 1, 2
+    INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = -1, 0, 1, 2, 3
 
     def __init__(self, severity=WARNING):
         self.severity = severity
