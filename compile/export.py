@@ -46,6 +46,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
 from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime import integrity
 from xcompile.runtime.contract import (
     CONTRACT_VERSION, DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec, graph_spec,
 )
@@ -74,8 +75,8 @@ class ExportedGraph:
     onnx: Path
     spec: GraphSpec
     dims: dict
-    sha256: str                 # of the .onnx file; it embeds the external data's sha256 as metadata
-    data_sha256: str
+    onnx_record: dict           # size and hashes of the .onnx file (runtime/integrity.py)
+    data_record: dict           # of its external data; the .onnx embeds the data's sha256 as metadata
 
 
 def graph_dims(module: nn.Module, max_batch: int) -> dict[str, int]:
@@ -251,7 +252,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: Weights) -> str:
     """Write every initializer of ``model`` into ``data_path`` from the ``(name, tensor)`` stream
     (names are ``module``'s parameter names; unused ones are skipped), one tensor at a time, and
-    point the initializers at it. Returns the data file's sha256."""
+    point the initializers at it. Returns the data file's record (size and hashes, runtime/integrity.py)."""
     canonical = _canonical_names(module)
     # initializers are named after one alias of their tensor; key them by the canonical name
     pending = {canonical.get(n, n): v for n, v in model.graph.initializers.items()}
@@ -259,7 +260,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if unknown:
         raise CompileError(f"{data_path.name}: graph constants {unknown[:3]} are not parameters of "
                            f"{type(module).__name__}; was the graph traced with optimize=True?")
-    digest, offset = hashlib.sha256(), 0
+    digest, offset = integrity.Digest(), 0
     with open(data_path, "wb") as f:
         for name, tensor in itertools.chain(weights, computed_buffers(module)):
             # names outside this graph (the head's fc in the eagle3 step, d2t, aliases) are skipped
@@ -270,7 +271,9 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
             if tuple(tensor.shape) != tuple(want.shape):
                 raise CompileError(f"{data_path.name}: weight {name!r} has shape {tuple(tensor.shape)}, "
                                    f"the graph expects {tuple(want.shape)}")
-            data = _tensor_bytes(tensor.to(_TORCH_OF_IR[want.dtype]))
+            cast = tensor.to(_TORCH_OF_IR[want.dtype])
+            _check_finite(name, tensor, cast)
+            data = _tensor_bytes(cast)
             pad = -offset % (_ALIGN_LARGE if len(data) > _LARGE else _ALIGN)
             f.write(b"\0" * pad)
             digest.update(b"\0" * pad)
@@ -283,7 +286,19 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if pending:
         raise CompileError(f"{data_path.name}: no weight given for {sorted(pending)[:5]} "
                            f"({len(pending)} missing); the checkpoint does not fill this graph")
-    return digest.hexdigest()
+    return digest.record()
+
+
+def _check_finite(name: str, tensor: torch.Tensor, cast: torch.Tensor) -> None:
+    """A NaN/Inf weight makes every output NaN (or a fp16 cast overflow does): refuse it by name."""
+    if not cast.is_floating_point() or bool(torch.isfinite(cast).all()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise CompileError(f"weight {name!r} holds {bad} NaN/Inf value(s) of {tensor.numel()}; the checkpoint is "
+                           "corrupt or comes from a diverged run: fetch or train it again")
+    raise CompileError(f"weight {name!r} overflows {cast.dtype} (|max| {float(tensor.abs().max()):.3g}); export "
+                       "--dtype bf16 or fp32")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -311,9 +326,9 @@ def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Wei
         weights = module.named_parameters()
     model = trace(module, spec, dims, max_tokens)
     data_path = path.with_name(path.name + ".data")
-    data_sha = write_weights(model, module, data_path, weights)
+    data = write_weights(model, module, data_path, weights)
     model.metadata_props.update({"xcompile.graph": spec.graph, "xcompile.contract_version": str(CONTRACT_VERSION),
-                                 "xcompile.external_data_sha256": data_sha})
+                                 "xcompile.external_data_sha256": data["sha256"]})
     model.producer_name = "xcompile"
     ir.save(model, path)
-    return ExportedGraph(spec.graph, path, spec, dims, sha256_file(path), data_sha)
+    return ExportedGraph(spec.graph, path, spec, dims, integrity.record_file(path), data)

@@ -3,18 +3,15 @@
     resolve -> parse configs (+ checks) -> meta-device modules -> export each graph, weights
     streamed tensor by tensor -> tokenizer files, d2t.safetensors -> manifest.json
 
-Atomic: everything is written into a temporary dir next to ``out`` and renamed onto it at the end,
-so a failure (or Ctrl-C) leaves nothing half-written, and an existing dir is replaced only with
-``force`` once the new one is complete.
+Atomic and locked (runtime/files.py): everything is written into a staging dir next to ``out`` and
+renamed onto it at the end, so a failure (or Ctrl-C) leaves nothing half-written; an existing dir is
+replaced only with ``force``, only when xcompile wrote it, and never when it holds an input.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -32,6 +29,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.export import Weights, export_graph, sha256_file
 from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.runtime import files, integrity
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES
 from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
@@ -75,40 +73,67 @@ class _Part:
     d2t: Callable[[], torch.Tensor] | None = None
 
 
-def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
-    """Export the request's graphs into ``req.out`` atomically; returns the written manifest."""
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes, decided before any weight is read."""
+
+    parts: list[_Part]
+    target_dir: Path | None
+
+    @property
+    def inputs(self) -> list[Path]:
+        """The checkpoint dirs the export reads: its output must stay clear of them."""
+        return sorted({path.parent for p in self.parts for path in p.files.values()})
+
+
+def plan_export(req: ExportRequest) -> ExportPlan:
+    """Check the request and plan the export (configs, checks, meta modules): fails before any work."""
     if req.dtype not in MODEL_TORCH_DTYPES:
         raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(MODEL_TORCH_DTYPES)}")
     if req.max_batch < 1:
         raise CompileError(f"--max-batch {req.max_batch}: must be at least 1")
-    out = Path(req.out).absolute()
-    if out.exists() and not req.force:
-        raise CompileError(f"{out}: already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise CompileError(f"{out}: exists and is not a directory")
-    parts, target_dir = _plan(req)
-    with _staged(out) as tmp:
-        manifest = Manifest(name=out.name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
-                            max_batch=req.max_batch, models={p.key: p.entry for p in parts},
-                            xcompile_version=_version())
-        for p in parts:
-            for graph, module in _graphs(p):
-                log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
-                done = export_graph(module, tmp / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
-                                    weights=p.weights(), max_batch=req.max_batch)
-                manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims, done.sha256)
-            for name, path in p.files.items():
-                log(f"hashing {path.name} ...")
-                manifest.inputs_sha256[name] = sha256_file(path)
-        for p in parts:
-            if p.d2t is not None:
-                _write_d2t(p, tmp / D2T_FILE)
-        if target_dir is not None:
-            manifest.tokenizer_files = _copy_tokenizer(target_dir, tmp)
-            manifest.eos_token_ids = list(parse_generation_config(
-                target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
-        manifest.save(tmp)
-    log(f"wrote {out}")
+    return ExportPlan(*_plan(req))
+
+
+def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
+    """Export the request's graphs into ``req.out`` atomically (runtime/files.py); returns the manifest."""
+    plan = plan_export(req)
+    with files.staged_dir(req.out, "xcompile export", inputs=plan.inputs, replace=req.force) as tmp:
+        manifest = export_into(tmp, Path(req.out).absolute().name, req, plan, log)
+    log(f"wrote {Path(req.out).absolute()}")
+    return manifest
+
+
+def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan, log: Log = lambda _: None
+                ) -> Manifest:
+    """Write the planned graphs, tokenizer, d2t and manifest (named ``name``) into the empty ``directory``."""
+    parts, target_dir = plan.parts, plan.target_dir
+    manifest = Manifest(name=name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
+                        max_batch=req.max_batch, models={p.key: p.entry for p in parts}, xcompile_version=_version())
+    for p in parts:
+        for graph, module in _graphs(p):
+            log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
+            done = export_graph(module, directory / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
+                                weights=p.weights(), max_batch=req.max_batch)
+            manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims,
+                                                done.onnx_record["sha256"])
+            manifest.files[done.onnx.name] = done.onnx_record
+            manifest.files[f"{done.onnx.name}.data"] = done.data_record
+        for key, path in p.files.items():
+            log(f"hashing {path.name} ...")
+            manifest.inputs_sha256[key] = sha256_file(path)
+    written = []
+    for p in parts:
+        if p.d2t is not None:
+            _write_d2t(p, directory / D2T_FILE)
+            written.append(D2T_FILE)
+    if target_dir is not None:
+        manifest.tokenizer_files = _copy_tokenizer(target_dir, directory)
+        written += manifest.tokenizer_files
+        manifest.eos_token_ids = list(parse_generation_config(
+            target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
+    manifest.files.update({n: integrity.record_file(directory / n) for n in written})
+    manifest.save(directory)
     return manifest
 
 
@@ -267,48 +292,6 @@ def _version() -> str:
         return version("xcompile")
     except PackageNotFoundError:
         return ""
-
-
-@contextlib.contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A temp dir next to ``out``, renamed onto it when the block succeeds (an existing ``out`` is
-    swapped out, then deleted) and removed, with any parent dirs made for it, when the block fails
-    or is interrupted."""
-    created = []
-    try:
-        for p in reversed([p for p in [out.parent, *out.parent.parents] if not p.exists()]):
-            p.mkdir()
-            created.append(p)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    except OSError as e:
-        _remove_dirs(created)
-        raise CompileError(f"{out}: cannot write there ({e.strerror or e}); choose another --out") from None
-    try:
-        yield tmp
-        tmp.chmod(0o777 & ~_umask())               # mkdtemp makes it 0700
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / out.name)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_dirs(created)
-        raise
-
-
-def _remove_dirs(created: list[Path]) -> None:
-    for p in reversed(created):                     # deepest first, and only if still empty
-        with contextlib.suppress(OSError):
-            p.rmdir()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def describe(manifest: Manifest) -> str:

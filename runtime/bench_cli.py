@@ -34,6 +34,7 @@ class BenchRequest:
     plot: str | None
     prompts: str | None = None
     num_prompts: int = 2
+    verify: bool = False
 
 
 def _room(req: BenchRequest) -> int:
@@ -45,7 +46,7 @@ def _room(req: BenchRequest) -> int:
 
 def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, req.backend, str(device))
+        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify)
     if req.backend not in ("auto", "torch"):
         raise EngineError("--synthetic runs the torch backend (no engine dir to load TensorRT or ONNX from)")
     provider = torch_models()

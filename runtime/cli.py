@@ -37,8 +37,9 @@ def _ids(text: str) -> list[int]:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
+@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-             stop, backend, device, no_cuda_graphs, as_json):
+             stop, backend, device, no_cuda_graphs, as_json, verify):
     """Generate greedily from ENGINE_DIR with speculative decoding (same tokens as plain greedy)."""
     from xcompile.runtime.request import GenerateRequest, run_generate
 
@@ -47,7 +48,8 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
     tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=_ids(prompt_ids) if prompt_ids else None, chat=chat,
                           max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma, tree=tree or None,
-                          stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs)
+                          stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs,
+                          verify=verify)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
@@ -77,8 +79,9 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full report as JSON here.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of tokens/s per drafter (needs matplotlib).")
+@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats, peer,
-          prompts, num_prompts, json_path, plot):
+          prompts, num_prompts, json_path, plot, verify):
     """Measure plain and speculative decoding speed against the device's bandwidth floor."""
     from xcompile.runtime.bench_cli import BenchRequest, run
 
@@ -89,4 +92,4 @@ def bench(engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tr
         raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, _ints(gammas),
                      dict(zip(("topk", "depth", "total_tokens"), tree_t)) or None, _ints(contexts), new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify), echo=click.echo)

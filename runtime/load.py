@@ -80,17 +80,20 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
     return "torch"
 
 
-def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int) -> dict[str, Engine]:
+def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int, verify: bool
+                 ) -> dict[str, Engine]:
     from xcompile.runtime.backends import ort
 
     # the target's buffers follow its KV capacity (max_tokens None); the drafts' may be asked for more
-    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens,
+    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens, verify=verify,
                             max_tokens=max_tokens if graph != TARGET else None) for graph in manifest.graphs}
 
 
 def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = "cpu", *,
-                    cuda_graphs: bool = True, max_draft_tokens: int = 64) -> EngineSet:
+                    cuda_graphs: bool = True, max_draft_tokens: int = 64, verify: bool = False) -> EngineSet:
     """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there.
+    Every file used is checked against the manifest's sizes and hashes first: sampled blocks, or
+    every byte with ``verify`` (runtime/integrity.py).
 
     ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches; torch-backend
     steps are recorded by the Generator (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
@@ -100,10 +103,11 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     backend = pick_backend(manifest, backend, dev)
+    manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
     if backend == "torch":
         engines = torch_models().load_torch_models(manifest, dev)
     elif backend == "ort":
-        engines = _ort_engines(directory, manifest, dev, max_tokens=max(max_draft_tokens, manifest.max_seq_len))
+        engines = _ort_engines(directory, manifest, dev, max(max_draft_tokens, manifest.max_seq_len), verify)
     else:                                   # "trt": pick_backend has checked the name
         from xcompile.runtime.backends import trt
 
@@ -111,7 +115,8 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
             raise EngineError(f"{directory}: holds no TensorRT engines; build them with `xcompile build`, or use "
                               "--backend ort/torch")
         # each TensorRT engine replays CUDA graphs of its own launches (never wrapped in GraphedEngine)
-        engines = {g: trt.load(directory, g, dev, cuda_graphs=cuda_graphs, manifest=manifest) for g in manifest.engines}
+        engines = {g: trt.load(directory, g, dev, cuda_graphs=cuda_graphs, manifest=manifest, verify=verify)
+                   for g in manifest.engines}
     d2t = None
     if EAGLE3 in engines:
         d2t = load_d2t(directory / D2T_FILE, dev)

@@ -30,6 +30,7 @@ class GenerateRequest:
     backend: str = "auto"
     device: str | None = None
     cuda_graphs: bool = True
+    verify: bool = False                # hash every byte of the dir's files (default: sampled blocks)
 
 
 def stats_dict(result: Result) -> dict:
@@ -64,7 +65,7 @@ def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[i
 def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> Result:
     """Open the dir, encode the prompt, generate (streaming text unless ``as_json``), print stats."""
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    es = open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs)
+    es = open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs, verify=req.verify)
     try:
         text = Text(es.directory) if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)

@@ -214,6 +214,17 @@ def write_eagle3_checkpoint(path: Path, target_overrides: dict | None = None, ov
     return path
 
 
+def save_manifest(manifest, root: Path) -> Path:
+    """Save a hand-made manifest into ``root`` with the records (sizes, hashes) of every file there,
+    as the exporter would have written them (runtime/integrity.py)."""
+    from xcompile.runtime.integrity import record_file
+
+    manifest.files = {p.name: record_file(p) for p in sorted(Path(root).iterdir()) if p.is_file()
+                      and p.name not in ("manifest.json", ".xcompile")}
+    manifest.save(root)
+    return root
+
+
 def step_inputs(ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Contract step inputs for ``ids`` [B, S] written at ``start``, on ``ids``'s device: causal unless

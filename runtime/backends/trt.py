@@ -304,12 +304,13 @@ class TrtEngine(Engine):
 
 
 def load(directory: Path, graph: str, device: torch.device | str = "cuda", *, cuda_graphs: bool = True,
-         trt=None, manifest: Manifest | None = None) -> TrtEngine:
+         trt=None, manifest: Manifest | None = None, verify: bool = False) -> TrtEngine:
     """The TensorRT engine of ``graph`` in an engine dir, checked against manifest and contract.
 
     ``trt`` overrides the TensorRT module (tests pass a stand-in); by default the manifest's flavor
     is imported. ``cuda_graphs`` replays repeated fixed-shape decode/verify steps from CUDA graphs.
-    ``manifest``: the dir's, when the caller has read it already.
+    ``manifest``: the dir's, when the caller has read it already; ``verify``: hash every byte of the
+    engine file, not only sampled blocks.
     """
     directory = Path(directory)
     manifest = manifest if manifest is not None else Manifest.load(directory)
@@ -321,6 +322,7 @@ def load(directory: Path, graph: str, device: torch.device | str = "cuda", *, cu
     path = directory / entry.file
     if not path.is_file():
         raise EngineError(f"{path}: engine file missing; run `xcompile build` again")
+    manifest.verify(directory, [entry.file], full=verify)
     device = torch.device(device)
     # no warm-up runs: a shape's first step runs uncaptured (TrtEngine._launch) before its capture
     graphs = CudaGraphCapture(warmup=0, error_mode="thread_local") if cuda_graphs and device.type == "cuda" else None

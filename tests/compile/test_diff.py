@@ -19,6 +19,7 @@ from xcompile.compile import config
 from xcompile.compile.cli import main
 from xcompile.compile.diff import DiffOptions, run_diff
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
+from xcompile.runtime.integrity import record_file
 from xcompile.runtime.manifest import Manifest
 
 MAX_SEQ = 64
@@ -66,7 +67,9 @@ def test_diff_passes_and_saves_a_reproducible_check(fp32_dir, tmp_path):
 
 
 def perturb(src: Path, dst: Path, tensor: str, scale: float) -> None:
-    """Copy an engine dir and add noise to one weight inside target.onnx.data."""
+    """Copy an engine dir and add noise to one weight inside target.onnx.data, recording the new
+    data's hashes in the manifest: an export with other weights (a tampered file alone is refused
+    at load, tests/test_guarantees.py)."""
     shutil.copytree(src, dst)
     value = ir.load(dst / "target.onnx").graph.initializers[tensor].const_value
     with open(dst / "target.onnx.data", "r+b") as f:
@@ -75,6 +78,9 @@ def perturb(src: Path, dst: Path, tensor: str, scale: float) -> None:
         w += scale * np.random.default_rng(0).standard_normal(w.shape).astype(np.float32)
         f.seek(value.offset)
         f.write(w.tobytes())
+    m = Manifest.load(dst)
+    m.files["target.onnx.data"] = record_file(dst / "target.onnx.data")
+    m.save(dst)
 
 
 def test_diff_fails_on_a_perturbed_weight(fp32_dir, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fake_trt import FakeTrt, engine_bytes
-from fixtures import step_inputs
+from fixtures import save_manifest, step_inputs
 from xcompile.runtime.backends import trt as backend
 from xcompile.runtime.contract import DTYPES, graph_spec
 from xcompile.runtime.errors import EngineError
@@ -39,9 +39,8 @@ def make_dir(root: Path, version: str = VERSION, manifest_version: str | None = 
         engines[graph] = EngineEntry(f"{graph}.engine", graph, flavor, manifest_version or version, [], PROFILES)
         (root / f"{graph}.engine").write_bytes(engine_bytes(io, DIMS[graph], PROFILES, DTYPES[dtype], version,
                                                             **overrides))
-    Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic:tiny:0")}, graphs,
-             engines).save(root)
-    return root
+    return save_manifest(Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic:tiny:0")},
+                                  graphs, engines), root)
 
 
 def step(ids: list[int], start: int, rows: list[int] | None = None, device="cpu") -> dict[str, torch.Tensor]:
