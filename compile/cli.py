@@ -33,14 +33,16 @@ def main() -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--regenerate", is_flag=True, help="Replace JSONL prompts' responses by the target's greedy ones.")
 @click.option("--max-new-tokens", default=256, show_default=True, help="Response length cap for --regenerate.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a head dir xcompile wrote).")
 def train_eagle3_cmd(model, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr, batch, seq_len,
-                     device, seed, regenerate, max_new_tokens) -> None:
+                     device, seed, regenerate, max_new_tokens, force) -> None:
     """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
     from xcompile.compile.train_eagle3 import TrainOptions, train_eagle3_files
 
     opts = TrainOptions(ttt_steps=ttt_steps, steps=steps, tokens=tokens, seconds=minutes * 60 if minutes else None,
                         lr=lr, batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed, device=device)
-    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=click.echo)
+    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=click.echo,
+                                force=force)
     if result.heldout:
         click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
 
@@ -103,7 +105,7 @@ def inspect_cmd(directory, as_json) -> None:
 @click.option("--max-batch", type=int, default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote).")
 def export_cmd(model, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed, force) -> None:
     """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from xcompile.runtime import files
 from xcompile.runtime.bench import BenchOptions, format_report, run_bench
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import EngineSet, open_engine_dir, torch_models
@@ -59,9 +61,25 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    start = time.perf_counter()
-    es = open_engines(req, device)
-    echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+    inputs = (req.engine_dir, req.prompts)
+    with contextlib.ExitStack() as outputs:
+        # --json / --plot are staged (runtime/files.py) before anything is measured: an output that
+        # cannot be written fails now, not after the whole run; an interrupted run leaves no file
+        json_tmp, plot_tmp = (outputs.enter_context(files.staged_file(path, "xrun bench", inputs=inputs, option=opt))
+                              if path else None for path, opt in ((req.json_path, "--json"), (req.plot, "--plot")))
+        start = time.perf_counter()
+        es = outputs.enter_context(contextlib.closing(open_engines(req, device)))
+        echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+        report = _measure(req, es, echo)
+        echo(format_report(report))
+        if json_tmp:
+            json_tmp.write_text(json.dumps(report, indent=2))
+        if plot_tmp:
+            plot(report, plot_tmp, format=Path(req.plot).suffix.lstrip(".") or "png")
+    return report
+
+
+def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dict:
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
@@ -76,18 +94,10 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
                         repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens)
     start = time.perf_counter()
-    report = run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
-    echo(format_report(report))
-    if req.json_path:
-        with open(req.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    if req.plot:
-        plot(report, req.plot)
-    es.close()
-    return report
+    return run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: dict, path: str | Path, format: str = "png") -> None:
     try:
         import matplotlib
 
@@ -105,4 +115,4 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("tokens/s")
     ax.set_title(f"{report['model']} on {report['device']} ({report['backend']}, {report['dtype']})")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=format)
