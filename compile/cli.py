@@ -94,6 +94,16 @@ def inspect_cmd(directory, as_json) -> None:
     click.echo(inspect(directory, as_json=as_json))
 
 
+@main.command("verify")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--fast", is_flag=True, help="Hash sampled blocks only (the check every load does), not every byte.")
+def verify_cmd(directory, fast) -> None:
+    """Check every file of an engine dir against the sizes and hashes recorded when it was written."""
+    from xcompile.compile.inspect import verify_dir
+
+    click.echo(verify_dir(directory, full=not fast, log=lambda m: click.echo(m, err=True)))
+
+
 @main.command("export")
 @click.option("--model", required=True, help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",

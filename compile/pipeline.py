@@ -32,7 +32,7 @@ from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime import files, integrity
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES
-from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
 
 Log = Callable[[str], None]
 
@@ -42,7 +42,6 @@ MIN_SEQ_LEN = 8
 # the target's tokenizer, chat template and generation config, as HF checkpoints ship them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "generation_config.json")
-D2T_FILE = "d2t.safetensors"
 
 
 @dataclass(frozen=True)

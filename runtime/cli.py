@@ -46,7 +46,8 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
     if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-ids, --chat")
     tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
-    req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=_ids(prompt_ids) if prompt_ids else None, chat=chat,
+    ids = _ids(prompt_ids) if prompt_ids is not None else None          # '' -> [] -> "empty prompt"
+    req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=ids, chat=chat,
                           max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma, tree=tree or None,
                           stop=list(stop), backend=backend, device=device, cuda_graphs=not no_cuda_graphs,
                           verify=verify)

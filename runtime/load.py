@@ -20,11 +20,10 @@ from xcompile.runtime.drafters import (
 )
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.manifest import D2T_FILE, Manifest
 
 BACKENDS = ("auto", "trt", "ort", "torch")
 DRAFTERS = ("auto", "none", "draft-model", "eagle3")
-D2T_FILE = "d2t.safetensors"
 
 # EAGLE3 defaults: chain of 4 when no tree is asked for; tree shape as SGLang runs Qwen3-8B heads
 # (reference/perf_anchors.md: steps 6, top-k 10, 32 draft tokens)
@@ -103,6 +102,9 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     backend = pick_backend(manifest, backend, dev)
+    if backend == "trt" and dev.type != "cuda":
+        raise EngineError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
+                          "machine with an NVIDIA GPU, or --backend ort/torch here")
     manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
     if backend == "torch":
         engines = torch_models().load_torch_models(manifest, dev)

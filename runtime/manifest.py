@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from xcompile.runtime import integrity
-from xcompile.runtime.contract import CONTRACT_VERSION, GraphSpec, TensorSpec
+from xcompile.runtime.contract import CONTRACT_VERSION, EAGLE3, GraphSpec, TensorSpec
 from xcompile.runtime.engine import KVShape
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest_schema import validate
 
 MANIFEST = "manifest.json"
 FORMAT = "xcompile-engine-dir"
+D2T_FILE = "d2t.safetensors"
 
 
 @dataclass
@@ -127,6 +128,12 @@ class Manifest:
         sampled blocks by default, every byte with ``full`` (runtime/integrity.py)."""
         integrity.verify(directory, self.files, names, full=full,
                          fix="re-export the engine dir (`xcompile export/build ... --force`)")
+
+    def needed_files(self) -> list[str]:
+        """Every file the dir's graphs, engines, d2t map and tokenizer need, then any other recorded one."""
+        names = [f for g in self.graphs for f in self.graph_files(g)] + [e.file for e in self.engines.values()]
+        names += ([D2T_FILE] if EAGLE3 in self.graphs else []) + list(self.tokenizer_files)
+        return names + sorted(set(self.files) - set(names))
 
     def graph_spec(self, graph: str) -> GraphSpec:
         """``graph``'s I/O contract as its export recorded it (names, dtypes, symbolic shapes, aliases)."""

@@ -33,11 +33,13 @@ class Text:
         if config.is_file():
             try:
                 self.config = json.loads(config.read_text())
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise EngineError(f"{config}: not valid JSON ({e})") from None
+            if not isinstance(self.config, dict):
+                raise EngineError(f"{config}: expected a JSON object, got {type(self.config).__name__}")
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(utf8(text), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -54,7 +56,26 @@ class Text:
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(template).render(
-            messages=[{"role": "user", "content": message}], add_generation_prompt=True,
-            bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "")
+        try:
+            text = env.from_string(template).render(
+                messages=[{"role": "user", "content": utf8(message)}], add_generation_prompt=True,
+                bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "")
+        except jinja2.TemplateError as e:       # syntax errors, undefined names, raise_exception() in templates
+            where = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise EngineError(f"{self.directory}: the chat template{where} cannot be rendered "
+                              f"({type(e).__name__}: {e}); fix it in tokenizer_config.json / chat_template.jinja, "
+                              "or use --prompt") from None
         return self.encode(text)
+
+
+def utf8(text: str) -> str:
+    """``text`` if it is valid Unicode; command-line bytes that are not UTF-8 reach Python as lone
+    surrogates (PEP 383), which the tokenizer cannot take: one line naming the offending byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else repr(bad)
+        raise EngineError(f"the prompt is not valid UTF-8 (byte {byte} at character {e.start}); pass UTF-8 text") \
+            from None
+    return text

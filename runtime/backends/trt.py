@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -68,6 +69,50 @@ def trt_dtype_names(trt) -> dict:
             d.BOOL: "bool"}
 
 
+def collecting_logger(trt):
+    """A trt.ILogger that keeps the errors (to explain a failed deserialization) and prints warnings."""
+    severity = trt.ILogger.Severity
+
+    class Collect(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, level, msg):
+            if level in (severity.ERROR, severity.INTERNAL_ERROR):
+                self.errors.append(msg)
+            elif level == severity.WARNING:
+                print(f"[TensorRT] {msg}", file=sys.stderr)
+
+    return Collect()
+
+
+# what TensorRT logs when the machine cannot run any engine (cudaError 35: insufficient driver, 100: no
+# device), and when the engine is from another TensorRT or GPU (serialization header, device checks)
+_NO_DEVICE = ("cudaError 35", "cudaError 100", "CUDA driver version is insufficient", "no CUDA-capable device")
+_FOREIGN = ("magicTag", "serialization version", "Version tag", "incompatible device", "expecting compute",
+            "compute capability")
+
+
+def deserialize_error(source: str, entry: EngineEntry, trt, errors: list[str]) -> EngineError:
+    """Why TensorRT could not deserialize an engine whose file matches the manifest (so it is as built):
+    no usable GPU/driver here (rebuilding would not help), another TensorRT or GPU, or unknown."""
+    name = f"{FLAVOR_NAMES[entry.flavor]} {trt.__version__}"
+    said = "; ".join(dict.fromkeys(" ".join(e.split()) for e in errors))[:400] or "no error logged"
+    built = (f"built with {entry.trt_version} for compute capabilities "
+             f"{entry.compute_capabilities or 'of the build GPU'}")
+    if any(m in e for e in errors for m in _NO_DEVICE):
+        return EngineError(f"{source}: {name} cannot run any engine here: no usable CUDA device or driver ({said}); "
+                           "the engine itself is fine (do not rebuild): run it on a machine with an NVIDIA GPU and "
+                           "driver, or use --backend ort/torch")
+    if any(m in e for e in errors for m in _FOREIGN):
+        return EngineError(f"{source}: {name} refuses it as an engine of another TensorRT version or GPU ({built}; "
+                           f"{said}); rebuild it on this machine with `xcompile build ... --force`")
+    return EngineError(f"{source}: {name} could not deserialize it ({built}; {said}); the file matches the "
+                       "manifest's hashes, so it is as built: rebuild it on this machine with `xcompile build ... "
+                       "--force`")
+
+
 def check_engine(engine, spec: GraphSpec, model_dtype: str, kv: KVShape | None, trt) -> list[str]:
     """Differences between a deserialized engine's I/O and the contract (empty when it matches)."""
     problems = []
@@ -112,13 +157,11 @@ class TrtEngine(Engine):
             load_plugins(trt)
         except PluginError as e:
             raise EngineError(str(e)) from None
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        logger = collecting_logger(trt)
+        self.runtime = trt.Runtime(logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            raise EngineError(f"{self.source}: {FLAVOR_NAMES[entry.flavor]} {trt.__version__} could not deserialize "
-                              f"the engine (built with {entry.trt_version} for compute capabilities "
-                              f"{entry.compute_capabilities or 'of the build GPU'}); rebuild it on this machine with "
-                              "`xcompile build ... --force`")
+            raise deserialize_error(self.source, entry, trt, logger.errors)
         problems = check_engine(self.engine, spec, DTYPE_NAMES[dtype], kv, trt)
         if problems:
             raise EngineError(f"{self.source}: engine does not match the I/O contract: {'; '.join(problems)}; "
