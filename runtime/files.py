@@ -211,12 +211,13 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def _output(out: Path, what: str, inputs: Iterable, option: str) -> Iterator[tuple[Path, list[Path]]]:
-    """Check, lock and clean for ``out``; yields (absolute out, parent dirs created for it)."""
+def _output(out: Path, what: str, inputs: Iterable, option: str) -> Iterator[Path]:
+    """Check, lock and clean for ``out`` (yielded, absolute); on failure, parent dirs made for it go."""
     out = real(out.parent) / out.name if out.name else real(out)
     check_not_input(out, inputs, option)
     created: list[Path] = []
     lock = OutputLock(out, what)
+    done = False
     try:
         try:
             created = _make_parents(out.parent)
@@ -225,11 +226,14 @@ def _output(out: Path, what: str, inputs: Iterable, option: str) -> Iterator[tup
             where = f" ({e.filename})" if e.filename not in (None, str(out.parent), str(lock.path)) else ""
             raise EngineError(f"{out}: cannot write there: {_meaning(e)}{where}; choose another {option}") from None
         _clean_leftovers(out)
-        yield out, created
+        yield out
+        done = True
     except OSError as e:
         raise EngineError(os_error_line(e, out)) from e
     finally:
         lock.release()
+        if not done:
+            _remove_dirs(created)
 
 
 @contextlib.contextmanager
@@ -237,7 +241,7 @@ def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bo
                option: str = "--out") -> Iterator[Path]:
     """A staging dir that becomes ``out`` when the block succeeds (module docstring). ``replace``:
     an existing ``out`` may be replaced (--force); ``inputs``: paths ``out`` must stay clear of."""
-    with _output(Path(out), what, inputs, option) as (out, created):
+    with _output(Path(out), what, inputs, option) as out:
         if out.exists() or out.is_symlink():
             if not out.is_dir():
                 raise EngineError(f"{out}: exists and is not a directory; choose another {option}")
@@ -261,7 +265,6 @@ def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bo
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            _remove_dirs(created)
             raise
 
 
@@ -269,7 +272,7 @@ def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bo
 def staged_file(out: Path | str, what: str, *, inputs: Iterable = (), option: str = "the output") -> Iterator[Path]:
     """A temp file next to ``out`` that replaces it when the block succeeds (a file the user named is
     rewritten; a directory there is an error)."""
-    with _output(Path(out), what, inputs, option) as (out, created):
+    with _output(Path(out), what, inputs, option) as out:
         if out.is_dir():
             raise EngineError(f"{out}: is a directory; {option} names a file to write")
         fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
@@ -281,7 +284,6 @@ def staged_file(out: Path | str, what: str, *, inputs: Iterable = (), option: st
             os.replace(tmp, out)
         except BaseException:
             tmp.unlink(missing_ok=True)
-            _remove_dirs(created)
             raise
 
 

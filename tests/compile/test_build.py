@@ -259,7 +259,9 @@ def test_engine_matches_torch_reference_on_gpu(tiny_target, tmp_path):
         got = engine.run(**feed)["logits"].float()
         with torch.inference_mode():
             want = ref(*feed.values(), *ref_kv)[0].float()
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), (start, got.argmax(-1), want.argmax(-1))
+        # bf16 engine vs bf16 reference: the argmax may flip only on a near-tie of the reference
+        picked = want.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        assert (want.max(-1).values - picked <= 0.1).all(), (start, got.argmax(-1), want.argmax(-1))
         assert (got - want).abs().max() < 0.1 * want.abs().max()
     assert all((a.float() - b.float()).abs().max() < 0.05 for a, b in zip(kv, ref_kv))
 
