@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import sha256_file
 from xcompile.compile.trt_loaders import (
     EngineFileFromNetwork, Progress, compute_capability, create_config, failure,
     inspect_network, polygraphy_backend, polygraphy_errors, profile_shapes, progress_monitor,
@@ -286,11 +285,11 @@ def request_differs(req, plan, manifest: Manifest) -> str | None:
 def inputs_changed(directory: Path, manifest: Manifest) -> str | None:
     """Why the dir's export is out of date although the request is the same (None: it is not):
     a checkpoint file changed since the export, or a graph file no longer matches its record."""
-    for key, digest in manifest.inputs_sha256.items():
-        role, file = key.split("/", 1)
-        path = Path(manifest.models[role].source) / file
-        if not path.is_file() or sha256_file(path) != digest:
-            return f"{path} changed since the export"
+    for role in manifest.models:
+        try:
+            manifest.verify_inputs(role, full=True)
+        except EngineError as e:
+            return str(e).split("; ")[0]
     for graph in manifest.graphs:
         try:
             manifest.verify(directory, manifest.graph_files(graph), full=True)

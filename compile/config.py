@@ -66,18 +66,31 @@ class Eagle3Config:
 
 @dataclass(frozen=True)
 class KnownModel:
-    repo_id: str
-    config: Qwen3Config
+    """One model alias: a Hugging Face repo (with its published config, for --synthetic stand-ins, and
+    its published EAGLE3 head), or a checkpoint shipped inside the package (``path``, package data)."""
+
+    repo_id: str | None
+    config: Qwen3Config | None = None
     eagle3_repo_id: str | None = None
+    path: Path | None = None                # packaged checkpoint dir
+    eagle3_path: Path | None = None         # its packaged EAGLE3 head
+    draft_path: Path | None = None          # its packaged small draft model
 
 
 def _q(vocab, hidden, inter, layers, heads, kv, tie) -> Qwen3Config:
     return Qwen3Config(vocab, hidden, inter, layers, heads, kv, 128, tie_word_embeddings=tie)
 
 
-# Published dense Qwen3 configs (Qwen/Qwen3-*/config.json) and their published EAGLE3 heads
-# (AngelSlim model cards). Used for aliases and for --synthetic stand-ins.
+# The demo pair trained by scripts/train_demo.py (compile/demo/README.md): a 7M-param Qwen3 on
+# CPython's documentation, its EAGLE3 head and a 1.2M-param draft model on its tokenizer, so every
+# command runs offline from a fresh clone.
+DEMO_DIR = Path(__file__).parent / "demo"
+
+# Every alias, one table (as gpt-fast's transformer_configs): the packaged demo, then the published
+# dense Qwen3 configs (Qwen/Qwen3-*/config.json) with their published EAGLE3 heads (AngelSlim model
+# cards). Resolution (checkpoint/resolution.py) and --synthetic stand-ins read it.
 KNOWN_MODELS: dict[str, KnownModel] = {
+    "demo": KnownModel(None, path=DEMO_DIR / "target", eagle3_path=DEMO_DIR / "eagle3", draft_path=DEMO_DIR / "draft"),
     "qwen3-0.6b": KnownModel("Qwen/Qwen3-0.6B", _q(151936, 1024, 3072, 28, 16, 8, True)),
     "qwen3-1.7b": KnownModel("Qwen/Qwen3-1.7B", _q(151936, 2048, 6144, 28, 16, 8, True), "AngelSlim/Qwen3-1.7B_eagle3"),
     "qwen3-4b": KnownModel("Qwen/Qwen3-4B", _q(151936, 2560, 9728, 36, 32, 8, True), "AngelSlim/Qwen3-4B_eagle3"),

@@ -29,7 +29,6 @@ at 5.4 GB RSS and takes 3.5-4.5 min on 2 cores (benchmarks/export_8b.py).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import logging
@@ -43,13 +42,9 @@ import torch
 from torch import nn
 
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
-from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime import integrity
-from xcompile.runtime.contract import (
-    CONTRACT_VERSION, DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec, graph_spec,
-)
+from xcompile.runtime.contract import CONTRACT_VERSION, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import DTYPE_NAMES, TORCH_DTYPES
 
 # contract dtype name -> ONNX IR dtype, and IR dtype -> torch dtype (what a weight is written as)
@@ -77,36 +72,6 @@ class ExportedGraph:
     dims: dict
     onnx_record: dict           # size and hashes of the .onnx file (runtime/integrity.py)
     data_record: dict           # of its external data; the .onnx embeds the data's sha256 as metadata
-
-
-def graph_dims(module: nn.Module, max_batch: int) -> dict[str, int]:
-    """Concrete sizes of the contract's fixed symbolic dims for ``module``'s graph."""
-    if isinstance(module, Qwen3):
-        c = module.cfg
-        dims = {"vocab": c.vocab_size, "hidden": c.hidden_size, "kv_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim, "max_seq_len": module.max_seq_len}
-        if module.taps:
-            dims["taps_hidden"] = len(module.taps) * c.hidden_size
-    elif isinstance(module, Eagle3):
-        c = module.cfg
-        dims = {"draft_vocab": c.draft_vocab_size, "hidden": c.hidden_size, "kv_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim, "max_seq_len": module.max_seq_len}
-    elif isinstance(module, Eagle3FC):
-        dims = {"taps_hidden": module.fc.in_features, "hidden": module.fc.out_features}
-    else:
-        raise CompileError(f"cannot export {type(module).__name__}: expected Qwen3, Eagle3 or Eagle3FC")
-    return {"batch": max_batch, **dims}
-
-
-def module_spec(module: nn.Module) -> GraphSpec:
-    """The contract graph a module exports as: a Qwen3 with taps is the target, without the draft."""
-    if isinstance(module, Qwen3):
-        return graph_spec(TARGET if module.taps else DRAFT, module.cfg.num_hidden_layers)
-    if isinstance(module, Eagle3):
-        return graph_spec(EAGLE3)
-    if isinstance(module, Eagle3FC):
-        return graph_spec(EAGLE3_FC)
-    raise CompileError(f"cannot export {type(module).__name__}: expected Qwen3, Eagle3 or Eagle3FC")
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:
@@ -226,20 +191,12 @@ def _canonical_names(module: nn.Module) -> dict[str, str]:
     return names
 
 
-def _rope_theta(module: nn.Module) -> float:
-    if isinstance(module, Qwen3):
-        return module.cfg.rope_theta
-    if isinstance(module, Eagle3):
-        return module.rope_theta
-    raise CompileError(f"{type(module).__name__} has rotary tables but no known rope theta")
-
-
 def computed_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Non-persistent buffers (RoPE cos/sin), recomputed so a meta-device module exports too."""
     for prefix, sub in module.named_modules():
         if isinstance(sub, Rotary):
             max_positions, half = sub.cos.shape
-            cos, sin = rope_tables(2 * half, max_positions, _rope_theta(module))
+            cos, sin = rope_tables(2 * half, max_positions, sub.theta)
             yield f"{prefix}.cos", cos.to(sub.cos.dtype)
             yield f"{prefix}.sin", sin.to(sub.sin.dtype)
 
@@ -271,9 +228,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
             if tuple(tensor.shape) != tuple(want.shape):
                 raise CompileError(f"{data_path.name}: weight {name!r} has shape {tuple(tensor.shape)}, "
                                    f"the graph expects {tuple(want.shape)}")
-            cast = tensor.to(_TORCH_OF_IR[want.dtype])
-            _check_finite(name, tensor, cast)
-            data = _tensor_bytes(cast)
+            data = _tensor_bytes(tensor.to(_TORCH_OF_IR[want.dtype]))
             pad = -offset % (_ALIGN_LARGE if len(data) > _LARGE else _ALIGN)
             f.write(b"\0" * pad)
             digest.update(b"\0" * pad)
@@ -289,27 +244,6 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     return digest.record()
 
 
-def _check_finite(name: str, tensor: torch.Tensor, cast: torch.Tensor) -> None:
-    """A NaN/Inf weight makes every output NaN (or a fp16 cast overflow does): refuse it by name."""
-    if not cast.is_floating_point() or bool(torch.isfinite(cast).all()):
-        return
-    bad = int((~torch.isfinite(tensor)).sum())
-    if bad:
-        raise CompileError(f"weight {name!r} holds {bad} NaN/Inf value(s) of {tensor.numel()}; the checkpoint is "
-                           "corrupt or comes from a diverged run: fetch or train it again")
-    raise CompileError(f"weight {name!r} overflows {cast.dtype} (|max| {float(tensor.abs().max()):.3g}); export "
-                       "--dtype bf16 or fp32")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in chunks (weights files are GBs)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Weights | None = None,
                  max_batch: int = 1) -> ExportedGraph:
     """Export ``module`` (Qwen3 -> target/draft, Eagle3 -> eagle3, Eagle3FC -> eagle3_fc) to
@@ -319,7 +253,7 @@ def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Wei
     uses. Without ``weights`` the module's own parameters are written.
     """
     path = Path(path)
-    spec, dims = module_spec(module), graph_dims(module, max_batch)
+    spec, dims = module.graph_spec(), module.graph_dims(max_batch)     # the model family says which graph
     if weights is None:
         if any(t.is_meta for t in module.state_dict().values()):
             raise CompileError(f"{path.name}: a meta-device module needs a weight stream")

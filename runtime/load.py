@@ -107,7 +107,7 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
                           "machine with an NVIDIA GPU, or --backend ort/torch here")
     manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
     if backend == "torch":
-        engines = torch_models().load_torch_models(manifest, dev)
+        engines = torch_models().load_torch_models(manifest, dev, verify=verify)
     elif backend == "ort":
         engines = _ort_engines(directory, manifest, dev, max(max_draft_tokens, manifest.max_seq_len), verify)
     else:                                   # "trt": pick_backend has checked the name

@@ -76,8 +76,8 @@ class Manifest:
     engines: dict[str, EngineEntry] = field(default_factory=dict)
     eos_token_ids: list = field(default_factory=list)
     tokenizer_files: list = field(default_factory=list)
-    inputs_sha256: dict = field(default_factory=dict)   # checkpoint file -> hash, to detect stale dirs
-    files: dict = field(default_factory=dict)           # file of the dir -> size and hashes (runtime/integrity.py)
+    files: dict = field(default_factory=dict)     # file of the dir -> size and hashes (runtime/integrity.py)
+    inputs: dict = field(default_factory=dict)    # "<model>/<file>" of the checkpoints exported -> size and hashes
     contract_version: int = CONTRACT_VERSION
     format: str = FORMAT
     xcompile_version: str = ""
@@ -128,6 +128,16 @@ class Manifest:
         sampled blocks by default, every byte with ``full`` (runtime/integrity.py)."""
         integrity.verify(directory, self.files, names, full=full,
                          fix="re-export the engine dir (`xcompile export/build ... --force`)")
+
+    def verify_inputs(self, role: str, full: bool = False) -> None:
+        """Check the checkpoint files ``role``'s model was exported from against what the export recorded
+        (the torch backend loads them instead of the graphs: other bytes would be other weights)."""
+        source = Path(self.models[role].source)
+        records = {key.split("/", 1)[1]: r for key, r in self.inputs.items() if key.split("/", 1)[0] == role}
+        integrity.verify(source, records, sorted(records), full=full,
+                         fix="the checkpoint changed since the export, so the torch backend would not run the "
+                             "exported weights: re-export from it (`xcompile export/build ... --force`), or run the "
+                             "graphs with --backend ort/trt")
 
     def needed_files(self) -> list[str]:
         """Every file the dir's graphs, engines, d2t map and tokenizer need, then any other recorded one."""

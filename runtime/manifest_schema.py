@@ -130,7 +130,7 @@ MANIFEST = fields({
     "eos_token_ids": list_of(integer(0)),
     "tokenizer_files": list_of(file_name),
     "files": dict_of(record, file_name),
-    "inputs_sha256": dict_of(string),
+    "inputs": dict_of(record),
     "xcompile_version": string,
 }, ("format", "contract_version", "name", "dtype", "max_seq_len", "max_batch", "models"))
 

@@ -12,21 +12,31 @@ from pathlib import Path
 from xcompile.runtime.errors import EngineError
 
 
+def _tokenizer(directory: Path):
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise EngineError(f"{path}: missing; the engine dir has no tokenizer, so pass --prompt-ids instead "
+                          "of text, or re-export from a checkpoint that ships tokenizer.json")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:      # tokenizers raises a bare Exception subclass from Rust
+        raise EngineError(f"{path}: unreadable tokenizer ({e})") from None
+
+
+def vocabulary(directory: Path) -> dict[str, int]:
+    """token -> id of a dir's tokenizer.json, added tokens included: two models share a vocabulary
+    when these are equal (sizes alone say nothing about which token an id means)."""
+    return _tokenizer(directory).get_vocab(with_added_tokens=True)
+
+
 class Text:
     """The tokenizer files of an engine dir (or checkpoint dir): encode, decode, chat template."""
 
     def __init__(self, directory: Path):
         directory = Path(directory)
-        path = directory / "tokenizer.json"
-        if not path.is_file():
-            raise EngineError(f"{path}: missing; the engine dir has no tokenizer, so pass --prompt-ids instead "
-                              "of text, or re-export from a checkpoint that ships tokenizer.json")
-        from tokenizers import Tokenizer
-
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:      # tokenizers raises a bare Exception subclass from Rust
-            raise EngineError(f"{path}: unreadable tokenizer ({e})") from None
+        self.tokenizer = _tokenizer(directory)
         self.directory = directory
         self.config = {}
         config = directory / "tokenizer_config.json"

@@ -115,7 +115,7 @@ def test_draft_model_loads(tiny_draft, target):
 def test_iter_state_streams_onto_a_meta_model(tiny_target, target):
     with torch.device("meta"):
         meta = Qwen3(parse_qwen3(tiny_target / "config.json"), MAX_SEQ, TAPS).to(torch.bfloat16)
-    seen = dict(ck.iter_state(ck.Checkpoint(tiny_target), meta))
+    seen = dict(ck.CheckpointSource(tiny_target).tensors(meta))
     assert seen.keys() == ck.module_state(target).keys()
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in seen.values())
     assert torch.equal(seen["lm_head.weight"], target.lm_head.weight.bfloat16())

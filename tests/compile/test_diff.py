@@ -149,7 +149,7 @@ def test_synthetic_export_round_trip(monkeypatch, tmp_path):
     m = Manifest.load(out)
     assert (m.models["target"].source, m.models["eagle3"].source) == ("synthetic:tiny-synthetic:3",
                                                                       "synthetic:tiny-synthetic:4")
-    assert m.tokenizer_files == [] and m.inputs_sha256 == {}
+    assert m.tokenizer_files == [] and m.inputs == {}
     result = cli("diff", out, "--steps", 2, "--draft-steps", 2)
     assert result.exit_code == 0 and result.stdout.strip().endswith("PASSED"), result.output
 

@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 from xcompile.compile import checkpoint as ck
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import sha256_file
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.contract import graph_spec
 from xcompile.runtime.errors import EngineError
@@ -143,8 +142,9 @@ def test_manifest_records_the_export(fp32_dir, tiny_target, tiny_eagle3):
         assert g.sha256 == m.files[g.onnx]["sha256"]
         props = {p.key: p.value for p in onnx.load(onnx_path, load_external_data=False).metadata_props}
         assert props["xcompile.external_data_sha256"] == m.files[g.onnx + ".data"]["sha256"]
-    assert m.inputs_sha256["target/model.safetensors"] == sha256_file(tiny_target / "model.safetensors")
-    assert m.inputs_sha256["eagle3/config.json"] == sha256_file(tiny_eagle3 / "config.json")
+    # and the checkpoint files it read, to tell at load whether they changed since
+    assert m.inputs["target/model.safetensors"] == record_file(tiny_target / "model.safetensors")
+    assert m.inputs["eagle3/config.json"] == record_file(tiny_eagle3 / "config.json")
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(m.tokenizer_files)
     assert all((fp32_dir / f).is_file() for f in m.tokenizer_files)
     assert m.eos_token_ids == [255, 253]
