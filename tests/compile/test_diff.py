@@ -70,7 +70,7 @@ def test_diff_passes_and_saves_a_reproducible_check(fp32_dir, tmp_path):
 def perturb(src: Path, dst: Path, tensor: str, scale: float) -> None:
     """Copy an engine dir and add noise to one weight inside target.onnx.data, recording the new
     data's hashes in the manifest: an export with other weights (a tampered file alone is refused
-    at load, tests/test_guarantees.py)."""
+    at load: tests/compile/test_verification.py)."""
     shutil.copytree(src, dst)
     value = ir.load(dst / "target.onnx").graph.initializers[tensor].const_value
     with open(dst / "target.onnx.data", "r+b") as f:

@@ -17,13 +17,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from fixtures import WORDS
+from fixtures import WORDS, Child, staging_leftovers
 
 from xcompile.compile import data as textdata
 from xcompile.compile.cli import main
@@ -56,40 +55,6 @@ main()
 rtx = pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="needs TensorRT-RTX (CPU-only builds)")
 
 
-class Child:
-    """An xcompile command in a child process; its output (stdout and stderr) is collected line by line
-    as it comes."""
-
-    def __init__(self, *args, driver: str | None = None, env: dict | None = None):
-        cmd = [XCOMPILE, *map(str, args)] if driver is None else [sys.executable, "-c", driver, *map(str, args)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-
-    def wait_for(self, text: str, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {text!r}: {''.join(self.lines)}"
-            assert time.monotonic() < end, f"no {text!r} after {timeout} s: {''.join(self.lines)}"
-            time.sleep(0.05)
-
-    def interrupt(self, sig: int) -> tuple[int, float]:
-        """Send ``sig``; (exit code, seconds until the process ended)."""
-        start = time.monotonic()
-        self.proc.send_signal(sig)
-        code = self.proc.wait(60)
-        return code, time.monotonic() - start
-
-    def finish(self, timeout: float = 300) -> int:
-        return self.proc.wait(timeout)
-
-
-def staging_leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and
-                  p.name.endswith((".partial", ".old", ".lock")))
-
-
 def export_args(model, out, *extra) -> list:
     return ["export", "--model", model, "--out", out, "--dtype", "fp32", "--max-seq-len", MAX_SEQ, *extra]
 
@@ -114,7 +79,7 @@ def cli(*args):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_mid_export_leaves_nothing(tiny_target, tmp_path, sig):
     out = tmp_path / "out"
-    child = Child(*export_args(tiny_target, out))
+    child = Child(XCOMPILE, *export_args(tiny_target, out))
     child.wait_for("exporting target")                     # inside torch.onnx.export
     code, seconds = child.interrupt(sig)
     assert code == EXIT[sig] and seconds < 15, (code, seconds, child.lines)
@@ -124,7 +89,7 @@ def test_signal_mid_export_leaves_nothing(tiny_target, tmp_path, sig):
 
 def test_sigkill_mid_export_then_the_rerun_cleans_up(tiny_target, tmp_path):
     out = tmp_path / "out"
-    child = Child(*export_args(tiny_target, out))
+    child = Child(XCOMPILE, *export_args(tiny_target, out))
     child.wait_for("exporting target")
     assert child.interrupt(signal.SIGKILL)[0] == -signal.SIGKILL
     assert not out.exists() and staging_leftovers(tmp_path)    # a killed run cannot clean up after itself
@@ -159,7 +124,7 @@ def test_signal_mid_build_keeps_the_dir_as_it_was(tiny_target, exported, tmp_pat
     out = tmp_path / "tiny"
     shutil.copytree(exported, out)
     before = snapshot(out)
-    child = Child(*build_args(tiny_target, out), driver=SLOW_BUILD)
+    child = Child(sys.executable, "-c", SLOW_BUILD, *build_args(tiny_target, out))
     child.wait_for("Building engine")                      # the progress monitor's first phase
     code, seconds = child.interrupt(sig)
     if sig == signal.SIGINT:
@@ -192,7 +157,7 @@ def train_args(model, data, out, steps) -> list:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_signal_mid_training_writes_no_head(tiny_target, corpus, tmp_path, sig):
     out = tmp_path / "head"
-    child = Child(*train_args(tiny_target, corpus, out, 100_000), env={"OMP_NUM_THREADS": "1"})
+    child = Child(XCOMPILE, *train_args(tiny_target, corpus, out, 100_000), env={"OMP_NUM_THREADS": "1"})
     child.wait_for("step     10")                          # the first log line: training is under way
     code, seconds = child.interrupt(sig)
     if sig == signal.SIGINT:
@@ -212,7 +177,7 @@ def test_signal_mid_training_writes_no_head(tiny_target, corpus, tmp_path, sig):
 
 def test_a_second_export_into_the_same_dir_fails_at_once(tiny_target, tmp_path):
     out = tmp_path / "out"
-    first = Child(*export_args(tiny_target, out))
+    first = Child(XCOMPILE, *export_args(tiny_target, out))
     first.wait_for("exporting target")                     # it holds the lock now
     start = time.monotonic()
     with pytest.raises(EngineError, match=rf"another run is writing it \(pid {first.proc.pid} on .*xcompile export"):
