@@ -9,6 +9,19 @@ import click
 from xcompile.runtime.errors import cli_group_class
 
 
+def _taps(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    """``--eagle3-taps 1,17,32`` -> (1, 17, 32); ranges are checked against the target before work starts."""
+    if value is None:
+        return None
+    try:
+        taps = tuple(int(t) for t in value.replace(" ", "").split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected three comma-separated layer ids", param=param) from None
+    if len(taps) != 3 or min(taps) < 0:
+        raise click.BadParameter(f"{value!r}: expected three layer ids >= 0", param=param)
+    return taps
+
+
 @click.group(cls=cli_group_class())
 @click.version_option(package_name="xcompile")
 def main() -> None:
@@ -52,6 +65,9 @@ def train_eagle3_cmd(model, data, heldout, out, draft_vocab, ttt_steps, steps, t
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its directory or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", default=None, help="Add a small Qwen3 draft model (directory, repo id or alias).")
+@click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
+              help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
+                   "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="Graph and engine precision (engines are strongly typed: the ONNX dtype is the engine's).")
 @click.option("--max-seq-len", type=int, default=None, help="KV capacity per sequence [default: min(4096, config)].")
@@ -67,7 +83,7 @@ def train_eagle3_cmd(model, data, heldout, out, draft_vocab, ttt_steps, steps, t
 @click.option("--max-draft-tokens", type=int, default=None,
               help="Decode/verify profile covers 1..N+1 tokens [default: 63, a 60-node EAGLE tree].")
 @click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed.")
-def build_cmd(model, eagle3, draft_model, dtype, max_seq_len, max_batch, synthetic, seed, out, flavor,
+def build_cmd(model, eagle3, eagle3_taps, draft_model, dtype, max_seq_len, max_batch, synthetic, seed, out, flavor,
               compute_capabilities, max_draft_tokens, force) -> None:
     """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept."""
     from pathlib import Path
@@ -77,7 +93,7 @@ def build_cmd(model, eagle3, draft_model, dtype, max_seq_len, max_batch, synthet
 
     req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3, draft_model=draft_model,
                         dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed,
-                        force=force)
+                        force=force, eagle3_taps=eagle3_taps)
     options = BuildOptions(flavor=flavor, compute_capabilities=tuple(compute_capabilities), force=force,
                            **({"max_draft_tokens": max_draft_tokens} if max_draft_tokens is not None else {}))
     manifest = export_and_build(req, options, progress=lambda m: click.echo(m, err=True))
@@ -109,21 +125,28 @@ def verify_cmd(directory, fast) -> None:
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", help="Add a small draft Qwen3 sharing the target's tokenizer.")
+@click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
+              help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
+                   "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
 @click.option("--out", required=True, type=click.Path(), help="Engine dir to write.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-seq-len", type=int, help="KV cache capacity [default: min(4096, max_position_embeddings)].")
 @click.option("--max-batch", type=int, default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,
+              help="With --synthetic: the alias's shape with this many layers (a quicker stand-in).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote).")
-def export_cmd(model, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed, force) -> None:
+def export_cmd(model, eagle3, eagle3_taps, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed,
+               synthetic_layers, force) -> None:
     """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path
 
     from xcompile.compile.pipeline import ExportRequest, describe, export_engine_dir
 
     req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
-                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force)
+                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force,
+                        eagle3_taps=eagle3_taps, synthetic_layers=synthetic_layers)
     click.echo(describe(export_engine_dir(req, log=lambda m: click.echo(m, err=True))))
 
 

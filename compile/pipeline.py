@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -23,7 +23,8 @@ from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
-    Eagle3Config, Qwen3Config, check_eagle3_fits, parse_generation_config, read_json, synthetic_eagle3_config,
+    TAP_DEFAULT, TAP_OVERRIDE, Eagle3Config, Qwen3Config, check_eagle3_fits, parse_generation_config, read_json,
+    synthetic_eagle3_config, tap_convention,
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export import Weights, export_graph
@@ -62,6 +63,8 @@ class ExportRequest:
     synthetic: bool = False
     seed: int = 0
     force: bool = False
+    eagle3_taps: tuple[int, ...] | None = None   # 0-based layer-output ids overriding the head config's
+    synthetic_layers: int | None = None          # --synthetic: the alias's shape with fewer (or more) layers
 
 
 # the family of each model slot (recorded as ModelEntry.kind)
@@ -158,10 +161,14 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
     """The config, weight source and checkpoint dir (None: synthetic) of the dir's ``role`` model: the one
     place export tells a checkpoint from synthetic weights."""
     name = req.draft_model if role == DRAFT else req.model
+    if req.synthetic_layers is not None and (not req.synthetic or req.synthetic_layers < 1):
+        raise CompileError(f"--synthetic-layers {req.synthetic_layers}: needs --synthetic and at least 1 layer")
     if req.synthetic:
         if role == EAGLE3 and req.eagle3:
             raise CompileError("--synthetic builds the head in the published shape; give --eagle3 without a value")
         cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else synthetic.known_config(name)
+        if role == TARGET and req.synthetic_layers:
+            cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
     directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else
                  ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name))
@@ -177,17 +184,24 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
     cfg, source, target_dir = _open(req, TARGET)
     max_seq_len = _max_seq_len(req, cfg, target_dir)
     taps, head = cfg.default_tap_layers, None
+    if req.eagle3_taps is not None:
+        if req.eagle3 is None:
+            raise CompileError(f"{TAP_OVERRIDE} sets the EAGLE3 head's taps; add --eagle3")
+        if len(req.eagle3_taps) != 3 or not all(0 <= t < cfg.num_hidden_layers for t in req.eagle3_taps):
+            raise CompileError(f"{TAP_OVERRIDE} {','.join(map(str, req.eagle3_taps))}: expected three layer-output "
+                               f"ids in 0..{cfg.num_hidden_layers - 1} (the target has {cfg.num_hidden_layers} layers)")
     if req.eagle3 is not None:
         head = _open(req, EAGLE3, cfg)
         head_cfg, _, head_dir = head
-        taps = ckpt.tap_layers(head_cfg, cfg)
+        taps = req.eagle3_taps or ckpt.tap_layers(head_cfg, cfg)
         check_eagle3_fits(head_cfg, cfg, _where(head_dir, "synthetic head"), taps)
     with torch.device("meta"):
         target = Qwen3(cfg, max_seq_len, tuple(taps)).to(dtype)
     parts = [_Part(TARGET, target, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source,
                                                       {"taps": list(target.taps)}))]
     if head is not None:
-        parts.append(_head_part(head[0], head[1], parts[0], dtype))
+        field = TAP_OVERRIDE if req.eagle3_taps else head[0].tap_field or TAP_DEFAULT
+        parts.append(_head_part(head[0], head[1], parts[0], dtype, field))
     if req.draft_model is not None:
         parts.append(_draft_part(req, cfg, max_seq_len, dtype, target_dir))
     return parts, target_dir
@@ -205,11 +219,14 @@ def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) 
     return req.max_seq_len
 
 
-def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtype: torch.dtype) -> _Part:
+def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtype: torch.dtype,
+               taps_from: str) -> _Part:
     with torch.device("meta"):
         head = Eagle3(head_cfg, target.module.max_seq_len).to(dtype)
+    # which config field (or option) the taps came from and how its ids count (config.TAP_FIELDS)
     entry = ModelEntry(eagle3.KIND, head_cfg.to_dict(), source.source,
-                       {"taps": list(target.module.taps), "rope_theta": head.rope_theta})
+                       {"taps": list(target.module.taps), "taps_from": taps_from,
+                        "taps_convention": tap_convention(taps_from), "rope_theta": head.rope_theta})
 
     def embedding() -> Weights:
         # the head embeds with the target's table: streamed from the target's weights under the head's name

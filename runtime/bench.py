@@ -152,6 +152,9 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
                     which: list[tuple[str, Callable]]) -> list[dict]:
     rows = []
     max_seq_len = es.manifest.max_seq_len
+    if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (backends/ort.py)
+        for engine in es.engines.values():
+            engine.cuda_graphs = cuda_graphs
     for name, make in which:
         gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
                         cuda_graphs=cuda_graphs)
@@ -213,6 +216,10 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
         if peer is not None and i == 0:
             log(f"context {ctx}: peer (transformers generate, static cache) ...")
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
+    if es.backend == "ort" and dev.type == "cuda":
+        report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
+                                     for g, e in es.engines.items()}
+        log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
     _derive(report, opts)
     return report
 

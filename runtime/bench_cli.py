@@ -14,7 +14,7 @@ import torch
 from xcompile.runtime import files
 from xcompile.runtime.bench import BenchOptions, format_report, run_bench
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.load import EngineSet, open_engine_dir, torch_models
+from xcompile.runtime.load import EngineSet, fast_engines, open_engine_dir, pick_backend, torch_models
 from xcompile.runtime.text import Text
 
 
@@ -49,12 +49,17 @@ def _room(req: BenchRequest) -> int:
 def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
         return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify)
-    if req.backend not in ("auto", "torch"):
-        raise EngineError("--synthetic runs the torch backend (no engine dir to load TensorRT or ONNX from)")
+    if req.backend not in ("auto", "torch", "fast"):
+        raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     provider = torch_models()
     manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
                                                      eagle3=True, draft=req.draft_model)
-    return EngineSet(None, manifest, "torch", engines, d2t, {"provider": provider})
+    backend = "torch" if req.backend == "auto" and device.type != "cuda" else req.backend
+    if backend == "auto":
+        backend = pick_backend(manifest, "auto", device)
+    if backend == "fast":
+        engines = fast_engines(manifest, engines)
+    return EngineSet(None, manifest, backend, engines, d2t, {"provider": provider})
 
 
 def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
@@ -83,9 +88,11 @@ def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> d
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
-        if es.backend != "torch":
-            raise EngineError("--peer compares on the torch backend's weights; add --backend torch")
-        peer = provider.hf_peer(es.engines)
+        if es.backend not in ("torch", "fast"):
+            raise EngineError("--peer compares on the reference modules' weights; add --backend torch or fast")
+        # the fast engines' reference modules hold the very weights they run (re-pointed, not copied)
+        engines = {g: e.reference for g, e in es.engines.items()} if es.backend == "fast" else es.engines
+        peer = provider.hf_peer(engines)
     text_tokens = None
     if req.prompts:
         if es.directory is None:

@@ -33,7 +33,7 @@ def _ids(text: str) -> list[int]:
 @click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round.")
 @click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 tree: draft tokens verified per round.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text up to it is kept.")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch", "fast"]), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
@@ -65,7 +65,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.argument("engine_dir", required=False, type=click.Path(path_type=str))
 @click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
 @click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
-@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "trt", "ort", "torch", "fast"]), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="With --synthetic.")

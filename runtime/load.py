@@ -2,8 +2,10 @@
 
 Backends: ``trt`` (the built TensorRT engines), ``ort`` (the ONNX graphs on ONNX Runtime), ``torch``
 (the PyTorch reference modules, through the ``xcompile.torch_models`` entry point, i.e. when the
-compile side is installed). ``auto`` picks trt when engines were built and TensorRT imports on a
-CUDA device, else torch on CUDA, else ort on the CPU (fp32/fp16 graphs), else torch.
+compile side is installed), ``fast`` (the reference modules' weights on fused Triton kernels,
+runtime/backends/fast.py). ``auto`` picks trt when engines were built and TensorRT imports on a
+CUDA device, else fast on CUDA when triton imports, else torch on CUDA, else ort on the CPU
+(fp32/fp16 graphs), else torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import D2T_FILE, Manifest
 
-BACKENDS = ("auto", "trt", "ort", "torch")
+BACKENDS = ("auto", "trt", "ort", "torch", "fast")
 DRAFTERS = ("auto", "none", "draft-model", "eagle3")
 
 # EAGLE3 defaults: chain of 4 when no tree is asked for; tree shape as SGLang runs Qwen3-8B heads
@@ -74,17 +76,24 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
             return "trt"
         except EngineError:
             pass
-    if device.type == "cpu" and manifest.dtype != "bf16":
+    if device.type == "cuda":
+        from xcompile.runtime import kernels
+
+        return "fast" if kernels.available() else "torch"
+    if manifest.dtype != "bf16":
         return "ort"
     return "torch"
 
 
-def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int, verify: bool
-                 ) -> dict[str, Engine]:
+def _ort_engines(directory: Path, manifest: Manifest, device: torch.device, max_tokens: int,
+                 cuda_graphs: bool, verify: bool) -> dict[str, Engine]:
     from xcompile.runtime.backends import ort
 
-    # the target's buffers follow its KV capacity (max_tokens None); the drafts' may be asked for more
-    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens, verify=verify,
+    # the target's buffers follow its KV capacity (max_tokens None); the drafts' may be asked for more.
+    # cuda_graphs: ORT's own CUDA graphs (runtime/backends/ort.py), on CUDA only
+    graphs = cuda_graphs and device.type == "cuda"
+    return {graph: ort.load(directory, graph, device, manifest=manifest, max_rows=max_tokens, cuda_graphs=graphs,
+                            verify=verify,
                             max_tokens=max_tokens if graph != TARGET else None) for graph in manifest.graphs}
 
 
@@ -94,8 +103,9 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     Every file used is checked against the manifest's sizes and hashes first: sampled blocks, or
     every byte with ``verify`` (runtime/integrity.py).
 
-    ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches; torch-backend
-    steps are recorded by the Generator (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
+    ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches, and to ORT on
+    CUDA (its ``enable_cuda_graph``); torch-backend steps are recorded by the Generator
+    (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
     directory = Path(directory)
     manifest = Manifest.load(directory)
     dev = torch.device(device)
@@ -108,8 +118,11 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
     if backend == "torch":
         engines = torch_models().load_torch_models(manifest, dev, verify=verify)
+    elif backend == "fast":
+        engines = fast_engines(manifest, torch_models().load_torch_models(manifest, dev, verify=verify))
     elif backend == "ort":
-        engines = _ort_engines(directory, manifest, dev, max(max_draft_tokens, manifest.max_seq_len), verify)
+        engines = _ort_engines(directory, manifest, dev, max(max_draft_tokens, manifest.max_seq_len), cuda_graphs,
+                               verify)
     else:                                   # "trt": pick_backend has checked the name
         from xcompile.runtime.backends import trt
 
@@ -123,6 +136,16 @@ def open_engine_dir(directory: Path | str, backend: str = "auto", device: str = 
     if EAGLE3 in engines:
         d2t = load_d2t(directory / D2T_FILE, dev)
     return EngineSet(directory, manifest, backend, engines, d2t)
+
+
+def fast_engines(manifest: Manifest, engines: dict[str, Engine]) -> dict[str, Engine]:
+    """The torch backend's engines of ``manifest`` on the fused kernels (runtime/backends/fast.py)."""
+    from xcompile.runtime.backends import fast
+
+    fast.check_device(engines[TARGET].device)
+    models = manifest.models
+    configs = {g: models[EAGLE3 if g == EAGLE3_FC else g].config for g in engines}
+    return fast.wrap(engines, configs, list(models[TARGET].extra.get("taps") or ()))
 
 
 def load_d2t(path: Path, device: torch.device) -> torch.Tensor:

@@ -4,17 +4,20 @@ Semantics (reference/eagle3_semantics.md §2-3; SafeAILab/EAGLE cnets.py, AngelS
   - ``fc`` (3H -> H) applies only to the target's tapped features; the head's own output (H) is fed
     back as is. ``fc`` is its own graph (``eagle3_fc``) so this step takes one hidden width.
   - q/k/v see concat[input_layernorm(embed(token)), hidden_norm(hidden)], embedding first; the
-    attention residual is the hidden, not the embedding; no q_norm/k_norm.
+    attention residual is the hidden, not the embedding (``norm_before_residual``: hidden_norm(hidden),
+    as speculators' Eagle3FirstLayerMixin and vLLM's llama_eagle3.py compute it); no q_norm/k_norm.
   - the fed-back hidden is pre-norm; ``norm`` only precedes ``lm_head`` (draft vocabulary).
   - draft ids map to target ids by offsets: target = draft + d2t[draft].
   - the embedding table is the target's ``model.embed_tokens`` (not in the head's checkpoint).
   - pairing: draft position t consumes the target feature at t and the token at t+1.
 Parameter names equal the AngelSlim checkpoint keys (``midlayer.*``, ``fc``, ``norm``, ``lm_head``), so
-the key map (``Eagle3.key_map``) is the identity plus the exceptions it spells out.
+the key map (``Eagle3.key_map``) is the identity plus the exceptions it spells out; speculators heads
+name the layer ``layers.0.*`` (``Eagle3Config.layout``).
 """
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -54,15 +57,20 @@ def _check_d2t(cfg: Eagle3Config, d2t: torch.Tensor, where: str) -> None:
 
 
 def key_map(cfg: Eagle3Config) -> KeyMap:
-    """AngelSlim/EAGLE layout (reference/eagle3_semantics.md §5-6); the embedding is the target's."""
+    """AngelSlim / EAGLE / SpecForge layout (reference/eagle3_semantics.md §5-6: ``midlayer.*``), or the
+    speculators one (``layers.0.*``: speculators Eagle3Speculator, which vLLM loads after renaming
+    ``midlayer.`` to ``layers.0.``, llama_eagle3.py load_weights). The embedding is the target's."""
     def t2d(read: Reader) -> torch.Tensor:
         return t2d_from_d2t(read("d2t"), cfg.vocab_size)
 
+    layer = re.escape(cfg.layout)
     return KeyMap(
-        {n: n for n in _NAMES},
+        {n: n.replace("midlayer.", f"{cfg.layout}.", 1) for n in _NAMES},
         ignored={
             r"(model\.)?embed_tokens\.weight": "the head embeds tokens with the target's table (eagle3_semantics §6.2)",
-            r"midlayer\.self_attn\.rotary_emb\.inv_freq": ROPE_CACHE,
+            rf"{layer}\.self_attn\.rotary_emb\.inv_freq": ROPE_CACHE,
+            # speculators training keeps a frozen copy of the verifier's final norm and lm_head (Eagle3DraftModel)
+            r"verifier_(norm|lm_head)\.weight": "the target's own norm/lm_head, copied for training only",
         },
         external=frozenset({"embed_tokens.weight"}),
         # t2d is unused at inference (vLLM/sglang skip it); some heads do not ship it
@@ -75,6 +83,7 @@ class MidLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config, rotary: Rotary):
         super().__init__()
         h = cfg.hidden_size
+        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -83,9 +92,11 @@ class MidLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size)
 
     def forward(self, emb, hidden, step: Step, k_cache, v_cache):
-        u = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)   # [B, S, 2H]
+        normed = self.hidden_norm(hidden)                                               # [B, S, H]
+        u = torch.cat((self.input_layernorm(emb), normed), dim=-1)                      # [B, S, 2H]
         a, k_cache, v_cache = self.self_attn(u, step, k_cache, v_cache)
-        x = hidden + a                                  # residual = hidden, not the embedding
+        # residual = the hidden, not the embedding; normed first with norm_before_residual
+        x = (normed if self.norm_before_residual else hidden) + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
 

@@ -299,8 +299,9 @@ def test_resolve_eagle3_without_published_head(tiny_target):
 def test_tap_layers(tiny_eagle3, tmp_path):
     target_cfg = KNOWN_MODELS["qwen3-8b"].config
     assert ck.tap_layers(parse_eagle3(tiny_eagle3 / "config.json"), target_cfg) == (1, 17, 32)
+    # the top-level field counts HF hidden_states (the input of that layer): [2, 18, 33] = outputs of 1, 17, 32
     path = write_eagle3_checkpoint(tmp_path, overrides={"eagle_aux_hidden_state_layer_ids": [2, 18, 33]})
-    assert ck.tap_layers(parse_eagle3(path / "config.json"), target_cfg) == (2, 18, 33)
+    assert ck.tap_layers(parse_eagle3(path / "config.json"), target_cfg) == (1, 17, 32)
 
 
 # ---------------------------------------------------------------------------------------------

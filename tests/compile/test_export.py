@@ -129,7 +129,8 @@ def test_manifest_records_the_export(fp32_dir, tiny_target, tiny_eagle3):
     assert set(m.graphs) == {"target", "draft", "eagle3", "eagle3_fc"}
     assert (m.dtype, m.max_seq_len, m.max_batch) == ("fp32", MAX_SEQ, 1)
     assert m.models["target"].source == str(tiny_target) and m.models["target"].extra["taps"] == [0, 2, 3]
-    assert m.models["eagle3"].extra == {"taps": [0, 2, 3], "rope_theta": 10000.0}
+    assert m.models["eagle3"].extra == {"taps": [0, 2, 3], "taps_from": "default", "rope_theta": 10000.0,
+                                        "taps_convention": "layer-output ids: the target's default (Qwen3Config.default_tap_layers)"}
     assert m.graphs["eagle3_fc"].model == "eagle3" and m.graphs["eagle3_fc"].dims == {"batch": 1, "taps_hidden": 192,
                                                                                       "hidden": 64}
     assert m.graphs["target"].dims == {"batch": 1, "vocab": 256, "hidden": 64, "kv_heads": 2, "head_dim": 16,

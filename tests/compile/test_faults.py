@@ -204,6 +204,19 @@ def test_full_disk_is_one_line_and_leaves_nothing(tiny_target, tmp_path, monkeyp
     assert not out.exists() and staging_leftovers(tmp_path) == []
 
 
+def test_unreadable_checkpoint_is_one_line(tiny_target, tmp_path, monkeypatch):
+    """EACCES on a checkpoint file (injected: root reads everything) reaches the CLI as one line naming it."""
+    from xcompile.compile import pipeline
+
+    config = tiny_target / "config.json"
+
+    def denied(req):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(config))
+    monkeypatch.setattr(pipeline, "plan_export", denied)
+    line = one_line_error(cli(*export_args(tiny_target, tmp_path / "out")))
+    assert line == f"error: {config}: permission denied; check the permissions or choose another path"
+
+
 def _namespaces() -> str | None:
     """Why a user+mount namespace (for a real tmpfs) is not available here, or None."""
     if shutil.which("unshare") is None:
