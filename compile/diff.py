@@ -5,16 +5,14 @@
                     states become every step's feed, so a near-tie flip cannot desync the engine
     Comparator.run  per graph, two Polygraphy runners over those feeds: the reference and the engine
                     (our ORT or TensorRT backend; the KV cache stays in place across iterations)
-    compare         per step and output, scale-aware (``compare``): hidden states by their max error
-                    relative to the reference's max |value| and the least cosine similarity of their
-                    rows; logits by max abs error and top-1/top-5 agreement (a top-1 flip passes only
-                    where the reference's two best are within the tolerance: a near-tie)
+    compare         per step and output, scale-aware (compile/compare.py): hidden states by their
+                    max error relative to the reference's max |value| and the least cosine similarity
+                    of their rows; logits by max abs error and top-1/top-5 agreement
 
 ``save`` writes (staged, runtime/files.py), per graph, ``<graph>.inputs.json`` (complete graph
 inputs: the reference's KV before each step included) and ``<graph>.reference.json`` (reference
-RunResults), so
-``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...`` re-checks every
-step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
+RunResults), so ``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...``
+re-checks every step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
 here, and this module only by the ``diff`` command.
 """
 
@@ -35,6 +33,7 @@ from polygraphy.comparator import Comparator, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
+from xcompile.compile.compare import DEFAULT_ATOL, DEFAULT_RTOL, MIN_COSINE, StepResult, compare, tolerances
 from xcompile.compile.errors import CompileError
 from xcompile.compile.reference import reference_engines
 from xcompile.runtime import files
@@ -45,14 +44,6 @@ from xcompile.runtime.errors import XcompileError
 from xcompile.runtime.manifest import Manifest
 
 REFERENCE, ENGINE = "reference", "engine"
-# Default tolerances by dtype. Logits: max abs error (TensorRT-LLM compares fp16 logits at 0.12);
-# fp32 engines match the reference to ~1e-5. Hidden states (taps, EAGLE3 hidden) are compared to
-# their own scale, since their values reach ~100 where per-element tolerances fail on elements near
-# zero: max error / max |reference| and, per row (token), cosine similarity (as TensorRT-Edge-LLM
-# checks layers). bf16 keeps 8 mantissa bits: ~0.4% relative per rounding.
-DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 0.12, "bf16": 0.25}           # logits, absolute
-DEFAULT_RTOL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 3e-2}           # hidden states, relative to max |ref|
-MIN_COSINE = {"fp32": 0.99999, "fp16": 0.999, "bf16": 0.995}        # hidden states, least row cosine
 DEFAULT_PROMPT_LEN = 8
 
 
@@ -69,23 +60,6 @@ class DiffOptions:
     atol: dict[str, float] = field(default_factory=dict)    # output -> max abs error; "" = every output
     rtol: dict[str, float] = field(default_factory=dict)    # output -> max error / max |reference|
     save: Path | None = None
-
-
-@dataclass
-class StepResult:
-    """One output of one graph at one step: errors against the reference and whether it passed."""
-
-    graph: str
-    step: str
-    output: str
-    max_abs: float
-    mean_abs: float
-    max_rel: float                              # max_abs / max |reference|
-    cosine: float                               # least cosine similarity over rows (last axis)
-    passed: bool
-    top1: float | None = None                   # logits: fraction of rows whose argmax agrees
-    top5: float | None = None                   # logits: mean overlap of the top-5 sets
-    why: str = ""                               # the failed criteria
 
 
 @dataclass
@@ -264,55 +238,6 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
 
 # --------------------------------------------------------------------------------------------
 # compare
-
-
-def _agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """Top-1 agreement and mean top-5 overlap over the rows of logits [..., V]."""
-    ref, got = ref.float().reshape(-1, ref.shape[-1]), got.float().reshape(-1, got.shape[-1])
-    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    k = min(5, ref.shape[-1])
-    a, b = ref.topk(k, -1).indices, got.topk(k, -1).indices
-    return top1, ((a[:, :, None] == b[:, None, :]).any(-1).float().sum(-1) / k).mean().item()
-
-
-def tolerances(output: str, dtype: str, atol: dict, rtol: dict) -> dict[str, float]:
-    """The criteria one output is held to: logits max abs error, hidden states relative error and
-    cosine; ``atol`` / ``rtol`` (output or "" -> value) add to or override the defaults."""
-    c = {"atol": DEFAULT_ATOL[dtype]} if output == "logits" else {"rtol": DEFAULT_RTOL[dtype],
-                                                                   "cosine": MIN_COSINE[dtype]}
-    for key in ("", output):
-        if key in atol:
-            c["atol"] = atol[key]
-        if key in rtol:
-            c["rtol"] = rtol[key]
-    return c
-
-
-def compare(graph: str, step: str, output: str, ref: torch.Tensor, got: torch.Tensor, criteria: dict) -> StepResult:
-    """One output at one step against the reference (see the module docstring)."""
-    ref, got = ref.double(), got.double()
-    err = (got - ref).abs()
-    max_abs, scale = err.max().item(), ref.abs().max().item()
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    rows_ref, rows_got = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
-    cosine = torch.nn.functional.cosine_similarity(rows_ref, rows_got, dim=-1, eps=1e-30).min().item() \
-        if ref.numel() else 1.0
-    why = []
-    if "atol" in criteria and not max_abs <= criteria["atol"]:
-        why.append(f"max_abs > {criteria['atol']:g}")
-    if "rtol" in criteria and not max_rel <= criteria["rtol"]:
-        why.append(f"max_rel > {criteria['rtol']:g}")
-    if "cosine" in criteria and not cosine >= criteria["cosine"]:
-        why.append(f"cosine < {criteria['cosine']:g}")
-    top1 = top5 = None
-    if output == "logits":
-        top1, top5 = _agreement(ref, got)
-        # a flipped argmax passes only on a near-tie: the reference ranks the engine's choice within tolerance
-        picked = rows_ref.gather(-1, rows_got.argmax(-1, keepdim=True)).squeeze(-1)
-        if bool((rows_ref.max(-1).values - picked > criteria.get("atol", 0.0)).any()):
-            why.append("top-1 differs beyond a near-tie")
-    return StepResult(graph, step, output, max_abs, err.mean().item(), max_rel, cosine, not why, top1, top5,
-                      ", ".join(why))
 
 
 def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:

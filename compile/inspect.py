@@ -95,7 +95,10 @@ def describe(directory: Path, read_engines: bool = True) -> dict:
         manifest = Manifest.load(directory)
     except EngineError as e:
         raise CompileError(str(e)) from None
-    out = {k: v for k, v in asdict(manifest).items() if k not in ("graphs", "engines")}
+    out = {k: v for k, v in asdict(manifest).items() if k not in ("graphs", "engines", "files", "inputs")}
+    # the block hashes are for `xcompile verify`; a report shows what they cover
+    out["files"] = {n: r["size"] for n, r in manifest.files.items()}
+    out["inputs"] = {n: r["size"] for n, r in manifest.inputs.items()}
     out["graphs"], out["engines"] = {}, {}
     for graph, g in manifest.graphs.items():
         path = directory / g.onnx
@@ -171,12 +174,16 @@ def verify_dir(directory: Path, full: bool = True, log=lambda _: None) -> str:
         names = manifest.needed_files()
         for name in names:
             manifest.verify(directory, [name], full=full)
-            log(f"ok {name} ({manifest.files[name]['size'] / 2**20:.1f} MiB)")
+            log(f"ok {name} ({_size(manifest.files[name]['size'])})")
     except EngineError as e:
         raise CompileError(str(e)) from None
     size = sum(manifest.files[n]["size"] for n in names)
-    return (f"{directory}: {len(names)} files, {size / 2**30:.2f} GiB match the manifest "
+    return (f"{directory}: {len(names)} files, {_size(size)} match the manifest "
             f"({'every byte' if full else 'sampled blocks'}, {time.perf_counter() - start:.2f} s)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def inspect(directory: Path, as_json: bool = False, read_engines: bool = True) -> str:

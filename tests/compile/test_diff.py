@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 from xcompile.compile import config
 from xcompile.compile.cli import main
-from xcompile.compile.diff import DiffOptions, compare, run_diff, tolerances
+from xcompile.compile.compare import compare, tolerances
+from xcompile.compile.diff import DiffOptions, run_diff
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.integrity import record_file
 from xcompile.runtime.manifest import Manifest
