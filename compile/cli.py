@@ -59,9 +59,10 @@ def main() -> None:
 @click.option("--regenerate", is_flag=True, help="Replace JSONL prompts' responses by the target's greedy ones.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Response length cap for --regenerate.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a head dir xcompile wrote).")
 @click.pass_context
 def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr,
-                     batch, seq_len, device, seed, regenerate, max_new_tokens) -> None:
+                     batch, seq_len, device, seed, regenerate, max_new_tokens, force) -> None:
     """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
     if steps is not None and tokens is not None:
         raise click.UsageError("--steps and --tokens both set the step budget (--tokens is turned into steps); "
@@ -76,7 +77,7 @@ def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_
     opts = TrainOptions(ttt_steps=ttt_steps, steps=steps, tokens=tokens, seconds=minutes * 60 if minutes else None,
                         lr=lr, batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed, device=device)
     result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=log.info,
-                                revision=revision)
+                                revision=revision, force=force)
     if result.heldout:
         click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
 
@@ -181,6 +182,16 @@ def inspect_cmd(directory, as_json) -> None:
     click.echo(inspect(directory, as_json=as_json))
 
 
+@main.command("verify")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--fast", is_flag=True, help="Hash sampled blocks only (the check every load does), not every byte.")
+def verify_cmd(directory, fast) -> None:
+    """Check every file of an engine dir against the sizes and hashes recorded when it was written."""
+    from xcompile.compile.inspect import verify_dir
+
+    click.echo(verify_dir(directory, full=not fast, log=lambda m: click.echo(m, err=True)))
+
+
 @main.command("export")
 @click.option("--model", required=True, help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
@@ -199,7 +210,7 @@ def inspect_cmd(directory, as_json) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,
               help="With --synthetic: the alias's shape with this many layers (a quicker stand-in).")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote).")
 @click.pass_context
 def export_cmd(ctx, model, revision, eagle3, draft_model, eagle3_taps, out, dtype, max_seq_len, max_batch, synthetic,
                seed, synthetic_layers, force) -> None:

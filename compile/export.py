@@ -29,7 +29,6 @@ at 5.4 GB RSS and takes 3.5-4.5 min on 2 cores (benchmarks/export_8b.py).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import logging
@@ -42,9 +41,9 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from xcompile.compile.checkpoint.files import sha256_file
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
+from xcompile.runtime import integrity
 from xcompile.runtime.contract import CONTRACT_VERSION, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import DTYPE_NAMES, TORCH_DTYPES
 
@@ -71,8 +70,8 @@ class ExportedGraph:
     onnx: Path
     spec: GraphSpec
     dims: dict
-    sha256: str                 # of the .onnx file; it embeds the external data's sha256 as metadata
-    data_sha256: str
+    onnx_record: dict           # size and hashes of the .onnx file (runtime/integrity.py)
+    data_record: dict           # of its external data; the .onnx embeds the data's sha256 as metadata
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:
@@ -210,7 +209,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: Weights) -> str:
     """Write every initializer of ``model`` into ``data_path`` from the ``(name, tensor)`` stream
     (names are ``module``'s parameter names; unused ones are skipped), one tensor at a time, and
-    point the initializers at it. Returns the data file's sha256."""
+    point the initializers at it. Returns the data file's record (size and hashes, runtime/integrity.py)."""
     canonical = _canonical_names(module)
     # initializers are named after one alias of their tensor; key them by the canonical name
     pending = {canonical.get(n, n): v for n, v in model.graph.initializers.items()}
@@ -218,7 +217,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if unknown:
         raise CompileError(f"{data_path.name}: graph constants {unknown[:3]} are not parameters of "
                            f"{type(module).__name__}; was the graph traced with optimize=True?")
-    digest, offset = hashlib.sha256(), 0
+    digest, offset = integrity.Digest(), 0
     with open(data_path, "wb") as f:
         for name, tensor in itertools.chain(weights, computed_buffers(module)):
             # names outside this graph (the head's fc in the eagle3 step, d2t, aliases) are skipped
@@ -242,7 +241,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if pending:
         raise CompileError(f"{data_path.name}: no weight given for {sorted(pending)[:5]} "
                            f"({len(pending)} missing); the checkpoint does not fill this graph")
-    return digest.hexdigest()
+    return digest.record()
 
 
 def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Weights | None = None,
@@ -261,9 +260,9 @@ def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Wei
         weights = module.named_parameters()
     model = trace(module, spec, dims, max_tokens)
     data_path = path.with_name(path.name + ".data")
-    data_sha = write_weights(model, module, data_path, weights)
+    data = write_weights(model, module, data_path, weights)
     model.metadata_props.update({"xcompile.graph": spec.graph, "xcompile.contract_version": str(CONTRACT_VERSION),
-                                 "xcompile.external_data_sha256": data_sha})
+                                 "xcompile.external_data_sha256": data["sha256"]})
     model.producer_name = "xcompile"
     ir.save(model, path)
-    return ExportedGraph(spec.graph, path, spec, dims, sha256_file(path), data_sha)
+    return ExportedGraph(spec.graph, path, spec, dims, integrity.record_file(path), data)

@@ -3,19 +3,16 @@
     resolve -> parse configs (+ checks) -> meta-device modules -> export each graph, weights
     streamed tensor by tensor -> tokenizer files, d2t.safetensors -> manifest.json
 
-Atomic: everything is written into a temporary dir next to ``out`` and renamed onto it at the end,
-so a failure (or Ctrl-C) leaves nothing half-written, and an existing dir is replaced only with
-``force`` once the new one is complete.
+Atomic and locked (runtime/files.py): everything is written into a staging dir next to ``out`` and
+renamed onto it at the end, so a failure (or Ctrl-C) leaves nothing half-written; an existing dir is
+replaced only with ``force``, only when xcompile wrote it, and never when it holds an input.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -35,10 +32,12 @@ from xcompile.compile.families import family
 from xcompile.compile.models import eagle3, qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime import logs
+from xcompile.runtime import files, integrity, logs
 from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES
-from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.text import vocabulary
 
 Log = Callable[[str], None]
 
@@ -48,7 +47,6 @@ MIN_SEQ_LEN = 8
 # the target's tokenizer, chat template and generation config, as HF checkpoints ship them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "generation_config.json")
-D2T_FILE = "d2t.safetensors"
 
 
 @dataclass(frozen=True)
@@ -90,44 +88,72 @@ class _Part:
         return itertools.chain(self.source.tensors(self.module), self.borrowed())
 
 
-def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
-    """Export the request's graphs into ``req.out`` atomically; returns the written manifest."""
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes, decided before any weight is read."""
+
+    parts: list[_Part]
+    target_dir: Path | None
+
+    @property
+    def inputs(self) -> list[Path]:
+        """The checkpoint dirs the export reads: its output must stay clear of them."""
+        return sorted({path.parent for p in self.parts for path in p.source.files().values()})
+
+
+def plan_export(req: ExportRequest) -> ExportPlan:
+    """Check the request and plan the export (configs, checks, meta modules): fails before any work."""
     if req.dtype not in MODEL_TORCH_DTYPES:
         raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(MODEL_TORCH_DTYPES)}")
     if req.max_batch < 1:
         raise CompileError(f"--max-batch {req.max_batch}: must be at least 1")
-    out = Path(req.out).absolute()
-    if out.exists() and not req.force:
-        raise CompileError(f"{out}: already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise CompileError(f"{out}: exists and is not a directory")
-    parts, target_dir = _plan(req)
+    return ExportPlan(*_plan(req))
+
+
+def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
+    """Export the request's graphs into ``req.out`` atomically (runtime/files.py); returns the manifest."""
+    plan = plan_export(req)
+    with files.staged_dir(req.out, "xcompile export", inputs=plan.inputs, replace=req.force) as tmp:
+        manifest = export_into(tmp, Path(req.out).absolute().name, req, plan, log)
+    log(f"wrote {Path(req.out).absolute()}")
+    return manifest
+
+
+def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan, log: Log = lambda _: None
+                ) -> Manifest:
+    """Write the planned graphs, tokenizer, d2t and manifest (named ``name``) into the empty ``directory``."""
+    parts, target_dir = plan.parts, plan.target_dir
+    manifest = Manifest(name=name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
+                        max_batch=req.max_batch, models={p.key: p.entry for p in parts}, xcompile_version=_version())
     graphs = sum(len(p.module.graphs(p.key)) for p in parts)
-    with _staged(out) as tmp, logs.progress("export", graphs, "graphs") as bar:
-        manifest = Manifest(name=out.name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
-                            max_batch=req.max_batch, models={p.key: p.entry for p in parts},
-                            xcompile_version=_version())
+    with logs.progress("export", graphs, "graphs") as bar:
         for p in parts:
             for graph, module in p.module.graphs(p.key):
                 log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
                 bar.update(note=graph)
-                done = export_graph(module, tmp / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
+                done = export_graph(module, directory / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
                                     weights=p.weights(), max_batch=req.max_batch)
-                manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims, done.sha256)
+                manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims,
+                                                    done.onnx_record["sha256"])
+                manifest.files[done.onnx.name] = done.onnx_record
+                manifest.files[f"{done.onnx.name}.data"] = done.data_record
                 bar.advance()
             if p.source.files():
                 log(f"hashing the {p.key} checkpoint files ...")
-            for name, digest in p.source.hashes().items():
-                manifest.inputs_sha256[f"{p.key}/{name}"] = digest
-        for p in parts:
-            if p.d2t is not None:
-                _write_d2t(p, tmp / D2T_FILE)
-        if target_dir is not None:
-            manifest.tokenizer_files = _copy_tokenizer(target_dir, tmp)
-            manifest.eos_token_ids = list(parse_generation_config(
-                target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
-        manifest.save(tmp)
-    log(f"wrote {out}")
+            for record_name, record in p.source.records().items():
+                manifest.inputs[f"{p.key}/{record_name}"] = record
+    written = []
+    for p in parts:
+        if p.d2t is not None:
+            _write_d2t(p, directory / D2T_FILE)
+            written.append(D2T_FILE)
+    if target_dir is not None:
+        manifest.tokenizer_files = _copy_tokenizer(target_dir, directory)
+        written += manifest.tokenizer_files
+        manifest.eos_token_ids = list(parse_generation_config(
+            target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
+    manifest.files.update({n: integrity.record_file(directory / n) for n in written})
+    manifest.save(directory)
     return manifest
 
 
@@ -182,7 +208,7 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
         field = TAP_OVERRIDE if req.eagle3_taps else head[0].tap_field or TAP_DEFAULT
         parts.append(_head_part(head[0], head[1], parts[0], dtype, field))
     if req.draft_model is not None:
-        parts.append(_draft_part(req, cfg, max_seq_len, dtype))
+        parts.append(_draft_part(req, cfg, max_seq_len, dtype, target_dir))
     return parts, target_dir
 
 
@@ -213,18 +239,41 @@ def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtyp
     return _Part(EAGLE3, head, source, entry, embedding, lambda: source.tensor(head, "d2t"))
 
 
-def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype) -> _Part:
+def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype,
+                target_dir: Path | None) -> _Part:
     cfg, source, draft_dir = _open(req, DRAFT)
     where = _where(draft_dir, req.draft_model)
     if cfg.vocab_size != target_cfg.vocab_size:
         raise CompileError(f"{where}: vocab_size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}; "
                            "a draft model must share the target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B)")
+    if draft_dir is not None and target_dir is not None:
+        _check_same_vocabulary(draft_dir, target_dir)
     if max_seq_len > cfg.max_position_embeddings:
         raise CompileError(f"--max-seq-len {max_seq_len} exceeds max_position_embeddings "
                            f"{cfg.max_position_embeddings} of {where}")
     with torch.device("meta"):
         draft = Qwen3(cfg, max_seq_len).to(dtype)
     return _Part(DRAFT, draft, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source))
+
+
+def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:
+    """A draft model proposes target token ids: the same size is not enough, every token must map to the
+    same id (runtime/text.py vocabulary)."""
+    for d in (draft_dir, target_dir):
+        if not (d / "tokenizer.json").is_file():
+            raise CompileError(f"{d / 'tokenizer.json'}: missing; a draft model proposes target token ids, so "
+                               "xcompile checks that both tokenizers map every token to the same id: add the "
+                               "checkpoint's tokenizer files")
+    try:
+        draft, target = vocabulary(draft_dir), vocabulary(target_dir)
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    if draft != target:
+        tokens = sorted({t for t, _ in set(draft.items()) ^ set(target.items())})
+        raise CompileError(f"{draft_dir / 'tokenizer.json'}: the draft model's vocabulary differs from the target's "
+                           f"({target_dir / 'tokenizer.json'}) in {len(tokens)} token(s), e.g. {tokens[0]!r} -> "
+                           f"{draft.get(tokens[0])} vs {target.get(tokens[0])}; a draft model must share the "
+                           "target's tokenizer")
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,48 +301,6 @@ def _version() -> str:
         return version("xcompile")
     except PackageNotFoundError:
         return ""
-
-
-@contextlib.contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A temp dir next to ``out``, renamed onto it when the block succeeds (an existing ``out`` is
-    swapped out, then deleted) and removed, with any parent dirs made for it, when the block fails
-    or is interrupted."""
-    created = []
-    try:
-        for p in reversed([p for p in [out.parent, *out.parent.parents] if not p.exists()]):
-            p.mkdir()
-            created.append(p)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    except OSError as e:
-        _remove_dirs(created)
-        raise CompileError(f"{out}: cannot write there ({e.strerror or e}); choose another --out") from None
-    try:
-        yield tmp
-        tmp.chmod(0o777 & ~_umask())               # mkdtemp makes it 0700
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / out.name)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_dirs(created)
-        raise
-
-
-def _remove_dirs(created: list[Path]) -> None:
-    for p in reversed(created):                     # deepest first, and only if still empty
-        with contextlib.suppress(OSError):
-            p.rmdir()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def describe(manifest: Manifest) -> str:

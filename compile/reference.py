@@ -62,26 +62,30 @@ def weight_source(entry: ModelEntry) -> WeightSource:
     return CheckpointSource(path)
 
 
-def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None
-                      ) -> dict[str, Engine]:
+def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
+                      verify: bool = False) -> dict[str, Engine]:
     """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft), with the
-    weights its sources name, in ``dtype`` (default: the manifest's). Each model's kind picks its family."""
+    weights its sources name, in ``dtype`` (default: the manifest's). Each model's kind picks its family.
+    A checkpoint must still be what the export read (its recorded sizes and hashes: sampled blocks, or
+    every byte with ``verify``), else these would not be the exported weights."""
     dtype = dtype or MODEL_TORCH_DTYPES[manifest.dtype]
     modules: dict[str, torch.nn.Module] = {}
     for role in sorted(manifest.models, key=lambda r: r != TARGET):     # the target first: a head shares its embedding
         entry = manifest.models[role]
+        source = weight_source(entry)
+        manifest.verify_inputs(role, full=verify)
         fam = family(entry.kind)
         cfg = fam.config_from(entry.config, f"manifest model {role!r}")
-        modules[role] = fam.load(weight_source(entry), cfg, manifest.max_seq_len, dtype, device,
-                                 modules.get(TARGET), entry.extra)
+        modules[role] = fam.load(source, cfg, manifest.max_seq_len, dtype, device, modules.get(TARGET), entry.extra)
     return {graph: engine for role, module in modules.items() for graph, engine in torch_engines(module, role).items()}
 
 
-def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None
-                      ) -> dict[str, Engine]:
-    """The engine dir's (or an in-memory manifest's) graphs as torch-backend engines."""
+def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
+                      verify: bool = False) -> dict[str, Engine]:
+    """The engine dir's (or an in-memory manifest's) graphs as torch-backend engines (``verify``: hash
+    every byte of the checkpoints, not sampled blocks)."""
     manifest = source if isinstance(source, Manifest) else Manifest.load(source)
-    return reference_engines(manifest, device, dtype)
+    return reference_engines(manifest, device, dtype, verify)
 
 
 def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,

@@ -35,7 +35,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime import logs
+from xcompile.runtime import files, logs
 from xcompile.runtime.drafters import Eagle3ChainDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.text import Text
@@ -376,15 +376,30 @@ def measure_acceptance(target, head: Eagle3, prompts: list[list[int]], max_new_t
 def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opts: TrainOptions,
                        heldout_data: str | Path | None = None, regenerate: bool = False,
                        max_new_tokens: int = 256, log: Callable[[str], None] = print,
-                       revision: str | None = None) -> TrainResult:
+                       revision: str | None = None, force: bool = False) -> TrainResult:
     """``xcompile train-eagle3``: load the target checkpoint and its tokenizer, read and pack the data
     (regenerating prompt responses greedily with the target when asked), train, write the head dir
     (plus xcompile_train.json with the options, the log and the measured acceptance), reload it with
-    ``load_eagle3`` and measure acceptance on prompts cut from the held-out (else training) windows."""
+    ``load_eagle3`` and measure acceptance on prompts cut from the held-out (else training) windows.
+
+    ``out`` is staged (runtime/files.py): locked and checked against the inputs before the target
+    loads, written only when everything succeeded; an existing dir needs ``force`` and must be one
+    xcompile wrote."""
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CompileError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
     model_dir = resolve(str(model), revision)
+    with files.staged_dir(out, "xcompile train-eagle3", inputs=(model_dir, data, heldout_data), replace=force) as tmp:
+        result = _train_into(tmp, model, model_dir, data, opts, heldout_data, regenerate, max_new_tokens, log, revision)
+    log(f"wrote {out}")
+    return result
+
+
+def _train_into(out: Path, model: str | Path, model_dir: Path, data: str | Path, opts: TrainOptions,
+                heldout_data: str | Path | None, regenerate: bool, max_new_tokens: int,
+                log: Callable[[str], None], revision: str | None = None) -> TrainResult:
+    """``train_eagle3_files``' work, writing the head into the staging dir ``out``."""
+    device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # max_seq_len = seq_len: training windows are whole prefills; generation stays inside it too
     taps = parse_qwen3(model_dir / "config.json").default_tap_layers      # the head config's default
@@ -423,5 +438,4 @@ def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opt
         log(f"acceptance ({a['prompts']} {a['prompts_from']} prompts, chain k={a['k']}, {a['new_tokens']} new tokens): "
             f"tau {a['tau']:.2f}, by depth {a['acceptance_by_position']}, output == plain greedy for "
             f"{a['match_plain']:.0%} of prompts")
-    log(f"wrote {out}")
     return result

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xcompile.compile.errors import CompileError
-from xcompile.runtime import logs
+from xcompile.runtime import integrity, logs
 from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
 from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.errors import EngineError
@@ -100,8 +100,9 @@ def failure(what: str, errors: list[str], exc: Exception) -> CompileError:
 _POLYGRAPHY_SUMMARIES = ("Could not parse ONNX correctly", "Invalid Engine", "Failed to parse ONNX model")
 
 
-def progress_monitor(trt, progress: Progress, label: str):
-    """A trt.IProgressMonitor that reports the builder's top two phase levels with elapsed time."""
+def progress_monitor(trt, progress: Progress, label: str, cancel: Callable[[], bool] = lambda: False):
+    """A trt.IProgressMonitor that reports the builder's top two phase levels with elapsed time and
+    cancels the build when ``cancel()`` says so (a held SIGINT/SIGTERM, runtime/interrupts.py)."""
 
     class Monitor(trt.IProgressMonitor):
         def __init__(self):
@@ -114,7 +115,7 @@ def progress_monitor(trt, progress: Progress, label: str):
                 progress(f"  {label}: {phase_name} ({time.monotonic() - self.start:.1f}s)")
 
         def step_complete(self, phase_name, step):
-            return True         # False would cancel the build
+            return not cancel()         # False cancels the build
 
         def phase_finish(self, phase_name):
             pass
@@ -200,8 +201,10 @@ def compute_capability(text: str, trt) -> tuple[int, int]:
 class EngineFileFromNetwork:
     """Polygraphy-style loader: build ``network`` with ``config`` straight into the file ``path``
     (``build_serialized_network_to_stream``), so an 8B plan never sits in host memory next to the
-    parsed weights as it would with EngineBytesFromNetwork. Writes atomically; saves the timing
-    cache (full TensorRT) like EngineBytesFromNetwork(save_timing_cache=...). Returns bytes written."""
+    parsed weights as it would with EngineBytesFromNetwork. Writes a new file and renames it onto
+    ``path`` (never into an existing file: a staged build hard-links the previous one there); saves
+    the timing cache (full TensorRT) like EngineBytesFromNetwork(save_timing_cache=...). Returns the
+    written file's record (size and hashes, computed as the plan streams: runtime/integrity.py)."""
 
     def __init__(self, trt, network, config, path: Path, timing_cache: Path | None = None):
         self.trt, self.network, self.config, self.path, self.timing_cache = trt, network, config, path, timing_cache
@@ -214,11 +217,11 @@ class EngineFileFromNetwork:
         class FileWriter(trt.IStreamWriter):
             def __init__(self, f):
                 trt.IStreamWriter.__init__(self)
-                self.f, self.size = f, 0
+                self.f, self.digest = f, integrity.Digest()
 
             def write(self, data):
                 self.f.write(data)
-                self.size += len(data)
+                self.digest.update(data)
                 return len(data)
 
         built, _ = util.invoke_if_callable(self.network)
@@ -229,7 +232,7 @@ class EngineFileFromNetwork:
             with open(tmp, "wb") as f:
                 writer = FileWriter(f)
                 ok = builder.build_serialized_network_to_stream(network, config, writer)
-            if not ok or writer.size == 0:
+            if not ok or writer.digest.size == 0:
                 raise CompileError("the builder produced no engine (see the errors above)")
             os.replace(tmp, self.path)
         finally:
@@ -237,8 +240,10 @@ class EngineFileFromNetwork:
         if self.timing_cache is not None:
             cache = config.get_timing_cache()         # loaded from the file by CreateConfig, now extended
             with cache.serialize() as data:
-                self.timing_cache.write_bytes(bytes(data))
-        return writer.size
+                part = self.timing_cache.with_suffix(".tmp")
+                part.write_bytes(bytes(data))
+                os.replace(part, self.timing_cache)
+        return writer.digest.record()
 
 
 def create_config(trt, poly, flavor: str, shapes: list[dict], ccs: tuple[tuple[int, int], ...],

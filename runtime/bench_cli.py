@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from xcompile.runtime import logs
+from xcompile.runtime import files, logs
 from xcompile.runtime.bench import BenchOptions, context_fits, format_report, run_bench
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import EngineSet, TreeShape, fast_engines, open_engine_dir, pick_backend, torch_models
@@ -38,6 +39,7 @@ class BenchRequest:
     plot: str | None
     prompts: str | None = None
     num_prompts: int = 2
+    verify: bool = False
 
 
 def _room(req: BenchRequest) -> int:
@@ -49,7 +51,7 @@ def _room(req: BenchRequest) -> int:
 
 def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, req.backend, str(device))
+        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify)
     if req.backend not in ("auto", "torch", "fast"):
         raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     provider = torch_models()
@@ -80,20 +82,25 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     check_contexts(req)
-    start = time.perf_counter()
-    with open_engines(req, device) as es:
+    inputs = (req.engine_dir, req.prompts)
+    with contextlib.ExitStack() as outputs:
+        # --json / --plot are staged (runtime/files.py) before anything is measured: an output that
+        # cannot be written fails now, not after the whole run; an interrupted run leaves no file
+        json_tmp, plot_tmp = (outputs.enter_context(files.staged_file(path, "xrun bench", inputs=inputs, option=opt))
+                              if path else None for path, opt in ((req.json_path, "--json"), (req.plot, "--plot")))
+        start = time.perf_counter()
+        es = outputs.enter_context(open_engines(req, device))
         log.info(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
-        report = _bench(req, es, echo)
-    echo(format_report(report))
-    if req.json_path:
-        with open(req.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    if req.plot:
-        plot(report, req.plot)
+        report = _measure(req, es, echo)
+        echo(format_report(report))
+        if json_tmp:
+            json_tmp.write_text(json.dumps(report, indent=2))
+        if plot_tmp:
+            plot(report, plot_tmp, format=Path(req.plot).suffix.lstrip(".") or "png")
     return report
 
 
-def _bench(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dict:
+def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dict:
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
@@ -113,7 +120,7 @@ def _bench(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dic
     return run_bench(es, opts, log=lambda m: log.info(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: dict, path: str | Path, format: str = "png") -> None:
     try:
         import matplotlib
 
@@ -131,4 +138,4 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("tokens/s")
     ax.set_title(f"{report['model']} on {report['device']} ({report['backend']}, {report['dtype']})")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=format)

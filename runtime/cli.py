@@ -86,8 +86,9 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
+@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-             stop, backend, device, no_cuda_graphs, as_json):
+             stop, backend, device, no_cuda_graphs, as_json, verify):
     """Generate greedily from ENGINE_DIR with speculative decoding (same tokens as plain greedy).
 
     The text (or --json) goes to stdout; the stats line and messages to stderr."""
@@ -100,7 +101,7 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
     spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                           drafter=spec, stop=list(stop), backend=backend, device=device,
-                          cuda_graphs=not no_cuda_graphs)
+                          cuda_graphs=not no_cuda_graphs, verify=verify)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
@@ -146,9 +147,10 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> No
               help="Write the full report as JSON here.")
 @click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file,
               help="Write a PNG of tokens/s per drafter (pip install 'xcompile[plot]').")
+@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats,
-          peer, prompts, num_prompts, json_path, plot):
+          peer, prompts, num_prompts, json_path, plot, verify):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
@@ -157,7 +159,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gamma
 
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify), echo=click.echo)
 
 
 @main.command()

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from xcompile.runtime.engine import Engine
     from xcompile.runtime.manifest import Manifest
 
-D2T_FILE = "d2t.safetensors"
 AUTO = "auto"
 
 DEFAULT_GAMMA = 4       # draft tokens per chain round when none is asked for
@@ -74,6 +73,7 @@ class OpenOptions:
 
     cuda_graphs: bool = True        # TensorRT engines record graphs of their own launches; ORT on CUDA its own
     max_draft_tokens: int = 64      # rows the drafts' step buffers hold (ORT)
+    verify: bool = False            # hash every byte of each file a loader reads (runtime/integrity.py)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def _trt_load(directory, manifest, device, options):
                           "--backend ort/torch")
     # each TensorRT engine replays CUDA graphs of its own launches (never wrapped in GraphedEngine)
     return _load_each(manifest.engines, lambda g: trt.load(directory, g, device, cuda_graphs=options.cuda_graphs,
-                                                            manifest=manifest))
+                                                            manifest=manifest, verify=options.verify))
 
 
 def _trt_auto(manifest, device) -> bool:
@@ -135,11 +135,11 @@ def _ort_load(directory, manifest, device, options):
     graphs = options.cuda_graphs and device.type == "cuda"
     return _load_each(manifest.graphs, lambda g: ort.load(directory, g, device, manifest=manifest, max_rows=rows,
                                                            max_tokens=rows if g != TARGET else None,
-                                                           cuda_graphs=graphs))
+                                                           cuda_graphs=graphs, verify=options.verify))
 
 
 def _torch_load(directory, manifest, device, options):
-    return torch_models().load_torch_models(manifest, device)
+    return torch_models().load_torch_models(manifest, device, verify=options.verify)
 
 
 def _fast_load(directory, manifest, device, options):
@@ -194,16 +194,18 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
 
 
 def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "cpu", *,
-                    cuda_graphs: bool = True, max_draft_tokens: int = 64) -> EngineSet:
+                    cuda_graphs: bool = True, max_draft_tokens: int = 64, verify: bool = False) -> EngineSet:
     """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there.
     Use it as a context manager (``with open_engine_dir(...) as es:``) or close it in a ``finally``.
+    Every file used is checked against the manifest's sizes and hashes first: sampled blocks, or
+    every byte with ``verify`` (runtime/integrity.py).
 
     ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches, and to ORT on
     CUDA (its ``enable_cuda_graph``); torch- and fast-backend steps are recorded by the Generator
     (``Generator(cuda_graphs=...)``, runtime/graphs.py)."""
     import torch
 
-    from xcompile.runtime.manifest import Manifest
+    from xcompile.runtime.manifest import D2T_FILE, Manifest
 
     directory = Path(directory)
     manifest = Manifest.load(directory)
@@ -211,7 +213,11 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     backend = pick_backend(manifest, backend, dev)
-    engines = BACKENDS[backend].load(directory, manifest, dev, OpenOptions(cuda_graphs, max_draft_tokens))
+    if backend == "trt" and dev.type != "cuda":
+        raise EngineError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
+                          "machine with an NVIDIA GPU, or --backend ort/torch here")
+    manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
+    engines = BACKENDS[backend].load(directory, manifest, dev, OpenOptions(cuda_graphs, max_draft_tokens, verify))
     es = EngineSet(directory, manifest, backend, engines)
     try:
         if EAGLE3 in engines:

@@ -33,6 +33,7 @@ class GenerateRequest:
     backend: str = "auto"
     device: str | None = None
     cuda_graphs: bool = True
+    verify: bool = False                # hash every byte of the dir's files (default: sampled blocks)
 
 
 def stats_dict(result: Result) -> dict:
@@ -84,7 +85,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     ``as_json``), and log the stats line (stderr at the CLI, hidden by -q)."""
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_drafter_options(req, Manifest.load(req.engine_dir))
-    with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs) as es:
+    with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs, verify=req.verify) as es:
         log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
         text = Text(es.directory) if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)

@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from xcompile.compile.checkpoint.files import Checkpoint, sha256_file, weight_file_names
+from xcompile.compile.checkpoint.files import Checkpoint, weight_file_names
 from xcompile.compile.checkpoint.keymap import module_state, plan
+from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap
+from xcompile.runtime import integrity
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
@@ -42,12 +44,17 @@ class WeightSource(ABC):
         return {}
 
     @cached_property
-    def _hashes(self) -> dict[str, str]:
-        return {name: sha256_file(path) for name, path in self.files().items()}
+    def _records(self) -> dict[str, dict]:
+        return {name: integrity.record_file(path) for name, path in self.files().items()}
+
+    def records(self) -> dict[str, dict]:
+        """File name -> size and hashes of ``files()`` (runtime/integrity.py: what the manifest records and
+        the torch backend checks the checkpoint against at load), computed once per source."""
+        return dict(self._records)
 
     def hashes(self) -> dict[str, str]:
-        """File name -> sha256 of ``files()``, computed once per source."""
-        return dict(self._hashes)
+        """File name -> digest of ``files()`` (their records' ``sha256``), computed once per source."""
+        return {name: r["sha256"] for name, r in self._records.items()}
 
     def fingerprint(self) -> str:
         """One sha256 over what the weights depend on: ``identity()`` and every file's hash."""
@@ -75,11 +82,16 @@ class WeightSource(ABC):
 
     def _read(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> torch.Tensor:
         """Every tensor of every source passes here: fetched, value-checked by the key map (d2t's range),
-        cast to the module's dtype (floating point only). Per-tensor value checks go here."""
+        cast to the module's dtype (floating point only) and refused if not finite. Per-tensor value
+        checks go here."""
         tensor, where = self._fetch(model, key_map, name, like)
         if name in key_map.checks:
             key_map.checks[name](tensor, where)
-        return tensor.to(like.dtype) if tensor.is_floating_point() else tensor
+        if not tensor.is_floating_point():
+            return tensor
+        cast = tensor.to(like.dtype)
+        _check_finite(name, tensor, cast, where)
+        return cast
 
     @abstractmethod
     def _names(self, model: nn.Module, key_map: KeyMap) -> list[str]:
@@ -88,6 +100,18 @@ class WeightSource(ABC):
     @abstractmethod
     def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
         """The raw tensor for state ``name`` (shaped like ``like``) and where it came from (for error messages)."""
+
+
+def _check_finite(name: str, tensor: torch.Tensor, cast: torch.Tensor, where: str) -> None:
+    """A NaN/Inf weight (or one a cast to fp16 overflows) turns every output into NaN: refuse it by name."""
+    if bool(torch.isfinite(cast).all()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise CompileError(f"{where}: tensor {name!r} holds {bad} NaN/Inf value(s) of {tensor.numel()}; the "
+                           "checkpoint is corrupt or comes from a diverged run: fetch or train it again")
+    raise CompileError(f"{where}: tensor {name!r} overflows {cast.dtype} (|max| {float(tensor.abs().max()):.3g}); "
+                       "export --dtype bf16 or fp32")
 
 
 class CheckpointSource(WeightSource):

@@ -274,16 +274,18 @@ def preload_cuda_libraries() -> list[str]:
 
 
 def load(directory: Path, graph: str, device: torch.device | str = "cpu", *, manifest: Manifest | None = None,
-         **options) -> OrtEngine:
+         verify: bool = False, **options) -> OrtEngine:
     """The ONNX graph ``graph`` of an engine dir on ONNX Runtime, checked against manifest and contract.
 
-    ``manifest``: the dir's, when the caller has read it already; ``options`` go to OrtEngine
-    (``max_tokens`` defaults to the dir's max_seq_len)."""
+    ``manifest``: the dir's, when the caller has read it already; ``verify``: hash every byte of the
+    graph's files, not only sampled blocks; ``options`` go to OrtEngine (``max_tokens`` defaults to
+    the dir's max_seq_len)."""
     directory = Path(directory)
     manifest = manifest if manifest is not None else Manifest.load(directory)
     if graph not in manifest.graphs:
         raise EngineError(f"{directory}: no {graph!r} graph in the manifest (has {sorted(manifest.graphs)})")
     entry = manifest.graphs[graph]
+    manifest.verify(directory, manifest.graph_files(graph), full=verify)
     options.setdefault("max_tokens", manifest.max_seq_len)
     return OrtEngine(directory / entry.onnx, manifest.graph_spec(graph), manifest.kv_shape(graph), entry.dims,
                      MODEL_TORCH_DTYPES[manifest.dtype], device, **options)

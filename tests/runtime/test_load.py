@@ -13,6 +13,7 @@ from xcompile.runtime.contract import TARGET
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import (BACKENDS, DRAFTERS, Backend, DrafterSpec, TreeShape, make_drafter,
                                    open_engine_dir, pick_backend)
+from xcompile.runtime.manifest import D2T_FILE
 
 
 class Closing:
@@ -91,7 +92,7 @@ def test_a_missing_d2t_closes_the_engines(tiny_engine_dir, tmp_path, monkeypatch
     import shutil
 
     copy = shutil.copytree(tiny_engine_dir, tmp_path / "dir")
-    (copy / load.D2T_FILE).unlink()
+    (copy / D2T_FILE).unlink()
     closed = []
     monkeypatch.setattr(load.EngineSet, "close", lambda self: closed.append(sorted(self.engines)))
     with pytest.raises(EngineError, match="d2t.safetensors: missing"):

@@ -186,25 +186,27 @@ def test_drafter_auto_options_checked_against_the_dir(tiny_engine_dir):
     from types import SimpleNamespace
 
     from xcompile.runtime.errors import EngineError
+    from xcompile.runtime.load import DrafterSpec
     from xcompile.runtime.request import GenerateRequest, check_drafter_options
 
     only_draft = SimpleNamespace(graphs={"target": None, "draft": None})
     plain = SimpleNamespace(graphs={"target": None})
+    tree = DrafterSpec.from_options(tree_depth=3)
     with pytest.raises(EngineError, match="--tree-.*draft model.*auto picks draft-model"):
-        check_drafter_options(GenerateRequest("d", tree={"depth": 3}), only_draft)
+        check_drafter_options(GenerateRequest("d", drafter=tree), only_draft)
     with pytest.raises(EngineError, match="would do nothing: no drafter runs.*auto picks none"):
-        check_drafter_options(GenerateRequest("d", gamma=3), plain)
-    check_drafter_options(GenerateRequest("d", gamma=3), only_draft)            # the draft model takes --gamma
+        check_drafter_options(GenerateRequest("d", drafter=tree), plain)
+    check_drafter_options(GenerateRequest("d", drafter=DrafterSpec(gamma=3)), only_draft)   # the draft model: --gamma
 
 
 def test_help_shows_the_drafter_defaults():
-    from xcompile.runtime.load import DEFAULT_GAMMA, DEFAULT_TREE
+    from xcompile.runtime.load import DEFAULT_GAMMA, TreeShape
 
     text = " ".join(run("generate", "--help").output.split())
     assert f"or the draft model [default: {DEFAULT_GAMMA}]" in text
     for option, key in (("--tree-topk", "topk"), ("--tree-depth", "depth"), ("--tree-tokens", "total_tokens")):
         help_of = text.split(f"{option} INTEGER RANGE ", 1)[1].split(" --", 1)[0]
-        assert f"[default: {DEFAULT_TREE[key]}]" in help_of, (option, help_of)
+        assert f"[default: {getattr(TreeShape(), key)}]" in help_of, (option, help_of)
 
 
 @pytest.mark.parametrize("args, needles", [
