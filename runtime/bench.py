@@ -5,9 +5,12 @@ What one run measures (docs/BENCHMARKS.md has figures):
     bytes per token, the decode floor;
   - plain greedy decode ms/token at each context length (the Generator with no drafter);
   - step costs at the first context: one draft step (EAGLE3 head, draft model), the EAGLE3 fc,
-    verifying k+1 tokens (k = 1..8), a tree verify — each with and without CUDA graphs;
+    verifying k+1 tokens (k = 1..8), a tree verify — each with and without CUDA graphs; and the
+    sampler's share of a round at the target's vocabulary (drawing a token, accepting a chain or a
+    tree) with the bench's sampling parameters (greedy: the argmax paths);
   - whole speculative rounds: the Generator with each drafter (EAGLE3 chain per gamma, tree,
-    draft model) -> ms/round, measured acceptance length tau, tokens/s and speedup over plain;
+    draft model) -> ms/round, measured acceptance length tau, tokens/s and speedup over plain,
+    greedy or (``sampling``) speculative sampling with a fixed seed;
     and, beside them, the speedup a given tau would give (tau * decode / round), which is what
     synthetic weights can say (random heads accept nothing);
   - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights.
@@ -28,8 +31,10 @@ from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.drafters import causal
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
+from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine, GraphUnavailable
 from xcompile.runtime.load import DRAFTERS, DrafterSpec, EngineSet, TreeShape, make_drafter
+from xcompile.runtime.sampling import GREEDY, Sampler, SamplingParams
+from xcompile.runtime.speculative import Block, accept_chain, accept_tree, ancestors, chain_block
 
 _log = logs.logger("bench")
 PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
@@ -46,6 +51,7 @@ class BenchOptions:
     num_prompts: int = 2
     text_tokens: list[int] | None = None    # real text (e.g. held-out data): prompts are windows of it
     taus: tuple[float, ...] = (2.0, 3.0, PUBLISHED_TAU)
+    sampling: SamplingParams = GREEDY       # prompt i is sample i of the seed (give one: runs repeat)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
@@ -133,6 +139,52 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
     return rows
 
 
+def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
+    """Milliseconds of the sampler's work in a round at the target's vocabulary and dtype, eager and
+    (on CUDA) replayed from a graph: one token drawn; a chain block of k+1 accepted (with draft
+    distributions over the whole vocabulary, as the draft model's); a tree accepted (deterministic picks)."""
+    dev, repeats = es.device, opts.repeats
+    vocab = es.manifest.models[TARGET].config["vocab_size"]
+    dtype = es.engines[TARGET].dtype
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler(dev)
+    sampler.reset(opts.sampling)
+
+    def logits(s):
+        return torch.randn(1, s, vocab, generator=g).to(dev, dtype)
+
+    cases = [("sample", 1, lambda x=logits(1): sampler.sample(x[:, 0]))]
+    for k in opts.gammas:
+        block = chain_block(torch.randint(0, vocab, (1, k + 1), generator=g).to(dev))
+        if not sampler.greedy:
+            block.q = torch.softmax(torch.randn(1, k + 1, vocab, generator=g), -1).to(dev)
+            block.q_tok = block.q.gather(2, block.tokens[:, :, None])[:, :, 0]
+        cases.append(("accept chain", k + 1, lambda b=block, x=logits(k + 1): accept_chain(b, x, sampler)))
+    if tree_tokens:
+        depth = opts.tree["depth"]
+        parents, level = [0], [0]
+        for i in range(1, tree_tokens):        # random attachment under nodes above the last level
+            open_ = [j for j in range(i) if level[j] < depth]
+            parents.append(open_[int(torch.randint(0, len(open_), (1,), generator=g))])
+            level.append(level[parents[-1]] + 1)
+        par = torch.tensor([parents], device=dev)
+        mask, d = ancestors(par, depth)
+        block = Block(torch.randint(0, vocab, (1, tree_tokens), generator=g).to(dev), par, mask, d, depth, False)
+        cases.append(("accept tree", tree_tokens, lambda b=block, x=logits(tree_tokens): accept_tree(b, x, sampler)))
+    capture = CudaGraphCapture() if dev.type == "cuda" else None
+    rows = []
+    for name, s, fn in cases:
+        row = {"graph": name, "tokens": s, "eager_ms": timed(fn, dev, repeats)}
+        if capture is not None:
+            try:
+                replay, _ = capture(fn, dev)
+                row["graph_ms"] = timed(replay, dev, repeats)
+            except (GraphUnavailable, RuntimeError) as e:
+                row["graph_error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    return rows
+
+
 def _hidden(es: EngineSet) -> int:
     return es.manifest.models[EAGLE3].config["hidden_size"]
 
@@ -164,20 +216,23 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
     for name, make in which:
         gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
                         cuda_graphs=cuda_graphs)
-        gen.generate(prompts[0], 4)                                     # warm-up, graph capture
+        gen.generate(prompts[0], 4, sampling=opts.sampling)             # warm-up, graph capture
         decode_s = tokens = rounds = drafted = accepted = 0
-        for p in prompts:
-            r = gen.generate(p, opts.new_tokens)
+        accepted_at = [0] * gen.drafter.max_depth
+        for i, p in enumerate(prompts):
+            r = gen.generate(p, opts.new_tokens, sampling=opts.sampling, index=i)
             s = r.stats
             decode_s += s.decode_s
             tokens += s.new_tokens - 1                  # the rounds' tokens: tau's numerator (Stats)
             rounds += s.rounds
             drafted += s.drafted
             accepted += s.accepted
+            accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)]
         rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
                      "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
                      "tokens_per_s": tokens / decode_s if decode_s else 0.0,
-                     "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted})
+                     "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
+                     "acceptance_by_position": [a / rounds for a in accepted_at] if rounds else []})
         for engine in gen.drafter.engines:
             if isinstance(engine, GraphedEngine):
                 engine.graphs.clear()
@@ -190,9 +245,12 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
 def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = print,
               peer: Callable[[list[int], int], float] | None = None) -> dict:
     dev = es.device
+    s = opts.sampling
     report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "dtype": es.manifest.dtype, "backend": es.backend, "model": es.manifest.name,
-                    "max_seq_len": es.manifest.max_seq_len}
+                    "max_seq_len": es.manifest.max_seq_len,
+                    "sampling": "greedy" if s.greedy else f"temperature {s.temperature} top_k {s.top_k} top_p {s.top_p} "
+                                                          f"min_p {s.min_p} seed {s.seed}"}
     log("measuring copy bandwidth ...")
     bw = copy_bandwidth(dev)
     report["copy_bandwidth_gbs"] = bw / 1e9
@@ -248,6 +306,7 @@ def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree
             log(f"context {ctx}: step costs ...")
             report["steps"] += [{"context": ctx, **r} for r in step_costs(
                 es, ctx, opts, tree_tokens, tick=lambda step: _tick(bar, f"{ctx}: step {step}"))]
+            report["steps"] += [{"context": ctx, **r} for r in sampler_costs(es, opts, tree_tokens)]
         if peer is not None and first:
             log(f"context {ctx}: peer (transformers generate, static cache) ...")
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
@@ -296,7 +355,7 @@ def _derive(report: dict, opts: BenchOptions) -> None:
 
 def format_report(report: dict) -> str:
     lines = [f"device {report['device']}  backend {report['backend']}  dtype {report['dtype']}  "
-             f"model {report['model']}  max_seq_len {report['max_seq_len']}",
+             f"model {report['model']}  max_seq_len {report['max_seq_len']}  sampling: {report['sampling']}",
              f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
     if "floor_ms_per_token" in report:
         lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
@@ -305,9 +364,10 @@ def format_report(report: dict) -> str:
         lines.append(f"peer: transformers generate (static cache) {report['peer_ms_per_token']:.3f} ms/token "
                      f"({1e3 / report['peer_ms_per_token']:.0f} tok/s)")
     if report["steps"]:
-        lines += ["", f"{'step':<12}{'tokens':>7}{'eager ms':>10}{'graph ms':>10}"]
+        lines += ["", f"{'step':<14}{'tokens':>7}{'eager ms':>10}{'graph ms':>10}"]
         for r in report["steps"]:
-            lines.append(f"{r['graph']:<12}{r['tokens']:>7}{r['eager_ms']:>10.3f}{r.get('graph_ms', float('nan')):>10.3f}")
+            lines.append(f"{r['graph']:<14}{r['tokens']:>7}{r['eager_ms']:>10.3f}{r.get('graph_ms', float('nan')):>10.3f}"
+                         + (f"  ({r['graph_error']})" if "graph_error" in r else ""))
     taus = sorted({t for r in report["generation"] for t in r.get("speedup_at_tau", {})}, key=float)
     head = f"{'ctx':>6} {'graphs':>6} {'drafter':<26}{'ms/round':>9}{'ms/tok':>8}{'tok/s':>8}{'tau':>6}{'speedup_e2e':>12}"
     lines += ["", head + "".join(f"{'x@tau=' + t:>12}" for t in taus)]
@@ -317,4 +377,10 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
                      f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
                      f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
+    by_pos = [r for r in report["generation"] if r.get("acceptance_by_position")]
+    if by_pos:
+        lines += ["", "acceptance by position (rounds whose draft at depth i was accepted / rounds)"]
+        for r in by_pos:
+            lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
+                         + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]))
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from xcompile.runtime.bench import BenchOptions, context_fits, format_report, ru
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.load import EngineSet, TreeShape, fast_engines, open_engine_dir, pick_backend, torch_models
 from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.sampling import GREEDY, SamplingParams
 from xcompile.runtime.text import Text
 
 log = logs.logger("bench")
@@ -40,6 +41,7 @@ class BenchRequest:
     prompts: str | None = None
     num_prompts: int = 2
     verify: bool = False
+    sampling: SamplingParams = GREEDY
 
 
 def _room(req: BenchRequest) -> int:
@@ -115,7 +117,8 @@ def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> d
             raise EngineError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
         text_tokens = Text(es.directory).encode(Path(req.prompts).read_text())
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
-                        repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens)
+                        repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens,
+                        sampling=req.sampling)
     start = time.perf_counter()
     return run_bench(es, opts, log=lambda m: log.info(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 

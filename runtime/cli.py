@@ -85,11 +85,21 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--sample", is_flag=True,
+              help="Sample with the checkpoint's generation_config.json values (the flags below override).")
+@click.option("--temperature", type=float, help="0: greedy (the default without --sample).")
+@click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, help="Keep the smallest set with this much probability (1: off).")
+@click.option("--min-p", type=float, help="Drop tokens below min_p times the top token's probability (0: off).")
+@click.option("--seed", type=int, help="Random seed (default: a fresh one, printed with the stats).")
+@click.option("--num-samples", type=int, help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-             stop, backend, device, no_cuda_graphs, as_json, verify):
-    """Generate greedily from ENGINE_DIR with speculative decoding (same tokens as plain greedy).
+             stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed, num_samples,
+             as_json, verify):
+    """Generate from ENGINE_DIR with speculative decoding: greedy (the same tokens as plain greedy
+    decoding), or sampled (each token distributed as plain sampling would draw it).
 
     The text (or --json) goes to stdout; the stats line and messages to stderr."""
     from xcompile.runtime.request import GenerateRequest, run_generate
@@ -101,7 +111,8 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
     spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                           drafter=spec, stop=list(stop), backend=backend, device=device,
-                          cuda_graphs=not no_cuda_graphs, verify=verify)
+                          cuda_graphs=not no_cuda_graphs, verify=verify, sample=sample, temperature=temperature,
+                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, num_samples=num_samples)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
@@ -148,18 +159,26 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> No
 @click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file,
               help="Write a PNG of tokens/s per drafter (pip install 'xcompile[plot]').")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Sample (speculative sampling) instead of greedy decoding.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats,
-          peer, prompts, num_prompts, json_path, plot, verify):
+          peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
     _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot)
     from xcompile.runtime.bench_cli import BenchRequest, run
+    from xcompile.runtime.sampling import SamplingParams
 
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts, verify), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling), echo=click.echo)
 
 
 @main.command()

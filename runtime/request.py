@@ -14,6 +14,7 @@ from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator, Result
 from xcompile.runtime.load import DrafterSpec, EngineSet, make_drafter, open_engine_dir
 from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.sampling import SamplingParams, sampling_params
 from xcompile.runtime.text import Text
 
 log = logs.logger("generate")
@@ -34,6 +35,19 @@ class GenerateRequest:
     device: str | None = None
     cuda_graphs: bool = True
     verify: bool = False                # hash every byte of the dir's files (default: sampled blocks)
+    # sampling: None = not given; ``sample`` starts from the dir's generation_config.json
+    sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_samples: int | None = None
+
+    def sampling(self) -> SamplingParams:
+        """The request's SamplingParams (EngineError on a bad value; reads only generation_config.json)."""
+        return sampling_params(self.engine_dir, self.sample, temperature=self.temperature, top_k=self.top_k,
+                               top_p=self.top_p, min_p=self.min_p, seed=self.seed, n=self.num_samples)
 
 
 def stats_dict(result: Result) -> dict:
@@ -53,6 +67,8 @@ def stats_dict(result: Result) -> dict:
         "new_tokens": s.new_tokens,
         "acceptance_by_position": [round(x, 4) for x in s.acceptance_by_position],
         "finish_reason": result.finish_reason,
+        "seed": result.seed,
+        "sample": result.index,
     }
 
 
@@ -80,9 +96,10 @@ def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
         raise EngineError(f"--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens{auto}")
 
 
-def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> Result:
-    """Open the dir, encode the prompt, generate (``echo``: the text as it streams, or the JSON with
-    ``as_json``), and log the stats line (stderr at the CLI, hidden by -q)."""
+def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> list[Result]:
+    """Open the dir, encode the prompt, generate its n samples one after another (streaming text
+    unless ``as_json``), print stats."""
+    sampling = req.sampling()                       # bad values fail here, before anything is loaded
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_drafter_options(req, Manifest.load(req.engine_dir))
     with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs, verify=req.verify) as es:
@@ -95,26 +112,44 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                         cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
         stream = None
         if not as_json and text is not None:
-            done: list[int] = []
+            done: dict[int, list[int]] = {}
 
-            def stream(tokens: list[int]) -> None:
+            def stream(index: int, tokens: list[int]) -> None:
                 # decode the whole output each time: byte-level BPE pieces only form text together
-                before = text.decode(done)
-                done.extend(tokens)
-                echo(text.decode(done)[len(before):], nl=False)
+                seen = done.setdefault(index, [])
+                if not seen and sampling.n > 1:
+                    echo(f"--- sample {index} ---")
+                before = text.decode(seen)
+                seen.extend(tokens)
+                echo(text.decode(seen)[len(before):], nl=False)
 
-        result = gen.generate(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream)
-    stats = stats_dict(result)
-    stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name or "none")
+        results = gen.generate_n(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream, sampling=sampling)
+    outs = []
+    for result in results:
+        stats = stats_dict(result)
+        stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name or "none",
+                     sampling=sampling_dict(sampling))
+        outs.append({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None, "stats": stats})
     if as_json:
-        echo(json.dumps({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None,
-                         "stats": stats}))
-        return result
-    if text is None:
-        echo(" ".join(map(str, result.tokens)), nl=False)
-    echo("")
-    log.info(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
-             f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
-             f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target forwards), "
-             f"finish: {stats['finish_reason']}")
-    return result
+        echo(json.dumps(outs[0] if sampling.n == 1 else {"samples": outs}))
+        return results
+    for result, out in zip(results, outs):
+        stats = out["stats"]
+        if text is None:
+            if sampling.n > 1:
+                echo(f"--- sample {result.index} ---")
+            echo(" ".join(map(str, result.tokens)), nl=False)
+        echo("")
+        seed = "" if result.seed is None else f", seed {result.seed} sample {result.index}"
+        log.info(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
+                 f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
+                 f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target "
+                 f"forwards), finish: {stats['finish_reason']}{seed}")
+    return results
+
+
+def sampling_dict(p: SamplingParams) -> dict:
+    """What the stats report of the sampling (greedy: just that)."""
+    if p.greedy:
+        return {"temperature": 0.0}
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}

@@ -162,6 +162,7 @@ class Sampler:
         self.min_p = torch.zeros(batch, **f32)
         self.key = torch.zeros(batch, 2, **i64)      # two 32-bit words of the stream key
         self.counter = torch.zeros(batch, **i64)     # draws made so far in this request
+        self._golden: dict[tuple[int, ...], torch.Tensor] = {}     # element index * golden ratio, per shape
 
     @property
     def greedy(self) -> bool:
@@ -227,14 +228,15 @@ class Sampler:
     # -- drawing ---------------------------------------------------------------------------
 
     def uniform(self, *shape: int) -> torch.Tensor:
-        """[B, *shape] uniforms in (0, 1) (24 bits), from the next draw of every row's stream."""
-        c = self.counter & _M32
-        base0 = _mix32(c ^ self.key[:, 0])
-        base1 = _mix32(base0 ^ self.key[:, 1])
+        """[B, *shape] uniforms in (0, 1) (24 bits), from the next draw of every row's stream: element
+        e of draw c is mix(mix(e * golden ^ mix(c ^ key0)) ^ key1)."""
+        index = self._golden.get(shape)
+        if index is None:                   # made once per shape (before any capture replays it)
+            index = _mul32(torch.arange(math.prod(shape), device=self.device), 0x9E3779B9).view(1, *shape)
+            self._golden[shape] = index
         view = (-1, *[1] * len(shape))
-        index = torch.arange(math.prod(shape), device=self.device).view(shape)
-        x = _mix32(_mul32(index, 0x9E3779B9)[None] ^ base0.view(view))
-        x = _mix32((x + base1.view(view)) & _M32)
+        base = _mix32((self.counter & _M32) ^ self.key[:, 0]).view(view)
+        x = _mix32(_mix32(index ^ base) ^ self.key[:, 1].view(view))
         self.counter.add_(1)
         return ((x >> 8).float() + 0.5) * 2.0**-24
 

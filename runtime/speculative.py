@@ -121,14 +121,16 @@ def accept_sampled(block: Block, logits: torch.Tensor, sampler: Sampler) -> Acce
     target's warped p, token by token. logits [B, S, V] at every block node.
 
     Rule (recursive rejection sampling over siblings: SpecInfer's multi-step speculative sampling,
-    Miao et al. 2024, Algorithm 2; EAGLE-2/3's tree sampling, SafeAILab/EAGLE ``evaluate_posterior``).
+    Miao et al., ASPLOS 2024; EAGLE-2/3's tree sampling, SafeAILab/EAGLE eagle/model/utils.py
+    ``evaluate_posterior``, which takes q = 1 for its top-k drafts).
     At an accepted node, with residual r = p(. | node), try its children in node order: child x drawn
     from q is accepted with probability min(1, r(x) / q(x)); if rejected, r <- norm(max(0, r - q)) and
     the next child is tried against it. The walk descends into the accepted child; where no child is
     accepted (or at a leaf), the bonus token is drawn from the residual left there. Each step emits
-    r(x) exactly (Leviathan et al. 2023, Thm 1, applied recursively), so a chain is the classic rule
-    with bonus from p, and deterministic drafts (q = None: point masses q = delta_x, the EAGLE-2 tree
-    and greedy drafters) accept x with probability r(x) and zero it in the residual.
+    r exactly (modified rejection sampling: Chen et al. 2023, Theorem 1; Leviathan et al. 2023, App. A,
+    applied sibling by sibling), so a chain is the classic rule with bonus from p, and deterministic
+    drafts (q = None: point masses q = delta_x, the EAGLE-2 tree and greedy drafters) accept x with
+    probability r(x) and zero it in the residual. Drafts must not depend on the verify's coins.
 
     Every node's coin is tossed at once and the walk is a mask computation, so shapes depend only on
     the block (S coins and one V-row of noise per round) and nothing is read back."""
@@ -138,25 +140,31 @@ def accept_sampled(block: Block, logits: torch.Tensor, sampler: Sampler) -> Acce
     node = torch.arange(s, device=dev)
     x, par = block.tokens, block.parents
     drafted = node > 0                                                      # [S]: the root is not a draft
-    # earlier[b, i, j]: node j is a sibling of node i that comes before it (tried first)
-    earlier = (par[:, :, None] == par[:, None, :]) & (node[:, None] > node[None, :]) & drafted[None, :]
     p_x = w.prob_at(par, x)                                                 # [B, S] p(x_i | parent of i)
-    if block.q is None:
-        # point masses: r = p with the earlier siblings' tokens zeroed, so r(x) = p(x) / (mass left);
-        # a repeated token was already rejected, r(x) = 0
-        p_x = torch.where((earlier & (x[:, :, None] == x[:, None, :])).any(-1), 0.0, p_x)
-        left = 1 - (earlier * p_x[:, None, :]).sum(-1)
-        accept_w, accept_r = left, p_x                  # accept iff U * left < p(x), i.e. U < r(x)/q(x)
-    else:
-        accept_w, accept_r = block.q_tok, _residual_at(block, w, earlier, p_x)
     u = sampler.uniform(s)                                                  # [B, S] one coin per node
-    passed = (u * accept_w < accept_r) & drafted
-    first = passed & ~(earlier & passed[:, None, :]).any(-1)               # the first sibling to pass
-    first = first | ~drafted
-    # accepted nodes (it and every ancestor first to pass) form one path from the root
-    accepted = ~(block.mask & ~first[:, None, :]).any(-1)                   # [B, S]
-    best = torch.where(accepted, block.depth, -1).argmax(-1)                # [B]
-    count, path = _path_to(block, best)
+    if block.chain:
+        # one child per node: r = p, and the walk stops at the first rejection
+        passed = u * (1.0 if block.q is None else block.q_tok) < p_x
+        count = passed[:, 1:].long().cumprod(-1).sum(-1)                    # [B]
+        best, path = count, node.expand(b, s)
+        rank = torch.zeros_like(x)
+    else:
+        # earlier[b, i, j]: node j is a sibling of node i that comes before it (tried first)
+        earlier = (par[:, :, None] == par[:, None, :]) & (node[:, None] > node[None, :]) & drafted[None, :]
+        rank = earlier.sum(-1)                                              # [B, S] order among siblings
+        if block.q is None:
+            # point masses: r = p with the earlier siblings' tokens zeroed, r(x) = p(x) / (mass left);
+            # a repeated token was already rejected, r(x) = 0
+            p_x = torch.where((earlier & (x[:, :, None] == x[:, None, :])).any(-1), 0.0, p_x)
+            passed = u * (1 - (earlier * p_x[:, None, :]).sum(-1)) < p_x    # U < r(x) / q(x), q(x) = 1
+        else:
+            passed = u * block.q_tok < _residual_at(block, w, rank, p_x)
+        passed = passed & drafted
+        first = passed & ~(earlier & passed[:, None, :]).any(-1) | ~drafted  # the first sibling to pass
+        # accepted nodes (it and every ancestor first to pass) form one path from the root
+        accepted = ~(block.mask & ~first[:, None, :]).any(-1)               # [B, S]
+        best = torch.where(accepted, block.depth, -1).argmax(-1)            # [B]
+        count, path = _path_to(block, best)
     # the bonus: drawn from the residual at `best` once every child of it has been rejected
     children = (par == best[:, None]) & drafted                             # [B, S]
     p = w.row(best).probs()                                                 # [B, V]
@@ -165,7 +173,6 @@ def accept_sampled(block: Block, logits: torch.Tensor, sampler: Sampler) -> Acce
         r = torch.where(hit > 0, 0.0, p)
     else:
         r = p
-        rank = earlier.sum(-1)                                              # [B, S] order among siblings
         for j in range(_width(block)):
             child = children & (rank == j)                                  # at most one node per row
             q = _q_rows(block, torch.where(child, node, 0).argmax(-1)[:, None], p.shape[-1])[:, 0]
@@ -199,15 +206,15 @@ def _q_rows(block: Block, rows: torch.Tensor, vocab: int) -> torch.Tensor:
     return q.new_zeros(*q.shape[:2], vocab).scatter_(2, block.q_ids.expand_as(q), q)
 
 
-def _residual_at(block: Block, w, earlier: torch.Tensor, p_x: torch.Tensor) -> torch.Tensor:
-    """[B, S] r(x_i): the residual at node i's parent after its earlier siblings were rejected, for
-    drafts drawn from block.q. A chain node has no earlier sibling, so r = p; a tree with sampled
-    siblings needs the residual rows, one subtraction per sibling rank (tests and small trees)."""
+def _residual_at(block: Block, w, rank: torch.Tensor, p_x: torch.Tensor) -> torch.Tensor:
+    """[B, S] r(x_i): the residual at node i's parent after its earlier siblings (rank [B, S] of them)
+    were rejected, for tree drafts drawn from block.q: one subtraction per sibling rank over every
+    parent row (trees with sampled siblings: tests and small trees)."""
     if _width(block) == 1:
         return p_x
     b, s = p_x.shape
     node = torch.arange(s, device=p_x.device)
-    par, rank = block.parents, earlier.sum(-1)                              # [B, S]
+    par = block.parents
     # child[b, u, j]: node index of the j-th child of node u (s: none; the root is nobody's child)
     slot = torch.where(node > 0, par * s + rank, s * s)
     child = torch.full((b, s * s + 1), s, dtype=torch.int64, device=p_x.device).scatter_(1, slot, node.expand(b, s))

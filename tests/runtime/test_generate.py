@@ -15,6 +15,7 @@ from xcompile.runtime import generate as gen
 from xcompile.runtime.drafters import DraftModelDrafter, Drafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
+from xcompile.runtime.sampling import SamplingParams
 from xcompile.runtime.speculative import Block, chain_block
 
 NEW = 64        # new tokens per prompt in the equivalence tests
@@ -266,6 +267,80 @@ def test_eagle3_tree_follows_the_pairing_rule(tiny, prompts):
                 assert got == eagle3_reference_children(tiny, seq[:length + 1], path, topk), (length, path)
                 checked += 1
     assert checked == len(pools) * (1 + topk + topk)
+
+
+# sampling ----------------------------------------------------------------------------------------
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=8, seed=3)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_temperature_zero_is_greedy(name, tiny, prompts, reference):
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    for p in prompts[2:4]:
+        r = g.generate(p, NEW // 2, sampling=SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=9))
+        assert r.tokens == reference[tuple(p)][:NEW // 2] and r.seed is None
+
+
+@pytest.mark.parametrize("name", ["draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
+def test_vanishing_temperature_is_the_greedy_limit(name, tiny, prompts, reference):
+    """At T = 1e-4 every warped distribution is one-hot on the argmax (these logits are far apart), so
+    speculative sampling must reproduce greedy decoding: the same tokens, the same acceptance at every
+    position (min(1, p/q) = 1 on agreement, residual = the target's argmax on rejection)."""
+    cold = SamplingParams(temperature=1e-4, seed=1)
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    for p in prompts[1:3]:
+        greedy, sampled = g.generate(p, NEW), g.generate(p, NEW, sampling=cold)
+        assert sampled.tokens == greedy.tokens == reference[tuple(p)][:NEW]
+        assert sampled.stats.accepted_at == greedy.stats.accepted_at
+
+
+@pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
+def test_sampled_rounds_keep_the_kv_invariants(name, tiny, prompts):
+    """debug=True while sampling: KV lengths checked and stale rows poisoned every round, and the
+    tokens equal the same seed's without debug (a sampled path never reads a stale row either)."""
+    checked = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True)
+    plain = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    for p in prompts[1:3]:
+        r = checked.generate(p, NEW, sampling=SAMPLED)
+        assert r.tokens == plain.generate(p, NEW, sampling=SAMPLED).tokens and r.seed == SAMPLED.seed
+        s = r.stats
+        assert s.new_tokens == NEW and s.target_forwards == s.rounds + 1
+        assert 0 <= s.accepted <= s.drafted and s.accepted == sum(s.accepted_at)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_target_as_its_own_draft_accepts_everything_when_sampling(k, tiny, prompts):
+    """q = p: min(1, p/q) = 1, every sampled draft is kept (p and q come from passes of different
+    lengths, so they could round apart by an ulp: then one draft in ~1e6 is not)."""
+    rounds = 6
+    g = Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), [], MAX_SEQ_LEN, debug=True)
+    r = g.generate(prompts[2], 1 + rounds * (k + 1), sampling=SAMPLED)
+    assert (r.stats.rounds, r.stats.accepted) == (rounds, rounds * k)
+
+
+def test_stops_inside_an_accepted_sampled_run(tiny, prompts):
+    """EOS and max_tokens inside a round of a sampled self-drafting run: the same tokens up to the stop."""
+    p, k = prompts[1], 4
+    full = self_drafting(tiny, k, eos_ids=[], max_seq_len=MAX_SEQ_LEN).generate(p, NEW, sampling=SAMPLED).tokens
+    j = first_new(full, [2, 3, 4, 7, 8, 9])
+    r = self_drafting(tiny, k, eos_ids=[full[j]], max_seq_len=MAX_SEQ_LEN).generate(p, NEW, sampling=SAMPLED)
+    assert r.tokens == full[:j + 1] and r.finish_reason == "eos"
+    r = self_drafting(tiny, k, eos_ids=[], max_seq_len=MAX_SEQ_LEN).generate(p, 7, sampling=SAMPLED)
+    assert r.tokens == full[:7] and r.finish_reason == "max_tokens"
+
+
+def test_generate_n_is_n_streams_of_one_seed(tiny, prompts):
+    g = Generator(tiny.target_engine(), DRAFTERS["eagle3-k4"](tiny), [], MAX_SEQ_LEN)
+    p = prompts[2]
+    many = g.generate_n(p, 16, sampling=SamplingParams(temperature=1.0, seed=4, n=3))
+    assert [r.index for r in many] == [0, 1, 2] and {r.seed for r in many} == {4}
+    assert [g.generate(p, 16, sampling=SamplingParams(temperature=1.0, seed=4), index=i).tokens for i in range(3)] \
+        == [r.tokens for r in many]
+    fresh = g.generate_n(p, 4, sampling=SamplingParams(temperature=1.0, n=2))
+    assert fresh[0].seed == fresh[1].seed is not None               # no seed given: one drawn, shared, reported
+    with pytest.raises(EngineError, match="SamplingParams"):
+        g.generate(p, 4, sampling={"temperature": 1.0})
 
 
 # stops -------------------------------------------------------------------------------------------

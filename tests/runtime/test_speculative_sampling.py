@@ -171,7 +171,7 @@ def test_broken_residual_fails_the_same_bound(parents, monkeypatch):
 
 
 def test_first_draft_acceptance_rate_is_one_minus_tv():
-    """Chain, first position: P(accept) = sum_x min(p(x), q(x)) (Leviathan et al. 2023, §3.3)."""
+    """Chain, first position: P(accept) = sum_x min(p(x), q(x)), Leviathan et al. 2023's alpha."""
     g = torch.Generator().manual_seed(4)
     target, draft = Model.random(1), Model.random(2)
     block, logits = draft_round(CHAIN, target, draft, T1, g)

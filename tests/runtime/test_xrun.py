@@ -236,3 +236,54 @@ def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
     r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "4096")
     refused(r, "--contexts 4096", "none fits", "256 tokens", code=1)
     assert "loaded" not in r.stderr
+
+
+# sampling ----------------------------------------------------------------------------------------
+
+SAMPLED = ("--prompt-ids", PROMPT_IDS, "--max-new-tokens", 12, "--backend", "torch", "--drafter", "eagle3", "--gamma", 2)
+
+
+def test_generate_samples_reproducibly(tiny_engine_dir, plain):
+    a = generate_json(tiny_engine_dir, *SAMPLED, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3)
+    again = generate_json(tiny_engine_dir, *SAMPLED, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3)
+    assert again["tokens"] == a["tokens"] and again["stats"]["accepted"] == a["stats"]["accepted"]
+    assert a["stats"]["seed"] == 3 and a["stats"]["sampling"] == dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0)
+    many = generate_json(tiny_engine_dir, *SAMPLED, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3,
+                         "--num-samples", 3)["samples"]
+    assert [s["stats"]["sample"] for s in many] == [0, 1, 2]
+    assert many[0]["tokens"] == a["tokens"]                      # sample 0 is the single run's stream
+    assert len({tuple(s["tokens"]) for s in many}) > 1
+    # --sample: the dir's generation_config.json (this one sets no sampling field: transformers' defaults)
+    hf = generate_json(tiny_engine_dir, *SAMPLED, "--sample", "--seed", 1)
+    assert hf["stats"]["sampling"] == dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
+    greedy = generate_json(tiny_engine_dir, *SAMPLED[:-4], "--max-new-tokens", 40, "--sample", "--temperature", 0)
+    assert greedy["tokens"] == plain and greedy["stats"]["seed"] is None
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--temperature", "-1", "temperature must be a finite number >= 0"),
+    ("--top-p", "0", "top_p must be in (0, 1]"),
+    ("--top-p", "1.5", "top_p must be in (0, 1]"),
+    ("--top-k", "-1", "top_k must be an integer >= 0"),
+    ("--min-p", "2", "min_p must be in [0, 1]"),
+    ("--num-samples", "0", "n must be an integer >= 1"),
+    ("--seed", "-5", "seed must be an integer"),
+])
+def test_bad_sampling_values_fail_before_any_work(tmp_path, option, value, message):
+    # the engine dir does not even exist: the value is refused before anything is opened
+    code, out = xrun("generate", tmp_path / "nope", "--prompt-ids", "1", "--temperature", "0.5", option, value)
+    assert code == 1 and message in out and "Traceback" not in out and "no such engine dir" not in out
+
+
+def test_bench_times_a_sampling_round(tiny_engine_dir, tmp_path):
+    report_path = tmp_path / "bench.json"
+    code, out = xrun("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "16",
+                     "--gammas", "2", "--tree", "3,3,8", "--new-tokens", 8, "--repeats", 1, "--json", report_path,
+                     "--temperature", "0.7", "--top-k", "20", "--seed", "1")
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["sampling"].startswith("temperature 0.7 top_k 20")
+    assert {("sample", 1), ("accept chain", 3), ("accept tree", 8)} <= {(r["graph"], r["tokens"]) for r in report["steps"]}
+    assert all(r["tau"] >= 1.0 for r in report["generation"])
+    code, out = xrun("bench", "--synthetic", "qwen3-8b", "--temperature", "-2")
+    assert code == 1 and "temperature must be" in out
