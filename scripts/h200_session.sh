@@ -17,8 +17,7 @@ step "sampling on the GPU: tests, then greedy vs sampled rounds (demo, fast back
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_sampling_gpu.py 2>&1 | tail -3
 for T in 0 0.6 1.0; do
   timeout 60 xrun bench /tmp/demo-bf16 --backend fast --device cuda --contexts 128 --gammas 4 --tree 10,6,32 \
-      --new-tokens 64 --num-prompts 4 --prompts data/corpus.heldout.txt --repeats 5 --temperature $T --seed 1 -q \
-      --json "$OUT/bench_demo_T$T.json" 2>&1 | grep -E "^ *128|sampl|accept" | head -12
+      --new-tokens 64 --num-prompts 4 --prompts data/corpus.heldout.txt --repeats 5 --temperature $T --seed 1 -q 2>&1 | grep -E "^ *128|sampl|accept" | head -12
 done
 step "ONNX Runtime on CUDA"
 SKIP_8B=${SKIP_8B:-1} timeout 200 bash scripts/h200_ort.sh 2>&1 | tail -25
