@@ -17,19 +17,20 @@ profiles) are unchanged is kept.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import sha256_file
 from xcompile.compile.trt_loaders import (
-    EngineFileFromNetwork, NetworkReport, Progress, compute_capability, create_config, failure,
+    EngineFileFromNetwork, Progress, compute_capability, create_config, failure,
     inspect_network, polygraphy_backend, polygraphy_errors, profile_shapes, progress_monitor,
 )
 from xcompile.plugins.registry import PluginError, load_plugins
-from xcompile.runtime.backends.trt import FLAVOR_NAMES, resolve_flavor
+from xcompile.runtime import files, interrupts, logs
+from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, resolve_flavor
 from xcompile.runtime.contract import DTYPES, GraphSpec, graph_spec
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import EngineEntry, Manifest, kv_layers
@@ -71,24 +72,40 @@ class BuildOptions:
     compute_capabilities: tuple[str, ...] = ()  # TRT-RTX targets ("8.9", "12.0"); () = its default set
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
     force: bool = False                         # rebuild engines even when their inputs are unchanged
+    # builder controls, as trtexec's --memPoolSize=workspace / --builderOptimizationLevel / --timingCacheFile
+    workspace: int | None = None                # WORKSPACE memory pool limit, bytes (None: TensorRT's, the device's)
+    optimization_level: int | None = None       # 0..5 (None: TensorRT's default, 3)
+    timing_cache: Path | None = None            # full TensorRT only (None: <engine dir>/timing.cache)
+
+    def builder(self) -> dict:
+        """The controls that change the engine, as its manifest entry records them (unset ones omitted)."""
+        return {k: v for k, v in (("workspace", self.workspace), ("optimization_level", self.optimization_level))
+                if v is not None}
 
 
 # --------------------------------------------------------------------------------------------
 # one engine
 
 
-def engine_entry(graph: str, flavor: str, trt, ccs: list[str], profiles: list[ProfileSpec], onnx_sha256: str
-                 ) -> EngineEntry:
+def engine_entry(graph: str, flavor: str, trt, ccs: list[str], profiles: list[ProfileSpec], onnx_sha256: str,
+                 builder: dict | None = None) -> EngineEntry:
     """The manifest entry an engine built with these inputs gets (compared to skip unchanged rebuilds)."""
     return EngineEntry(file=f"{graph}.engine", graph=graph, flavor=flavor, trt_version=trt.__version__,
                        compute_capabilities=list(ccs), profiles=[p.as_dict() for p in profiles],
-                       onnx_sha256=onnx_sha256)
+                       onnx_sha256=onnx_sha256, builder=dict(builder or {}))
 
 
 def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles: list[ProfileSpec], *,
                  flavor: str, compute_capabilities: tuple[tuple[int, int], ...] = (), max_batch: int = 1,
-                 timing_cache: Path | None = None, progress: Progress = print) -> NetworkReport:
-    """Parse ``onnx``, check it against ``spec``, build and write ``engine``. ``dtype``: "fp32"|"fp16"|"bf16"."""
+                 timing_cache: Path | None = None, builder: dict | None = None, progress: Progress = print
+                 ) -> dict:
+    """Parse ``onnx``, check it against ``spec``, build and write ``engine``; returns the engine file's
+    record (size and hashes, runtime/integrity.py). ``dtype``: "fp32"|"fp16"|"bf16"; ``builder``:
+    BuildOptions.builder() (workspace bytes, optimization level).
+
+    SIGINT/SIGTERM cancel the build within a builder step: TensorRT calls the progress monitor
+    between steps and swallows exceptions raised there, so the signal is held (runtime/interrupts.py),
+    the monitor returns False (cancel) and the interrupt is raised once the builder has returned."""
     trt, poly = polygraphy_backend(flavor)
     try:
         load_plugins(trt)
@@ -115,18 +132,19 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
         network = parsed
         if dtype == "fp32":
             network = poly.SetDecomposableAttentions(network)      # no fused fp32 attention kernel
-        config = create_config(trt, poly, flavor, shapes, compute_capabilities, timing_cache,
-                               progress_monitor(trt, progress, label))
         start = time.monotonic()
-        try:
-            with warnings.catch_warnings():
-                # Polygraphy always attaches a timing cache; TRT-RTX deprecates them as no-ops
-                warnings.filterwarnings("ignore", "Use Deprecated in TensorRT-RTX", DeprecationWarning)
-                size = EngineFileFromNetwork(trt, network, config, engine, timing_cache)()
-        except Exception as e:
-            raise failure(f"{onnx}: {FLAVOR_NAMES[flavor]} could not build the engine", errors, e) from None
-    progress(f"  {label}: built {engine.name} ({size / 2**20:.1f} MiB) in {time.monotonic() - start:.1f}s")
-    return report
+        with interrupts.deferred() as interrupted:
+            config = create_config(trt, poly, flavor, shapes, compute_capabilities, timing_cache,
+                                   progress_monitor(trt, progress, label, cancel=interrupted), **(builder or {}))
+            try:
+                with warnings.catch_warnings():
+                    # Polygraphy always attaches a timing cache; TRT-RTX deprecates them as no-ops
+                    warnings.filterwarnings("ignore", "Use Deprecated in TensorRT-RTX", DeprecationWarning)
+                    record = EngineFileFromNetwork(trt, network, config, engine, timing_cache)()
+            except Exception as e:
+                raise failure(f"{onnx}: {FLAVOR_NAMES[flavor]} could not build the engine", errors, e) from None
+    progress(f"  {label}: built {engine.name} ({record['size'] / 2**20:.1f} MiB) in {time.monotonic() - start:.1f}s")
+    return record
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,46 +154,99 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
 def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
     """Build one engine per ONNX graph of an exported engine dir and record them in its manifest.
 
-    Engines whose inputs are unchanged are kept (``options.force`` rebuilds them). The manifest is
-    saved after every engine, so an interrupted build keeps what it finished.
-    """
+    Staged like every write (runtime/files.py): the dir's files are hard-linked into a staging dir,
+    the engines built there, and the whole renamed onto ``directory`` at the end, so an interrupted
+    or failed build leaves the dir as it was. Engines whose inputs are unchanged are kept
+    (``options.force`` rebuilds them)."""
     directory = Path(directory)
+    _manifest(directory)                            # a clear error for a dir that is not an engine dir
+    with files.staged_dir(directory, "xcompile build", replace=True, option="engine dir") as tmp:
+        files.link_tree(directory, tmp)
+        return build_into(tmp, options, progress, shown=directory)
+
+
+def _manifest(directory: Path) -> Manifest:
     try:
-        manifest = Manifest.load(directory)
-        flavor = resolve_flavor(options.flavor)
+        return Manifest.load(directory)
     except EngineError as e:
         raise CompileError(str(e)) from None
-    if flavor != "rtx" and options.compute_capabilities:
-        raise CompileError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
-                           "it runs on")
+
+
+def graph_digest(manifest: Manifest, graph: str) -> str:
+    """One hash of everything a graph's engine is built from: its ONNX file and external data."""
+    return hashlib.sha256(" ".join(manifest.files[f]["sha256"] for f in manifest.graph_files(graph)).encode()
+                          ).hexdigest()
+
+
+def build_into(directory: Path, options: BuildOptions, progress: Progress = print, shown: Path | None = None,
+               check_graphs: bool = True) -> Manifest:
+    """``build``'s work inside the staging dir ``directory`` (``shown``: the path to report). The
+    builder reads every byte of a graph anyway, so each is first checked in full against the export's
+    record (``check_graphs``; the caller that just exported or checked them passes False)."""
+    manifest = _manifest(directory)
+    flavor = check_options(options)
     if not manifest.graphs:
-        raise CompileError(f"{directory}: the manifest lists no ONNX graphs; run `xcompile export` first")
+        raise CompileError(f"{shown or directory}: the manifest lists no ONNX graphs; run `xcompile export` first")
     trt, _ = polygraphy_backend(flavor)
     if flavor == "rtx":
         ccs = tuple(compute_capability(c, trt) for c in options.compute_capabilities)
         recorded = [f"{a}.{b}" for a, b in ccs]
     else:
         ccs, recorded = (), [_local_compute_capability()]
-    timing_cache = directory / "timing.cache" if flavor == "tensorrt" else None
+    timing_cache = (options.timing_cache or directory / "timing.cache") if flavor == "tensorrt" else None
     profiles = default_profiles(manifest.max_seq_len, options.max_draft_tokens)
-    progress(f"building {len(manifest.graphs)} engine(s) in {directory} with {FLAVOR_NAMES[flavor]} {trt.__version__}"
-             + (f" for compute capability {', '.join(recorded)}" if recorded else ""))
-    for graph, g in manifest.graphs.items():
-        onnx = directory / g.onnx
-        if not onnx.is_file():
-            raise CompileError(f"{onnx}: missing; re-export the engine dir")
-        entry = engine_entry(graph, flavor, trt, recorded, profiles, sha256_file(onnx))
-        if not options.force and manifest.engines.get(graph) == entry and (directory / entry.file).is_file():
+    progress(f"building {len(manifest.graphs)} engine(s) in {shown or directory} with {FLAVOR_NAMES[flavor]} "
+             f"{trt.__version__}" + (f" for compute capability {', '.join(recorded)}" if recorded else ""))
+    for graph, g in logs.each(manifest.graphs.items(), "build", "engines", note=lambda item: item[0]):
+        try:
+            if check_graphs:
+                manifest.verify(directory, manifest.graph_files(graph), full=True)
+        except EngineError as e:
+            raise CompileError(str(e).replace(str(directory), str(shown or directory))) from None
+        entry = engine_entry(graph, flavor, trt, recorded, profiles, graph_digest(manifest, graph), options.builder())
+        if not options.force and manifest.engines.get(graph) == entry and _intact(manifest, directory, entry.file):
             progress(f"  {entry.file}: up to date, kept")
             continue
         spec = graph_spec(graph, kv_layers(g.io))      # what this version expects, not what was recorded
+        onnx = directory / g.onnx
         warn_if_short_of_memory(onnx, progress)
-        build_engine(onnx, directory / entry.file, spec, manifest.dtype, profiles, flavor=flavor,
-                     compute_capabilities=ccs, max_batch=manifest.max_batch, timing_cache=timing_cache,
-                     progress=progress)
+        manifest.files[entry.file] = build_engine(
+            onnx, directory / entry.file, spec, manifest.dtype, profiles, flavor=flavor, compute_capabilities=ccs,
+            max_batch=manifest.max_batch, timing_cache=timing_cache, builder=options.builder(), progress=progress)
         manifest.engines[graph] = entry
-        manifest.save(directory)
+    manifest.save(directory)
     return manifest
+
+
+def check_options(options: BuildOptions) -> str:
+    """The flavor ``options`` build with, every option checked against it before anything is exported
+    or parsed: that flavor is installed, compute capabilities are TensorRT-RTX's and known to it, full
+    TensorRT has a GPU to build on, a timing cache is asked only of the flavor that uses one."""
+    try:
+        flavor = resolve_flavor(options.flavor)
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    if flavor != "rtx" and options.compute_capabilities:
+        raise CompileError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
+                           "it runs on")
+    if flavor == "rtx" and options.timing_cache is not None:
+        raise CompileError("--timing-cache applies to full TensorRT only; TensorRT-RTX keeps no timing cache "
+                           "(it deprecates them as no-ops)")
+    if flavor == "rtx":
+        trt = import_trt(flavor)
+        for c in options.compute_capabilities:
+            compute_capability(c, trt)
+    else:
+        _local_compute_capability()
+    return flavor
+
+
+def _intact(manifest: Manifest, directory: Path, name: str) -> bool:
+    try:
+        manifest.verify(directory, [name])
+        return True
+    except EngineError:
+        return False
 
 
 def warn_if_short_of_memory(onnx: Path, progress: Progress) -> None:
@@ -220,14 +291,9 @@ def default_out(model: str) -> Path:
     return Path("engines") / Path(model.rstrip("/")).name.lower()
 
 
-def stale_export(req, manifest: Manifest) -> str | None:
-    """Why ``manifest``'s dir does not hold what export request ``req`` would write (None: it does).
-
-    Compares the request's fields and sources with the manifest and re-hashes the checkpoint files
-    it recorded, so an edited checkpoint is re-exported."""
-    from xcompile.compile import checkpoint as ckpt
-    from xcompile.compile import synthetic
-
+def request_differs(req, plan, manifest: Manifest) -> str | None:
+    """How the export in ``manifest``'s dir differs from what request ``req`` (planned as ``plan``)
+    asks for: graphs, dtype, sizes, sources (None: the same request). Replacing it needs --force."""
     wanted = {"target"} | ({"eagle3", "eagle3_fc"} if req.eagle3 is not None else set()) | (
         {"draft"} if req.draft_model is not None else set())
     if set(manifest.graphs) != wanted:
@@ -236,42 +302,63 @@ def stale_export(req, manifest: Manifest) -> str | None:
                               ("max_seq_len", manifest.max_seq_len, req.max_seq_len or manifest.max_seq_len)):
         if have != want:
             return f"its {field} is {have}, the request's {want}"
-    sources = {"target": lambda: ckpt.resolve(req.model), "eagle3": lambda: ckpt.resolve_eagle3(req.model, req.eagle3),
-               "draft": lambda: ckpt.resolve_draft(req.draft_model)}
-    names = {"target": req.model, "eagle3": req.model, "draft": req.draft_model}
-    for role, entry in manifest.models.items():
-        if req.synthetic:
-            want = synthetic.source(names[role].lower(), req.seed, role)
-        else:
-            want = str(sources[role]())
-        if entry.source != want:
-            return f"its {role} comes from {entry.source}, the request's from {want}"
-    for key, digest in manifest.inputs_sha256.items():
-        role, file = key.split("/", 1)
-        path = Path(manifest.models[role].source) / file
-        if not path.is_file() or sha256_file(path) != digest:
-            return f"{path} changed since the export"
+    taps = manifest.models["target"].extra.get("taps")
+    if req.eagle3_taps is not None and sorted(req.eagle3_taps) != taps:
+        return f"its EAGLE3 taps are {taps}, the request's --eagle3-taps {sorted(req.eagle3_taps)}"
+    head = manifest.models.get("eagle3")
+    if req.eagle3_taps is None and head is not None and head.extra.get("taps_from") == "--eagle3-taps":
+        return f"its EAGLE3 taps {taps} came from --eagle3-taps, the request reads the head's config"
+    for part in plan.parts:
+        have = manifest.models.get(part.key)
+        if have is None or have.source != part.entry.source:
+            return f"its {part.key} comes from {have.source if have else 'nowhere'}, the request's from " \
+                   f"{part.entry.source}"
+    return None
+
+
+def inputs_changed(directory: Path, manifest: Manifest) -> str | None:
+    """Why the dir's export is out of date although the request is the same (None: it is not):
+    a checkpoint file changed since the export, or a graph file no longer matches its record."""
+    for role in manifest.models:
+        try:
+            manifest.verify_inputs(role, full=True)
+        except EngineError as e:
+            return str(e).split("; ")[0]
+    for graph in manifest.graphs:
+        try:
+            manifest.verify(directory, manifest.graph_files(graph), full=True)
+        except EngineError as e:
+            return str(e).split("; ")[0]
     return None
 
 
 def export_and_build(req, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
     """``xcompile build``: export ``req`` (an ExportRequest) unless its dir already holds that export,
-    then build every engine that is missing or stale. ``req.force`` re-exports and rebuilds all."""
+    then build every engine that is missing or stale; all in one staging dir (runtime/files.py), so
+    an interrupted or failed build leaves the previous dir as it was. A dir holding another export
+    (other dtype, graphs, sizes or sources) is replaced only with ``req.force``, which also re-exports
+    and rebuilds everything; a dir whose checkpoint or graph files changed is re-exported."""
     from dataclasses import replace
 
-    from xcompile.compile.pipeline import export_engine_dir
+    from xcompile.compile.pipeline import export_into, plan_export
 
-    out = Path(req.out)
-    ours = (out / "manifest.json").is_file()        # an engine dir: replaced when stale; anything else only with --force
-    reason = "--force" if req.force else "no export there yet"
-    if ours and not req.force:
-        try:
-            reason = stale_export(req, Manifest.load(out))
-        except EngineError as e:
-            reason = str(e)
-    if reason is None:
-        progress(f"{out}: ONNX graphs up to date, not re-exported")
-    else:
-        progress(f"exporting into {out} ({reason})")
-        export_engine_dir(replace(req, force=req.force or ours), log=progress)
-    return build(out, options if not req.force else replace(options, force=True), progress)
+    check_options(options)                          # before a minutes-long export, not after it
+    plan = plan_export(req)
+    out = Path(req.out).absolute()
+    with files.staged_dir(out, "xcompile build", inputs=plan.inputs, replace=True) as tmp:
+        reason = "--force" if req.force else "no export there yet"
+        if not req.force and (out / "manifest.json").is_file():
+            manifest = _manifest(out)
+            differs = request_differs(req, plan, manifest)
+            if differs is not None:
+                raise CompileError(f"{out}: holds another export ({differs}); pass --force to replace it, or "
+                                   "choose another --out")
+            reason = inputs_changed(out, manifest)
+        if reason is None:
+            progress(f"{out}: ONNX graphs up to date, not re-exported")
+            files.link_tree(out, tmp)
+        else:
+            progress(f"exporting into {out} ({reason})")
+            export_into(tmp, out.name, req, plan, log=progress)
+        return build_into(tmp, options if not req.force else replace(options, force=True), progress, shown=out,
+                          check_graphs=False)

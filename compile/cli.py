@@ -4,9 +4,30 @@ public function, print. Heavy modules (torch, onnx, tensorrt) are imported insid
 
 from __future__ import annotations
 
+import re
+
 import click
 
+from xcompile.runtime import logs
+from xcompile.runtime.cli_types import (
+    ByteSize, Finite, positive_float, refuse_inert, text_or_stdin, writable_dir, writable_file,
+)
 from xcompile.runtime.errors import cli_group_class
+
+log = logs.logger("compile")
+
+
+def _taps(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    """``--eagle3-taps 1,17,32`` -> (1, 17, 32); ranges are checked against the target before work starts."""
+    if value is None:
+        return None
+    try:
+        taps = tuple(int(t) for t in value.replace(" ", "").split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected three comma-separated layer ids", param=param) from None
+    if len(taps) != 3 or min(taps) < 0:
+        raise click.BadParameter(f"{value!r}: expected three layer ids >= 0", param=param)
+    return taps
 
 
 @click.group(cls=cli_group_class())
@@ -17,43 +38,83 @@ def main() -> None:
 
 @main.command("train-eagle3")
 @click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias.")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Training text: plain text (documents split at form-feed lines) or JSONL with 'text' or 'prompt'.")
 @click.option("--heldout", type=click.Path(exists=True, dir_okay=False), help="Held-out text, evaluated at the end.")
-@click.option("--out", default="eagle3-head", show_default=True, help="Head directory to write (AngelSlim layout).")
-@click.option("--draft-vocab", default=32000, show_default=True, help="Draft vocabulary: the N most frequent tokens.")
-@click.option("--ttt-steps", default=7, show_default=True, help="Unrolled training-time-test steps.")
-@click.option("--steps", type=int, help="Optimizer steps (default: one pass over the data).")
-@click.option("--tokens", type=int, help="Training tokens, instead of --steps.")
-@click.option("--minutes", type=float, help="Wall-clock budget; the LR schedule follows it.")
-@click.option("--lr", default=1e-3, show_default=True)
-@click.option("--batch", default=8, show_default=True, help="Windows per step.")
-@click.option("--seq-len", default=512, show_default=True, help="Tokens per window.")
+@click.option("--out", default="eagle3-head", show_default=True, callback=writable_dir,
+              help="Head directory to write (AngelSlim layout).")
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=32000, show_default=True,
+              help="Draft vocabulary: the N most frequent tokens.")
+@click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Unrolled training-time-test steps.")
+@click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one pass over the data).")
+@click.option("--tokens", type=click.IntRange(min=1), help="Training tokens, instead of --steps.")
+@click.option("--minutes", type=positive_float(), help="Wall-clock budget; the LR schedule follows it.")
+@click.option("--lr", type=positive_float(), default=1e-3, show_default=True, help="Peak learning rate.")
+@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Windows per step.")
+@click.option("--seq-len", type=click.IntRange(min=3), default=512, show_default=True, help="Tokens per window.")
 @click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--regenerate", is_flag=True, help="Replace JSONL prompts' responses by the target's greedy ones.")
-@click.option("--max-new-tokens", default=256, show_default=True, help="Response length cap for --regenerate.")
-def train_eagle3_cmd(model, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr, batch, seq_len,
-                     device, seed, regenerate, max_new_tokens) -> None:
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Response length cap for --regenerate.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a head dir xcompile wrote).")
+@click.pass_context
+def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr,
+                     batch, seq_len, device, seed, regenerate, max_new_tokens, force) -> None:
     """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
+    if steps is not None and tokens is not None:
+        raise click.UsageError("--steps and --tokens both set the step budget (--tokens is turned into steps); "
+                               "give one")
+    if seq_len < ttt_steps + 2:
+        raise click.UsageError(f"--seq-len {seq_len} is too short for --ttt-steps {ttt_steps}: step j predicts "
+                               f"2 + j tokens ahead, so a window needs at least {ttt_steps + 2} tokens")
+    if not regenerate:
+        refuse_inert(ctx, ["max_new_tokens"], "caps the responses --regenerate writes; without it nothing is generated")
     from xcompile.compile.train_eagle3 import TrainOptions, train_eagle3_files
 
     opts = TrainOptions(ttt_steps=ttt_steps, steps=steps, tokens=tokens, seconds=minutes * 60 if minutes else None,
                         lr=lr, batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed, device=device)
-    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=click.echo)
+    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=log.info,
+                                revision=revision, force=force)
     if result.heldout:
         click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
 
 
+_CC = re.compile(r"^\d+\.\d$")
+
+
+def _compute_capabilities(ctx, param, values):
+    """--compute-capability X.Y, each (their support is checked against TensorRT-RTX before any export)."""
+    for v in values:
+        if not _CC.match(v):
+            raise click.BadParameter(f"{v!r}: expected MAJOR.MINOR, e.g. 8.9 or 12.0",
+                                     param_hint="--compute-capability")
+    return values
+
+
+# what an exported dir already fixed: refused next to `xcompile build DIRECTORY`
+_EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "eagle3_taps", "dtype", "max_seq_len", "max_batch",
+                   "synthetic", "seed", "out"]
+
+
 @main.command("build")
-@click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias (qwen3-8b).")
+@click.argument("directory", required=False, type=click.Path(file_okay=False))
+@click.option("--model", help="Target checkpoint: directory, cached HF repo id or alias (qwen3-8b); or give an "
+              "exported DIRECTORY instead.")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its directory or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", default=None, help="Add a small Qwen3 draft model (directory, repo id or alias).")
+@click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
+              help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
+                   "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="Graph and engine precision (engines are strongly typed: the ONNX dtype is the engine's).")
-@click.option("--max-seq-len", type=int, default=None, help="KV capacity per sequence [default: min(4096, config)].")
-@click.option("--max-batch", type=int, default=1, show_default=True)
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
+              help="KV capacity per sequence [default: min(4096, config)].")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -61,25 +122,54 @@ def train_eagle3_cmd(model, data, heldout, out, draft_vocab, ttt_steps, steps, t
 @click.option("--trt", "flavor", type=click.Choice(["auto", "tensorrt", "rtx"]), default="auto", show_default=True,
               help="auto: full TensorRT when installed, else TensorRT-RTX.")
 @click.option("--compute-capability", "compute_capabilities", multiple=True, metavar="X.Y",
+              callback=_compute_capabilities,
               help="TensorRT-RTX target GPU (repeatable), e.g. 8.9 or 12.0 [default: TensorRT-RTX's set].")
-@click.option("--max-draft-tokens", type=int, default=None,
+@click.option("--max-draft-tokens", type=click.IntRange(min=1), default=None,
               help="Decode/verify profile covers 1..N+1 tokens [default: 63, a 60-node EAGLE tree].")
-@click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed.")
-def build_cmd(model, eagle3, draft_model, dtype, max_seq_len, max_batch, synthetic, seed, out, flavor,
-              compute_capabilities, max_draft_tokens, force) -> None:
-    """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept."""
+@click.option("--workspace", type=ByteSize(), default=None, metavar="SIZE",
+              help="Builder WORKSPACE memory pool limit, e.g. 4G (trtexec --memPoolSize=workspace) "
+                   "[default: TensorRT's, the device's memory].")
+@click.option("--builder-optimization-level", "optimization_level", type=click.IntRange(0, 5), default=None,
+              help="0 builds fastest, 5 searches longest for faster kernels [default: TensorRT's, 3].")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), callback=writable_file, default=None,
+              help="Full TensorRT: timing cache file to read and update [default: <engine dir>/timing.cache].")
+@click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed (with DIRECTORY: "
+              "rebuild its engines).")
+@click.pass_context
+def build_cmd(ctx, directory, model, revision, eagle3, draft_model, eagle3_taps, dtype, max_seq_len, max_batch,
+              synthetic, seed, out, flavor, compute_capabilities, max_draft_tokens, workspace, optimization_level,
+              timing_cache, force) -> None:
+    """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept.
+
+    With DIRECTORY, an engine dir `xcompile export` wrote, build engines from the ONNX graphs already
+    there (no re-export), as trtexec or trtllm-build take a model that is already converted."""
     from pathlib import Path
 
-    from xcompile.compile.build import BuildOptions, default_out, export_and_build
+    if directory is not None:
+        refuse_inert(ctx, _EXPORT_OPTIONS, f"{directory} is exported already and its manifest fixes these; build "
+                     "from it without them, or re-export with --model")
+    elif model is None:
+        raise click.UsageError("give --model (export, then build) or an exported DIRECTORY (build only)")
+    elif not synthetic:
+        refuse_inert(ctx, ["seed"], "seeds --synthetic weights only")
+    else:
+        refuse_inert(ctx, ["revision"], "picks a snapshot of a checkpoint; --synthetic weights have none")
+    from xcompile.compile.build import BuildOptions, build, default_out, export_and_build
     from xcompile.compile.pipeline import ExportRequest
 
-    req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3, draft_model=draft_model,
-                        dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed,
-                        force=force)
     options = BuildOptions(flavor=flavor, compute_capabilities=tuple(compute_capabilities), force=force,
+                           workspace=workspace, optimization_level=optimization_level,
+                           timing_cache=None if timing_cache is None else Path(timing_cache),
                            **({"max_draft_tokens": max_draft_tokens} if max_draft_tokens is not None else {}))
-    manifest = export_and_build(req, options, progress=lambda m: click.echo(m, err=True))
-    click.echo(f"{req.out}: " + ", ".join(f"{e.file} ({e.flavor} {e.trt_version})" for e in manifest.engines.values()))
+    if directory is not None:
+        where, manifest = Path(directory), build(Path(directory), options, progress=log.info)
+    else:
+        req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3,
+                            draft_model=draft_model, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                            synthetic=synthetic, seed=seed, force=force, eagle3_taps=eagle3_taps,
+                            revision=revision)
+        where, manifest = req.out, export_and_build(req, options, progress=log.info)
+    click.echo(f"{where}: " + ", ".join(f"{e.file} ({e.flavor} {e.trt_version})" for e in manifest.engines.values()))
 
 
 @main.command("inspect")
@@ -92,27 +182,51 @@ def inspect_cmd(directory, as_json) -> None:
     click.echo(inspect(directory, as_json=as_json))
 
 
+@main.command("verify")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--fast", is_flag=True, help="Hash sampled blocks only (the check every load does), not every byte.")
+def verify_cmd(directory, fast) -> None:
+    """Check every file of an engine dir against the sizes and hashes recorded when it was written."""
+    from xcompile.compile.inspect import verify_dir
+
+    click.echo(verify_dir(directory, full=not fast, log=lambda m: click.echo(m, err=True)))
+
+
 @main.command("export")
 @click.option("--model", required=True, help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")
 @click.option("--draft-model", help="Add a small draft Qwen3 sharing the target's tokenizer.")
+@click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
+              help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
+                   "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
 @click.option("--out", required=True, type=click.Path(), help="Engine dir to write.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--max-seq-len", type=int, help="KV cache capacity [default: min(4096, max_position_embeddings)].")
-@click.option("--max-batch", type=int, default=1, show_default=True)
+@click.option("--max-seq-len", type=click.IntRange(min=1),
+              help="KV cache capacity [default: min(4096, max_position_embeddings)].")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
-def export_cmd(model, eagle3, draft_model, out, dtype, max_seq_len, max_batch, synthetic, seed, force) -> None:
+@click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,
+              help="With --synthetic: the alias's shape with this many layers (a quicker stand-in).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote).")
+@click.pass_context
+def export_cmd(ctx, model, revision, eagle3, draft_model, eagle3_taps, out, dtype, max_seq_len, max_batch, synthetic,
+               seed, synthetic_layers, force) -> None:
     """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path
 
+    if not synthetic:
+        refuse_inert(ctx, ["seed"], "seeds --synthetic weights only")
+    else:
+        refuse_inert(ctx, ["revision"], "picks a snapshot of a checkpoint; --synthetic weights have none")
     from xcompile.compile.pipeline import ExportRequest, describe, export_engine_dir
 
     req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
-                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force)
-    click.echo(describe(export_engine_dir(req, log=lambda m: click.echo(m, err=True))))
+                        max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force,
+                        eagle3_taps=eagle3_taps, synthetic_layers=synthetic_layers, revision=revision)
+    click.echo(describe(export_engine_dir(req, log=log.info)))
 
 
 def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
@@ -121,9 +235,10 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
     for v in values:
         name, _, tol = v.rpartition("=")
         try:
-            tols[name] = float(tol)
-        except ValueError:
-            raise click.BadParameter(f"{v!r}: expected TOL or OUTPUT=TOL", param_hint=option) from None
+            tols[name] = Finite(min=0).convert(tol, None, None)
+        except (click.BadParameter, ValueError):
+            raise click.BadParameter(f"{v!r}: expected TOL or OUTPUT=TOL, TOL a finite number >= 0",
+                                     param_hint=option) from None
     return tols
 
 
@@ -131,14 +246,16 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
 @click.argument("engine_dir", type=click.Path())
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
 @click.option("--device", help="Device of engine and reference [default: cpu for ort, cuda for trt].")
-@click.option("--prompt", help="Prompt text, tokenized with the dir's tokenizer.")
+@click.option("--prompt", callback=text_or_stdin,
+              help="Prompt text, tokenized with the dir's tokenizer; '-' reads stdin.")
 @click.option("--prompt-ids", help="Prompt token ids, comma-separated.")
-@click.option("--steps", type=int, default=4, show_default=True, help="Teacher-forced decode steps.")
-@click.option("--draft-steps", type=int, default=3, show_default=True, help="EAGLE3 draft steps.")
+@click.option("--steps", type=click.IntRange(min=0), default=4, show_default=True, help="Teacher-forced decode steps.")
+@click.option("--draft-steps", type=click.IntRange(min=0), default=3, show_default=True, help="EAGLE3 draft steps.")
 @click.option("--atol", multiple=True, metavar="[OUTPUT=]TOL", help="Absolute tolerance, per output or default.")
 @click.option("--rtol", multiple=True, metavar="[OUTPUT=]TOL", help="Relative tolerance, per output or default.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--save", type=click.Path(), help="Save Polygraphy inputs and RunResults here.")
+@click.option("--save", type=click.Path(file_okay=False), callback=writable_dir,
+              help="Save Polygraphy inputs and RunResults here.")
 def diff_cmd(engine_dir, backend, device, prompt, prompt_ids, steps, draft_steps, atol, rtol, as_json, save) -> None:
     """Compare an engine dir with the PyTorch reference (teacher-forced, through Polygraphy)."""
     if prompt is not None and prompt_ids is not None:
@@ -147,12 +264,13 @@ def diff_cmd(engine_dir, backend, device, prompt, prompt_ids, steps, draft_steps
         ids = None if prompt_ids is None else tuple(int(i) for i in prompt_ids.replace(" ", "").split(","))
     except ValueError:
         raise click.BadParameter(f"{prompt_ids!r}: expected comma-separated integers", param_hint="--prompt-ids") from None
+    atol, rtol = _tolerances(atol, "--atol"), _tolerances(rtol, "--rtol")
     from pathlib import Path
 
     from xcompile.compile.diff import DiffOptions, run_diff
 
     opts = DiffOptions(backend=backend, device=device, prompt=prompt, prompt_ids=ids, steps=steps,
-                       draft_steps=draft_steps, atol=_tolerances(atol, "--atol"), rtol=_tolerances(rtol, "--rtol"),
+                       draft_steps=draft_steps, atol=atol, rtol=rtol,
                        save=None if save is None else Path(save))
     report = run_diff(Path(engine_dir), opts)
     click.echo(report.to_json() if as_json else report.table(), nl=not as_json)

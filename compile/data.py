@@ -23,6 +23,7 @@ import torch
 
 from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
+from xcompile.runtime import logs
 from xcompile.runtime.text import Text
 
 DOC_SEPARATOR = "\n\f\n"
@@ -137,7 +138,7 @@ def greedy_complete(target, prompts: list[list[int]], stop_ids: set[int], max_ne
     after a stop id (kept) or ``max_new_tokens``."""
     device = next(target.parameters()).device
     out: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
+    for i in logs.each(range(0, len(prompts), batch), "regenerate", "batches"):
         keep = max(1, target.max_seq_len - max_new_tokens)          # leave room for the continuation
         chunk = [p[-keep:] for p in prompts[i:i + batch]]
         b, width = len(chunk), max(len(p) for p in chunk)

@@ -5,19 +5,22 @@
                     states become every step's feed, so a near-tie flip cannot desync the engine
     Comparator.run  per graph, two Polygraphy runners over those feeds: the reference and the engine
                     (our ORT or TensorRT backend; the KV cache stays in place across iterations)
-    compare         Comparator.compare_accuracy with per-output tolerances, plus max/mean abs error and
-                    top-1/top-5 agreement of the logits per step
+    compare         per step and output, scale-aware (compile/compare.py): hidden states by their
+                    max error relative to the reference's max |value| and the least cosine similarity
+                    of their rows; logits by max abs error and top-1/top-5 agreement
 
-``save`` writes, per graph, ``<graph>.inputs.json`` (complete graph inputs: the reference's KV before
-each step included) and ``<graph>.reference.json`` (reference RunResults), so
-``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...`` re-checks every
-step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
+``save`` writes (staged, runtime/files.py), per graph, ``<graph>.inputs.json`` (complete graph
+inputs: the reference's KV before each step included) and ``<graph>.reference.json`` (reference
+RunResults), so ``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...``
+re-checks every step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
 here, and this module only by the ``diff`` command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,12 +30,14 @@ from pathlib import Path
 import torch
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
-from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
+from polygraphy.comparator import Comparator, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
+from xcompile.compile.compare import DEFAULT_ATOL, DEFAULT_RTOL, MIN_COSINE, StepResult, compare, tolerances
 from xcompile.compile.errors import CompileError
 from xcompile.compile.reference import reference_engines
+from xcompile.runtime import files, logs
 from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec
 from xcompile.runtime.engine import TORCH_DTYPES, Engine, KVShape
@@ -40,11 +45,6 @@ from xcompile.runtime.errors import XcompileError
 from xcompile.runtime.manifest import Manifest
 
 REFERENCE, ENGINE = "reference", "engine"
-# Starting tolerances (Polygraphy "max" statistic: an output fails when both its max abs and max
-# rel error exceed them). fp32 engines match the reference to ~1e-5; low precision follows the
-# reliability anchors: ~0.1 abs on logits (TensorRT-LLM uses 0.12), a few % relative elsewhere.
-DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 0.12, "bf16": 0.25}
-DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 0.02, "bf16": 0.05}
 DEFAULT_PROMPT_LEN = 8
 
 
@@ -58,23 +58,9 @@ class DiffOptions:
     prompt_ids: tuple[int, ...] | None = None
     steps: int = 4                              # greedy decode steps after the prefill
     draft_steps: int = 3                        # EAGLE3 draft steps after its prompt pass
-    atol: dict[str, float] = field(default_factory=dict)    # output -> tol; "" = every other output
-    rtol: dict[str, float] = field(default_factory=dict)
+    atol: dict[str, float] = field(default_factory=dict)    # output -> max abs error; "" = every output
+    rtol: dict[str, float] = field(default_factory=dict)    # output -> max error / max |reference|
     save: Path | None = None
-
-
-@dataclass
-class StepResult:
-    """One output of one graph at one step: errors against the reference and whether it passed."""
-
-    graph: str
-    step: str
-    output: str
-    max_abs: float
-    mean_abs: float
-    passed: bool
-    top1: float | None = None                   # fraction of logit rows whose argmax agrees
-    top5: float | None = None                   # mean overlap of the top-5 sets
 
 
 @dataclass
@@ -98,16 +84,18 @@ class DiffReport:
         return json.dumps({**asdict(self), "passed": self.passed}, indent=2) + "\n"
 
     def table(self) -> str:
-        lines = [f"{'graph':<10} {'step':<9} {'output':<14} {'max_abs':>10} {'mean_abs':>10} {'top1':>5} {'top5':>5}"]
+        lines = [f"{'graph':<10} {'step':<9} {'output':<14} {'max_abs':>10} {'max_rel':>10} {'cosine':>9} "
+                 f"{'top1':>5} {'top5':>5}"]
         for r in self.results:
             t1, t5 = ("" if t is None else f"{t:.2f}" for t in (r.top1, r.top5))
-            lines.append(f"{r.graph:<10} {r.step:<9} {r.output:<14} {r.max_abs:>10.3g} {r.mean_abs:>10.3g} "
-                         f"{t1:>5} {t5:>5}  {'ok' if r.passed else 'FAIL'}")
+            lines.append(f"{r.graph:<10} {r.step:<9} {r.output:<14} {r.max_abs:>10.3g} {r.max_rel:>10.3g} "
+                         f"{r.cosine:>9.6f} {t1:>5} {t5:>5}  {'ok' if r.passed else 'FAIL ' + r.why}")
         if self.reproduce:
             lines += ["re-check the saved files with:", *self.reproduce]
         failed = sum(not r.passed for r in self.results)
-        lines.append("PASSED" if not failed else f"FAILED: {failed} of {len(self.results)} checks exceed atol "
-                     f"{self.atol} / rtol {self.rtol} ({self.backend} vs torch, {self.dtype})")
+        lines.append("PASSED" if not failed else f"FAILED: {failed} of {len(self.results)} checks exceed the tolerances "
+                     f"(atol {self.atol}, rtol {self.rtol}, min cosine {MIN_COSINE[self.dtype]}; {self.backend} vs "
+                     f"torch, {self.dtype})")
         return "\n".join(lines)
 
 
@@ -253,15 +241,6 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
 # compare
 
 
-def _agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """Top-1 agreement and mean top-5 overlap over the rows of logits [..., V]."""
-    ref, got = ref.float().reshape(-1, ref.shape[-1]), got.float().reshape(-1, got.shape[-1])
-    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    k = min(5, ref.shape[-1])
-    a, b = ref.topk(k, -1).indices, got.topk(k, -1).indices
-    return top1, ((a[:, :, None] == b[:, None, :]).any(-1).float().sum(-1) / k).mean().item()
-
-
 def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     """Compare every graph of ``directory`` with the PyTorch reference; see the module docstring."""
     if opts.backend not in ("ort", "trt"):
@@ -273,54 +252,63 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
         raise CompileError(f"--backend {opts.backend} on {device}: no CUDA device here; the engine is not runnable "
                            "on this machine (use --backend ort on cpu)")
     prompt = _prompt(directory, manifest, opts)
-    graphs = _graphs(directory, manifest, opts.backend, device)
-    d2t = graphs[EAGLE3].module.d2t.cpu() if EAGLE3 in graphs else None
-    runs = _reference_pass(graphs, prompt, opts, manifest.max_batch, d2t)
-    atol = {"": DEFAULT_ATOL[manifest.dtype], **opts.atol}
-    rtol = {"": DEFAULT_RTOL[manifest.dtype], **opts.rtol}
-    compare = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="max")
-    report = DiffReport(str(directory), opts.backend, manifest.dtype, prompt, atol, rtol)
-    for name, rec in runs.items():
-        g = graphs[name]
-        runners = [EngineRunner(g.reference, g.spec, g.dims, REFERENCE),
-                   EngineRunner(lambda e=g.engine: e, g.spec, g.dims, ENGINE)]
-        with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
-            try:
-                results = Comparator.run(runners, data_loader=rec.feeds)
-                steps = Comparator.compare_accuracy(results, compare_func=compare)[0][(REFERENCE, ENGINE)]
-                if opts.save is not None:
-                    report.reproduce.append(_save(opts.save, directory, manifest, name, rec, results, atol, rtol))
-            except XcompileError:
-                raise
-            except Exception as e:   # Polygraphy raises PolygraphyException, OSError, ...: one line, cause kept
-                raise CompileError(f"{name}: comparison failed: {str(e).splitlines()[0]}") from e
-        for i, label in enumerate(rec.labels):
-            for output, cmp in steps[i].items():
-                top = _agreement(results[REFERENCE][i][output], results[ENGINE][i][output]) \
-                    if output == "logits" else (None, None)
-                report.results.append(StepResult(name, label, output, cmp.max_absdiff, cmp.mean_absdiff, bool(cmp),
-                                                 *top))
-    if opts.save is not None:
-        (opts.save / "report.json").write_text(report.to_json())
+    save = files.staged_dir(opts.save, "xcompile diff", inputs=[directory], replace=True, option="--save") \
+        if opts.save is not None else contextlib.nullcontext()
+    with save as save_dir:
+        graphs = _graphs(directory, manifest, opts.backend, device)
+        d2t = graphs[EAGLE3].module.d2t.cpu() if EAGLE3 in graphs else None
+        runs = _reference_pass(graphs, prompt, opts, manifest.max_batch, d2t)
+        report = DiffReport(str(directory), opts.backend, manifest.dtype, prompt,
+                            {"": DEFAULT_ATOL[manifest.dtype], **opts.atol}, {"": DEFAULT_RTOL[manifest.dtype],
+                                                                               **opts.rtol})
+        # Polygraphy's per-iteration chatter (and its logging of failures this report tabulates) only at -v,
+        # and to stderr: stdout holds the report
+        logs.bind_polygraphy(G_LOGGER)
+        chatter = G_LOGGER.EXTRA_VERBOSE if logs.level() <= logging.DEBUG else G_LOGGER.CRITICAL
+        for name, rec in logs.each(runs.items(), "diff", "graphs", note=lambda item: item[0]):
+            g = graphs[name]
+            runners = [EngineRunner(g.reference, g.spec, g.dims, REFERENCE),
+                       EngineRunner(lambda e=g.engine: e, g.spec, g.dims, ENGINE)]
+            with G_LOGGER.verbosity(chatter):
+                try:
+                    results = Comparator.run(runners, data_loader=rec.feeds)
+                except XcompileError:
+                    raise
+                except Exception as e:   # Polygraphy raises PolygraphyException, ...: one line, cause kept
+                    raise CompileError(f"{name}: comparison failed: {str(e).splitlines()[0]}") from e
+            rows = [compare(name, label, output, results[REFERENCE][i][output], results[ENGINE][i][output],
+                            tolerances(output, manifest.dtype, opts.atol, opts.rtol))
+                    for i, label in enumerate(rec.labels) for output in results[REFERENCE][i]]
+            report.results += rows
+            if save_dir is not None:
+                with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+                    report.reproduce.append(_save(save_dir, opts.save, directory, manifest, name, rec, results, rows,
+                                                  opts))
+        if save_dir is not None:
+            (save_dir / "report.json").write_text(report.to_json())
     return report
 
 
-def _save(save: Path, directory: Path, manifest: Manifest, graph: str, rec: _Recorder, results: RunResults,
-          atol: dict, rtol: dict) -> str:
-    """Write the graph's Polygraphy files; returns the ``polygraphy run`` command that re-checks them
-    (ONNX Runtime: fp32/fp16 graphs; bf16 feeds need ``--trt``)."""
-    save.mkdir(parents=True, exist_ok=True)
+def _save(save: Path, shown: Path, directory: Path, manifest: Manifest, graph: str, rec: _Recorder,
+          results: RunResults, rows: list[StepResult], opts: DiffOptions) -> str:
+    """Write the graph's Polygraphy files into ``save`` (to be renamed to ``shown``); returns the
+    ``polygraphy run`` command that re-checks them (ONNX Runtime: fp32/fp16 graphs; bf16 feeds need
+    ``--trt``). Polygraphy compares element-wise, so each output's bound is this run's own criterion
+    as an absolute one: logits their atol, hidden states rtol x their largest reference |value|."""
     save_json(rec.full_feeds(), str(save / f"{graph}.inputs.json"))
     reference = RunResults()
     reference.append((REFERENCE, results[REFERENCE]))
     reference.save(str(save / f"{graph}.reference.json"))
     results.save(str(save / f"{graph}.results.json"))
-
-    def tol(values: dict) -> str:
-        return " ".join(f"{k}:{v:g}" if k else f"{v:g}" for k, v in values.items())
+    bounds: dict[str, float] = {}
+    for r in rows:
+        c = tolerances(r.output, manifest.dtype, opts.atol, opts.rtol)
+        bound = c["atol"] if "atol" in c else c["rtol"] * (r.max_abs / r.max_rel if r.max_rel > 0 else 0.0)
+        bounds[r.output] = max(bounds.get(r.output, 0.0), bound)
+    atol = " ".join(f"{k}:{v:.3g}" for k, v in bounds.items())
     return (f"polygraphy run {directory / manifest.graphs[graph].onnx} --onnxrt "
-            f"--load-inputs {save / f'{graph}.inputs.json'} --load-outputs {save / f'{graph}.reference.json'} "
-            f"--atol {tol(atol)} --rtol {tol(rtol)} --check-error-stat max")
+            f"--load-inputs {shown / f'{graph}.inputs.json'} --load-outputs {shown / f'{graph}.reference.json'} "
+            f"--atol {atol} --rtol 0 --check-error-stat max")
 
 
 def _prompt(directory: Path, manifest: Manifest, opts: DiffOptions) -> list[int]:

@@ -29,7 +29,6 @@ at 5.4 GB RSS and takes 3.5-4.5 min on 2 cores (benchmarks/export_8b.py).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import logging
@@ -43,12 +42,9 @@ import torch
 from torch import nn
 
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
-from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.contract import (
-    CONTRACT_VERSION, DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec, graph_spec,
-)
+from xcompile.runtime import integrity
+from xcompile.runtime.contract import CONTRACT_VERSION, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import DTYPE_NAMES, TORCH_DTYPES
 
 # contract dtype name -> ONNX IR dtype, and IR dtype -> torch dtype (what a weight is written as)
@@ -74,38 +70,8 @@ class ExportedGraph:
     onnx: Path
     spec: GraphSpec
     dims: dict
-    sha256: str                 # of the .onnx file; it embeds the external data's sha256 as metadata
-    data_sha256: str
-
-
-def graph_dims(module: nn.Module, max_batch: int) -> dict[str, int]:
-    """Concrete sizes of the contract's fixed symbolic dims for ``module``'s graph."""
-    if isinstance(module, Qwen3):
-        c = module.cfg
-        dims = {"vocab": c.vocab_size, "hidden": c.hidden_size, "kv_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim, "max_seq_len": module.max_seq_len}
-        if module.taps:
-            dims["taps_hidden"] = len(module.taps) * c.hidden_size
-    elif isinstance(module, Eagle3):
-        c = module.cfg
-        dims = {"draft_vocab": c.draft_vocab_size, "hidden": c.hidden_size, "kv_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim, "max_seq_len": module.max_seq_len}
-    elif isinstance(module, Eagle3FC):
-        dims = {"taps_hidden": module.fc.in_features, "hidden": module.fc.out_features}
-    else:
-        raise CompileError(f"cannot export {type(module).__name__}: expected Qwen3, Eagle3 or Eagle3FC")
-    return {"batch": max_batch, **dims}
-
-
-def module_spec(module: nn.Module) -> GraphSpec:
-    """The contract graph a module exports as: a Qwen3 with taps is the target, without the draft."""
-    if isinstance(module, Qwen3):
-        return graph_spec(TARGET if module.taps else DRAFT, module.cfg.num_hidden_layers)
-    if isinstance(module, Eagle3):
-        return graph_spec(EAGLE3)
-    if isinstance(module, Eagle3FC):
-        return graph_spec(EAGLE3_FC)
-    raise CompileError(f"cannot export {type(module).__name__}: expected Qwen3, Eagle3 or Eagle3FC")
+    onnx_record: dict           # size and hashes of the .onnx file (runtime/integrity.py)
+    data_record: dict           # of its external data; the .onnx embeds the data's sha256 as metadata
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:
@@ -225,20 +191,12 @@ def _canonical_names(module: nn.Module) -> dict[str, str]:
     return names
 
 
-def _rope_theta(module: nn.Module) -> float:
-    if isinstance(module, Qwen3):
-        return module.cfg.rope_theta
-    if isinstance(module, Eagle3):
-        return module.rope_theta
-    raise CompileError(f"{type(module).__name__} has rotary tables but no known rope theta")
-
-
 def computed_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Non-persistent buffers (RoPE cos/sin), recomputed so a meta-device module exports too."""
     for prefix, sub in module.named_modules():
         if isinstance(sub, Rotary):
             max_positions, half = sub.cos.shape
-            cos, sin = rope_tables(2 * half, max_positions, _rope_theta(module))
+            cos, sin = rope_tables(2 * half, max_positions, sub.theta)
             yield f"{prefix}.cos", cos.to(sub.cos.dtype)
             yield f"{prefix}.sin", sin.to(sub.sin.dtype)
 
@@ -251,7 +209,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: Weights) -> str:
     """Write every initializer of ``model`` into ``data_path`` from the ``(name, tensor)`` stream
     (names are ``module``'s parameter names; unused ones are skipped), one tensor at a time, and
-    point the initializers at it. Returns the data file's sha256."""
+    point the initializers at it. Returns the data file's record (size and hashes, runtime/integrity.py)."""
     canonical = _canonical_names(module)
     # initializers are named after one alias of their tensor; key them by the canonical name
     pending = {canonical.get(n, n): v for n, v in model.graph.initializers.items()}
@@ -259,7 +217,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if unknown:
         raise CompileError(f"{data_path.name}: graph constants {unknown[:3]} are not parameters of "
                            f"{type(module).__name__}; was the graph traced with optimize=True?")
-    digest, offset = hashlib.sha256(), 0
+    digest, offset = integrity.Digest(), 0
     with open(data_path, "wb") as f:
         for name, tensor in itertools.chain(weights, computed_buffers(module)):
             # names outside this graph (the head's fc in the eagle3 step, d2t, aliases) are skipped
@@ -283,16 +241,7 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if pending:
         raise CompileError(f"{data_path.name}: no weight given for {sorted(pending)[:5]} "
                            f"({len(pending)} missing); the checkpoint does not fill this graph")
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in chunks (weights files are GBs)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    return digest.record()
 
 
 def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Weights | None = None,
@@ -304,16 +253,16 @@ def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Wei
     uses. Without ``weights`` the module's own parameters are written.
     """
     path = Path(path)
-    spec, dims = module_spec(module), graph_dims(module, max_batch)
+    spec, dims = module.graph_spec(), module.graph_dims(max_batch)     # the model family says which graph
     if weights is None:
         if any(t.is_meta for t in module.state_dict().values()):
             raise CompileError(f"{path.name}: a meta-device module needs a weight stream")
         weights = module.named_parameters()
     model = trace(module, spec, dims, max_tokens)
     data_path = path.with_name(path.name + ".data")
-    data_sha = write_weights(model, module, data_path, weights)
+    data = write_weights(model, module, data_path, weights)
     model.metadata_props.update({"xcompile.graph": spec.graph, "xcompile.contract_version": str(CONTRACT_VERSION),
-                                 "xcompile.external_data_sha256": data_sha})
+                                 "xcompile.external_data_sha256": data["sha256"]})
     model.producer_name = "xcompile"
     ir.save(model, path)
-    return ExportedGraph(spec.graph, path, spec, dims, sha256_file(path), data_sha)
+    return ExportedGraph(spec.graph, path, spec, dims, integrity.record_file(path), data)

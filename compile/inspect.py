@@ -10,13 +10,14 @@ elsewhere they are derived from the manifest.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 from xcompile.compile.errors import CompileError
-from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
+from xcompile.runtime.backends.trt import collecting_logger, deserialize_error, import_trt, trt_dtype_names
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.manifest import EngineEntry, Manifest
 
 # onnx.TensorProto.DataType values
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool"}
@@ -25,8 +26,13 @@ _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int
 def onnx_io(path: Path) -> dict:
     """Inputs/outputs of an ONNX file as written (weights are not read)."""
     import onnx
+    from google.protobuf.message import DecodeError
 
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, OSError) as e:       # truncated or not an ONNX file
+        raise CompileError(f"{path}: not a readable ONNX file ({type(e).__name__}: {str(e) or 'truncated?'}); "
+                           "re-export the engine dir (`xcompile export ... --force`)") from None
 
     def rows(values):
         return [{"name": v.name, "dtype": _ONNX_DTYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type)),
@@ -52,17 +58,18 @@ def _shape_text(dims: list[tuple]) -> str:
     return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in dims) + "]"
 
 
-def engine_io(path: Path, flavor: str) -> dict:
+def engine_io(path: Path, entry: EngineEntry) -> dict:
     """I/O read from a deserialized engine: per tensor mode, dtype, alias and per-profile shapes."""
     import torch
 
     if not torch.cuda.is_available():
         raise EngineError("no CUDA GPU here; TensorRT deserializes engines on a GPU only")
-    trt = import_trt(flavor)
-    runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+    trt = import_trt(entry.flavor)
+    logger = collecting_logger(trt)
+    runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(path.read_bytes())
     if engine is None:
-        raise EngineError(f"{FLAVOR_NAMES[flavor]} {trt.__version__} could not deserialize it (other version or GPU)")
+        raise deserialize_error(str(path), entry, trt, logger.errors)
     dtype_of = trt_dtype_names(trt)
     tensors = []
     for i in range(engine.num_io_tensors):
@@ -88,7 +95,10 @@ def describe(directory: Path, read_engines: bool = True) -> dict:
         manifest = Manifest.load(directory)
     except EngineError as e:
         raise CompileError(str(e)) from None
-    out = {k: v for k, v in asdict(manifest).items() if k not in ("graphs", "engines")}
+    out = {k: v for k, v in asdict(manifest).items() if k not in ("graphs", "engines", "files", "inputs")}
+    # the block hashes are for `xcompile verify`; a report shows what they cover
+    out["files"] = {n: r["size"] for n, r in manifest.files.items()}
+    out["inputs"] = {n: r["size"] for n, r in manifest.inputs.items()}
     out["graphs"], out["engines"] = {}, {}
     for graph, g in manifest.graphs.items():
         path = directory / g.onnx
@@ -109,7 +119,7 @@ def describe(directory: Path, read_engines: bool = True) -> dict:
             entry["read"] = f"{e.file} not found"
         elif read_engines:
             try:
-                entry["engine"] = engine_io(path, e.flavor)
+                entry["engine"] = engine_io(path, e)
                 entry["read"] = "from the engine"
             except EngineError as err:
                 entry["read"] = f"from the manifest (engine not deserialized: {err})"
@@ -151,6 +161,29 @@ def format_report(d: dict) -> str:
                 alias = f"  aliases {e['aliases'][name]}" if name in e["aliases"] else ""
                 lines.append(f"  {name:16} " + " | ".join(f"{n} {s}" for n, s in zip(names, shapes)) + alias)
     return "\n".join(lines)
+
+
+def verify_dir(directory: Path, full: bool = True, log=lambda _: None) -> str:
+    """``xcompile verify DIR``: every file the dir needs against the sizes and hashes recorded when it
+    was written (every byte; ``full=False``: the sampled check every load does). Returns a summary
+    line; the first mismatch is a CompileError naming the file."""
+    directory = Path(directory)
+    start = time.perf_counter()
+    try:
+        manifest = Manifest.load(directory)
+        names = manifest.needed_files()
+        for name in names:
+            manifest.verify(directory, [name], full=full)
+            log(f"ok {name} ({_size(manifest.files[name]['size'])})")
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    size = sum(manifest.files[n]["size"] for n in names)
+    return (f"{directory}: {len(names)} files, {_size(size)} match the manifest "
+            f"({'every byte' if full else 'sampled blocks'}, {time.perf_counter() - start:.2f} s)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def inspect(directory: Path, as_json: bool = False, read_engines: bool = True) -> str:

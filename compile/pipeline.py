@@ -3,20 +3,17 @@
     resolve -> parse configs (+ checks) -> meta-device modules -> export each graph, weights
     streamed tensor by tensor -> tokenizer files, d2t.safetensors -> manifest.json
 
-Atomic: everything is written into a temporary dir next to ``out`` and renamed onto it at the end,
-so a failure (or Ctrl-C) leaves nothing half-written, and an existing dir is replaced only with
-``force`` once the new one is complete.
+Atomic and locked (runtime/files.py): everything is written into a staging dir next to ``out`` and
+renamed onto it at the end, so a failure (or Ctrl-C) leaves nothing half-written; an existing dir is
+replaced only with ``force``, only when xcompile wrote it, and never when it holds an input.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -24,17 +21,23 @@ import torch
 
 from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
+from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
-    Eagle3Config, Qwen3Config, check_eagle3_fits, parse_eagle3, parse_generation_config, parse_qwen3,
-    read_json, synthetic_eagle3_config,
+    TAP_DEFAULT, TAP_OVERRIDE, Eagle3Config, Qwen3Config, check_eagle3_fits, parse_generation_config, read_json,
+    synthetic_eagle3_config, tap_convention,
 )
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import Weights, export_graph, sha256_file
-from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
+from xcompile.compile.export import Weights, export_graph
+from xcompile.compile.families import family
+from xcompile.compile.models import eagle3, qwen3
+from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime import files, integrity, logs
+from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES
-from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.text import vocabulary
 
 Log = Callable[[str], None]
 
@@ -44,7 +47,6 @@ MIN_SEQ_LEN = 8
 # the target's tokenizer, chat template and generation config, as HF checkpoints ship them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "generation_config.json")
-D2T_FILE = "d2t.safetensors"
 
 
 @dataclass(frozen=True)
@@ -61,54 +63,97 @@ class ExportRequest:
     synthetic: bool = False
     seed: int = 0
     force: bool = False
+    eagle3_taps: tuple[int, ...] | None = None   # 0-based layer-output ids overriding the head config's
+    synthetic_layers: int | None = None          # --synthetic: the alias's shape with fewer (or more) layers
+    revision: str | None = None                  # of the --model repo id (a branch, tag or commit)
+
+
+# the family of each model slot (recorded as ModelEntry.kind)
+_KINDS = {TARGET: qwen3.KIND, DRAFT: qwen3.KIND, EAGLE3: eagle3.KIND}
 
 
 @dataclass
 class _Part:
-    """One model of the dir: its meta-device module(s), a weight stream factory, and its manifest entry."""
+    """One model of the dir: its meta-device module, where its weights come from, and its manifest entry."""
 
     key: str
     module: torch.nn.Module
-    weights: Callable[[], Weights]
+    source: WeightSource
     entry: ModelEntry
-    files: dict[str, Path]              # checkpoint files to hash, by manifest key
+    borrowed: Callable[[], Weights] = lambda: iter(())     # weights from another model (a head's embedding)
     d2t: Callable[[], torch.Tensor] | None = None
 
+    def weights(self) -> Weights:
+        """A fresh (name, tensor) stream over the whole module: one per exported graph."""
+        return itertools.chain(self.source.tensors(self.module), self.borrowed())
 
-def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
-    """Export the request's graphs into ``req.out`` atomically; returns the written manifest."""
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes, decided before any weight is read."""
+
+    parts: list[_Part]
+    target_dir: Path | None
+
+    @property
+    def inputs(self) -> list[Path]:
+        """The checkpoint dirs the export reads: its output must stay clear of them."""
+        return sorted({path.parent for p in self.parts for path in p.source.files().values()})
+
+
+def plan_export(req: ExportRequest) -> ExportPlan:
+    """Check the request and plan the export (configs, checks, meta modules): fails before any work."""
     if req.dtype not in MODEL_TORCH_DTYPES:
         raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(MODEL_TORCH_DTYPES)}")
     if req.max_batch < 1:
         raise CompileError(f"--max-batch {req.max_batch}: must be at least 1")
-    out = Path(req.out).absolute()
-    if out.exists() and not req.force:
-        raise CompileError(f"{out}: already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise CompileError(f"{out}: exists and is not a directory")
-    parts, target_dir = _plan(req)
-    with _staged(out) as tmp:
-        manifest = Manifest(name=out.name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
-                            max_batch=req.max_batch, models={p.key: p.entry for p in parts},
-                            xcompile_version=_version())
+    return ExportPlan(*_plan(req))
+
+
+def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
+    """Export the request's graphs into ``req.out`` atomically (runtime/files.py); returns the manifest."""
+    plan = plan_export(req)
+    with files.staged_dir(req.out, "xcompile export", inputs=plan.inputs, replace=req.force) as tmp:
+        manifest = export_into(tmp, Path(req.out).absolute().name, req, plan, log)
+    log(f"wrote {Path(req.out).absolute()}")
+    return manifest
+
+
+def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan, log: Log = lambda _: None
+                ) -> Manifest:
+    """Write the planned graphs, tokenizer, d2t and manifest (named ``name``) into the empty ``directory``."""
+    parts, target_dir = plan.parts, plan.target_dir
+    manifest = Manifest(name=name, dtype=req.dtype, max_seq_len=parts[0].module.max_seq_len,
+                        max_batch=req.max_batch, models={p.key: p.entry for p in parts}, xcompile_version=_version())
+    graphs = sum(len(p.module.graphs(p.key)) for p in parts)
+    with logs.progress("export", graphs, "graphs") as bar:
         for p in parts:
-            for graph, module in _graphs(p):
+            for graph, module in p.module.graphs(p.key):
                 log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
-                done = export_graph(module, tmp / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
+                bar.update(note=graph)
+                done = export_graph(module, directory / f"{graph}.onnx", max_tokens=manifest.max_seq_len,
                                     weights=p.weights(), max_batch=req.max_batch)
-                manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims, done.sha256)
-            for name, path in p.files.items():
-                log(f"hashing {path.name} ...")
-                manifest.inputs_sha256[name] = sha256_file(path)
-        for p in parts:
-            if p.d2t is not None:
-                _write_d2t(p, tmp / D2T_FILE)
-        if target_dir is not None:
-            manifest.tokenizer_files = _copy_tokenizer(target_dir, tmp)
-            manifest.eos_token_ids = list(parse_generation_config(
-                target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
-        manifest.save(tmp)
-    log(f"wrote {out}")
+                manifest.graphs[graph] = GraphEntry(done.onnx.name, p.key, io_table(done.spec), done.dims,
+                                                    done.onnx_record["sha256"])
+                manifest.files[done.onnx.name] = done.onnx_record
+                manifest.files[f"{done.onnx.name}.data"] = done.data_record
+                bar.advance()
+            if p.source.files():
+                log(f"hashing the {p.key} checkpoint files ...")
+            for record_name, record in p.source.records().items():
+                manifest.inputs[f"{p.key}/{record_name}"] = record
+    written = []
+    for p in parts:
+        if p.d2t is not None:
+            _write_d2t(p, directory / D2T_FILE)
+            written.append(D2T_FILE)
+    if target_dir is not None:
+        manifest.tokenizer_files = _copy_tokenizer(target_dir, directory)
+        written += manifest.tokenizer_files
+        manifest.eos_token_ids = list(parse_generation_config(
+            target_dir / "generation_config.json", read_json(target_dir / "config.json")).eos_token_ids)
+    manifest.files.update({n: integrity.record_file(directory / n) for n in written})
+    manifest.save(directory)
     return manifest
 
 
@@ -116,42 +161,59 @@ def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest
 # planning: configs, checks and meta modules; no weight is read here
 
 
+def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
+          ) -> tuple[Qwen3Config | Eagle3Config, WeightSource, Path | None]:
+    """The config, weight source and checkpoint dir (None: synthetic) of the dir's ``role`` model: the one
+    place export tells a checkpoint from synthetic weights."""
+    name = req.draft_model if role == DRAFT else req.model
+    if req.synthetic_layers is not None and (not req.synthetic or req.synthetic_layers < 1):
+        raise CompileError(f"--synthetic-layers {req.synthetic_layers}: needs --synthetic and at least 1 layer")
+    if req.synthetic:
+        if role == EAGLE3 and req.eagle3:
+            raise CompileError("--synthetic builds the head in the published shape; give --eagle3 without a value")
+        cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else synthetic.known_config(name)
+        if role == TARGET and req.synthetic_layers:
+            cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
+        return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
+    directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else
+                 ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name, req.revision))
+    return family(_KINDS[role]).parse(directory / "config.json"), CheckpointSource(directory), directory
+
+
+def _where(cfg_dir: Path | None, name: str) -> str:
+    return str(cfg_dir / "config.json") if cfg_dir else f"the {name} config"
+
+
 def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
     dtype = MODEL_TORCH_DTYPES[req.dtype]
-    if req.synthetic:
-        cfg, target_dir = synthetic.known_config(req.model), None
-        source = synthetic.source(req.model.lower(), req.seed)
-        files = {}
-    else:
-        target_dir = ckpt.resolve(req.model)
-        cfg = parse_qwen3(target_dir / "config.json")
-        source, files = str(target_dir), _checkpoint_files("target", target_dir)
+    cfg, source, target_dir = _open(req, TARGET)
     max_seq_len = _max_seq_len(req, cfg, target_dir)
-    head_cfg = head_dir = None
-    taps = cfg.default_tap_layers
+    taps, head = cfg.default_tap_layers, None
+    if req.eagle3_taps is not None:
+        if req.eagle3 is None:
+            raise CompileError(f"{TAP_OVERRIDE} sets the EAGLE3 head's taps; add --eagle3")
+        if len(req.eagle3_taps) != 3 or not all(0 <= t < cfg.num_hidden_layers for t in req.eagle3_taps):
+            raise CompileError(f"{TAP_OVERRIDE} {','.join(map(str, req.eagle3_taps))}: expected three layer-output "
+                               f"ids in 0..{cfg.num_hidden_layers - 1} (the target has {cfg.num_hidden_layers} layers)")
     if req.eagle3 is not None:
-        if req.synthetic:
-            if req.eagle3:
-                raise CompileError("--synthetic builds the head in the published shape; give --eagle3 without a value")
-            head_cfg = synthetic_eagle3_config(cfg)
-        else:
-            head_dir = ckpt.resolve_eagle3(req.model, req.eagle3)
-            head_cfg = parse_eagle3(head_dir / "config.json")
-            taps = ckpt.tap_layers(head_cfg, cfg)
-            check_eagle3_fits(head_cfg, cfg, head_dir / "config.json", taps)
+        head = _open(req, EAGLE3, cfg)
+        head_cfg, _, head_dir = head
+        taps = req.eagle3_taps or ckpt.tap_layers(head_cfg, cfg)
+        check_eagle3_fits(head_cfg, cfg, _where(head_dir, "synthetic head"), taps)
     with torch.device("meta"):
         target = Qwen3(cfg, max_seq_len, tuple(taps)).to(dtype)
-    parts = [_Part(TARGET, target, _stream(req, target, target_dir), ModelEntry(
-        "qwen3", cfg.to_dict(), source, {"taps": list(target.taps)}), files)]
-    if head_cfg is not None:
-        parts.append(_head_part(req, head_cfg, head_dir, target, target_dir, dtype))
+    parts = [_Part(TARGET, target, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source,
+                                                      {"taps": list(target.taps)}))]
+    if head is not None:
+        field = TAP_OVERRIDE if req.eagle3_taps else head[0].tap_field or TAP_DEFAULT
+        parts.append(_head_part(head[0], head[1], parts[0], dtype, field))
     if req.draft_model is not None:
-        parts.append(_draft_part(req, cfg, max_seq_len, dtype))
+        parts.append(_draft_part(req, cfg, max_seq_len, dtype, target_dir))
     return parts, target_dir
 
 
 def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) -> int:
-    where = target_dir / "config.json" if target_dir else f"the {req.model} config"
+    where = _where(target_dir, req.model)
     if req.max_seq_len is None:
         return min(DEFAULT_MAX_SEQ_LEN, cfg.max_position_embeddings)
     if req.max_seq_len > cfg.max_position_embeddings:
@@ -162,88 +224,60 @@ def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) 
     return req.max_seq_len
 
 
-def _head_part(req: ExportRequest, head_cfg: Eagle3Config, head_dir: Path | None, target: Qwen3,
-               target_dir: Path | None, dtype: torch.dtype) -> _Part:
+def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtype: torch.dtype,
+               taps_from: str) -> _Part:
     with torch.device("meta"):
-        head = Eagle3(head_cfg, target.max_seq_len).to(dtype)
-    # the head embeds with the target's table: stream it from the target's weights under the head's name
-    embed = _target_embedding(req, target, target_dir)
-    if req.synthetic:
-        source, files = synthetic.source(req.model.lower(), req.seed, EAGLE3), {}
-    else:
-        source, files = str(head_dir), _checkpoint_files("eagle3", head_dir)
-    entry = ModelEntry("eagle3", head_cfg.to_dict(), source, {"taps": list(target.taps), "rope_theta": head.rope_theta})
-    own = _stream(req, head, head_dir, EAGLE3)
-    if req.synthetic:
-        seed = req.seed + synthetic.SEED_OFFSETS[EAGLE3]
-        d2t = lambda: synthetic.synthetic_tensor(head, "d2t", head.d2t, seed)           # noqa: E731
-    else:
-        d2t = lambda: ckpt.Checkpoint(head_dir).get("d2t")                               # noqa: E731
-    return _Part(EAGLE3, head, lambda: itertools.chain(own(), embed()), entry, files, d2t)
+        head = Eagle3(head_cfg, target.module.max_seq_len).to(dtype)
+    # which config field (or option) the taps came from and how its ids count (config.TAP_FIELDS)
+    entry = ModelEntry(eagle3.KIND, head_cfg.to_dict(), source.source,
+                       {"taps": list(target.module.taps), "taps_from": taps_from,
+                        "taps_convention": tap_convention(taps_from), "rope_theta": head.rope_theta})
+
+    def embedding() -> Weights:
+        # the head embeds with the target's table: streamed from the target's weights under the head's name
+        yield "embed_tokens.weight", target.source.tensor(target.module, "model.embed_tokens.weight")
+    return _Part(EAGLE3, head, source, entry, embedding, lambda: source.tensor(head, "d2t"))
 
 
-def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype) -> _Part:
-    if req.synthetic:
-        cfg, draft_dir = synthetic.known_config(req.draft_model), None
-        source, files = synthetic.source(req.draft_model.lower(), req.seed, DRAFT), {}
-    else:
-        draft_dir = ckpt.resolve_draft(req.draft_model)
-        cfg = parse_qwen3(draft_dir / "config.json")
-        source, files = str(draft_dir), _checkpoint_files("draft", draft_dir)
-    where = draft_dir / "config.json" if draft_dir else f"the {req.draft_model} config"
+def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype,
+                target_dir: Path | None) -> _Part:
+    cfg, source, draft_dir = _open(req, DRAFT)
+    where = _where(draft_dir, req.draft_model)
     if cfg.vocab_size != target_cfg.vocab_size:
         raise CompileError(f"{where}: vocab_size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}; "
                            "a draft model must share the target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B)")
+    if draft_dir is not None and target_dir is not None:
+        _check_same_vocabulary(draft_dir, target_dir)
     if max_seq_len > cfg.max_position_embeddings:
         raise CompileError(f"--max-seq-len {max_seq_len} exceeds max_position_embeddings "
                            f"{cfg.max_position_embeddings} of {where}")
     with torch.device("meta"):
         draft = Qwen3(cfg, max_seq_len).to(dtype)
-    return _Part(DRAFT, draft, _stream(req, draft, draft_dir, DRAFT),
-                 ModelEntry("qwen3", cfg.to_dict(), source), files)
+    return _Part(DRAFT, draft, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source))
 
 
-def _stream(req: ExportRequest, module: torch.nn.Module, directory: Path | None,
-            role: str = TARGET) -> Callable[[], Weights]:
-    """A factory of (name, tensor) streams for ``module`` (the dir's ``role`` model): one per exported graph."""
-    if req.synthetic:
-        seed = req.seed + synthetic.SEED_OFFSETS[role]
-        return lambda: synthetic.synthetic_state(module, seed)
-    return lambda: ckpt.iter_state(ckpt.Checkpoint(directory), module)
-
-
-def _target_embedding(req: ExportRequest, target: Qwen3, target_dir: Path | None) -> Callable[[], Weights]:
-    name = "model.embed_tokens.weight"
-    like = target.model.embed_tokens.weight
-
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        if req.synthetic:
-            yield "embed_tokens.weight", synthetic.synthetic_tensor(target, name, like, req.seed)
-        else:
-            yield "embed_tokens.weight", ckpt.Checkpoint(target_dir).get(name).to(like.dtype)
-    return stream
-
-
-def _graphs(part: _Part) -> list[tuple[str, torch.nn.Module]]:
-    if part.key == EAGLE3:
-        return [(EAGLE3_FC, Eagle3FC(part.module)), (EAGLE3, part.module)]
-    return [(part.key, part.module)]
+def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:
+    """A draft model proposes target token ids: the same size is not enough, every token must map to the
+    same id (runtime/text.py vocabulary)."""
+    for d in (draft_dir, target_dir):
+        if not (d / "tokenizer.json").is_file():
+            raise CompileError(f"{d / 'tokenizer.json'}: missing; a draft model proposes target token ids, so "
+                               "xcompile checks that both tokenizers map every token to the same id: add the "
+                               "checkpoint's tokenizer files")
+    try:
+        draft, target = vocabulary(draft_dir), vocabulary(target_dir)
+    except EngineError as e:
+        raise CompileError(str(e)) from None
+    if draft != target:
+        tokens = sorted({t for t, _ in set(draft.items()) ^ set(target.items())})
+        raise CompileError(f"{draft_dir / 'tokenizer.json'}: the draft model's vocabulary differs from the target's "
+                           f"({target_dir / 'tokenizer.json'}) in {len(tokens)} token(s), e.g. {tokens[0]!r} -> "
+                           f"{draft.get(tokens[0])} vs {target.get(tokens[0])}; a draft model must share the "
+                           "target's tokenizer")
 
 
 # --------------------------------------------------------------------------------------------
 # files
-
-
-def _checkpoint_files(role: str, directory: Path) -> dict[str, Path]:
-    """config + weight files (+ index) of a checkpoint dir, keyed ``<role>/<file>`` for the manifest."""
-    names = ["config.json"]
-    for index in (ckpt.SAFETENSORS_INDEX, ckpt.TORCH_BIN_INDEX):
-        if (directory / index).is_file():
-            names += [index, *sorted(set(read_json(directory / index).get("weight_map", {}).values()))]
-            break
-    else:
-        names += [n for n in (ckpt.SAFETENSORS, ckpt.TORCH_BIN) if (directory / n).is_file()][:1]
-    return {f"{role}/{n}": directory / n for n in names}
 
 
 def _write_d2t(head: _Part, path: Path) -> None:
@@ -267,48 +301,6 @@ def _version() -> str:
         return version("xcompile")
     except PackageNotFoundError:
         return ""
-
-
-@contextlib.contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A temp dir next to ``out``, renamed onto it when the block succeeds (an existing ``out`` is
-    swapped out, then deleted) and removed, with any parent dirs made for it, when the block fails
-    or is interrupted."""
-    created = []
-    try:
-        for p in reversed([p for p in [out.parent, *out.parent.parents] if not p.exists()]):
-            p.mkdir()
-            created.append(p)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    except OSError as e:
-        _remove_dirs(created)
-        raise CompileError(f"{out}: cannot write there ({e.strerror or e}); choose another --out") from None
-    try:
-        yield tmp
-        tmp.chmod(0o777 & ~_umask())               # mkdtemp makes it 0700
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / out.name)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_dirs(created)
-        raise
-
-
-def _remove_dirs(created: list[Path]) -> None:
-    for p in reversed(created):                     # deepest first, and only if still empty
-        with contextlib.suppress(OSError):
-            p.rmdir()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def describe(manifest: Manifest) -> str:

@@ -14,77 +14,78 @@ from pathlib import Path
 
 import torch
 
-from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
-from xcompile.compile.config import Qwen3Config, synthetic_eagle3_config
+from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
+from xcompile.compile.config import synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import Eagle3, Eagle3FC
+from xcompile.compile.families import family
+from xcompile.compile.models import eagle3, qwen3
+from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET, graph_spec
-from xcompile.runtime.engine import MODEL_TORCH_DTYPES, Engine, KVShape
+from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.engine import MODEL_TORCH_DTYPES, Engine
 from xcompile.runtime.manifest import Manifest, ModelEntry
+
+
+def torch_engines(module: torch.nn.Module, role: str, max_seq_len: int | None = None) -> dict[str, TorchEngine]:
+    """Every contract graph ``module`` runs as in the ``role`` slot (a head: ``eagle3`` and ``eagle3_fc``), as
+    torch engines in its own dtype and on its device, with KV for ``max_seq_len`` tokens (default: the module's)."""
+    w = next(module.parameters())
+    return {graph: TorchEngine(m, m.graph_spec(graph), m.kv_shape(max_seq_len), w.dtype, w.device)
+            for graph, m in module.graphs(role)}
 
 
 def qwen3_engine(module: Qwen3, graph: str = TARGET, max_seq_len: int | None = None) -> TorchEngine:
     """``module`` as the ``target`` (or ``draft``) graph, in its own dtype and on its device, with KV for
     ``max_seq_len`` tokens (default: the module's)."""
-    c, w = module.cfg, module.lm_head.weight
-    kv = KVShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_seq_len or module.max_seq_len)
-    return TorchEngine(module, graph_spec(graph, c.num_hidden_layers), kv, w.dtype, w.device)
+    return torch_engines(module, graph, max_seq_len)[graph]
 
 
 def eagle3_engines(head: Eagle3, max_seq_len: int | None = None) -> tuple[TorchEngine, TorchEngine]:
     """An EAGLE3 head as its ``eagle3`` step graph (one KV layer for ``max_seq_len`` tokens, default: the
     head's) and its ``eagle3_fc`` projection, in its own dtype and on its device."""
-    c, w = head.cfg, head.fc.weight
-    kv = KVShape(1, c.num_key_value_heads, c.head_dim, max_seq_len or head.max_seq_len)
-    return (TorchEngine(head, graph_spec(EAGLE3), kv, w.dtype, w.device),
-            TorchEngine(Eagle3FC(head), graph_spec(EAGLE3_FC), None, w.dtype, w.device))
+    engines = torch_engines(head, EAGLE3, max_seq_len)
+    return engines[EAGLE3], engines[EAGLE3_FC]
 
 
-def _qwen3(entry: ModelEntry, max_seq_len: int, dtype: torch.dtype, device, taps=None) -> Qwen3:
+def weight_source(entry: ModelEntry) -> WeightSource:
+    """Where a manifest entry's weights come from: the seeded synthetic weights or the checkpoint dir it names."""
     found = synthetic.parse_source(entry.source)
     if found is not None:
-        return synthetic.synthetic_qwen3(Qwen3Config(**entry.config), max_seq_len, found[1], dtype, device, taps)
+        return synthetic.SyntheticSource(*found)
     path = Path(entry.source)
     if not path.is_dir():
         raise CompileError(f"{path}: checkpoint recorded in the manifest is gone; the PyTorch reference (the torch "
                            "backend, xcompile diff) reloads weights from it: rebuild from where the checkpoint now "
                            "lives, or run the engines with --backend ort/trt")
-    return ckpt.load_qwen3(path, max_seq_len, taps, dtype, device)
+    return CheckpointSource(path)
 
 
-def _eagle3(entry: ModelEntry, target: Qwen3) -> Eagle3:
-    theta = entry.extra.get("rope_theta")
-    found = synthetic.parse_source(entry.source)
-    if found is not None:
-        return synthetic.synthetic_eagle3(target, found[1], target.max_seq_len, theta)
-    return ckpt.load_eagle3(Path(entry.source), target, target.max_seq_len, rope_theta=theta)
-
-
-def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None
-                      ) -> dict[str, Engine]:
+def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
+                      verify: bool = False) -> dict[str, Engine]:
     """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft), with the
-    weights its sources name, in ``dtype`` (default: the manifest's)."""
+    weights its sources name, in ``dtype`` (default: the manifest's). Each model's kind picks its family.
+    A checkpoint must still be what the export read (its recorded sizes and hashes: sampled blocks, or
+    every byte with ``verify``), else these would not be the exported weights."""
     dtype = dtype or MODEL_TORCH_DTYPES[manifest.dtype]
-    n = manifest.max_seq_len
-    models = manifest.models
-    taps = tuple(models[TARGET].extra.get("taps") or ()) or None
-    target = _qwen3(models[TARGET], n, dtype, device, taps)
-    engines: dict[str, Engine] = {TARGET: qwen3_engine(target)}
-    if EAGLE3 in models:
-        engines[EAGLE3], engines[EAGLE3_FC] = eagle3_engines(_eagle3(models[EAGLE3], target))
-    if DRAFT in models:
-        engines[DRAFT] = qwen3_engine(_qwen3(models[DRAFT], n, dtype, device), DRAFT)
-    return engines
+    modules: dict[str, torch.nn.Module] = {}
+    for role in sorted(manifest.models, key=lambda r: r != TARGET):     # the target first: a head shares its embedding
+        entry = manifest.models[role]
+        source = weight_source(entry)
+        manifest.verify_inputs(role, full=verify)
+        fam = family(entry.kind)
+        cfg = fam.config_from(entry.config, f"manifest model {role!r}")
+        modules[role] = fam.load(source, cfg, manifest.max_seq_len, dtype, device, modules.get(TARGET), entry.extra)
+    return {graph: engine for role, module in modules.items() for graph, engine in torch_engines(module, role).items()}
 
 
-def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None
-                      ) -> dict[str, Engine]:
-    """The engine dir's (or an in-memory manifest's) graphs as torch-backend engines."""
+def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
+                      verify: bool = False) -> dict[str, Engine]:
+    """The engine dir's (or an in-memory manifest's) graphs as torch-backend engines (``verify``: hash
+    every byte of the checkpoints, not sampled blocks)."""
     manifest = source if isinstance(source, Manifest) else Manifest.load(source)
-    return reference_engines(manifest, device, dtype)
+    return reference_engines(manifest, device, dtype, verify)
 
 
 def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,
@@ -95,14 +96,14 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
     if max_seq_len > cfg.max_position_embeddings:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
-    models = {TARGET: ModelEntry("qwen3", cfg.to_dict(), synthetic.source(name, seed),
+    models = {TARGET: ModelEntry(qwen3.KIND, cfg.to_dict(), synthetic.source(name, seed),
                                  {"taps": list(cfg.default_tap_layers) if eagle3 else []})}
     if eagle3:
         head = synthetic_eagle3_config(cfg)
-        models[EAGLE3] = ModelEntry("eagle3", head.to_dict(), synthetic.source(name, seed, EAGLE3),
+        models[EAGLE3] = ModelEntry(eagle3.KIND, head.to_dict(), synthetic.source(name, seed, EAGLE3),
                                     {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
     if draft:
-        models[DRAFT] = ModelEntry("qwen3", synthetic.known_config(draft).to_dict(),
+        models[DRAFT] = ModelEntry(qwen3.KIND, synthetic.known_config(draft).to_dict(),
                                    synthetic.source(draft, seed, DRAFT))
     return Manifest(name=f"synthetic-{name}", dtype=dtype, max_seq_len=max_seq_len, max_batch=1, models=models)
 

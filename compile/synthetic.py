@@ -22,10 +22,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from xcompile.compile.checkpoint import materialize, module_state
+from xcompile.compile.checkpoint import build_eagle3, build_qwen3, module_state
+from xcompile.compile.checkpoint.source import WeightSource
 from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import Eagle3
+from xcompile.compile.models import eagle3
+from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.models.layers import RMSNorm
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
@@ -58,32 +60,63 @@ def draft_ids(seed: int, vocab_size: int, draft_vocab_size: int) -> torch.Tensor
     return torch.randperm(vocab_size, generator=_generator(seed, "d2t"))[:draft_vocab_size].sort().values
 
 
+def _d2t(model: nn.Module, seed: int) -> torch.Tensor:
+    ids = draft_ids(seed, model.cfg.vocab_size, model.cfg.draft_vocab_size)
+    return ids - torch.arange(ids.shape[0])
+
+
+def _t2d(model: nn.Module, seed: int) -> torch.Tensor:
+    return eagle3.t2d_from_d2t(_d2t(model, seed), model.cfg.vocab_size)
+
+
+# state that is not a random weight, by model kind: an EAGLE3 head's valid vocabulary map
+_SPECIAL = {eagle3.KIND: {"d2t": _d2t, "t2d": _t2d}}
+
+
 def synthetic_tensor(model: nn.Module, name: str, like: torch.Tensor, seed: int, std: float = INIT_STD,
                      norm_std: float = 0.0) -> torch.Tensor:
     """The synthetic value of one state tensor of ``model`` (a Qwen3 or an Eagle3), on the CPU."""
+    special = _SPECIAL.get(model.kind, {}).get(name)
+    if special is not None:
+        return special(model, seed)
     owner = model.get_submodule(name.rpartition(".")[0])
     g = _generator(seed, name)
-    if isinstance(model, Eagle3) and name in ("d2t", "t2d"):
-        ids = draft_ids(seed, model.cfg.vocab_size, model.cfg.draft_vocab_size)
-        if name == "d2t":
-            return ids - torch.arange(ids.shape[0])
-        t2d = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        return t2d
     if isinstance(owner, RMSNorm):
         return (1.0 + norm_std * torch.randn(like.shape, generator=g)).to(like.dtype)
     return (std * torch.randn(like.shape, generator=g)).to(like.dtype)
 
 
+class SyntheticSource(WeightSource):
+    """Seeded random weights for any module: no files; each tensor drawn from (seed, state name)."""
+
+    def __init__(self, name: str, seed: int, std: float = INIT_STD, norm_std: float = 0.0):
+        self.name, self.seed, self.std, self.norm_std = name, seed, std, norm_std
+
+    @classmethod
+    def for_role(cls, name: str, seed: int, role: str) -> SyntheticSource:
+        """The weights of ``role`` in a dir made with ``seed`` (``SEED_OFFSETS``)."""
+        return cls(name, seed + SEED_OFFSETS[role])
+
+    @property
+    def source(self) -> str:
+        return f"{SOURCE_PREFIX}{self.name}:{self.seed}"
+
+    def identity(self) -> str:
+        return f"{self.source}:std={self.std}:norm_std={self.norm_std}"
+
+    def _names(self, model: nn.Module, key_map: KeyMap) -> list[str]:
+        return [n for n in module_state(model) if n not in key_map.external]
+
+    def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
+        return synthetic_tensor(model, name, like, self.seed, self.std, self.norm_std), self.source
+
+
 def synthetic_state(model: nn.Module, seed: int = 0, std: float = INIT_STD, norm_std: float = 0.0
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (state name, tensor) for ``model`` (may live on the meta device), in its dtype.
-    Like ``checkpoint.iter_state``: an EAGLE3 head's ``embed_tokens.weight`` is the target's and
+    Like ``CheckpointSource.tensors``: an EAGLE3 head's ``embed_tokens.weight`` is the target's and
     is not yielded."""
-    for name, like in module_state(model).items():
-        if isinstance(model, Eagle3) and name == "embed_tokens.weight":
-            continue
-        yield name, synthetic_tensor(model, name, like, seed, std, norm_std)
+    return SyntheticSource("", seed, std, norm_std).tensors(model)
 
 
 def known_config(name_or_cfg: str | Qwen3Config) -> Qwen3Config:
@@ -91,8 +124,9 @@ def known_config(name_or_cfg: str | Qwen3Config) -> Qwen3Config:
     if isinstance(name_or_cfg, Qwen3Config):
         return name_or_cfg
     known = KNOWN_MODELS.get(name_or_cfg.lower())
-    if known is None:
-        raise CompileError(f"unknown model {name_or_cfg!r} for synthetic weights; known: {', '.join(KNOWN_MODELS)}")
+    if known is None or known.config is None:
+        shapes = [alias for alias, m in KNOWN_MODELS.items() if m.config is not None]
+        raise CompileError(f"unknown model {name_or_cfg!r} for synthetic weights; known: {', '.join(shapes)}")
     return known.config
 
 
@@ -101,21 +135,16 @@ def synthetic_qwen3(name_or_cfg: str | Qwen3Config, max_seq_len: int, seed: int 
                     taps: tuple[int, ...] | None = None, std: float = INIT_STD, norm_std: float = 0.0) -> Qwen3:
     """A Qwen3 with seeded random weights in the shape of a KNOWN_MODELS alias (or a config)."""
     cfg = known_config(name_or_cfg)
-    with torch.device("meta"):
-        model = Qwen3(cfg, max_seq_len, taps).to(dtype)
-    return materialize(model, synthetic_state(model, seed, std, norm_std), dtype, device)
+    name = name_or_cfg if isinstance(name_or_cfg, str) else ""
+    return build_qwen3(SyntheticSource(name, seed, std, norm_std), cfg, max_seq_len, taps, dtype, device)
 
 
 def synthetic_eagle3(target: Qwen3, seed: int = 0, max_seq_len: int | None = None,
-                     rope_theta: float | None = None, std: float = INIT_STD, norm_std: float = 0.0) -> Eagle3:
+                     rope_theta: float | None = None, std: float = INIT_STD, norm_std: float = 0.0) -> eagle3.Eagle3:
     """An EAGLE3 head in the shape AngelSlim publishes for ``target`` (config.synthetic_eagle3_config),
     sharing the target's embedding, dtype and device. The target must carry the default taps."""
     if target.taps != tuple(sorted(target.cfg.default_tap_layers)):
         raise CompileError(f"a synthetic EAGLE3 head reads the target's default taps "
                            f"{list(target.cfg.default_tap_layers)}, but the target has taps {list(target.taps)}")
-    embed = target.model.embed_tokens.weight
-    cfg = synthetic_eagle3_config(target.cfg)
-    with torch.device("meta"):
-        head = Eagle3(cfg, max_seq_len or target.max_seq_len, rope_theta).to(embed.dtype)
-    head.embed_tokens.weight = embed
-    return materialize(head, synthetic_state(head, seed, std, norm_std), embed.dtype, embed.device)
+    return build_eagle3(SyntheticSource("", seed, std, norm_std), synthetic_eagle3_config(target.cfg), target,
+                        max_seq_len or target.max_seq_len, rope_theta)

@@ -35,6 +35,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
+from xcompile.runtime import files, logs
 from xcompile.runtime.drafters import Eagle3ChainDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.text import Text
@@ -232,7 +233,7 @@ def evaluate(target, head: Eagle3, windows: torch.Tensor, opts: TrainOptions) ->
     device = head.fc.weight.device
     tokens = head.d2t + torch.arange(len(head.d2t), device=device)
     loss, losses, accs, n = 0.0, 0.0, 0.0, 0
-    for i in range(0, len(windows), opts.batch):
+    for i in logs.each(range(0, len(windows), opts.batch), "held-out", "batches"):
         ids = windows[i:i + opts.batch].to(device)
         with autocast(device):
             logits, taps = target_features(target, ids, target.new_kv(len(ids), device=device))
@@ -282,35 +283,40 @@ def train_eagle3(target, windows: torch.Tensor, opts: TrainOptions, heldout: tor
         f"{steps or '-'} steps / {f'{opts.seconds:.0f}' if opts.seconds else '-'} s")
     data, kv = textdata.batches(windows, opts.batch, opts.seed), target.new_kv(opts.batch, device=device)
     result, meter, step, t0 = TrainResult(head), [], 0, time.perf_counter()
-    while (p := sched.progress(step)) < 1.0:
-        for group in opt.param_groups:
-            group["lr"] = sched.lr_at(p)
-        ids = next(data).to(device, non_blocking=True)
-        with autocast(device):
-            logits, taps = target_features(target, ids, kv)
-            soft = soft_targets(logits, tokens, head.t2d)
-            del logits
-            loss, step_losses, step_accs = ttt_loss(ttt_forward(head, ids, taps, opts.ttt_steps), soft, tokens)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
-        opt.step()
-        step += 1
-        meter.append(torch.cat((loss.detach()[None], step_accs)))
-        done = sched.progress(step) >= 1.0
-        if step % opts.log_every == 0 or done:
-            m = torch.stack(meter).mean(0).tolist()                               # one host sync per log line
-            meter.clear()
-            row = {"step": step, "tokens": step * per_step, "seconds": round(time.perf_counter() - t0, 1),
-                   "lr": sched.lr_at(p), "loss": round(m[0], 4), "step_acc": [round(a, 3) for a in m[1:]]}
-            result.history.append(row)
-            log(f"step {step:6d}  loss {m[0]:.4f}  acc " + " ".join(f"{a:.2f}" for a in m[1:])
-                + f"  lr {row['lr']:.2e}  {row['tokens'] / max(row['seconds'], 1e-9):,.0f} tok/s")
-        if heldout is not None and (done or (opts.eval_every and step % opts.eval_every == 0)):
-            ev = evaluate(target, head, heldout, opts)
-            result.history.append({"step": step, "heldout": ev})
-            result.heldout = ev
-            log(f"step {step:6d}  held-out loss {ev['loss']:.4f}  acc " + " ".join(f"{a:.2f}" for a in ev["step_acc"]))
+    # the bar counts steps, or seconds for a time-only budget; its loss note changes with each log line
+    with logs.progress("train", steps or opts.seconds, "steps" if steps else "s") as bar:
+        while (p := sched.progress(step)) < 1.0:
+            for group in opt.param_groups:
+                group["lr"] = sched.lr_at(p)
+            ids = next(data).to(device, non_blocking=True)
+            with autocast(device):
+                logits, taps = target_features(target, ids, kv)
+                soft = soft_targets(logits, tokens, head.t2d)
+                del logits
+                loss, step_losses, step_accs = ttt_loss(ttt_forward(head, ids, taps, opts.ttt_steps), soft, tokens)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
+            opt.step()
+            step += 1
+            meter.append(torch.cat((loss.detach()[None], step_accs)))
+            bar.update(completed=step if steps else time.perf_counter() - t0)
+            done = sched.progress(step) >= 1.0
+            if step % opts.log_every == 0 or done:
+                m = torch.stack(meter).mean(0).tolist()                               # one host sync per log line
+                meter.clear()
+                row = {"step": step, "tokens": step * per_step, "seconds": round(time.perf_counter() - t0, 1),
+                       "lr": sched.lr_at(p), "loss": round(m[0], 4), "step_acc": [round(a, 3) for a in m[1:]]}
+                result.history.append(row)
+                log(f"step {step:6d}  loss {m[0]:.4f}  acc " + " ".join(f"{a:.2f}" for a in m[1:])
+                    + f"  lr {row['lr']:.2e}  {row['tokens'] / max(row['seconds'], 1e-9):,.0f} tok/s")
+                bar.update(note=f"loss {m[0]:.4f}")
+            if heldout is not None and (done or (opts.eval_every and step % opts.eval_every == 0)):
+                ev = evaluate(target, head, heldout, opts)
+                result.history.append({"step": step, "heldout": ev})
+                result.heldout = ev
+                log(f"step {step:6d}  held-out loss {ev['loss']:.4f}  acc "
+                    + " ".join(f"{a:.2f}" for a in ev["step_acc"]))
     return result
 
 
@@ -347,37 +353,53 @@ def save_head(head: Eagle3, out: str | Path, dtype: torch.dtype = torch.bfloat16
 @torch.no_grad()
 def measure_acceptance(target, head: Eagle3, prompts: list[list[int]], max_new_tokens: int, k: int = 4) -> dict:
     """Real acceptance: greedy generation through the runtime (torch backend) with ``head`` drafting
-    chains of ``k``, next to plain greedy decoding on the same target engine. Returns τ (tokens per
-    verify round, bonus included), acceptance by draft depth, and the fraction of prompts whose output
-    equals plain greedy token for token (1.0 in fp32; bf16 near-ties may flip a few)."""
+    chains of ``k``, next to plain greedy decoding on the same target engine. Returns τ (tokens emitted
+    per verify round, bonus included, as ``Stats.acceptance_length``), acceptance by draft depth, and
+    the fraction of prompts whose output equals plain greedy token for token (1.0 in fp32; bf16 near-ties may flip a few)."""
     n = min(target.max_seq_len, head.max_seq_len)
     target_engine = qwen3_engine(target)
     plain = Generator(target_engine, NoDrafter(), [], n)                       # no EOS: full-length runs
     spec = Generator(target_engine, Eagle3ChainDrafter(*eagle3_engines(head), head.d2t, k), [], n)
-    rounds = accepted = same = 0
+    rounds = emitted = same = 0
     at = [0] * k
-    for p in prompts:
+    for p in logs.each(prompts, "acceptance", "prompts"):
         want, got = plain.generate(p, max_new_tokens), spec.generate(p, max_new_tokens)
         same += got.tokens == want.tokens
-        rounds, accepted = rounds + got.stats.rounds, accepted + got.stats.accepted
+        rounds, emitted = rounds + got.stats.rounds, emitted + got.stats.new_tokens - 1     # τ as Stats defines it
         at = [a + b for a, b in zip(at, got.stats.accepted_at)]
     return {"k": k, "prompts": len(prompts), "new_tokens": max_new_tokens,
-            "tau": round((accepted + rounds) / max(rounds, 1), 3),
+            "tau": round(emitted / max(rounds, 1), 3),
             "acceptance_by_position": [round(a / max(rounds, 1), 3) for a in at],
             "match_plain": same / max(len(prompts), 1)}
 
 
 def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opts: TrainOptions,
                        heldout_data: str | Path | None = None, regenerate: bool = False,
-                       max_new_tokens: int = 256, log: Callable[[str], None] = print) -> TrainResult:
+                       max_new_tokens: int = 256, log: Callable[[str], None] = print,
+                       revision: str | None = None, force: bool = False) -> TrainResult:
     """``xcompile train-eagle3``: load the target checkpoint and its tokenizer, read and pack the data
     (regenerating prompt responses greedily with the target when asked), train, write the head dir
     (plus xcompile_train.json with the options, the log and the measured acceptance), reload it with
-    ``load_eagle3`` and measure acceptance on prompts cut from the held-out (else training) windows."""
+    ``load_eagle3`` and measure acceptance on prompts cut from the held-out (else training) windows.
+
+    ``out`` is staged (runtime/files.py): locked and checked against the inputs before the target
+    loads, written only when everything succeeded; an existing dir needs ``force`` and must be one
+    xcompile wrote."""
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CompileError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
-    model_dir = resolve(str(model))
+    model_dir = resolve(str(model), revision)
+    with files.staged_dir(out, "xcompile train-eagle3", inputs=(model_dir, data, heldout_data), replace=force) as tmp:
+        result = _train_into(tmp, model, model_dir, data, opts, heldout_data, regenerate, max_new_tokens, log, revision)
+    log(f"wrote {out}")
+    return result
+
+
+def _train_into(out: Path, model: str | Path, model_dir: Path, data: str | Path, opts: TrainOptions,
+                heldout_data: str | Path | None, regenerate: bool, max_new_tokens: int,
+                log: Callable[[str], None], revision: str | None = None) -> TrainResult:
+    """``train_eagle3_files``' work, writing the head into the staging dir ``out``."""
+    device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # max_seq_len = seq_len: training windows are whole prefills; generation stays inside it too
     taps = parse_qwen3(model_dir / "config.json").default_tap_layers      # the head config's default
@@ -400,7 +422,7 @@ def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opt
     windows = windows_of(data)
     heldout = windows_of(heldout_data) if heldout_data is not None else None
     result = train_eagle3(target, windows, opts, heldout, log)
-    meta = {"target": str(model), "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
+    meta = {"target": str(model), "revision": revision, "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
             "regenerate": regenerate, "tap_layers": list(target.taps), "options": asdict(opts),
             "heldout": result.heldout, "history": result.history}
     save_head(result.head, out, metadata=meta)
@@ -416,5 +438,4 @@ def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opt
         log(f"acceptance ({a['prompts']} {a['prompts_from']} prompts, chain k={a['k']}, {a['new_tokens']} new tokens): "
             f"tau {a['tau']:.2f}, by depth {a['acceptance_by_position']}, output == plain greedy for "
             f"{a['match_plain']:.0%} of prompts")
-    log(f"wrote {out}")
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xcompile.compile.errors import CompileError
+from xcompile.runtime import integrity, logs
 from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
 from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.errors import EngineError
@@ -39,7 +41,9 @@ def polygraphy_backend(flavor: str):
     except EngineError as e:
         raise CompileError(str(e)) from None
     from polygraphy import config
+    from polygraphy.logger import G_LOGGER
 
+    logs.bind_polygraphy(G_LOGGER)                  # its messages to stderr, at the -v/-q level, from the start
     previous, config.USE_TENSORRT_RTX = config.USE_TENSORRT_RTX, flavor == "rtx"
     from polygraphy.backend import trt as poly
     from polygraphy.backend.trt import loader
@@ -56,7 +60,8 @@ def polygraphy_backend(flavor: str):
 def polygraphy_errors():
     """Route Polygraphy's (and TensorRT's) log through Python logging for the duration and collect
     its errors, so a failed parse or build raises one CompileError quoting them (the ONNX parser's
-    messages name the node); its info and warnings stay quiet."""
+    messages name the node); its other messages go to stderr at the level the CLI's -v/-q map to
+    (runtime/logs.py: warnings by default)."""
     from polygraphy.logger import G_LOGGER
 
     errors: list[str] = []
@@ -66,15 +71,20 @@ def polygraphy_errors():
             errors.append(record.getMessage().removeprefix("[E] ").removeprefix("[!] "))
 
     log = logging.getLogger("Polygraphy")
-    handler, previous = Collect(logging.ERROR), (G_LOGGER.use_python_logging_system, log.propagate, log.level)
-    G_LOGGER.use_python_logging_system, log.propagate = True, False
-    log.setLevel(logging.ERROR)
-    log.addHandler(handler)
+    previous = (G_LOGGER.use_python_logging_system, G_LOGGER.module_severity, log.propagate, log.level)
+    logs.bind_polygraphy(G_LOGGER)
+    collect, below_errors = Collect(logging.ERROR), logging.StreamHandler(sys.stderr)
+    below_errors.addFilter(lambda record: record.levelno < logging.ERROR)
+    log.propagate = False
+    log.setLevel(logs.library_levels().polygraphy_python_level)
+    log.addHandler(collect)
+    log.addHandler(below_errors)
     try:
         yield errors
     finally:
-        log.removeHandler(handler)
-        G_LOGGER.use_python_logging_system, log.propagate, level = previous
+        log.removeHandler(collect)
+        log.removeHandler(below_errors)
+        G_LOGGER.use_python_logging_system, G_LOGGER.module_severity, log.propagate, level = previous
         log.setLevel(level)
 
 
@@ -90,8 +100,9 @@ def failure(what: str, errors: list[str], exc: Exception) -> CompileError:
 _POLYGRAPHY_SUMMARIES = ("Could not parse ONNX correctly", "Invalid Engine", "Failed to parse ONNX model")
 
 
-def progress_monitor(trt, progress: Progress, label: str):
-    """A trt.IProgressMonitor that reports the builder's top two phase levels with elapsed time."""
+def progress_monitor(trt, progress: Progress, label: str, cancel: Callable[[], bool] = lambda: False):
+    """A trt.IProgressMonitor that reports the builder's top two phase levels with elapsed time and
+    cancels the build when ``cancel()`` says so (a held SIGINT/SIGTERM, runtime/interrupts.py)."""
 
     class Monitor(trt.IProgressMonitor):
         def __init__(self):
@@ -104,7 +115,7 @@ def progress_monitor(trt, progress: Progress, label: str):
                 progress(f"  {label}: {phase_name} ({time.monotonic() - self.start:.1f}s)")
 
         def step_complete(self, phase_name, step):
-            return True         # False would cancel the build
+            return not cancel()         # False cancels the build
 
         def phase_finish(self, phase_name):
             pass
@@ -190,8 +201,10 @@ def compute_capability(text: str, trt) -> tuple[int, int]:
 class EngineFileFromNetwork:
     """Polygraphy-style loader: build ``network`` with ``config`` straight into the file ``path``
     (``build_serialized_network_to_stream``), so an 8B plan never sits in host memory next to the
-    parsed weights as it would with EngineBytesFromNetwork. Writes atomically; saves the timing
-    cache (full TensorRT) like EngineBytesFromNetwork(save_timing_cache=...). Returns bytes written."""
+    parsed weights as it would with EngineBytesFromNetwork. Writes a new file and renames it onto
+    ``path`` (never into an existing file: a staged build hard-links the previous one there); saves
+    the timing cache (full TensorRT) like EngineBytesFromNetwork(save_timing_cache=...). Returns the
+    written file's record (size and hashes, computed as the plan streams: runtime/integrity.py)."""
 
     def __init__(self, trt, network, config, path: Path, timing_cache: Path | None = None):
         self.trt, self.network, self.config, self.path, self.timing_cache = trt, network, config, path, timing_cache
@@ -204,11 +217,11 @@ class EngineFileFromNetwork:
         class FileWriter(trt.IStreamWriter):
             def __init__(self, f):
                 trt.IStreamWriter.__init__(self)
-                self.f, self.size = f, 0
+                self.f, self.digest = f, integrity.Digest()
 
             def write(self, data):
                 self.f.write(data)
-                self.size += len(data)
+                self.digest.update(data)
                 return len(data)
 
         built, _ = util.invoke_if_callable(self.network)
@@ -219,7 +232,7 @@ class EngineFileFromNetwork:
             with open(tmp, "wb") as f:
                 writer = FileWriter(f)
                 ok = builder.build_serialized_network_to_stream(network, config, writer)
-            if not ok or writer.size == 0:
+            if not ok or writer.digest.size == 0:
                 raise CompileError("the builder produced no engine (see the errors above)")
             os.replace(tmp, self.path)
         finally:
@@ -227,25 +240,31 @@ class EngineFileFromNetwork:
         if self.timing_cache is not None:
             cache = config.get_timing_cache()         # loaded from the file by CreateConfig, now extended
             with cache.serialize() as data:
-                self.timing_cache.write_bytes(bytes(data))
-        return writer.size
+                part = self.timing_cache.with_suffix(".tmp")
+                part.write_bytes(bytes(data))
+                os.replace(part, self.timing_cache)
+        return writer.digest.record()
 
 
 def create_config(trt, poly, flavor: str, shapes: list[dict], ccs: tuple[tuple[int, int], ...],
-                  timing_cache: Path | None, monitor):
+                  timing_cache: Path | None, monitor, workspace: int | None = None,
+                  optimization_level: int | None = None):
     """Builder config loader: one optimization profile per ``shapes`` entry (input -> (min, opt, max));
-    full TensorRT loads ``timing_cache``; TRT-RTX targets ``ccs`` and requires user allocation."""
+    full TensorRT loads ``timing_cache``; TRT-RTX targets ``ccs`` and requires user allocation. Both
+    take the WORKSPACE pool limit (bytes) and the builder optimization level (0..5) when given."""
     profiles = []
     for per_input in shapes:
         profile = poly.Profile()
         for name, (lo, opt, hi) in per_input.items():
             profile.add(name, lo, opt, hi)
         profiles.append(profile)
+    controls = dict(progress_monitor=monitor, builder_optimization_level=optimization_level,
+                    memory_pool_limits=None if workspace is None else {trt.MemoryPoolType.WORKSPACE: workspace})
     if flavor == "tensorrt":
-        return poly.CreateConfig(profiles=profiles, load_timing_cache=timing_cache, progress_monitor=monitor)
+        return poly.CreateConfig(profiles=profiles, load_timing_cache=timing_cache, **controls)
     from polygraphy.backend.tensorrt_rtx import CreateConfigRTX
 
-    config = CreateConfigRTX(profiles=profiles, compute_capabilities=list(ccs) or None, progress_monitor=monitor)
+    config = CreateConfigRTX(profiles=profiles, compute_capabilities=list(ccs) or None, **controls)
 
     def user_allocation(builder, network, config):
         # TRT-RTX engines may be stream-captured (CUDA graphs) only with application-provided memory

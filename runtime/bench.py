@@ -26,14 +26,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xcompile.runtime import logs
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
-from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter, causal
+from xcompile.runtime.drafters import causal
+from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine, GraphUnavailable
-from xcompile.runtime.load import EngineSet
+from xcompile.runtime.load import DRAFTERS, DrafterSpec, EngineSet, TreeShape, make_drafter
 from xcompile.runtime.sampling import GREEDY, Sampler, SamplingParams
 from xcompile.runtime.speculative import Block, accept_chain, accept_tree, ancestors, chain_block
 
+_log = logs.logger("bench")
 PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
 
 
@@ -41,7 +44,7 @@ PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (ref
 class BenchOptions:
     contexts: tuple[int, ...] = (128, 1024, 4096)
     gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
-    tree: dict | None = field(default_factory=lambda: dict(topk=10, depth=6, total_tokens=32))
+    tree: TreeShape | None = field(default_factory=TreeShape)
     new_tokens: int = 64            # per generation
     repeats: int = 20               # per step timing
     peer: bool = False
@@ -100,18 +103,23 @@ def _step_inputs(tokens: int, write_index: int, vocab: int, device: torch.device
                 logit_rows=torch.arange(tokens, **i64)[None])
 
 
-def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
-    """Milliseconds of single engine steps at KV length ``ctx``, eager and (on CUDA) graphed."""
+def step_sizes(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> dict[str, list[int]]:
+    """graph -> the token counts ``step_costs`` times it at (graphs the dir holds)."""
+    sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
+             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
+    return {graph: tokens for graph, tokens in sizes.items() if graph in es.engines}
+
+
+def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | None,
+               tick: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """Milliseconds of single engine steps at KV length ``ctx``, eager and (on CUDA) graphed;
+    ``tick(label)`` after each."""
     dev, rows = es.device, []
     capture = CudaGraphCapture()
     for engine in es.engines.values():
         if not engine.kv and engine.kv_shape:
             engine.new_kv()
-    sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
-             EAGLE3: [1] + ([opts.tree["topk"]] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
-    for graph, tokens_list in sizes.items():
-        if graph not in es.engines:
-            continue
+    for graph, tokens_list in step_sizes(es, opts, tree_tokens).items():
         engine = es.engines[graph]
         graphed = GraphedEngine(engine, set(tokens_list), capture) if dev.type == "cuda" else None
         for s in tokens_list:
@@ -125,6 +133,7 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
             if graphed is not None:
                 row["graph_ms"] = timed(lambda: graphed.run(**inputs), dev, opts.repeats)
             rows.append(row)
+            tick(f"{graph} x{s}")
         if graphed is not None:
             graphed.graphs.clear()
     return rows
@@ -185,25 +194,25 @@ def _taps_width(es: EngineSet) -> int:
 
 
 def drafters(es: EngineSet, opts: BenchOptions) -> list[tuple[str, Callable[[], object]]]:
-    out = [("plain", lambda: NoDrafter())]
-    e = es.engines
-    if EAGLE3 in e:
-        for g in opts.gammas:
-            out.append((f"eagle3 chain g={g}", lambda g=g: Eagle3ChainDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, g)))
-        if opts.tree:
-            t = opts.tree
-            out.append((f"eagle3 tree {t['topk']}/{t['depth']}/{t['total_tokens']}",
-                        lambda: Eagle3TreeDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, **t)))
-    if DRAFT in e:
-        for g in opts.gammas:
-            out.append((f"draft-model g={g}", lambda g=g: DraftModelDrafter(e[DRAFT], g)))
-    return out
+    """(label, make) of plain decoding and each drafter the dir holds: every chain of ``opts.gammas``,
+    and the tree for drafters that draft trees."""
+    specs = [DrafterSpec("none")]
+    for name, kind in DRAFTERS.items():
+        if kind.graphs and kind.holds(es):
+            specs += [DrafterSpec(name, g) for g in opts.gammas]
+            if kind.tree and opts.tree:
+                specs.append(DrafterSpec(name, tree=opts.tree))
+    return [(s.label, lambda s=s: make_drafter(es, s)) for s in specs]
 
 
 def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bool, prompts: list[list[int]],
-                    which: list[tuple[str, Callable]]) -> list[dict]:
+                    which: list[tuple[str, Callable]], tick: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """One row per drafter of ``which``: whole generations over ``prompts``; ``tick(name)`` after each."""
     rows = []
     max_seq_len = es.manifest.max_seq_len
+    if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (backends/ort.py)
+        for engine in es.engines.values():
+            engine.cuda_graphs = cuda_graphs
     for name, make in which:
         gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
                         cuda_graphs=cuda_graphs)
@@ -214,7 +223,7 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
             r = gen.generate(p, opts.new_tokens, sampling=opts.sampling, index=i)
             s = r.stats
             decode_s += s.decode_s
-            tokens += s.new_tokens - 1
+            tokens += s.new_tokens - 1                  # the rounds' tokens: tau's numerator (Stats)
             rounds += s.rounds
             drafted += s.drafted
             accepted += s.accepted
@@ -222,13 +231,14 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
         rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
                      "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
                      "tokens_per_s": tokens / decode_s if decode_s else 0.0,
-                     "tau": (accepted + rounds) / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
+                     "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
                      "acceptance_by_position": [a / rounds for a in accepted_at] if rounds else []})
         for engine in gen.drafter.engines:
             if isinstance(engine, GraphedEngine):
                 engine.graphs.clear()
         if isinstance(gen.target, GraphedEngine):
             gen.target.graphs.clear()
+        tick(name)
     return rows
 
 
@@ -250,30 +260,70 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     g = torch.Generator().manual_seed(0)
     vocab = es.manifest.models[TARGET].config["vocab_size"]
     graphs = dev.type == "cuda"
-    tree_tokens = opts.tree["total_tokens"] if opts.tree and EAGLE3 in es.engines else None
+    tree_tokens = opts.tree.total_tokens if opts.tree and EAGLE3 in es.engines else None
     report["steps"] = []
     report["generation"] = []
-    for i, ctx in enumerate(opts.contexts):
-        if ctx + max(64, opts.new_tokens) + 64 > es.manifest.max_seq_len:
+    with logs.progress("bench", _measurements(es, opts, graphs, tree_tokens, peer is not None), "measurements") as bar:
+        _measure(es, opts, report, graphs, tree_tokens, g, vocab, log, peer, bar)
+    if es.backend == "ort" and dev.type == "cuda":
+        report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
+                                     for g, e in es.engines.items()}
+        log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
+    if not report["generation"]:
+        raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
+                          f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")
+    _derive(report, opts)
+    return report
+
+
+def _measurements(es: EngineSet, opts: BenchOptions, graphs: bool, tree_tokens: int | None, peer: bool) -> int:
+    """How many measurements ``_measure`` makes, for the progress bar: every drafter (in both graph
+    modes on CUDA), the step costs and the peer at the first context that fits; plain decoding at
+    the others."""
+    fits = sum(context_fits(c, opts.new_tokens, es.manifest.max_seq_len) for c in opts.contexts)
+    first = len(drafters(es, opts)) * (2 if graphs else 1) + sum(map(len, step_sizes(es, opts, tree_tokens).values()))
+    return (first + peer + fits - 1) if fits else 0
+
+
+def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree_tokens: int | None,
+             g: torch.Generator, vocab: int, log: Callable[[str], None], peer, bar) -> None:
+    """The measurements of ``run_bench`` into ``report``; the first context that fits gets them all."""
+    first = True
+    for ctx in opts.contexts:
+        if not context_fits(ctx, opts.new_tokens, es.manifest.max_seq_len):
             log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
             continue
         prompts = _prompts(opts, ctx, vocab, g)
         if prompts is None:
             log(f"context {ctx}: skipped, the text holds fewer than {opts.num_prompts} windows of {ctx} tokens")
             continue
-        which = drafters(es, opts) if i == 0 else drafters(es, opts)[:1]
-        for use_graphs in ([True, False] if graphs and i == 0 else [graphs]):
+        which = drafters(es, opts) if first else drafters(es, opts)[:1]
+        for use_graphs in ([True, False] if graphs and first else [graphs]):
             log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
-            report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which)
-        if i == 0:
+            report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which,
+                                                    tick=lambda name: _tick(bar, f"{ctx}: {name}"))
+        if first:
             log(f"context {ctx}: step costs ...")
-            report["steps"] += [{"context": ctx, **r} for r in step_costs(es, ctx, opts, tree_tokens)]
+            report["steps"] += [{"context": ctx, **r} for r in step_costs(
+                es, ctx, opts, tree_tokens, tick=lambda step: _tick(bar, f"{ctx}: step {step}"))]
             report["steps"] += [{"context": ctx, **r} for r in sampler_costs(es, opts, tree_tokens)]
-        if peer is not None and i == 0:
+        if peer is not None and first:
             log(f"context {ctx}: peer (transformers generate, static cache) ...")
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
-    _derive(report, opts)
-    return report
+            _tick(bar, f"{ctx}: peer")
+        first = False
+
+
+def _tick(bar, what: str) -> None:
+    """One measurement done: the bar advances (a terminal), a debug line says which (-v, any output)."""
+    bar.advance(note=what)
+    _log.debug(f"measured {what}")
+
+
+def context_fits(ctx: int, new_tokens: int, max_seq_len: int) -> bool:
+    """Whether a context of ``ctx`` tokens leaves an engine of ``max_seq_len`` room for the generation
+    (at least 64 tokens) and a round's lookahead (64)."""
+    return ctx + max(64, new_tokens) + 64 <= max_seq_len
 
 
 def _prompts(opts: BenchOptions, ctx: int, vocab: int, g: torch.Generator) -> list[list[int]] | None:

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from xcompile.runtime.bench import BenchOptions, format_report, run_bench
+from xcompile.runtime import files, logs
+from xcompile.runtime.bench import BenchOptions, context_fits, format_report, run_bench
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.load import EngineSet, open_engine_dir, torch_models
+from xcompile.runtime.load import EngineSet, TreeShape, fast_engines, open_engine_dir, pick_backend, torch_models
+from xcompile.runtime.manifest import Manifest
 from xcompile.runtime.sampling import GREEDY, SamplingParams
 from xcompile.runtime.text import Text
+
+log = logs.logger("bench")
 
 
 @dataclass
@@ -26,7 +31,7 @@ class BenchRequest:
     device: str | None
     dtype: str
     gammas: tuple[int, ...]
-    tree: dict | None
+    tree: TreeShape | None
     contexts: tuple[int, ...]
     new_tokens: int
     repeats: int
@@ -35,40 +40,77 @@ class BenchRequest:
     plot: str | None
     prompts: str | None = None
     num_prompts: int = 2
+    verify: bool = False
     sampling: SamplingParams = GREEDY
 
 
 def _room(req: BenchRequest) -> int:
     """KV slots a synthetic bench needs: the longest context, its new tokens and one round's lookahead."""
-    lookahead = max([*req.gammas, (req.tree or {}).get("total_tokens", 0), 8]) + 1
+    lookahead = max([*req.gammas, req.tree.total_tokens if req.tree else 0, 8]) + 1
     need = max(req.contexts) + req.new_tokens + lookahead + 64
     return -(-need // 256) * 256
 
 
 def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, req.backend, str(device))
-    if req.backend not in ("auto", "torch"):
-        raise EngineError("--synthetic runs the torch backend (no engine dir to load TensorRT or ONNX from)")
+        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify)
+    if req.backend not in ("auto", "torch", "fast"):
+        raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     provider = torch_models()
     manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
                                                      eagle3=True, draft=req.draft_model)
-    return EngineSet(None, manifest, "torch", engines, d2t, {"provider": provider})
+    backend = "torch" if req.backend == "auto" and device.type != "cuda" else req.backend
+    if backend == "auto":
+        backend = pick_backend(manifest, "auto", device)
+    if backend == "fast":
+        engines = fast_engines(manifest, engines)
+    return EngineSet(None, manifest, backend, engines, d2t, {"provider": provider})
+
+
+def check_contexts(req: BenchRequest) -> None:
+    """EngineError unless some context fits the engine dir (a synthetic bench is sized for them all)."""
+    if req.engine_dir is None:
+        return
+    max_seq_len = Manifest.load(req.engine_dir).max_seq_len
+    if not any(context_fits(c, req.new_tokens, max_seq_len) for c in req.contexts):
+        raise EngineError(f"--contexts {','.join(map(str, req.contexts))}: none fits {req.engine_dir}, which holds "
+                          f"{max_seq_len} tokens (a context needs room for --new-tokens and a round too); give "
+                          "shorter contexts or rebuild with a larger --max-seq-len")
 
 
 def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
+    """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    start = time.perf_counter()
-    es = open_engines(req, device)
-    echo(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+    check_contexts(req)
+    inputs = (req.engine_dir, req.prompts)
+    with contextlib.ExitStack() as outputs:
+        # --json / --plot are staged (runtime/files.py) before anything is measured: an output that
+        # cannot be written fails now, not after the whole run; an interrupted run leaves no file
+        json_tmp, plot_tmp = (outputs.enter_context(files.staged_file(path, "xrun bench", inputs=inputs, option=opt))
+                              if path else None for path, opt in ((req.json_path, "--json"), (req.plot, "--plot")))
+        start = time.perf_counter()
+        es = outputs.enter_context(open_engines(req, device))
+        log.info(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+        report = _measure(req, es, echo)
+        echo(format_report(report))
+        if json_tmp:
+            json_tmp.write_text(json.dumps(report, indent=2))
+        if plot_tmp:
+            plot(report, plot_tmp, format=Path(req.plot).suffix.lstrip(".") or "png")
+    return report
+
+
+def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dict:
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
-        if es.backend != "torch":
-            raise EngineError("--peer compares on the torch backend's weights; add --backend torch")
-        peer = provider.hf_peer(es.engines)
+        if es.backend not in ("torch", "fast"):
+            raise EngineError("--peer compares on the reference modules' weights; add --backend torch or fast")
+        # the fast engines' reference modules hold the very weights they run (re-pointed, not copied)
+        engines = {g: e.reference for g, e in es.engines.items()} if es.backend == "fast" else es.engines
+        peer = provider.hf_peer(engines)
     text_tokens = None
     if req.prompts:
         if es.directory is None:
@@ -78,18 +120,10 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
                         repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens,
                         sampling=req.sampling)
     start = time.perf_counter()
-    report = run_bench(es, opts, log=lambda m: echo(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
-    echo(format_report(report))
-    if req.json_path:
-        with open(req.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    if req.plot:
-        plot(report, req.plot)
-    es.close()
-    return report
+    return run_bench(es, opts, log=lambda m: log.info(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: dict, path: str | Path, format: str = "png") -> None:
     try:
         import matplotlib
 
@@ -107,4 +141,4 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("tokens/s")
     ax.set_title(f"{report['model']} on {report['device']} ({report['backend']}, {report['dtype']})")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=format)

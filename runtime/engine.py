@@ -1,7 +1,7 @@
 """One engine interface over every backend (torch, ort, trt).
 
 Lifecycle: construct (load/deserialize) -> ``bind_kv(buffers)`` once -> ``run(**inputs)`` per step
--> ``close()``. KV buffers are preallocated by the caller (``new_kv``) and updated in place by every
+-> ``close()``; ``with engine: ...`` closes it on the way out. KV buffers are preallocated by the caller (``new_kv``) and updated in place by every
 run; only the non-KV inputs of the graph's contract are passed to ``run``, and ``run`` returns the
 non-KV outputs by name. Backends differ only in how they execute the graph.
 """
@@ -89,3 +89,9 @@ class Engine(ABC):
 
     def close(self) -> None:
         self.kv = []
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -20,7 +20,9 @@ advances ``length`` by a+1. Rows past ``length`` are stale and no mask ever read
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +31,7 @@ import torch
 from xcompile.runtime.drafters import Drafter, NoDrafter, prompt_inputs
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.graphs import Capture, CudaGraphCapture, GraphedEngine
+from xcompile.runtime.graphs import Capture, CudaGraphCapture, GraphedEngine, GraphUnavailable
 from xcompile.runtime.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.speculative import Accepted, Block, accept_chain, accept_tree, bonus, compact_kv, for_host
 
@@ -50,7 +52,7 @@ class Stats:
     target_forwards: int = 0        # prefill included
     rounds: int = 0                 # verify passes after the prefill
     drafted: int = 0                # drafted tokens sent to verification
-    accepted: int = 0               # of those, accepted
+    accepted: int = 0               # of those, accepted by verification (a stop may drop some after)
     accepted_at: list[int] = field(default_factory=list)   # [i]: rounds whose draft at depth i+1 was accepted
 
     def add_round(self, drafted: int, accepted: int) -> None:
@@ -74,8 +76,11 @@ class Stats:
 
     @property
     def acceptance_length(self) -> float:
-        """τ: mean tokens committed per verify round, the bonus token included."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        """τ, the one definition used everywhere (bench, train-eagle3, README): tokens emitted per verify
+        round, the bonus token included and tokens dropped by a stop or the length cap excluded. Every
+        emitted token but the first (the prefill's) comes from a round, so τ = (new_tokens - 1) / rounds;
+        ``accepted`` also counts drafts a stop then dropped, so (accepted + rounds) / rounds can be more."""
+        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -88,7 +93,7 @@ class Result:
 
     tokens: list[int]               # generated tokens, the stopping EOS / stop-string token included
     stats: Stats
-    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len"
+    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len" | "cancelled"
     seed: int | None = None         # the sampling seed used (None: greedy); with the index, reproduces the run
     index: int = 0                  # which of the request's n samples this is
 
@@ -127,13 +132,17 @@ class Generator:
 
     def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
-                 capture: Capture | None = None, debug: bool = False):
+                 round_graphs: bool = True, capture: Capture | None = None, debug: bool = False):
         """target: the ``target`` graph engine; drafter: what proposes blocks (``NoDrafter()`` for plain
         greedy); max_seq_len: KV capacity used (the engines may hold more); detokenize: ids -> text,
-        needed for stop strings; cuda_graphs: capture the fixed-shape steps of every engine whose steps
-        are ``graph_capturable`` (each falls back to eager where capture is unavailable; the others,
-        e.g. TensorRT engines with graphs of their own, run as they are), with ``capture`` (default: one
-        ``CudaGraphCapture`` shared by all, so one memory pool); debug: check KV lengths and poison
+        needed for stop strings; cuda_graphs: record CUDA graphs. When every engine's steps are
+        ``graph_capturable`` (torch, fast) and ``round_graphs``, each drafter's whole round (draft steps,
+        verify, accept, KV compaction, draft update) is one graph, replayed once per round, recorded by
+        ``capture`` (default ``CudaGraphCapture(warmup=0)``: a round is not idempotent, so the capture
+        must record without running it). Otherwise the fixed-shape steps of the capturable engines are
+        graphed one by one (``GraphedEngine``, with ``capture`` defaulting to one ``CudaGraphCapture``
+        shared by all) and the others, e.g. TensorRT engines with graphs of their own, run as they are.
+        Either falls back to eager where capture is unavailable. debug: check KV lengths and poison
         stale rows every round."""
         if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
@@ -152,11 +161,22 @@ class Generator:
         for d in (drafter, self.plain):
             d.bind(max_seq_len, self.device, sampler=self.sampler)
         self.target = target
-        if cuda_graphs:
-            capture = capture or CudaGraphCapture()
+        # the round's state on the device: the root (last committed token, not yet in the KV) and the
+        # target's KV length; every round updates both in place
+        self.root = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # whole-round CUDA graphs when every engine's steps are capturable (one replay per round), else
+        # graphs per fixed-shape step of the capturable engines
+        self.rounds: dict[int, _RoundGraph] | None = None
+        self.round_fallback: str | None = None
+        if cuda_graphs and round_graphs and all(e.graph_capturable for e in (target, *drafter.engines)):
+            self.rounds = {}
+            self.capture = capture or CudaGraphCapture(warmup=0)
+        elif cuda_graphs:
+            step_capture = capture or CudaGraphCapture()
 
             def graphed(engine: Engine, tokens: set[int]) -> Engine:
-                return GraphedEngine(engine, tokens, capture) if engine.graph_capturable else engine
+                return GraphedEngine(engine, tokens, step_capture) if engine.graph_capturable else engine
 
             self.target = graphed(target, {drafter.block_size, 1})
             drafter.use_graphs(graphed)
@@ -177,15 +197,19 @@ class Generator:
 
     def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
                    on_tokens: Callable[[int, list[int]], None] | None = None,
-                   sampling: SamplingParams = GREEDY) -> list[Result]:
+                   sampling: SamplingParams = GREEDY, cancel: threading.Event | None = None) -> list[Result]:
         """``sampling.n`` independent samples of one prompt, generated one after another (batch 1).
         They share one seed (drawn here when ``sampling.seed`` is None) and differ by stream index;
-        ``on_tokens(index, tokens)`` streams each."""
+        ``on_tokens(index, tokens)`` streams each; ``cancel`` ends the current one and skips the rest."""
         self._check(prompt_ids, max_new_tokens, stop, sampling)
         sampling = with_seed(sampling)
-        return [self.generate(prompt_ids, max_new_tokens, stop, None if on_tokens is None else
-                              (lambda tokens, j=j: on_tokens(j, tokens)), sampling, index=j)
-                for j in range(sampling.n)]
+        results = []
+        for j in range(sampling.n):
+            if cancel is not None and cancel.is_set():
+                break
+            results.append(self.generate(prompt_ids, max_new_tokens, stop, None if on_tokens is None else
+                                         (lambda tokens, j=j: on_tokens(j, tokens)), sampling, index=j, cancel=cancel))
+        return results
 
     def _check(self, prompt_ids, max_new_tokens, stop, sampling) -> None:
         """Everything a request can get wrong, before any work."""
@@ -200,11 +224,12 @@ class Generator:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
                  on_tokens: Callable[[list[int]], None] | None = None, sampling: SamplingParams = GREEDY,
-                 index: int = 0) -> Result:
+                 index: int = 0, cancel: threading.Event | None = None) -> Result:
         """One sequence of up to ``max_new_tokens`` after ``prompt_ids``, greedy unless ``sampling`` has a
         temperature (``index``: which stream of the seed, i.e. sample ``index`` of ``generate_n``). Stops
         at an EOS id or a stop string (both kept); ``on_tokens`` receives each round's new tokens as they
-        are committed."""
+        are committed. Setting ``cancel`` (from another thread) ends the generation before its next round
+        (reason "cancelled")."""
         self._check(prompt_ids, max_new_tokens, stop, sampling)
         stats = Stats(prompt_tokens=len(prompt_ids), target_forwards=1, accepted_at=[0] * self.drafter.max_depth)
         stops = _Stops(max_new_tokens, self.eos_ids, stop, self.detokenize)
@@ -213,34 +238,70 @@ class Generator:
 
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=self.device)
         out = self.target.run(**prompt_inputs(prompt))
-        root = self.sampler.sample(out["logits"][:, -1])                        # [1]
+        self.root.copy_(self.sampler.sample(out["logits"][:, -1]))              # [1]
         drafter = self.drafter
-        drafter.start(prompt, out.get("hidden_taps"), root)
-        emit(stops.push(root.tolist()), on_tokens)                              # the first token: one sync
+        drafter.start(prompt, out.get("hidden_taps"), self.root)
+        emit(stops.push(self.root.tolist()), on_tokens)                         # the first token: one sync
         stats.prefill_s = time.perf_counter() - start
 
         n = len(prompt_ids)                                                     # KV length, on the host
-        length = torch.full((1,), n, dtype=torch.int64, device=self.device)     # and on the device
+        self.length.fill_(n)                                                    # and on the device
         while not stops.reason:
+            if cancel is not None and cancel.is_set():      # once per round: a server frees the engine promptly
+                stops.reason = "cancelled"
+                break
             if n + drafter.lookahead > self.max_seq_len:
                 if n + 1 > self.max_seq_len:
                     stops.reason = "max_seq_len"
                     break
                 drafter = self.plain        # for good: the room only shrinks, and the output law is unchanged
-            block, acc = self._round(drafter, root, length)
-            length = length + acc.count + 1
-            root = bonus(acc)
-            host = for_host(acc)[0].tolist()                                   # the one copy back per round
+            drafted, back = self._advance(drafter)
+            host = back[0].tolist()                                            # the one copy back per round
             a = host[0]
             n += a + 1
-            stats.add_round(block.tokens.shape[1] - 1, a)
+            stats.add_round(drafted, a)
             if self.debug:
-                self._check_kv(n, length, drafter)
+                self._check_kv(n, self.length, drafter)
             emit(stops.push(host[1:a + 2]), on_tokens)
 
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.new_tokens = len(stops.tokens)
         return Result(stops.tokens, stats, stops.reason, seed, index)
+
+    def _advance(self, drafter: Drafter) -> tuple[int, torch.Tensor]:
+        """One round from the device state (root, length), which it updates in place: (drafted tokens,
+        [1, D+2] ``for_host`` of the outcome). With round graphs, a drafter's first round runs eagerly
+        (lazy set-up: allocations, kernel compilation), its second is captured (recording runs
+        nothing) and replayed, every later one is a replay of that graph."""
+        if self.rounds is None:
+            return self._round_in_place(drafter)
+        graph = self.rounds.get(id(drafter))
+        if graph is None:
+            graph = self.rounds[id(drafter)] = _RoundGraph()
+            graph.drafted, back = self._round_in_place(drafter)
+            graph.back = back.clone()
+            return graph.drafted, graph.back
+        if graph.replay is None:
+            try:
+                graph.replay, _ = self.capture(lambda: self._round_in_place(drafter, graph.back), self.device)
+            except (GraphUnavailable, RuntimeError) as e:
+                self.round_fallback = f"{type(e).__name__}: {e}"
+                warnings.warn(f"whole-round CUDA graph unavailable, running rounds eagerly ({self.round_fallback})",
+                              stacklevel=3)
+                self.rounds = None
+                return self._advance(drafter)
+        graph.replay()
+        return graph.drafted, graph.back
+
+    def _round_in_place(self, drafter: Drafter, back: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """A round that advances (root, length) in place and writes its ``for_host`` into ``back``."""
+        block, acc = self._round(drafter, self.root, self.length)
+        self.length.add_(acc.count + 1)
+        self.root.copy_(bonus(acc))
+        out = for_host(acc)
+        if back is not None:
+            back.copy_(out)
+        return block.tokens.shape[1] - 1, out
 
     def _round(self, drafter: Drafter, root: torch.Tensor, length: torch.Tensor) -> tuple[Block, Accepted]:
         """One round, device work only: propose -> verify -> accept -> compact -> commit.
@@ -261,6 +322,16 @@ class Generator:
             assert int(cache_len) == n, (int(cache_len), n)
             for buf in kv:
                 buf[:, :, n - rewritten:] = POISON
+
+
+class _RoundGraph:
+    """A drafter's round graph: its replay (None until captured), the drafted tokens per round and
+    the buffer every replay writes the round's ``for_host`` into."""
+
+    def __init__(self):
+        self.replay: Callable[[], None] | None = None
+        self.drafted = 0
+        self.back: torch.Tensor | None = None
 
 
 def emit(tokens: list[int], on_tokens: Callable[[list[int]], None] | None) -> None:

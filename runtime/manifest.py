@@ -17,12 +17,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from xcompile.runtime.contract import CONTRACT_VERSION, GraphSpec, TensorSpec
+from xcompile.runtime import integrity
+from xcompile.runtime.contract import CONTRACT_VERSION, EAGLE3, GraphSpec, TensorSpec
 from xcompile.runtime.engine import KVShape
 from xcompile.runtime.errors import EngineError
+from xcompile.runtime.manifest_schema import validate
 
 MANIFEST = "manifest.json"
 FORMAT = "xcompile-engine-dir"
+D2T_FILE = "d2t.safetensors"
 
 
 @dataclass
@@ -58,6 +61,7 @@ class EngineEntry:
     compute_capabilities: list = field(default_factory=list)
     profiles: list = field(default_factory=list)   # [{"name": "prefill", "tokens": [min, opt, max]}, ...]
     onnx_sha256: str = ""
+    builder: dict = field(default_factory=dict)    # builder controls that were set: workspace, optimization_level
 
 
 @dataclass
@@ -73,7 +77,8 @@ class Manifest:
     engines: dict[str, EngineEntry] = field(default_factory=dict)
     eos_token_ids: list = field(default_factory=list)
     tokenizer_files: list = field(default_factory=list)
-    inputs_sha256: dict = field(default_factory=dict)   # checkpoint file -> hash, to detect stale dirs
+    files: dict = field(default_factory=dict)     # file of the dir -> size and hashes (runtime/integrity.py)
+    inputs: dict = field(default_factory=dict)    # "<model>/<file>" of the checkpoints exported -> size and hashes
     contract_version: int = CONTRACT_VERSION
     format: str = FORMAT
     xcompile_version: str = ""
@@ -89,6 +94,7 @@ class Manifest:
 
     @staticmethod
     def load(directory: Path) -> "Manifest":
+        """The manifest of an engine dir, checked field by field (runtime/manifest_schema.py)."""
         path = Path(directory) / MANIFEST
         if not Path(directory).is_dir():
             raise EngineError(f"{directory}: no such engine dir; build one with `xcompile build --model ...`")
@@ -103,14 +109,42 @@ class Manifest:
         if data.get("contract_version") != CONTRACT_VERSION:
             raise EngineError(f"{path}: built for I/O contract v{data.get('contract_version')}, this runtime speaks "
                               f"v{CONTRACT_VERSION}; rebuild with `xcompile build ... --force`")
-        try:
-            m = Manifest(**data)
-            m.models = {k: ModelEntry(**v) for k, v in m.models.items()}
-            m.graphs = {k: GraphEntry(**v) for k, v in m.graphs.items()}
-            m.engines = {k: EngineEntry(**v) for k, v in m.engines.items()}
-        except (TypeError, AttributeError) as e:
-            raise EngineError(f"{path}: malformed ({e}); rebuild the engine dir with --force") from None
+        problem = validate(data)
+        if problem is not None:
+            raise EngineError(f"{path}: field '{problem[0]}' {problem[1]}; the manifest is damaged or hand-edited: "
+                              "re-export the engine dir (--force)")
+        m = Manifest(**data)
+        m.models = {k: ModelEntry(**v) for k, v in m.models.items()}
+        m.graphs = {k: GraphEntry(**v) for k, v in m.graphs.items()}
+        m.engines = {k: EngineEntry(**v) for k, v in m.engines.items()}
         return m
+
+    def graph_files(self, graph: str) -> list[str]:
+        """The files of ``graph``: its ONNX file and its external data."""
+        onnx = self.graphs[graph].onnx
+        return [onnx, f"{onnx}.data"] if f"{onnx}.data" in self.files else [onnx]
+
+    def verify(self, directory: Path, names: list[str], full: bool = False) -> None:
+        """Check files ``names`` of the dir against the sizes and hashes recorded when they were written:
+        sampled blocks by default, every byte with ``full`` (runtime/integrity.py)."""
+        integrity.verify(directory, self.files, names, full=full,
+                         fix="re-export the engine dir (`xcompile export/build ... --force`)")
+
+    def verify_inputs(self, role: str, full: bool = False) -> None:
+        """Check the checkpoint files ``role``'s model was exported from against what the export recorded
+        (the torch backend loads them instead of the graphs: other bytes would be other weights)."""
+        source = Path(self.models[role].source)
+        records = {key.split("/", 1)[1]: r for key, r in self.inputs.items() if key.split("/", 1)[0] == role}
+        integrity.verify(source, records, sorted(records), full=full,
+                         fix="the checkpoint changed since the export, so the torch backend would not run the "
+                             "exported weights: re-export from it (`xcompile export/build ... --force`), or run the "
+                             "graphs with --backend ort/trt")
+
+    def needed_files(self) -> list[str]:
+        """Every file the dir's graphs, engines, d2t map and tokenizer need, then any other recorded one."""
+        names = [f for g in self.graphs for f in self.graph_files(g)] + [e.file for e in self.engines.values()]
+        names += ([D2T_FILE] if EAGLE3 in self.graphs else []) + list(self.tokenizer_files)
+        return names + sorted(set(self.files) - set(names))
 
     def graph_spec(self, graph: str) -> GraphSpec:
         """``graph``'s I/O contract as its export recorded it (names, dtypes, symbolic shapes, aliases)."""

@@ -8,11 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xcompile.runtime import logs
+from xcompile.runtime.contract import DRAFT, EAGLE3
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator, Result
-from xcompile.runtime.load import EngineSet, make_drafter, open_engine_dir
+from xcompile.runtime.load import DrafterSpec, EngineSet, make_drafter, open_engine_dir
+from xcompile.runtime.manifest import Manifest
 from xcompile.runtime.sampling import SamplingParams, sampling_params
 from xcompile.runtime.text import Text
+
+log = logs.logger("generate")
 
 
 @dataclass
@@ -24,13 +29,12 @@ class GenerateRequest:
     prompt_ids: list[int] | None = None
     chat: str | None = None
     max_new_tokens: int = 128
-    drafter: str = "auto"
-    gamma: int | None = None
-    tree: dict | None = None
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
     stop: list[str] = field(default_factory=list)
     backend: str = "auto"
     device: str | None = None
     cuda_graphs: bool = True
+    verify: bool = False                # hash every byte of the dir's files (default: sampled blocks)
     # sampling: None = not given; ``sample`` starts from the dir's generation_config.json
     sample: bool = False
     temperature: float | None = None
@@ -77,16 +81,32 @@ def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[i
     return text.chat(req.chat) if req.chat is not None else text.encode(req.prompt)
 
 
+def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
+    """Refuse a tree the drafter ``req.drafter`` resolves to in this dir would ignore (``auto`` picks as
+    ``make_drafter`` does), before any engine is loaded. (An explicit --gamma with ``none`` is the CLI's
+    to refuse: a DrafterSpec always carries a gamma.)"""
+    spec = req.drafter
+    drafter = spec.name
+    if drafter == "auto":
+        drafter = "eagle3" if EAGLE3 in manifest.graphs else "draft-model" if DRAFT in manifest.graphs else "none"
+    auto = f" (--drafter auto picks {drafter} for {req.engine_dir})" if spec.name == "auto" else ""
+    if drafter == "none" and spec.tree:
+        raise EngineError(f"--tree-* would do nothing: no drafter runs{auto}")
+    if drafter == "draft-model" and spec.tree:
+        raise EngineError(f"--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens{auto}")
+
+
 def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> list[Result]:
     """Open the dir, encode the prompt, generate its n samples one after another (streaming text
     unless ``as_json``), print stats."""
     sampling = req.sampling()                       # bad values fail here, before anything is loaded
     device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    es = open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs)
-    try:
+    check_drafter_options(req, Manifest.load(req.engine_dir))
+    with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs, verify=req.verify) as es:
+        log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
         text = Text(es.directory) if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
-        drafter = make_drafter(es, req.drafter, req.gamma, req.tree)
+        drafter = make_drafter(es, req.drafter)
         gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
                         detokenize=text.decode if text else None,
                         cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
@@ -104,8 +124,6 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                 echo(text.decode(seen)[len(before):], nl=False)
 
         results = gen.generate_n(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream, sampling=sampling)
-    finally:
-        es.close()
     outs = []
     for result in results:
         stats = stats_dict(result)
@@ -123,10 +141,10 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
             echo(" ".join(map(str, result.tokens)), nl=False)
         echo("")
         seed = "" if result.seed is None else f", seed {result.seed} sample {result.index}"
-        echo(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
-             f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} "
-             f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target forwards), "
-             f"finish: {stats['finish_reason']}{seed}")
+        log.info(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
+                 f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
+                 f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target "
+                 f"forwards), finish: {stats['finish_reason']}{seed}")
     return results
 
 

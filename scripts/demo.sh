@@ -41,5 +41,6 @@ echo "(built only: no GPU here can run them; xrun generate --backend trt needs a
 xcompile build --model demo --eagle3 --trt rtx --compute-capability 8.9 --out engines/demo-rtx --force
 
 section "done in $((SECONDS - START)) s"
-echo "tau = tokens per target forward. On a CPU this 7M-parameter target is so cheap that a draft step"
+echo "tau = tokens emitted per verify round (the bonus token included; tokens cut by a stop or the length cap"
+echo "not counted). On a CPU this 7M-parameter target is so cheap that a draft step"
 echo "costs about as much as a target step, so speculation saves forwards but not time here."

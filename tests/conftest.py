@@ -4,11 +4,17 @@ hardware markers, which skip with a reason when the machine lacks what they need
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# the fused kernels (runtime/kernels/) run in Triton's interpreter where no GPU is visible; it must be
+# chosen before triton is first imported
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # tests import the checkpoint writers as ``fixtures`` whatever pytest's import mode
 sys.path.insert(0, str(Path(__file__).parent))

@@ -10,6 +10,10 @@ weights 1 ± 0.1 keep logits well apart (std ~1.6, no argmax ties) while fp32 pa
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -212,6 +216,51 @@ def write_eagle3_checkpoint(path: Path, target_overrides: dict | None = None, ov
     _write_json(path / "config.json", cfg)
     write_weights(path, eagle3_tensors(cfg, seed, t2d), fmt=fmt)
     return path
+
+
+def save_manifest(manifest, root: Path) -> Path:
+    """Save a hand-made manifest into ``root`` with the records (sizes, hashes) of every file there,
+    as the exporter would have written them (runtime/integrity.py)."""
+    from xcompile.runtime.integrity import record_file
+
+    manifest.files = {p.name: record_file(p) for p in sorted(Path(root).iterdir()) if p.is_file()
+                      and p.name not in ("manifest.json", ".xcompile")}
+    manifest.save(root)
+    return root
+
+
+class Child:
+    """A command in a child process (``*command``: its argv); its output, stdout and stderr together, is
+    collected line by line as it comes, so a test can inject a fault once a step has begun."""
+
+    def __init__(self, *command, env: dict | None = None):
+        self.proc = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {text!r}: {''.join(self.lines)}"
+            assert time.monotonic() < end, f"no {text!r} after {timeout} s: {''.join(self.lines)}"
+            time.sleep(0.05)
+
+    def interrupt(self, sig: int) -> tuple[int, float]:
+        """Send ``sig``; (exit code, seconds until the process ended)."""
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        code = self.proc.wait(60)
+        return code, time.monotonic() - start
+
+    def finish(self, timeout: float = 300) -> int:
+        return self.proc.wait(timeout)
+
+
+def staging_leftovers(parent: Path) -> list[str]:
+    """Staging dirs/files and lock files of xcompile writers in ``parent`` (runtime/files.py)."""
+    return sorted(p.name for p in Path(parent).iterdir() if p.name.startswith(".") and
+                  p.name.endswith((".partial", ".old", ".lock")))
 
 
 def step_inputs(ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,

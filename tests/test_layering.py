@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("runtime", "plugins")
 FORBIDDEN = ("onnx", "onnxscript", "transformers", "compile", "xcompile.compile")
-OPTIONAL = ("tensorrt", "tensorrt_rtx", "cuda", "onnxruntime")     # may be absent on this machine
+OPTIONAL = ("tensorrt", "tensorrt_rtx", "cuda", "onnxruntime",      # may be absent on this machine
+            "fastapi", "uvicorn", "pydantic", "prometheus_client", "ray")  # the serve extras
 
 
 def imports(source: str, package: tuple[str, ...], filename: str = "<src>") -> list[tuple[int, str]]:

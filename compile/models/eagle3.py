@@ -4,27 +4,86 @@ Semantics (reference/eagle3_semantics.md §2-3; SafeAILab/EAGLE cnets.py, AngelS
   - ``fc`` (3H -> H) applies only to the target's tapped features; the head's own output (H) is fed
     back as is. ``fc`` is its own graph (``eagle3_fc``) so this step takes one hidden width.
   - q/k/v see concat[input_layernorm(embed(token)), hidden_norm(hidden)], embedding first; the
-    attention residual is the hidden, not the embedding; no q_norm/k_norm.
+    attention residual is the hidden, not the embedding (``norm_before_residual``: hidden_norm(hidden),
+    as speculators' Eagle3FirstLayerMixin and vLLM's llama_eagle3.py compute it); no q_norm/k_norm.
   - the fed-back hidden is pre-norm; ``norm`` only precedes ``lm_head`` (draft vocabulary).
   - draft ids map to target ids by offsets: target = draft + d2t[draft].
   - the embedding table is the target's ``model.embed_tokens`` (not in the head's checkpoint).
   - pairing: draft position t consumes the target feature at t and the token at t+1.
-Parameter names equal the AngelSlim checkpoint keys (``midlayer.*``, ``fc``, ``norm``, ``lm_head``).
+Parameter names equal the AngelSlim checkpoint keys (``midlayer.*``, ``fc``, ``norm``, ``lm_head``), so
+the key map (``Eagle3.key_map``) is the identity plus the exceptions it spells out; speculators heads
+name the layer ``layers.0.*`` (``Eagle3Config.layout``).
 """
 
 from __future__ import annotations
+
+import re
+from functools import partial
 
 import torch
 from torch import nn
 
 from xcompile.compile.config import Eagle3Config
+from xcompile.compile.errors import CompileError
+from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap, Reader
 from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
+from xcompile.runtime.contract import EAGLE3, EAGLE3_FC, GraphSpec, graph_spec
+from xcompile.runtime.engine import KVShape
+
+KIND = "eagle3"         # manifest ModelEntry.kind (compile/families.py)
+
+_NAMES = (
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+)
+
+
+def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d [vocab] bool: which target ids the draft vocabulary covers (target = draft + d2t[draft])."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.arange(d2t.shape[0]) + d2t] = True
+    return t2d
+
+
+def _check_d2t(cfg: Eagle3Config, d2t: torch.Tensor, where: str) -> None:
+    ids = torch.arange(d2t.shape[0]) + d2t
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise CompileError(f"{where}: tensor 'd2t' maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
+                           f"outside the target vocabulary [0, {cfg.vocab_size}); d2t holds offsets "
+                           "(target = draft + d2t[draft])")
+
+
+def key_map(cfg: Eagle3Config) -> KeyMap:
+    """AngelSlim / EAGLE / SpecForge layout (reference/eagle3_semantics.md §5-6: ``midlayer.*``), or the
+    speculators one (``layers.0.*``: speculators Eagle3Speculator, which vLLM loads after renaming
+    ``midlayer.`` to ``layers.0.``, llama_eagle3.py load_weights). The embedding is the target's."""
+    def t2d(read: Reader) -> torch.Tensor:
+        return t2d_from_d2t(read("d2t"), cfg.vocab_size)
+
+    layer = re.escape(cfg.layout)
+    return KeyMap(
+        {n: n.replace("midlayer.", f"{cfg.layout}.", 1) for n in _NAMES},
+        ignored={
+            r"(model\.)?embed_tokens\.weight": "the head embeds tokens with the target's table (eagle3_semantics §6.2)",
+            rf"{layer}\.self_attn\.rotary_emb\.inv_freq": ROPE_CACHE,
+            # speculators training keeps a frozen copy of the verifier's final norm and lm_head (Eagle3DraftModel)
+            r"verifier_(norm|lm_head)\.weight": "the target's own norm/lm_head, copied for training only",
+        },
+        external=frozenset({"embed_tokens.weight"}),
+        # t2d is unused at inference (vLLM/sglang skip it); some heads do not ship it
+        derived={"t2d": t2d},
+        checks={"d2t": partial(_check_d2t, cfg)},
+    )
 
 
 class MidLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config, rotary: Rotary):
         super().__init__()
         h = cfg.hidden_size
+        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -33,9 +92,11 @@ class MidLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size)
 
     def forward(self, emb, hidden, step: Step, k_cache, v_cache):
-        u = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)   # [B, S, 2H]
+        normed = self.hidden_norm(hidden)                                               # [B, S, H]
+        u = torch.cat((self.input_layernorm(emb), normed), dim=-1)                      # [B, S, 2H]
         a, k_cache, v_cache = self.self_attn(u, step, k_cache, v_cache)
-        x = hidden + a                                  # residual = hidden, not the embedding
+        # residual = the hidden, not the embedding; normed first with norm_before_residual
+        x = (normed if self.norm_before_residual else hidden) + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
 
@@ -45,6 +106,8 @@ class Eagle3(nn.Module):
                tree_mask [B,S,S], logit_rows [B,R], past_key_0, past_value_0)
          -> logits [B,R,draft_vocab], hidden_out [B,S,H] (pre-norm), present_key_0, present_value_0
     """
+
+    kind = KIND
 
     def __init__(self, cfg: Eagle3Config, max_seq_len: int, rope_theta: float | None = None):
         super().__init__()
@@ -82,6 +145,25 @@ class Eagle3(nn.Module):
         shape = (batch, c.num_key_value_heads, self.max_seq_len, c.head_dim)
         return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(2)]
 
+    def key_map(self) -> KeyMap:
+        return key_map(self.cfg)
+
+    def graphs(self, role: str = EAGLE3) -> list[tuple[str, nn.Module]]:
+        """The contract graphs of a head: the ``eagle3_fc`` projection, then the ``eagle3`` step."""
+        return [(EAGLE3_FC, Eagle3FC(self)), (EAGLE3, self)]
+
+    def graph_spec(self, graph: str | None = None) -> GraphSpec:
+        return graph_spec(EAGLE3)
+
+    def graph_dims(self, max_batch: int) -> dict[str, int]:
+        c = self.cfg
+        return {"batch": max_batch, "draft_vocab": c.draft_vocab_size, "hidden": c.hidden_size,
+                "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "max_seq_len": self.max_seq_len}
+
+    def kv_shape(self, max_seq_len: int | None = None) -> KVShape:
+        c = self.cfg
+        return KVShape(1, c.num_key_value_heads, c.head_dim, max_seq_len or self.max_seq_len)
+
 
 class Eagle3FC(nn.Module):
     """The ``eagle3_fc`` graph: forward(hidden_taps [B,S,3H]) -> hidden_states [B,S,H]."""
@@ -92,3 +174,12 @@ class Eagle3FC(nn.Module):
 
     def forward(self, hidden_taps):
         return self.fc(hidden_taps)
+
+    def graph_spec(self, graph: str | None = None) -> GraphSpec:
+        return graph_spec(EAGLE3_FC)
+
+    def graph_dims(self, max_batch: int) -> dict[str, int]:
+        return {"batch": max_batch, "taps_hidden": self.fc.in_features, "hidden": self.fc.out_features}
+
+    def kv_shape(self, max_seq_len: int | None = None) -> None:
+        return None

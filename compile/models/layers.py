@@ -44,6 +44,7 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
+        self.theta = theta                          # tables are rebuilt from it after a meta-device build
         cos, sin = rope_tables(head_dim, max_positions, theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -2,7 +2,7 @@
 
 The call is the ``target`` graph of the I/O contract (runtime/contract.py): prefill, decode and
 chain/tree verify differ only in the inputs. Parameter names equal the HF checkpoint keys, so the
-weight key map is the identity (compile/checkpoint.py).
+weight key map (``Qwen3.key_map``) is the identity plus the exceptions it spells out.
 """
 
 from __future__ import annotations
@@ -11,7 +11,33 @@ import torch
 from torch import nn
 
 from xcompile.compile.config import Qwen3Config
+from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap
 from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
+from xcompile.runtime.contract import DRAFT, TARGET, GraphSpec, graph_spec
+from xcompile.runtime.engine import KVShape
+
+KIND = "qwen3"          # manifest ModelEntry.kind (compile/families.py)
+
+_LAYER = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
+
+
+def key_map(cfg: Qwen3Config) -> KeyMap:
+    """Qwen3ForCausalLM: HF keys are our names. Tied embeddings have no lm_head of their own."""
+    layer = _LAYER + (_BIAS if cfg.attention_bias else ())
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    names += [f"model.layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in layer]
+    ignored = {r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq": ROPE_CACHE}
+    if cfg.tie_word_embeddings:
+        ignored[r"lm_head\.weight"] = "tie_word_embeddings: the output projection is model.embed_tokens.weight"
+    else:
+        names.append("lm_head.weight")
+    return KeyMap({n: n for n in names}, ignored)
 
 
 class DecoderLayer(nn.Module):
@@ -53,6 +79,8 @@ class Qwen3(nn.Module):
     the final norm, concatenated low to high (reference/eagle3_semantics.md §1.2).
     """
 
+    kind = KIND
+
     def __init__(self, cfg: Qwen3Config, max_seq_len: int, taps: tuple[int, ...] | None = None):
         super().__init__()
         self.cfg, self.max_seq_len = cfg, max_seq_len
@@ -86,3 +114,27 @@ class Qwen3(nn.Module):
         dtype = dtype or self.lm_head.weight.dtype
         shape = (batch, c.num_key_value_heads, self.max_seq_len, c.head_dim)
         return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(2 * c.num_hidden_layers)]
+
+    def key_map(self) -> KeyMap:
+        return key_map(self.cfg)
+
+    def graphs(self, role: str) -> list[tuple[str, nn.Module]]:
+        """The contract graphs this module runs as in an engine dir: itself, as ``role`` (target or draft)."""
+        return [(role, self)]
+
+    def graph_spec(self, graph: str | None = None) -> GraphSpec:
+        """The contract of ``graph`` for this module; by default a Qwen3 with taps is the target, without the draft."""
+        return graph_spec(graph or (TARGET if self.taps else DRAFT), self.cfg.num_hidden_layers)
+
+    def graph_dims(self, max_batch: int) -> dict[str, int]:
+        """Concrete sizes of the contract's fixed symbolic dims."""
+        c = self.cfg
+        dims = {"batch": max_batch, "vocab": c.vocab_size, "hidden": c.hidden_size,
+                "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "max_seq_len": self.max_seq_len}
+        if self.taps:
+            dims["taps_hidden"] = len(self.taps) * c.hidden_size
+        return dims
+
+    def kv_shape(self, max_seq_len: int | None = None) -> KVShape:
+        c = self.cfg
+        return KVShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_seq_len or self.max_seq_len)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from xcompile.plugins.registry import PluginError, load_plugins
+from xcompile.runtime import logs
 from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import DTYPE_NAMES, MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
@@ -66,6 +68,52 @@ def trt_dtype_names(trt) -> dict:
     d = trt.DataType
     return {d.FLOAT: "float32", d.HALF: "float16", d.BF16: "bfloat16", d.INT32: "int32", d.INT64: "int64",
             d.BOOL: "bool"}
+
+
+def collecting_logger(trt):
+    """A trt.ILogger that keeps the errors (to explain a failed deserialization) and prints, on stderr,
+    the other messages as severe as the level in force (runtime/logs.py: -v shows all)."""
+    severity = trt.ILogger.Severity
+    shown = int(logs.trt_severity(trt))         # severities are ordered: INTERNAL_ERROR 0 ... VERBOSE 4
+
+    class Collect(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, level, msg):
+            if level in (severity.ERROR, severity.INTERNAL_ERROR):
+                self.errors.append(msg)
+            elif int(level) <= shown:
+                print(f"[TensorRT] {msg}", file=sys.stderr)
+
+    return Collect()
+
+
+# what TensorRT logs when the machine cannot run any engine (cudaError 35: insufficient driver, 100: no
+# device), and when the engine is from another TensorRT or GPU (serialization header, device checks)
+_NO_DEVICE = ("cudaError 35", "cudaError 100", "CUDA driver version is insufficient", "no CUDA-capable device")
+_FOREIGN = ("magicTag", "serialization version", "Version tag", "incompatible device", "expecting compute",
+            "compute capability")
+
+
+def deserialize_error(source: str, entry: EngineEntry, trt, errors: list[str]) -> EngineError:
+    """Why TensorRT could not deserialize an engine whose file matches the manifest (so it is as built):
+    no usable GPU/driver here (rebuilding would not help), another TensorRT or GPU, or unknown."""
+    name = f"{FLAVOR_NAMES[entry.flavor]} {trt.__version__}"
+    said = "; ".join(dict.fromkeys(" ".join(e.split()) for e in errors))[:400] or "no error logged"
+    built = (f"built with {entry.trt_version} for compute capabilities "
+             f"{entry.compute_capabilities or 'of the build GPU'}")
+    if any(m in e for e in errors for m in _NO_DEVICE):
+        return EngineError(f"{source}: {name} cannot run any engine here: no usable CUDA device or driver ({said}); "
+                           "the engine itself is fine (do not rebuild): run it on a machine with an NVIDIA GPU and "
+                           "driver, or use --backend ort/torch")
+    if any(m in e for e in errors for m in _FOREIGN):
+        return EngineError(f"{source}: {name} refuses it as an engine of another TensorRT version or GPU ({built}; "
+                           f"{said}); rebuild it on this machine with `xcompile build ... --force`")
+    return EngineError(f"{source}: {name} could not deserialize it ({built}; {said}); the file matches the "
+                       "manifest's hashes, so it is as built: rebuild it on this machine with `xcompile build ... "
+                       "--force`")
 
 
 def check_engine(engine, spec: GraphSpec, model_dtype: str, kv: KVShape | None, trt) -> list[str]:
@@ -112,13 +160,11 @@ class TrtEngine(Engine):
             load_plugins(trt)
         except PluginError as e:
             raise EngineError(str(e)) from None
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        logger = collecting_logger(trt)
+        self.runtime = trt.Runtime(logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            raise EngineError(f"{self.source}: {FLAVOR_NAMES[entry.flavor]} {trt.__version__} could not deserialize "
-                              f"the engine (built with {entry.trt_version} for compute capabilities "
-                              f"{entry.compute_capabilities or 'of the build GPU'}); rebuild it on this machine with "
-                              "`xcompile build ... --force`")
+            raise deserialize_error(self.source, entry, trt, logger.errors)
         problems = check_engine(self.engine, spec, DTYPE_NAMES[dtype], kv, trt)
         if problems:
             raise EngineError(f"{self.source}: engine does not match the I/O contract: {'; '.join(problems)}; "
@@ -304,12 +350,13 @@ class TrtEngine(Engine):
 
 
 def load(directory: Path, graph: str, device: torch.device | str = "cuda", *, cuda_graphs: bool = True,
-         trt=None, manifest: Manifest | None = None) -> TrtEngine:
+         trt=None, manifest: Manifest | None = None, verify: bool = False) -> TrtEngine:
     """The TensorRT engine of ``graph`` in an engine dir, checked against manifest and contract.
 
     ``trt`` overrides the TensorRT module (tests pass a stand-in); by default the manifest's flavor
     is imported. ``cuda_graphs`` replays repeated fixed-shape decode/verify steps from CUDA graphs.
-    ``manifest``: the dir's, when the caller has read it already.
+    ``manifest``: the dir's, when the caller has read it already; ``verify``: hash every byte of the
+    engine file, not only sampled blocks.
     """
     directory = Path(directory)
     manifest = manifest if manifest is not None else Manifest.load(directory)
@@ -321,6 +368,7 @@ def load(directory: Path, graph: str, device: torch.device | str = "cuda", *, cu
     path = directory / entry.file
     if not path.is_file():
         raise EngineError(f"{path}: engine file missing; run `xcompile build` again")
+    manifest.verify(directory, [entry.file], full=verify)
     device = torch.device(device)
     # no warm-up runs: a shape's first step runs uncaptured (TrtEngine._launch) before its capture
     graphs = CudaGraphCapture(warmup=0, error_mode="thread_local") if cuda_graphs and device.type == "cuda" else None

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixtures import save_manifest
 
 from xcompile.compile import build as b
 from xcompile.compile import trt_loaders as loaders
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import sha256_file
 from xcompile.runtime.contract import MODEL_DTYPE, graph_spec
+from xcompile.runtime.integrity import record_file
 from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table, kv_layers
 
 MAX_SEQ = 64
@@ -56,7 +57,10 @@ def test_build_writes_engines_and_manifest(built):
                                                                              ["8.9"])
         assert e.profiles == [{"name": "prefill", "tokens": [1, MAX_SEQ, MAX_SEQ], "rows": [1, 1, MAX_SEQ]},
                               {"name": "decode", "tokens": [1, 8, 8], "rows": [1, 8, 8]}]
-        assert e.onnx_sha256 == m.graphs[graph].sha256 == sha256_file(built / m.graphs[graph].onnx)
+        # the engine's inputs cover the graph's ONNX file and its external data
+        assert e.onnx_sha256 == b.graph_digest(m, graph) and m.graph_files(graph) == [f"{graph}.onnx",
+                                                                                    f"{graph}.onnx.data"]
+        assert m.files[e.file] == record_file(built / e.file)
 
 
 @pytest.mark.trt
@@ -124,9 +128,9 @@ def _single_graph_dir(root: Path, onnx_file: Path, graph: str = "eagle3_fc", dim
         if data.is_file():
             (root / data.name).write_bytes(data.read_bytes())
     layers = {"eagle3_fc": 0, "eagle3": 1}.get(graph, 4)
-    Manifest("t", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "test")},
-             {graph: GraphEntry(target.name, "target", io_table(graph_spec(graph, layers)), dims or {})}).save(root)
-    return root
+    return save_manifest(Manifest("t", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "test")},
+                                  {graph: GraphEntry(target.name, "target", io_table(graph_spec(graph, layers)),
+                                                     dims or {})}), root)
 
 
 @pytest.mark.trt
@@ -169,7 +173,7 @@ def test_unsupported_compute_capability(built):
 
 
 def test_compute_capability_is_rtx_only(tmp_path, monkeypatch):
-    Manifest("t", "bf16", MAX_SEQ, 1, {}).save(tmp_path)
+    save_manifest(Manifest("t", "bf16", MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "test")}), tmp_path)
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.15.1"))
     with pytest.raises(CompileError, match="applies to TensorRT-RTX only"):
         b.build(tmp_path, b.BuildOptions(flavor="tensorrt", compute_capabilities=("8.9",)), progress=lambda _: None)
@@ -195,7 +199,7 @@ def test_fp32_graph_builds_with_decomposable_attention(tiny_eagle3, tiny_target,
 
 
 def test_no_tensorrt_installed_names_the_pip_command(tmp_path, monkeypatch):
-    Manifest("t", "bf16", MAX_SEQ, 1, {}).save(tmp_path)
+    save_manifest(Manifest("t", "bf16", MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "test")}), tmp_path)
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
     with pytest.raises(CompileError, match="pip install tensorrt-rtx-cu13.*full TensorRT"):
@@ -255,7 +259,9 @@ def test_engine_matches_torch_reference_on_gpu(tiny_target, tmp_path):
         got = engine.run(**feed)["logits"].float()
         with torch.inference_mode():
             want = ref(*feed.values(), *ref_kv)[0].float()
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), (start, got.argmax(-1), want.argmax(-1))
+        # bf16 engine vs bf16 reference: the argmax may flip only on a near-tie of the reference
+        picked = want.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        assert (want.max(-1).values - picked <= 0.1).all(), (start, got.argmax(-1), want.argmax(-1))
         assert (got - want).abs().max() < 0.1 * want.abs().max()
     assert all((a.float() - b.float()).abs().max() < 0.05 for a, b in zip(kv, ref_kv))
 

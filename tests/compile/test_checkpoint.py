@@ -115,7 +115,7 @@ def test_draft_model_loads(tiny_draft, target):
 def test_iter_state_streams_onto_a_meta_model(tiny_target, target):
     with torch.device("meta"):
         meta = Qwen3(parse_qwen3(tiny_target / "config.json"), MAX_SEQ, TAPS).to(torch.bfloat16)
-    seen = dict(ck.iter_state(ck.Checkpoint(tiny_target), meta))
+    seen = dict(ck.CheckpointSource(tiny_target).tensors(meta))
     assert seen.keys() == ck.module_state(target).keys()
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in seen.values())
     assert torch.equal(seen["lm_head.weight"], target.lm_head.weight.bfloat16())
@@ -299,8 +299,9 @@ def test_resolve_eagle3_without_published_head(tiny_target):
 def test_tap_layers(tiny_eagle3, tmp_path):
     target_cfg = KNOWN_MODELS["qwen3-8b"].config
     assert ck.tap_layers(parse_eagle3(tiny_eagle3 / "config.json"), target_cfg) == (1, 17, 32)
+    # the top-level field counts HF hidden_states (the input of that layer): [2, 18, 33] = outputs of 1, 17, 32
     path = write_eagle3_checkpoint(tmp_path, overrides={"eagle_aux_hidden_state_layer_ids": [2, 18, 33]})
-    assert ck.tap_layers(parse_eagle3(path / "config.json"), target_cfg) == (2, 18, 33)
+    assert ck.tap_layers(parse_eagle3(path / "config.json"), target_cfg) == (1, 17, 32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,3 +368,20 @@ def test_fixture_tensors_cover_configs():
     assert "lm_head.weight" not in qwen3_tensors(cfg)
     head = eagle3_tensors(eagle3_config(cfg))
     assert head["d2t"].dtype == torch.int64 and head["t2d"].sum() == head["d2t"].numel()
+
+
+def test_resolve_revision(tmp_path, monkeypatch, tiny_target, tiny_draft):
+    """--revision picks a cached snapshot by branch, tag or commit; not cached names the download command;
+    a local dir or packaged alias has no revisions."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    main = fake_hf_cache(tmp_path, "Qwen/Qwen3-8B", tiny_target)
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    shutil.copytree(tiny_draft, main.parent / other)
+    (main.parents[1] / "refs" / "v2").write_text(other)
+    assert ck.resolve("Qwen/Qwen3-8B") == main
+    assert ck.resolve("Qwen/Qwen3-8B", "v2") == main.parent / other
+    assert ck.resolve("qwen3-8b", other) == main.parent / other                # alias -> repo id, by commit
+    msg = error(ck.resolve, "Qwen/Qwen3-8B", "v3")
+    assert "at revision 'v3'" in msg and "`hf download Qwen/Qwen3-8B --revision v3`" in msg
+    assert "is a local directory" in error(ck.resolve, str(tiny_target), "v2")
+    assert "is packaged with xcompile" in error(ck.resolve, "demo", "main")

@@ -60,11 +60,18 @@ def test_eagle3_fields(tmp_path):
 
 
 def test_eagle3_tap_ids_top_level_and_eagle_config(tmp_path):
-    top = eagle3_config(qwen3_config(), {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]})
-    assert parse_eagle3(write(tmp_path, top)).tap_layers == (1, 17, 32)
+    # top level: HF hidden_states indices (vLLM, speculators) -> layer outputs one lower
+    top = eagle3_config(qwen3_config(), {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]})
+    cfg = parse_eagle3(write(tmp_path, top))
+    assert cfg.tap_layers == (1, 17, 32) and cfg.tap_field == "eagle_aux_hidden_state_layer_ids"
+    # eagle_config: layer-output ids (SGLang, SpecForge), as they are
     nested = eagle3_config(qwen3_config(), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3],
                                                              "use_aux_hidden_state": True}})
-    assert parse_eagle3(write(tmp_path, nested)).tap_layers == (0, 2, 3)
+    cfg = parse_eagle3(write(tmp_path, nested))
+    assert cfg.tap_layers == (0, 2, 3) and cfg.tap_field == "eagle_config.eagle_aux_hidden_state_layer_ids"
+    # both, naming the same layers in their own conventions
+    both = top | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}}
+    assert parse_eagle3(write(tmp_path, both)).tap_layers == (1, 17, 32)
 
 
 @pytest.mark.parametrize("change, field, why", [
@@ -87,8 +94,8 @@ def test_qwen3_errors_name_file_and_field(tmp_path, change, field, why):
 @pytest.mark.parametrize("change, field, why", [
     ({"num_hidden_layers": 2}, "num_hidden_layers", "must be 1"),
     ({"eagle_aux_hidden_state_layer_ids": [1, 2]}, "eagle_aux_hidden_state_layer_ids", "three layer ids"),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, -2, 3]}}, "eagle_aux_hidden_state_layer_ids",
-     "three layer ids"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, -2, 3]}},
+     "eagle_config.eagle_aux_hidden_state_layer_ids", "three layer ids"),
     ({"architectures": ["Qwen3ForCausalLM"]}, "architectures", "an EAGLE3 head is one of"),
     ({"intermediate_size": None}, "intermediate_size", "is missing"),
 ])

@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 from xcompile.compile import checkpoint as ck
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
-from xcompile.compile.export import sha256_file
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.contract import graph_spec
 from xcompile.runtime.errors import EngineError
+from xcompile.runtime.integrity import record_file
 from xcompile.runtime.manifest import Manifest
 
 MAX_SEQ = 64
@@ -58,9 +58,9 @@ def cli(*args: str):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def one_line_error(result) -> str:
-    """A failed command: exit 1, one `error:` line on stderr, no traceback."""
-    assert result.exit_code == 1, (result.exit_code, result.output)
+def one_line_error(result, code: int = 1) -> str:
+    """A failed command: exit 1 (2 for a bad option), one `error:` line on stderr, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.output)
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -69,7 +69,7 @@ def one_line_error(result) -> str:
 
 
 def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.endswith((".partial", ".old")))
+    return sorted(p.name for p in parent.iterdir() if p.name.endswith((".partial", ".old", ".lock")))
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,18 +129,23 @@ def test_manifest_records_the_export(fp32_dir, tiny_target, tiny_eagle3):
     assert set(m.graphs) == {"target", "draft", "eagle3", "eagle3_fc"}
     assert (m.dtype, m.max_seq_len, m.max_batch) == ("fp32", MAX_SEQ, 1)
     assert m.models["target"].source == str(tiny_target) and m.models["target"].extra["taps"] == [0, 2, 3]
-    assert m.models["eagle3"].extra == {"taps": [0, 2, 3], "rope_theta": 10000.0}
+    assert m.models["eagle3"].extra == {"taps": [0, 2, 3], "taps_from": "default", "rope_theta": 10000.0,
+                                        "taps_convention": "layer-output ids: the target's default (Qwen3Config.default_tap_layers)"}
     assert m.graphs["eagle3_fc"].model == "eagle3" and m.graphs["eagle3_fc"].dims == {"batch": 1, "taps_hidden": 192,
                                                                                       "hidden": 64}
     assert m.graphs["target"].dims == {"batch": 1, "vocab": 256, "hidden": 64, "kv_heads": 2, "head_dim": 16,
                                        "max_seq_len": MAX_SEQ, "taps_hidden": 192}
+    # every file of the dir but the manifest and the marker carries the record its writer computed
+    assert set(m.files) == {p.name for p in fp32_dir.iterdir()} - {"manifest.json", ".xcompile"}
+    assert all(m.files[name] == record_file(fp32_dir / name) for name in m.files)
     for g in m.graphs.values():
         onnx_path = fp32_dir / g.onnx
-        assert g.sha256 == sha256_file(onnx_path)
+        assert g.sha256 == m.files[g.onnx]["sha256"]
         props = {p.key: p.value for p in onnx.load(onnx_path, load_external_data=False).metadata_props}
-        assert props["xcompile.external_data_sha256"] == sha256_file(onnx_path.with_name(g.onnx + ".data"))
-    assert m.inputs_sha256["target/model.safetensors"] == sha256_file(tiny_target / "model.safetensors")
-    assert m.inputs_sha256["eagle3/config.json"] == sha256_file(tiny_eagle3 / "config.json")
+        assert props["xcompile.external_data_sha256"] == m.files[g.onnx + ".data"]["sha256"]
+    # and the checkpoint files it read, to tell at load whether they changed since
+    assert m.inputs["target/model.safetensors"] == record_file(tiny_target / "model.safetensors")
+    assert m.inputs["eagle3/config.json"] == record_file(tiny_eagle3 / "config.json")
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(m.tokenizer_files)
     assert all((fp32_dir / f).is_file() for f in m.tokenizer_files)
     assert m.eos_token_ids == [255, 253]
@@ -191,20 +196,25 @@ def test_unwritable_output_dir(tiny_target, tmp_path):
     blocker.write_text("not a dir")
     line = one_line_error(cli("export", "--model", tiny_target, "--out", blocker / "sub" / "out",
                               "--max-seq-len", MAX_SEQ))
-    assert "cannot write there" in line and str(blocker / "sub" / "out") in line
+    assert f"{blocker / 'sub' / 'out'}: cannot write there: not a directory" in line
     assert blocker.read_text() == "not a dir" and leftovers(tmp_path) == []
 
 
 def test_existing_dir_needs_force(tiny_target, tmp_path):
+    """An existing dir needs --force, and --force replaces only a dir that xcompile wrote."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     line = one_line_error(cli("export", "--model", tiny_target, "--out", out, "--max-seq-len", MAX_SEQ))
     assert "already exists" in line and "--force" in line
+    line = one_line_error(cli("export", "--model", tiny_target, "--out", out, "--max-seq-len", MAX_SEQ, "--force"))
+    assert "not written by xcompile" in line and "even with --force" in line
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    result = cli("export", "--model", tiny_target, "--out", out, "--max-seq-len", MAX_SEQ, "--force")
-    assert result.exit_code == 0, result.output
-    assert not (out / "keep.txt").exists() and Manifest.load(out).graphs.keys() == {"target"}
+    (out / "keep.txt").unlink()                             # an empty dir holds nothing to lose
+    for _ in range(2):                                      # then the export xcompile wrote is replaced
+        result = cli("export", "--model", tiny_target, "--out", out, "--max-seq-len", MAX_SEQ, "--force")
+        assert result.exit_code == 0, result.output
+    assert Manifest.load(out).graphs.keys() == {"target"} and (out / ".xcompile").is_file()
     assert leftovers(tmp_path) == []
 
 
@@ -224,5 +234,5 @@ def test_requests_rejected_before_any_work(tiny_target, tmp_path):
     out = tmp_path / "out"
     assert "unknown model" in one_line_error(cli("export", "--model", "qwen3-9000b", "--synthetic", "--out", out))
     assert "no published EAGLE3 head" in one_line_error(cli("export", "--model", tiny_target, "--eagle3", "--out", out))
-    assert "at least 1" in one_line_error(cli("export", "--model", tiny_target, "--max-batch", 0, "--out", out))
+    assert "--max-batch" in one_line_error(cli("export", "--model", tiny_target, "--max-batch", 0, "--out", out), 2)
     assert not out.exists() and leftovers(tmp_path) == []

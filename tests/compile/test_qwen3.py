@@ -121,7 +121,9 @@ def test_logit_rows_selects_rows(target):
     rows = torch.tensor([[6, 0, 6], [2, 3, 1]])
     (picked, taps, *_), _ = forward(target, ids, rows=rows)
     assert picked.shape == (2, 3, 256) and taps.shape == (2, 7, 192)
-    assert torch.equal(picked, torch.stack([full[b, rows[b]] for b in range(2)]))
+    # lm_head over 3 gathered rows vs over all 7: matmuls of other shapes may round differently (1e-6 apart
+    # on a 2-core EPYC), so the rows agree to the module's tolerance, not bit for bit
+    torch.testing.assert_close(picked, torch.stack([full[b, rows[b]] for b in range(2)]), atol=TOL, rtol=0)
 
 
 def test_batch_rows_decode_at_their_own_lengths(target):

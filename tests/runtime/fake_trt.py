@@ -74,10 +74,18 @@ def tensor_at(address: int, shape: tuple, dtype: torch.dtype, device: torch.devi
 
 
 class Logger:
-    ERROR, WARNING, INFO = 0, 1, 2
+    INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = -1, 0, 1, 2, 3
 
     def __init__(self, severity=WARNING):
         self.severity = severity
+
+
+class ILogger:
+    class Severity(enum.Enum):
+        INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
+
+    def __init__(self):
+        pass
 
 
 class PluginRegistry:
@@ -242,21 +250,31 @@ class Runtime:
         self.fake, self.logger = fake, logger
 
     def deserialize_cuda_engine(self, plan: bytes):
-        data = json.loads(bytes(plan))
+        try:
+            data = json.loads(bytes(plan))
+        except ValueError:
+            data = {"version": None}
         if data["version"] != self.fake.__version__ or self.fake.refuse_engines:
-            return None     # TensorRT logs an error and returns None for foreign engines
+            # TensorRT logs an error and returns None for foreign engines
+            self.logger.log(ILogger.Severity.ERROR, self.fake.refusal)
+            return None
         return Engine(data, self.fake)
 
 
 class FakeTrt:
     """The module object: ``fake = FakeTrt(); load(dir, graph, trt=fake)``."""
 
-    DataType, TensorIOMode, Logger = DataType, TensorIOMode, Logger
+    DataType, TensorIOMode, Logger, ILogger = DataType, TensorIOMode, Logger, ILogger
     ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy
 
     def __init__(self, version: str = "1.7.1.116", device: str = "cpu", name: str = "tensorrt_rtx"):
         self.__version__, self.__name__, self.device = version, name, torch.device(device)
         self.capturable, self.fail_execute, self.refuse_engines = True, False, False
+        # what deserialize_cuda_engine logs when it refuses an engine (TensorRT-RTX 1.7's message for a header
+        # of another version; tests set the ones for a missing driver or another GPU)
+        self.refusal = ("IRuntime::deserializeCudaEngine: Error Code 1: Serialization (Serialization assertion "
+                        "header.magicTag == kEXPECTED_MAGIC_TAG failed.Trying to load an engine created with "
+                        "incompatible serialization version)")
         self.executions: list[int] = []         # profile of every execution, in order
         self.registry = PluginRegistry()
 

@@ -395,6 +395,30 @@ def test_stop_string_inside_an_accepted_run(tiny, prompts, reference):
         self_drafting(tiny, eos_ids=[], max_seq_len=MAX_SEQ_LEN).generate(p, NEW, stop=["x"])
 
 
+@pytest.mark.parametrize("stop", ["max_tokens", "eos", "stop"])
+def test_tau_counts_only_the_tokens_rounds_emit(stop, tiny, prompts, reference):
+    """τ = tokens emitted per verify round, the bonus included, tokens a stop or the cap drops excluded.
+    A scripted chain of 3 that is always right emits 4 tokens a round; the 6th round is cut after
+    one token, so 22 tokens come from the prefill (1) and 6 rounds (21): τ = 21/6 = 3.5, where
+    (accepted + rounds) / rounds, counting the 3 dropped drafts, said 24/6 = 4.00."""
+    p = prompts[3]
+    ref = reference[tuple(p)]
+    j = 21                                      # generated index of the last kept token (1 + 5 rounds of 4 = 21)
+    assert ref[j] not in ref[:j], "the prompt's continuation repeats the token the stop keys on"
+    eos, stops, n = [], [], j + 1
+    if stop == "eos":
+        eos, n = [ref[j]], NEW
+    elif stop == "stop":
+        stops, n = [f"<{ref[j]}>"], NEW
+    g = Generator(tiny.target_engine(), ScriptedDrafter(ref, len(p), 3, set()), eos, MAX_SEQ_LEN,
+                  detokenize=lambda ids: "".join(f"<{i}>" for i in ids))
+    r = g.generate(p, n, stop=stops)
+    s = r.stats
+    assert r.tokens == ref[:j + 1] and r.finish_reason == stop
+    assert (s.new_tokens, s.rounds, s.accepted) == (22, 6, 18)
+    assert s.acceptance_length == pytest.approx(21 / 6)
+
+
 @pytest.mark.parametrize("name", ["none", "draft-k6", "eagle3-k4", "tree-4x4x16"])
 def test_cache_full_ends_like_plain_decoding(name, tiny, prompts, reference):
     """Near the end of the cache the drafter's round no longer fits: plain steps finish the job."""
@@ -439,3 +463,24 @@ def test_drafter_parameters_are_checked(tiny):
         DraftModelDrafter(head, 2)
     with pytest.raises(EngineError, match="hidden_taps"):           # a target exported without EAGLE3 taps
         Generator(T.qwen3_engine(tiny.target, "draft"), Eagle3ChainDrafter(head, fc, tiny.d2t, 2), [], MAX_SEQ_LEN)
+
+
+@pytest.mark.parametrize("name", ["none", "eagle3-k4"])
+def test_cancel_ends_the_generation_within_one_round(name, tiny, prompts, reference):
+    """A cancel set while round r's tokens are handed out stops the loop before round r+1; the tokens
+    so far are the greedy prefix, and the generator serves the next request as usual."""
+    import threading
+
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
+    p = prompts[3]
+    cancel, calls = threading.Event(), []
+
+    def on_tokens(tokens):
+        calls.append(tokens)
+        if len(calls) == 3:                 # the prefill's token, then two rounds
+            cancel.set()
+
+    r = g.generate(p, NEW, on_tokens=on_tokens, cancel=cancel)
+    assert r.finish_reason == "cancelled" and len(calls) == 3 and r.stats.rounds == 2
+    assert r.tokens == sum(calls, []) == reference[tuple(p)][:len(r.tokens)]
+    assert g.generate(p, NEW).tokens == reference[tuple(p)][:NEW]

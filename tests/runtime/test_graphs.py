@@ -16,7 +16,7 @@ from fixtures import step_inputs
 
 from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine
+from xcompile.runtime.graphs import GraphedEngine
 
 MAX_SEQ_LEN = 128
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,11 +89,18 @@ def test_capture_failure_falls_back(tiny):
     def broken(step, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=broken)
+    want = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 16).tokens
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, round_graphs=False,
+                  capture=broken)
     with pytest.warns(UserWarning, match="not permitted"):
         tokens = g.generate([5, 6, 7], 16).tokens
     assert "not permitted" in g.target.fallback
-    assert tokens == Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 16).tokens
+    assert tokens == want
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=broken)
+    with pytest.warns(UserWarning, match="whole-round CUDA graph unavailable"):
+        tokens = g.generate([5, 6, 7], 16).tokens
+    assert "not permitted" in g.round_fallback and g.rounds is None
+    assert tokens == want
 
 
 def test_engines_not_graph_capturable_run_as_they_are(tiny):
@@ -136,8 +143,8 @@ def test_generate_with_emulated_graphs_matches_eager(name, tiny):
     prompts = [[5, 6, 7, 8, 9], [40, 3], [77]]
     eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
     capture = Emulated()
-    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture,
-                        debug=True)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, round_graphs=False,
+                        capture=capture, debug=True)
     for p in prompts:
         assert graphed.generate(p, 40).tokens == eager.generate(p, 40).tokens
     engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
@@ -147,24 +154,64 @@ def test_generate_with_emulated_graphs_matches_eager(name, tiny):
     assert capture.replays > 3 * capture.captures
 
 
+class RoundRecorder:
+    """Stands in for a whole-round capture on CPU: like a real capture, recording runs nothing; a
+    "replay" runs the recorded round (which writes its outcome into the generator's static buffer)."""
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def __call__(self, step, device):
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            step()
+
+        return replay, None
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_whole_round_graphs_replay_one_recording_per_drafter(name, tiny):
+    make, _ = DRAFTERS[name]
+    prompts = [[5, 6, 7, 8, 9], [40, 3], [77]]
+    eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
+    capture = RoundRecorder()
+    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture,
+                        debug=True)
+    rounds = 0
+    for p in prompts:
+        got, want = graphed.generate(p, 40), eager.generate(p, 40)
+        assert got.tokens == want.tokens and got.stats.accepted_at == want.stats.accepted_at
+        rounds += got.stats.rounds
+    assert graphed.target is not None and not isinstance(graphed.target, GraphedEngine)
+    assert capture.captures == len(graphed.rounds) == 1              # one drafter, recorded once
+    assert capture.replays == rounds - 1                             # every round but the first (eager)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_cuda_graphs_give_identical_tokens(name, dtype):
+@pytest.mark.parametrize("round_graphs", [False, True])
+def test_cuda_graphs_give_identical_tokens(name, dtype, round_graphs):
     tiny = T.build(512, device="cuda", dtype=dtype)
     make, shapes = DRAFTERS[name]
     prompts = [[5, 6, 7, 8, 9], [77], [40, 3] * 10]
     eager = Generator(tiny.target_engine(), make(tiny), [], 512)
-    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, capture=CudaGraphCapture())
+    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, round_graphs=round_graphs)
     for p in prompts:
         want = eager.generate(p, 200)
         got = graphed.generate(p, 200)
         assert got.tokens == want.tokens
         assert got.stats.accepted_at == want.stats.accepted_at
-    engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
-    for graph, counts in shapes.items():
-        assert engines[graph].fallback is None, engines[graph].fallback
-        assert graph_token_counts(engines[graph]) == counts, graph
+    if round_graphs:
+        assert graphed.round_fallback is None, graphed.round_fallback
+        assert all(g.replay is not None for g in graphed.rounds.values())
+    else:
+        engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
+        for graph, counts in shapes.items():
+            assert engines[graph].fallback is None, engines[graph].fallback
+            assert graph_token_counts(engines[graph]) == counts, graph
     t0 = time.perf_counter()
     eager.generate(prompts[0], 200)
     t1 = time.perf_counter()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fake_trt import FakeTrt, engine_bytes
-from fixtures import step_inputs
+from fixtures import save_manifest, step_inputs
 from xcompile.runtime.backends import trt as backend
 from xcompile.runtime.contract import DTYPES, graph_spec
 from xcompile.runtime.errors import EngineError
@@ -39,9 +39,8 @@ def make_dir(root: Path, version: str = VERSION, manifest_version: str | None = 
         engines[graph] = EngineEntry(f"{graph}.engine", graph, flavor, manifest_version or version, [], PROFILES)
         (root / f"{graph}.engine").write_bytes(engine_bytes(io, DIMS[graph], PROFILES, DTYPES[dtype], version,
                                                             **overrides))
-    Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic:tiny:0")}, graphs,
-             engines).save(root)
-    return root
+    return save_manifest(Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic:tiny:0")},
+                                  graphs, engines), root)
 
 
 def step(ids: list[int], start: int, rows: list[int] | None = None, device="cpu") -> dict[str, torch.Tensor]:
@@ -165,10 +164,29 @@ def test_engine_from_another_version_says_rebuild(tmp_path, fake):
         backend.load(directory, "target", "cpu", trt=fake)
 
 
-def test_undeserializable_engine_says_rebuild(tmp_path, fake):
-    # manifest and runtime agree, but the engine file is not loadable here (another GPU, corrupt)
+@pytest.mark.parametrize("logged, message", [
+    # TensorRT-RTX 1.7 on this CPU-only machine: nothing is wrong with the engine, rebuilding would not help
+    ("IRuntime::deserializeCudaEngine: Error Code 1: Cuda Runtime (In ScopedCudaStream (cudaError 35: CUDA driver "
+     "version is insufficient for CUDA runtime version))", "no usable CUDA device or driver.*do not rebuild"),
+    ("The engine plan file is generated on an incompatible device, expecting compute 8.9 got compute 9.0",
+     "another TensorRT version or GPU.*rebuild it on this machine"),
+    (None, "another TensorRT version or GPU.*magicTag.*rebuild it on this machine"),
+    ("Error Code 2: Internal Error (something else)", "could not deserialize it.*as built: rebuild"),
+])
+def test_undeserializable_engine_says_why(tmp_path, fake, logged, message):
+    # manifest, file hashes and runtime version agree, but TensorRT refuses the plan: what it logged says why
     directory = make_dir(tmp_path, version="1.7.0.0", manifest_version=VERSION)
-    with pytest.raises(EngineError, match="could not deserialize.*rebuild"):
+    fake.refusal = logged or fake.refusal
+    with pytest.raises(EngineError, match=message):
+        backend.load(directory, "target", "cpu", trt=fake)
+
+
+def test_tampered_engine_is_refused_before_tensorrt_sees_it(tmp_path, fake):
+    directory = make_dir(tmp_path)
+    data = bytearray((directory / "target.engine").read_bytes())
+    data[len(data) // 2] ^= 0x20                            # same size, one bit
+    (directory / "target.engine").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="target.engine: bytes 0..* differ from what was recorded.*re-export"):
         backend.load(directory, "target", "cpu", trt=fake)
 
 

@@ -110,18 +110,132 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
 
 def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
     from xcompile.runtime.errors import EngineError
-    from xcompile.runtime.load import make_drafter, open_engine_dir
+    from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
 
-    es = open_engine_dir(tiny_engine_dir, "torch", "cpu")
-    del es.engines["draft"]
-    with pytest.raises(EngineError, match="holds no draft model; rebuild with --draft-model"):
-        make_drafter(es, "draft-model", 2)
-    for graph in ("eagle3", "eagle3_fc"):
-        del es.engines[graph]
-    with pytest.raises(EngineError, match="holds no EAGLE3 head; rebuild with --eagle3"):
-        make_drafter(es, "eagle3", 2)
-    assert make_drafter(es, "auto").name == "none"
-    es.close()
+    with open_engine_dir(tiny_engine_dir, "torch", "cpu") as es:
+        es.engines.pop("draft").close()
+        with pytest.raises(EngineError, match="holds no draft model; rebuild with --draft-model, or use --drafter "
+                                              "eagle3"):
+            make_drafter(es, DrafterSpec("draft-model", 2))
+        for graph in ("eagle3", "eagle3_fc"):
+            es.engines.pop(graph).close()
+        with pytest.raises(EngineError, match="holds no EAGLE3 head; rebuild with --eagle3, or use --drafter none"):
+            make_drafter(es, DrafterSpec("eagle3", 2))
+        with pytest.raises(EngineError, match="--tree-\\* needs an EAGLE3 head"):
+            make_drafter(es, DrafterSpec.from_options("auto", tree_topk=2))
+        assert make_drafter(es, "auto").name == "none"
+
+
+# option checks: each bad or inert option fails at parse time (exit 2) or, when it depends on what the
+# dir holds, before any engine loads (exit 1), with one line naming it ---------------------------------
+
+
+def refused(result, *needles: str, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert "Traceback" not in result.output and result.stdout == ""
+    return lines[0]
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--drafter", "none", "--gamma", 4], ["--drafter none", "--gamma"]),
+    (["--drafter", "none", "--tree-topk", 2], ["--drafter none"]),
+    (["--gamma", 4, "--tree-depth", 3], ["--gamma", "--tree-", "one or the other"]),
+    (["--drafter", "draft-model", "--tree-tokens", 8], ["--tree-", "draft model"]),
+    (["--tree-tokens", 4], ["--tree-tokens 4", "--tree-depth 6 (the default)", "at least 7"]),
+    (["--tree-topk", 2, "--tree-depth", 2, "--tree-tokens", 8], ["exceeds the 7 nodes"]),
+    (["--tree-tokens", 1], ["--tree-tokens"]),
+    (["--gamma", 0], ["--gamma"]),
+    (["--max-new-tokens", 0], ["--max-new-tokens"]),
+    (["--stop", ""], ["--stop", "empty stop string"]),
+    (["--stop", "\udcfe"], ["--stop", "not valid UTF-8", "0xfe"]),
+])
+def test_generate_option_checks(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--prompt-ids", ""], ["no token ids"]),
+    (["--prompt-ids", " , "], ["no token ids"]),
+    (["--prompt", "caf\udce9"], ["--prompt", "not valid UTF-8", "0xe9"]),
+    (["--chat", "\udcff"], ["--chat", "not valid UTF-8"]),
+])
+def test_prompt_checks(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, *args), *needles)
+
+
+def test_prompt_from_stdin(tiny_engine_dir):
+    want = generate_json(tiny_engine_dir, "--prompt", "the cat sat", "--max-new-tokens", 5, "--backend", "ort")
+    r = run("generate", tiny_engine_dir, "--device", "cpu", "--json", "--prompt", "-", "--max-new-tokens", 5,
+            "--backend", "ort", input="the cat sat")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tokens"] == want["tokens"]
+    refused(run("generate", tiny_engine_dir, "--prompt", "-", input=b"the \xff cat"), "stdin is not valid UTF-8",
+            "0xff")
+
+
+def test_drafter_auto_options_checked_against_the_dir(tiny_engine_dir):
+    """--drafter auto picks from what the dir holds; options that drafter ignores are refused before loading."""
+    from types import SimpleNamespace
+
+    from xcompile.runtime.errors import EngineError
+    from xcompile.runtime.load import DrafterSpec
+    from xcompile.runtime.request import GenerateRequest, check_drafter_options
+
+    only_draft = SimpleNamespace(graphs={"target": None, "draft": None})
+    plain = SimpleNamespace(graphs={"target": None})
+    tree = DrafterSpec.from_options(tree_depth=3)
+    with pytest.raises(EngineError, match="--tree-.*draft model.*auto picks draft-model"):
+        check_drafter_options(GenerateRequest("d", drafter=tree), only_draft)
+    with pytest.raises(EngineError, match="would do nothing: no drafter runs.*auto picks none"):
+        check_drafter_options(GenerateRequest("d", drafter=tree), plain)
+    check_drafter_options(GenerateRequest("d", drafter=DrafterSpec(gamma=3)), only_draft)   # the draft model: --gamma
+
+
+def test_help_shows_the_drafter_defaults():
+    from xcompile.runtime.load import DEFAULT_GAMMA, TreeShape
+
+    text = " ".join(run("generate", "--help").output.split())
+    assert f"or the draft model [default: {DEFAULT_GAMMA}]" in text
+    for option, key in (("--tree-topk", "topk"), ("--tree-depth", "depth"), ("--tree-tokens", "total_tokens")):
+        help_of = text.split(f"{option} INTEGER RANGE ", 1)[1].split(" --", 1)[0]
+        assert f"[default: {getattr(TreeShape(), key)}]" in help_of, (option, help_of)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--contexts", ""], ["--contexts", "nothing would be measured"]),
+    (["--contexts", "16,0"], ["--contexts", "at least 1"]),
+    (["--gammas", "1,x"], ["--gammas"]),
+    (["--tree", "3,3"], ["--tree", "3 comma-separated"]),
+    (["--tree", "3,5,4"], ["TOKENS 4", "at least 6"]),
+    (["--draft-model", "qwen3-0.6b"], ["--draft-model", "--synthetic"]),
+    (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
+    (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
+    (["--new-tokens", 1], ["--new-tokens"]),
+])
+def test_bench_option_checks(tiny_engine_dir, args, needles):
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", *args), *needles)
+
+
+def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--json", tmp_path / "missing" / "b.json")
+    refused(r, "--json", "does not exist")
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", "--plot", tmp_path), "--plot", "is a directory")
+    refused(run("bench", "--synthetic", "qwen3-0.6b", "--prompts", __file__), "--prompts", "tokenizer")
+    refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
+
+
+def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "4096")
+    refused(r, "--contexts 4096", "none fits", "256 tokens", code=1)
+    assert "loaded" not in r.stderr
 
 
 # sampling ----------------------------------------------------------------------------------------

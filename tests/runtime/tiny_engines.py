@@ -7,6 +7,7 @@ numerically different but equivalent computations (a verify block vs one token a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +67,14 @@ class Tiny:
         return eagle3_engines(self.eagle3, self.max_seq_len)
 
 
-def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Tiny:
+def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+          head_dim: int = 8) -> Tiny:
+    """head_dim: of all three models (the fused kernels' attention needs >= 16)."""
     torch.manual_seed(seed)
-    target = init_(Qwen3(TARGET_CFG, max_seq_len, taps=TAPS), seed)
-    draft = init_(Qwen3(DRAFT_CFG, max_seq_len), seed + 1)
-    eagle3 = init_(Eagle3(EAGLE3_CFG, max_seq_len), seed + 2)
+    cfgs = [dataclasses.replace(c, head_dim=head_dim) for c in (TARGET_CFG, DRAFT_CFG, EAGLE3_CFG)]
+    target = init_(Qwen3(cfgs[0], max_seq_len, taps=TAPS), seed)
+    draft = init_(Qwen3(cfgs[1], max_seq_len), seed + 1)
+    eagle3 = init_(Eagle3(cfgs[2], max_seq_len), seed + 2)
     eagle3.embed_tokens.weight = target.model.embed_tokens.weight       # the head uses the target's table
     g = torch.Generator().manual_seed(seed + 3)
     hot = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values  # draft vocab: a subset of the target's

@@ -1,0 +1,167 @@
+"""One Qwen3-8B-shaped decode step on the fast backend vs the reference path, on a GPU, in one run.
+
+    python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--json FILE]
+
+Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
+synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
+graphed step time of the reference modules and of the fast engines with and without programmatic
+dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) tokens; the EAGLE3
+head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
+logit error, argmax agreement) over a few decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+import torch
+
+from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
+from xcompile.compile.models.eagle3 import Eagle3
+from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.compile.reference import eagle3_engines, qwen3_engine
+from xcompile.runtime import kernels
+from xcompile.runtime.kernels import linear as L
+from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
+from xcompile.runtime.drafters import causal, prompt_inputs
+from xcompile.runtime.graphs import CudaGraphCapture
+
+DEV = torch.device("cuda")
+
+
+def random_(module: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else std * torch.randn_like(p))
+    return module.eval()
+
+
+def step_inputs(tokens: int, ctx: int, vocab: int) -> dict:
+    i64 = dict(dtype=torch.int64, device=DEV)
+    return dict(input_ids=torch.randint(0, vocab, (1, tokens), **i64),
+                position_ids=ctx + torch.arange(tokens, **i64)[None], write_index=torch.full((1,), ctx, **i64),
+                tree_mask=causal(tokens, DEV), logit_rows=torch.arange(tokens, **i64)[None])
+
+
+def graphed_ms(run, inputs: dict, reps: int = 30) -> float:
+    replay, _ = CudaGraphCapture(warmup=2)(lambda: run(**inputs), DEV)
+    for _ in range(3):
+        replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def timed_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--contexts", default="128,4096")
+    ap.add_argument("--json")
+    ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
+    args = ap.parse_args()
+    if args.tiles:
+        chosen = json.load(open(args.tiles))
+        for table, key in ((L.TILES, "tiles"), (L.GEMV_TILES, "gemv_tiles")):
+            for shape, tile in chosen.get(key, {}).items():
+                table[tuple(map(int, shape.split(",")))] = tuple(tile)
+        print("tiles:", L.TILES, "\none-row gemv tiles:", L.GEMV_TILES)
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
+    taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))
+    with torch.device(DEV):
+        target = random_(Qwen3(cfg, 4352, taps).to(torch.bfloat16))
+        head = Eagle3(synthetic_eagle3_config(cfg), 4352).to(torch.bfloat16)
+    head.embed_tokens.weight = target.model.embed_tokens.weight
+    random_(head)
+    ref = qwen3_engine(target)
+    fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)   # re-points target's weights
+    kv = ref.new_kv()
+    fast.bind_kv(kv)
+    e3, fc = eagle3_engines(head)
+    fe3, ffc = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg)), FastFCEngine(fc, {})
+    fe3.bind_kv(e3.new_kv())
+    out = {"layers": args.layers, "rows": []}
+    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}")
+    for ctx in map(int, args.contexts.split(",")):
+        ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
+        for tokens in (1, 7, 32):
+            inputs = step_inputs(tokens, ctx, cfg.vocab_size)
+            row = {"what": "target step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(ref.run, inputs)}
+            row["fast_ms"] = graphed_ms(fast.run, inputs)
+            if tokens == 1 and L.GEMV_TILES:                   # the tile kernel for one row too
+                saved = dict(L.GEMV_TILES)
+                L.GEMV_TILES.clear()
+                row["fast_tile_kernel_ms"] = graphed_ms(fast.run, inputs)
+                L.GEMV_TILES.update(saved)
+            kernels.PDL["enabled"] = False
+            row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
+            kernels.PDL["enabled"] = True
+            out["rows"].append(row)
+            print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
+                  f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}")
+        for tokens in (1, 10):
+            inputs = step_inputs(tokens, ctx, cfg.vocab_size)
+            inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+            row = {"what": "eagle3 step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(e3.run, inputs),
+                   "fast_ms": graphed_ms(fe3.run, inputs)}
+            out["rows"].append(row)
+            print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}")
+        taps_in = {"hidden_taps": torch.randn(1, 7, 3 * cfg.hidden_size, device=DEV, dtype=torch.bfloat16)}
+        row = {"what": "eagle3 fc", "ctx": ctx, "tokens": 7, "ref_ms": graphed_ms(fc.run, taps_in),
+               "fast_ms": graphed_ms(ffc.run, taps_in)}
+        out["rows"].append(row)
+        print(f"{row['what']:<22}{ctx:>6}{7:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}")
+    # prefill: TTFT of a 4096-token prompt (the fast engine runs it on the reference modules) against the
+    # bf16 matmul rate measured here: 2 * parameters * tokens + attention (QK^T and PV, causal half)
+    n = 4096
+    prompt = prompt_inputs(torch.randint(0, cfg.vocab_size, (1, n), device=DEV))
+    ttft = timed_ms(lambda: fast.run(**prompt))
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    mm = timed_ms(lambda: a @ a)
+    rate = 2 * 8192 ** 3 / (mm / 1e3)
+    params = sum(p.numel() for name, p in target.named_parameters() if "embed_tokens" not in name)
+    flops = 2 * params * n + 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n
+    out["prefill"] = {"tokens": n, "ttft_ms": ttft, "matmul_tflops": rate / 1e12, "fraction": flops / (ttft / 1e3) / rate}
+    print(f"prefill {n} tokens: {ttft:.1f} ms, {flops / (ttft / 1e3) / 1e12:.0f} TFLOP/s = "
+          f"{100 * out['prefill']['fraction']:.0f} % of the {rate / 1e12:.0f} TFLOP/s bf16 matmul rate measured here")
+    # teacher-forced agreement: the same tokens into both paths (separate caches), logits compared
+    ref_kv = [b.clone() for b in kv]
+    ref.bind_kv(ref_kv)
+    ctx = int(args.contexts.split(",")[0])
+    errs, agree = [], 0
+    for i in range(16):
+        inputs = step_inputs(1, ctx + i, cfg.vocab_size)
+        a, b = ref.run(**inputs)["logits"].float(), fast.run(**inputs)["logits"].float()
+        errs.append(((a - b).norm() / a.norm()).item())
+        agree += int(a.argmax() == b.argmax())
+    out["agreement"] = {"rel_err_max": max(errs), "argmax_agree": agree, "steps": 16}
+    print(f"teacher-forced 16 decode steps at ctx {ctx}: max rel logit error {max(errs):.2e}, argmax agree {agree}/16")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

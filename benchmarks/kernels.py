@@ -1,0 +1,238 @@
+"""Check and time the fused kernels (runtime/kernels/) at the Qwen3-8B / EAGLE3 / Qwen3-0.6B shapes on a GPU.
+
+    python benchmarks/kernels.py [--sweep] [--json FILE]
+
+For every projection shape: error against the torch reference at 1, 7 and 33 rows, row invariance
+(row 0 of a 7-row call equals the 1-row call bit for bit), and the time of one launch inside a CUDA
+graph of launches over rotating weight copies (so L2 never holds the weights), as GB/s of weight
+bytes against the device's copy bandwidth; cuBLAS (F.linear) beside it. ``--sweep`` times every
+candidate tile per shape and prints the best, which is what ``kernels/linear.py``'s TILES table
+holds. Then attention at several live lengths and row counts, and rope_kv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from xcompile.runtime.bench import copy_bandwidth
+from xcompile.runtime.kernels import linear as L
+from xcompile.runtime.kernels.attention import attention, attention_reference, chunk_for
+from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference
+
+# (name, N_out, K, gated): every projection of the 8B target, its EAGLE3 head and the 0.6B draft model
+SHAPES = [
+    ("8b qkv", 6144, 4096, False), ("8b o", 4096, 4096, False), ("8b gate/up", 12288, 4096, True),
+    ("8b down", 4096, 12288, False), ("8b lm_head", 151936, 4096, False),
+    ("eagle3 qkv", 6144, 8192, False), ("eagle3 lm_head", 32000, 4096, False),
+    ("0.6b qkv", 4096, 1024, False), ("0.6b o", 1024, 2048, False), ("0.6b gate/up", 3072, 1024, True),
+    ("0.6b down", 1024, 3072, False), ("0.6b lm_head", 151936, 1024, False),
+]
+# tiles (BLOCK_N, BLOCK_K, warps, stages, split of K) tried per kind of shape
+NARROW = [(32, 256, 4, 3, 1), (32, 256, 4, 3, 2), (64, 256, 4, 3, 1), (64, 256, 4, 3, 2), (64, 256, 4, 3, 4),
+          (32, 512, 4, 3, 1), (32, 512, 4, 3, 2), (64, 512, 4, 3, 1), (64, 512, 4, 3, 2)]
+GATED = [(64, 256, 4, 3, 1), (64, 256, 4, 3, 2), (128, 128, 8, 3, 1), (128, 128, 8, 3, 2), (128, 256, 8, 3, 1),
+         (32, 512, 4, 3, 1), (64, 128, 4, 4, 1)]
+WIDE = [(128, 128, 8, 3, 1), (64, 256, 4, 3, 1), (128, 256, 8, 2, 1), (256, 128, 8, 3, 1)]
+
+
+# one-row CUDA-core GEMV tiles (BLOCK_N, BLOCK_K, warps): at most 64 fp32 accumulators per thread
+GEMV = [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4),
+        (16, 512, 8), (16, 1024, 8), (32, 256, 8)]
+
+
+def candidates(name: str, n: int, k: int, gated: bool) -> list[tuple]:
+    if gated:
+        tiles = GATED
+    elif n > 16384:
+        tiles = WIDE
+    else:
+        tiles = NARROW if name.startswith(("8b", "eagle3")) else NARROW[:2]
+    return [t for t in tiles if k % (t[4] * min(t[1], k)) == 0]
+DT = torch.bfloat16
+
+
+def graph_time(fns, reps: int = 20) -> float:
+    """Median µs of one call, from CUDA-graph replays of ``fns`` (a list of calls, run in turn)."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def weights(n_rows: int, k: int, copies_bytes: float = 6e8) -> list[torch.Tensor]:
+    one = n_rows * k * 2
+    n = max(2, int(copies_bytes // one) + 1)
+    return [torch.randn(n_rows, k, device="cuda", dtype=DT) / k ** 0.5 for _ in range(min(n, 40))]
+
+
+def check_linear(name, n, k, gated, report):
+    rows = 2 * n if gated else n
+    w = torch.randn(rows, k, device="cuda", dtype=DT) / k ** 0.5
+    g = torch.rand(k, device="cuda", dtype=DT) + 0.5
+    errs = {}
+    for m in (1, 7, 33):
+        x = torch.randn(m, k, device="cuda", dtype=DT)
+        r = torch.randn(m, n, device="cuda", dtype=DT)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=DT)          # poisoned: every element written?
+        if gated:
+            L.linear(x, w, norm=g, gated=True, out=out)
+            ref = L.linear_reference(x, w, norm=g, gated=True)
+        else:
+            L.linear(x, w, norm=g, residual=r, out=out)
+            ref = L.linear_reference(x, w, norm=g, residual=r)
+        errs[m] = rel(out, ref)
+        assert not out.isnan().any(), f"{name}: unwritten output at m={m}"
+    x = torch.randn(7, k, device="cuda", dtype=DT)
+    one = L.linear(x[:1], w, norm=g, gated=gated)
+    seven = L.linear(x, w, norm=g, gated=gated)
+    report["invariant"] = bool(torch.equal(one[0], seven[0]))
+    report["rel_err"] = errs
+
+
+def time_linear(n, k, gated, tile, m=1, table=None) -> float:
+    """µs of one launch with ``tile`` in ``table`` (L.TILES, or L.GEMV_TILES for the one-row kernel)."""
+    table = L.TILES if table is None else table
+    ws = weights(2 * n if gated else n, k)
+    x = torch.randn(m, k, device="cuda", dtype=DT)
+    g = torch.rand(k, device="cuda", dtype=DT) + 0.5
+    outs = [torch.empty(m, n, device="cuda", dtype=DT) for _ in ws]
+    saved = table.get((n, k))
+    table[(n, k)] = tuple(tile)
+    try:
+        if table is L.TILES:                                  # the tile must also fit 4 row tiles (64 rows)
+            L.linear(torch.randn(64, k, device="cuda", dtype=DT), ws[0], norm=g, gated=gated)
+        return graph_time([lambda w=w, o=o: L.linear(x, w, norm=g, gated=gated, out=o) for w, o in zip(ws, outs)])
+    finally:
+        if saved is None:
+            table.pop((n, k), None)
+        else:
+            table[(n, k)] = saved
+
+
+def time_cublas(n, k, gated, m=1) -> float:
+    ws = weights(2 * n if gated else n, k)
+    x = torch.randn(m, k, device="cuda", dtype=DT)
+    return graph_time([lambda w=w: F.linear(x, w) for w in ws])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth(torch.device("cuda"))                # xrun bench's measurement
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}")
+    out = {"copy_bandwidth": bw, "linear": [], "attention": []}
+    print(f"\n{'shape':<16}{'N':>8}{'K':>7} {'tile (bn,bk,w,s,split)':<22}{'us':>8}{'GB/s':>7}{'%bw':>6}  {'cublas us':>9}"
+          f"{'%bw':>6}   m=7 us  m=32 us  invariant  rel err m=1/7/33")
+    for name, n, k, gated in SHAPES:
+        rep = {"name": name, "n": n, "k": k, "gated": gated}
+        nbytes = (2 if gated else 1) * n * k * 2
+        if args.sweep:
+            results = []
+            for tile in candidates(name, n, k, gated):
+                try:
+                    results.append((time_linear(n, k, gated, tile), tile))
+                except Exception as e:                       # noqa: BLE001 - out of shared memory etc.
+                    results.append((float("inf"), tile))
+                    rep.setdefault("failed", []).append(f"{tile}: {type(e).__name__}")
+            rep["sweep"] = [(t, list(tile)) for t, tile in results]
+            t, tile = min(results)
+        else:
+            tile = L.tile_for(n, k)
+            t = time_linear(n, k, gated, tile)
+        L.TILES[(n, k)] = tuple(tile)                       # checked and timed below with the chosen tile
+        if args.sweep and name.startswith(("8b", "eagle3")):
+            # the one-row CUDA-core GEMV: kept for decode where it beats the tile kernel
+            g_results = []
+            for gt in GEMV:
+                try:
+                    g_results.append((time_linear(n, k, gated, gt, table=L.GEMV_TILES), gt))
+                except Exception as e:                       # noqa: BLE001 - out of registers etc.
+                    rep.setdefault("failed", []).append(f"gemv {gt}: {type(e).__name__}")
+            rep["gemv_sweep"] = [(tg, list(gt)) for tg, gt in g_results]
+            if g_results and min(g_results)[0] < t:
+                rep["gemv"] = list(min(g_results)[1])
+                rep["gemv_us"] = min(g_results)[0]
+                L.GEMV_TILES[(n, k)] = tuple(rep["gemv"])
+        check_linear(name, n, k, gated, rep)
+        tc = time_cublas(n, k, gated)
+        t7, t32 = time_linear(n, k, gated, tile, 7), time_linear(n, k, gated, tile, 32)
+        rep.update(tile=list(tile), us=t, gbs=nbytes / t / 1e3, cublas_us=tc, us7=t7, us32=t32)
+        out["linear"].append(rep)
+        if args.json:                                       # written as it goes: a crash later keeps these
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        e = rep["rel_err"]
+        if "gemv" in rep:
+            print(f"{'  (one row)':<16}{'':>15} gemv {str(tuple(rep['gemv'])):<17}{rep['gemv_us']:>8.1f}"
+                  f"{nbytes / rep['gemv_us'] / 1e3:>7.0f}")
+        print(f"{name:<16}{n:>8}{k:>7} {str(tuple(tile)):<22}{t:>8.1f}{nbytes / t / 1e3:>7.0f}{100 * nbytes / t / 1e3 / (bw / 1e9):>6.0f}"
+              f"  {tc:>9.1f}{100 * nbytes / tc / 1e3 / (bw / 1e9):>6.0f}  {t7:>7.1f}  {t32:>7.1f}  {str(rep['invariant']):>9}"
+              f"  {e[1]:.1e}/{e[7]:.1e}/{e[33]:.1e}")
+    print(f"\n{'attention':<12}{'ctx':>6}{'rows':>6}{'us':>8}{'rel err':>10}{'invariant':>10}")
+    hq, hkv, d, smax = 32, 8, 128, 4352
+    kc = torch.randn(1, hkv, smax, d, device="cuda", dtype=DT)
+    vc = torch.randn(1, hkv, smax, d, device="cuda", dtype=DT)
+    for ctx in (128, 1024, 4096):
+        for m in (1, 7, 32):
+            q = torch.randn(m, hq * d, device="cuda", dtype=DT)
+            tm = (torch.rand(m, m, device="cuda") < 0.5) | torch.eye(m, dtype=torch.bool, device="cuda")
+            tm = tm.tril().contiguous()
+            wi = torch.tensor([ctx], device="cuda")
+            y = attention(q, kc, vc, wi, tm, hq)
+            err = rel(y, attention_reference(q, kc, vc, wi, tm, hq))
+            inv = ""
+            if m == 7:
+                y1 = attention(q[:1], kc, vc, wi, tm[:1, :1].contiguous(), hq)
+                inv = str(bool(torch.equal(y1[0], y[0])))
+            t = graph_time([lambda: attention(q, kc, vc, wi, tm, hq)] * 20)
+            out["attention"].append({"ctx": ctx, "rows": m, "us": t, "rel_err": err})
+            print(f"{'split-kv':<12}{ctx:>6}{m:>6}{t:>8.1f}{err:>10.1e}{inv:>10}")
+    from xcompile.compile.models.layers import rope_tables
+
+    cos, sin = (t.cuda() for t in rope_tables(d, smax, 1e6))
+    for m in (1, 7, 32):
+        qkv = torch.randn(m, (hq + 2 * hkv) * d, device="cuda", dtype=DT)
+        pos = torch.arange(m, device="cuda") + 100
+        wi = torch.tensor([100], device="cuda")
+        qn, kn = (torch.rand(d, device="cuda", dtype=DT) + 0.5 for _ in range(2))
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        a = rope_kv(qkv, pos, wi, cos, sin, k1, v1, hq, hkv, d, qn, kn)
+        b = rope_kv_reference(qkv.cpu(), pos.cpu(), wi.cpu(), cos.cpu(), sin.cpu(), k2.cpu(), v2.cpu(), hq, hkv, d,
+                              qn.cpu(), kn.cpu())
+        t = graph_time([lambda: rope_kv(qkv, pos, wi, cos, sin, k1, v1, hq, hkv, d, qn, kn)] * 20)
+        print(f"{'rope_kv':<12}{'':>6}{m:>6}{t:>8.1f}{rel(a.cpu(), b):>10.1e}")
+    print(f"(attention chunk {chunk_for(smax)} keys per split)")
+    out["tiles"] = {f"{n},{k}": list(L.tile_for(n, k)) for _, n, k, _ in SHAPES}
+    out["gemv_tiles"] = {f"{n},{k}": list(t) for (n, k), t in L.GEMV_TILES.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

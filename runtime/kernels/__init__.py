@@ -1,0 +1,105 @@
+"""Fused Triton kernels for the decode/verify fast path (runtime/backends/fast.py).
+
+One module per fused step, each with the plain-torch reference it is tested against:
+
+    linear.py     RMSNorm prologue + GEMV/skinny GEMM + residual or SiLU*mul epilogue (every projection)
+    rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
+    attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
+
+The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); longer
+passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does
+not depend on how many rows the call carries (fixed tiles of 16 rows, tiles chosen by the weight
+shape only, attention chunks at absolute key positions). One-row calls of the shapes in
+``linear.GEMV_TILES`` take a faster CUDA-core GEMV instead, whose order differs: a token decoded alone
+and the same token verified in a block then round differently, and in bf16 speculative and plain
+greedy decoding may part at a near tie (benchmarks/fast_agreement.py counts them).
+
+On a machine without a CUDA device the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+set before triton is imported), which is how CI checks their logic against the references.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+MAX_ROWS = 64       # query rows per fused call: a 64-node tree or a chain of 63 drafts
+ROW_TILE = 16       # rows per tile: the smallest tl.dot M, fixed so results do not depend on the row count
+
+
+def available() -> bool:
+    """Whether triton is importable (the fast backend also needs a CUDA device or the interpreter)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+# Programmatic dependent launch (Hopper+): each kernel starts while the previous one drains and waits
+# for its results with gdc_wait (weight loads go before the wait). Off in the interpreter and before
+# sm_90; benchmarks may switch it off to measure what it gives.
+PDL = {"enabled": True}
+
+
+@functools.cache
+def _pdl_capable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl() -> bool:
+    """Whether kernels are launched with programmatic dependent launch (their PDL constexpr)."""
+    return PDL["enabled"] and not interpreted() and _pdl_capable()
+
+
+def launch() -> dict:
+    """Launch options of every kernel: ``launch_pdl`` when ``pdl()``."""
+    return {"launch_pdl": True} if pdl() else {}
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ieee_dot(dtype: torch.dtype) -> bool:
+    """Whether tl.dot must multiply in full fp32: fp32 engines (not tf32), and the interpreter, whose
+    bf16 tl.dot is wrong (it multiplies the raw bits)."""
+    return dtype == torch.float32 or interpreted()
+
+
+def _interpreter_fixes() -> None:
+    """Two shims for Triton's CPU interpreter (tests only; nothing changes on a GPU):
+    - round fp32 -> bf16 to nearest even, as the GPU does: the interpreter truncates (its
+      ``create_fp_trunc`` ignores the rounding mode), which would double every rounding error the
+      tests compare against the torch references;
+    - patch triton.language once per kernel launch, not again at every nested @triton.jit helper
+      call (the enclosing launch has patched it already): this re-patching was ~40 % of the time."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    patch_lang = interpreter._patch_lang
+
+    def patch_lang_once(fn):
+        # the language modules this function sees (triton.language and/or triton.language.core)
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.full) for lang in langs):   # patched by the enclosing launch
+            return interpreter._LangPatchScope()
+        return patch_lang(fn)
+
+    interpreter._patch_lang = patch_lang_once
+
+    cast = InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    InterpreterBuilder.cast_impl = cast_impl
+
+
+if interpreted() and available():
+    _interpreter_fixes()

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible app: routes, SSE streaming, the API key, OpenAI-style errors and metrics.
+
+    POST /v1/completions, /v1/chat/completions    JSON, or with "stream": SSE chunks then `data: [DONE]`
+    GET  /v1/models                               the one model this process serves
+    GET  /health                                  200 when the engines are loaded, 503 before
+    GET  /metrics                                 Prometheus text (runtime/serve/metrics.py)
+
+What the process holds (scheduler, engines, metrics) is made in the app's lifespan, not by
+``create_app``: a Ray Serve replica receives the app by value and opens engines of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.serve.metrics import Metrics
+from xcompile.runtime.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
+from xcompile.runtime.serve.reply import Reply
+from xcompile.runtime.serve.scheduler import EngineWorker, Generation, Job, Scheduler, ServeConfig
+
+log = logging.getLogger("xcompile.serve")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CLIENT_GONE = 499           # status recorded for a request whose client disconnected (nginx's convention)
+
+
+def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], EngineWorker] = EngineWorker,
+               background_load: bool = True, on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """The app over ``config``'s engine dir. Its engines load once it starts: in the background, the
+    server answering 503 meanwhile (``on_load_error(message)`` if loading fails), or, with
+    ``background_load=False``, before it takes requests (a Ray replica is ready when loaded, and fails
+    to start if loading fails). ``open_worker`` opens them (tests wrap it)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        sched = app.state.scheduler = Scheduler(config, open_worker)
+        app.state.metrics = Metrics(lambda: sched.waiting, lambda: float(sched.slot.locked()))
+        loading = asyncio.create_task(_load(sched, on_load_error))
+        try:
+            if not background_load:
+                await loading
+                if sched.load_error:
+                    raise EngineError(sched.load_error)
+            yield
+        finally:
+            await loading
+            await sched.close()
+
+    app = FastAPI(title="xcompile", lifespan=lifespan)
+    app.add_middleware(_CountResponses)
+    app.add_exception_handler(ServeError, lambda r, e: JSONResponse(e.body(), e.status))
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, lambda r, e: JSONResponse(error_body(e.status_code, str(e.detail)),
+                                                                        e.status_code))
+    app.add_exception_handler(Exception, _failed)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise ServeError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (--api-key)",
+                             code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(request, body, "text_completion", body.prompts(), "prompt")
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        messages = [m.as_template_input() for m in body.messages]
+        return await _answer(request, body, "chat.completion", [messages], "messages")
+
+    @v1.get("/models")
+    async def models(request: Request):
+        worker = request.app.state.scheduler.ready()
+        return {"object": "list", "data": [{"id": worker.model_name, "object": "model", "created": 0,
+                                            "owned_by": "xcompile", "max_model_len": worker.max_seq_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health(request: Request):
+        worker = request.app.state.scheduler.ready()
+        es = worker.es
+        return {"status": "ok", "model": worker.model_name, "backend": es.backend, "device": str(es.device),
+                "drafter": worker.spec.label, "pid": os.getpid()}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(request.app.state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _load(sched: Scheduler, on_load_error: Callable[[str], None] | None) -> None:
+    await sched.load()
+    if sched.load_error:
+        log.error("engines failed to load: %s", sched.load_error)
+        if on_load_error is not None:
+            on_load_error(sched.load_error)
+        return
+    w = sched.worker
+    log.info("serving %s: %s on %s, drafter %s, batch 1", w.model_name, w.es.backend, w.es.device, w.drafter.name)
+
+
+def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    """pydantic's complaints as one OpenAI-style 400 (FastAPI's default is a 422 of its own shape)."""
+
+    def where(err: dict) -> str | None:
+        if err["type"] == "json_invalid":
+            return None
+        return ".".join(str(p) for p in err["loc"] if p != "body") or None
+
+    def say(err: dict) -> str:
+        if err["type"] == "json_invalid":
+            return f"the body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})"
+        return f"{where(err) or 'body'}: {err['msg']}"
+
+    errors = e.errors()
+    return JSONResponse(error_body(400, "; ".join(map(say, errors[:5])), where(errors[0]) if errors else None), 400)
+
+
+def _failed(request: Request, e: Exception) -> JSONResponse:
+    """Anything unforeseen: an OpenAI-style 500 (uvicorn logs the traceback); the server keeps serving."""
+    return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), 500)
+
+
+class _CountResponses:
+    """ASGI middleware counting each response by route and status as it starts (a stream's status is
+    its first line's; how its generations ended is in xcompile_generations_total)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                route = scope["path"] if scope["path"] in ROUTES else "other"
+                scope["app"].state.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def _check(body, worker: EngineWorker) -> None:
+    """What the request model alone cannot say: the model name, fields not implemented."""
+    if body.model is not None and body.model != worker.model_name:
+        raise ServeError(404, f"model {body.model!r} not found; this server serves {worker.model_name!r}",
+                         "model", "model_not_found")
+    if (name := body.refused()) is not None:
+        raise ServeError(400, f"{name}: not implemented by this server; leave it out", name)
+
+
+async def _answer(request: Request, body, kind: str, prompts: list, param: str):
+    sched: Scheduler = request.app.state.scheduler
+    worker = sched.ready()
+    _check(body, worker)
+    ids = [worker.encode(p, param) for p in prompts]
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or worker.max_seq_len
+    sampling = body.sampling()
+    job = Job([Generation(p, max_tokens, body.stop, sampling, j) for p in ids for j in range(body.n)],
+              sched.deadline())
+    reply = Reply(kind, body, worker, ids, request.app.state.metrics, job, sampling.seed)
+    events = sched.run(job)
+    await anext(events)                     # admitted (or ServeError 429 as an HTTP error, before any stream)
+    reply.metrics.prompt_tokens.inc(reply.prompt_tokens)
+    if body.stream:
+        return StreamingResponse(reply.sse(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    collect = asyncio.ensure_future(reply.collect(events))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not collect.done():                  # the client left: cancel (the scheduler frees the device)
+        collect.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await collect
+        return Response(status_code=CLIENT_GONE)
+    return JSONResponse(collect.result())
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is read by now, so receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,56 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own per app.
+
+    xcompile_requests_total{route, status}          HTTP responses by route and status code
+    xcompile_generations_total{reason}              choices ended: stop | length | timeout | cancelled | error
+    xcompile_prompt_tokens_total, xcompile_generation_tokens_total
+    xcompile_draft_tokens_total, xcompile_accepted_tokens_total     (their ratio: the acceptance rate)
+    xcompile_queue_depth, xcompile_requests_running                 requests waiting / on the device (0 or 1)
+    xcompile_time_to_first_token_seconds             arrival to the first token, queueing included
+    xcompile_time_per_output_token_seconds           per choice: (last token - first token) / (tokens - 1)
+    xcompile_acceptance_length                       tau of each choice: tokens per target forward
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# latency buckets from 1 ms (a draft step of a small model) to a minute (a long queue)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("xcompile_requests", "HTTP responses by route and status code",
+                                ["route", "status"], registry=r)
+        self.generations = Counter("xcompile_generations", "Choices ended, by reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("xcompile_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("xcompile_generation_tokens", "Tokens generated", registry=r)
+        self.drafted = Counter("xcompile_draft_tokens", "Draft tokens sent to verification", registry=r)
+        self.accepted = Counter("xcompile_accepted_tokens", "Draft tokens accepted by verification", registry=r)
+        Gauge("xcompile_queue_depth", "Requests waiting for the device", registry=r).set_function(queue_depth)
+        Gauge("xcompile_requests_running", "Requests on the device", registry=r).set_function(running)
+        self.ttft = Histogram("xcompile_time_to_first_token_seconds", "Arrival to first token, queueing included",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("xcompile_time_per_output_token_seconds", "Per choice: mean time between tokens "
+                              "after the first", buckets=LATENCY_BUCKETS, registry=r)
+        self.tau = Histogram("xcompile_acceptance_length", "Tokens per target forward (tau) of each choice",
+                             buckets=TAU_BUCKETS, registry=r)
+
+    def finished(self, result, first_token_s: float, done_s: float) -> None:
+        """One choice ended normally (times: time.monotonic())."""
+        s = result.stats
+        self.generations.labels("stop" if result.finish_reason in ("eos", "stop") else "length").inc()
+        self.generation_tokens.inc(s.new_tokens)
+        self.drafted.inc(s.drafted)
+        self.accepted.inc(s.accepted)
+        if s.rounds:
+            self.tau.observe(s.acceptance_length)
+        if s.new_tokens > 1:
+            self.tpot.observe((done_s - first_token_s) / (s.new_tokens - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,208 @@
+"""The OpenAI API as this server speaks it: pydantic request models, OpenAI-style errors, response bodies.
+
+Follows the OpenAI API as vLLM implements it (``/v1/completions``, ``/v1/chat/completions``), with two
+extensions vLLM also has: ``top_k``/``min_p`` and ``return_token_ids`` (each choice then carries its
+``token_ids``); and one of ours: ``usage.xcompile`` with the speculative counts (tau, drafted, accepted).
+Fields the OpenAI API has and this server does not implement are refused when set to anything that
+would change the output, never silently ignored; unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from xcompile.runtime.errors import EngineError, XcompileError
+from xcompile.runtime.sampling import SamplingParams, with_seed
+
+MAX_N = 16          # choices per request: they run one after another on the one device slot
+
+
+class ServeError(XcompileError):
+    """A request the server refuses or could not finish: an HTTP status and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+# HTTP status -> OpenAI error type
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code or str(status)}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: list[str] = Field(default_factory=list)        # a string or a list of them
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2)     # None: 0, greedy (OpenAI's default is 1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)                  # -1 or 0: off (vLLM's convention)
+    min_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+    # fields at their "off" value unless a client sets them; any other value is refused (module docstring)
+    not_implemented: ClassVar[tuple[str, ...]] = ("frequency_penalty", "presence_penalty", "logit_bias")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else [] if v is None else v
+        if isinstance(stops, list) and any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    def refused(self) -> str | None:
+        """The first field set to something this server does not implement, or None."""
+        for name in self.not_implemented:
+            if getattr(self, name) != type(self).model_fields[name].default:
+                return name
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self) -> SamplingParams:
+        """The request's SamplingParams, with a seed drawn here when sampling without one, so that every
+        choice of the request shares it (choice j is stream j of the seed) and the reply can report it."""
+        try:
+            return with_seed(SamplingParams(temperature=self.temperature or 0.0, top_k=max(self.top_k or 0, 0),
+                                            top_p=1.0 if self.top_p is None else self.top_p,
+                                            min_p=self.min_p or 0.0, seed=self.seed))
+        except EngineError as e:
+            raise ServeError(400, str(e)) from None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)        # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int = Field(1, ge=1)
+    logprobs: int | None = None
+
+    not_implemented: ClassVar[tuple[str, ...]] = _Request.not_implemented + ("echo", "suffix", "best_of", "logprobs")
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if not _split(v) or any(len(p) == 0 for p in _split(v)):
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per entry: text or token ids."""
+        return _split(self.prompt)
+
+
+def _split(prompt) -> list:
+    """A prompt field as a list of prompts: a text or an id list is one, a list of them is many."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)     # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    not_implemented: ClassVar[tuple[str, ...]] = _Request.not_implemented + (
+        "logprobs", "top_logprobs", "tools", "tool_choice", "response_format")
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text(cls, v):
+        return None if v == {"type": "text"} else v         # plain text is what every reply is
+
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_tokens": "length", "max_seq_len": "length"}
+
+
+def usage(prompt_tokens: int, stats: list, seed: int | None = None) -> dict:
+    """OpenAI usage over all choices, plus ``xcompile``: tau (tokens per target forward, bonus included),
+    drafted and accepted draft tokens, verify rounds, and the sampling seed (None: greedy)."""
+    completion = sum(s.new_tokens for s in stats)
+    rounds, drafted, accepted = (sum(getattr(s, k) for s in stats) for k in ("rounds", "drafted", "accepted"))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "xcompile": {"acceptance_length": round((accepted + rounds) / rounds, 4) if rounds else 0.0,
+                         "drafted": drafted, "accepted": accepted, "rounds": rounds, "seed": seed}}
+
+
+class TextStream:
+    """One choice's text as it streams. Only text that can no longer change is released: not a trailing
+    incomplete UTF-8 sequence, nor a tail that may still grow into a stop string; and the text ends
+    before the first stop string, as OpenAI's does (the token ids keep the token that stopped it)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode, self.stop = decode, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1      # chars a stop string could still need
+        self.tokens: list[int] = []
+        self.sent = 0
+        self.text = ""
+
+    def push(self, tokens: list[int]) -> str:
+        """Append a round's tokens; returns the newly released text."""
+        self.tokens += tokens
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):                 # bytes of one character split over tokens: wait
+            return ""
+        return self._release(self._cut(text), len(text) - self.hold)
+
+    def finish(self) -> str:
+        """After the last token: the rest of the text."""
+        text = self._cut(self.decode(self.tokens))
+        return self._release(text, len(text))
+
+    def _cut(self, text: str) -> str:
+        ends = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return text[:min(ends)] if ends else text
+
+    def _release(self, text: str, upto: int) -> str:
+        upto = min(upto, len(text))
+        out = text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        self.text += out
+        return out

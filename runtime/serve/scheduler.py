@@ -1,0 +1,231 @@
+"""One request on the device at a time: the process's engine set, a bounded FIFO queue in front of it,
+cancel on disconnect and a per-request timeout.
+
+Batch 1, latency first: the engines, their KV buffers and the Generator are opened once per process and
+live on one worker thread (torch work never runs on the event loop). The event loop admits requests:
+one holds the device slot, at most ``max_queue`` wait for it in arrival order (``asyncio.Lock`` wakes
+its waiters first come, first served), and the next one is refused (HTTP 429). A running request's
+cancel event is set when its client goes away or its deadline passes; the Generator checks it once
+per speculative round, so the device is free again within one round. The slot is released when the
+worker thread is done, never earlier, so the next request never queues behind an invisible one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from xcompile.runtime.errors import EngineError, XcompileError
+from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
+from xcompile.runtime.sampling import GREEDY, SamplingParams
+from xcompile.runtime.serve.protocol import ServeError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``xrun serve`` runs: the engine dir and drafter, and the server's limits."""
+
+    engine_dir: str
+    backend: str = "auto"
+    device: str | None = None                   # default: cuda if available
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
+    served_model_name: str | None = None        # default: the manifest's model name
+    api_key: str | None = None                  # required as "Authorization: Bearer KEY" on /v1 when set
+    max_queue: int = 64                         # requests waiting behind the running one
+    request_timeout: float | None = None        # seconds from arrival to the last token; None: no limit
+    cuda_graphs: bool = True
+
+
+class EngineWorker:
+    """The engine set, tokenizer and Generator of the process. ``run`` is called on the worker thread
+    only; ``encode`` and ``check_prompt`` only read and may run on the event loop."""
+
+    def __init__(self, config: ServeConfig):
+        import torch
+
+        from xcompile.runtime.generate import Generator
+        from xcompile.runtime.text import Text
+
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.es = open_engine_dir(config.engine_dir, config.backend, device, cuda_graphs=config.cuda_graphs)
+        try:
+            m = self.es.manifest
+            self.text = Text(self.es.directory) if (self.es.directory / "tokenizer.json").is_file() else None
+            self.spec = config.drafter.resolve(self.es)
+            self.drafter = make_drafter(self.es, self.spec)
+            self.gen = Generator(self.es.engines["target"], self.drafter, m.eos_token_ids, m.max_seq_len,
+                                 detokenize=self.text.decode if self.text else None,
+                                 cuda_graphs=config.cuda_graphs and self.es.device.type == "cuda")
+            self.model_name = config.served_model_name or m.name
+            self.max_seq_len = m.max_seq_len
+            self.vocab_size = m.models["target"].config["vocab_size"]
+        except BaseException:
+            self.es.close()
+            raise
+
+    def encode(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
+        """Token ids of a text, token-id or chat-messages prompt, checked against the engine's limits."""
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            ids = list(prompt)
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                raise ServeError(400, f"token ids must lie in [0, {self.vocab_size}) for this model", param)
+        elif self.text is None:
+            raise ServeError(400, "the engine dir has no tokenizer: send the prompt as token ids", param)
+        else:
+            try:
+                ids = self.text.chat(prompt) if isinstance(prompt, list) else self.text.encode(prompt)
+            except EngineError as e:
+                raise ServeError(400, str(e), param) from None
+        try:
+            self.gen.check_prompt(ids)
+        except EngineError as e:
+            raise ServeError(400, str(e), param, "context_length_exceeded") from None
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.text.decode(ids) if self.text else ""
+
+    def run(self, job: Job, post: Callable[[tuple], None]) -> None:
+        """Every generation of ``job`` in order (worker thread): posts ``("tokens", i, ids)`` per round
+        and ``("done", i, Result)`` per generation, until the job is cancelled."""
+        for i, g in enumerate(job.generations):
+            if job.cancel.is_set():
+                return
+            result = self.gen.generate(g.prompt, g.max_new_tokens, stop=g.stop, sampling=g.sampling, index=g.index,
+                                       cancel=job.cancel, on_tokens=lambda tokens, i=i: post(("tokens", i, tokens)))
+            if result.finish_reason != "cancelled":
+                post(("done", i, result))
+
+    def close(self) -> None:
+        self.es.close()
+
+
+@dataclass
+class Generation:
+    """One choice: a prompt's ids, its token budget and stop strings, how it samples and which of the
+    seed's streams it draws from (choice j of a prompt: stream j)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    stop: list[str]
+    sampling: SamplingParams = GREEDY
+    index: int = 0
+
+
+@dataclass
+class Job:
+    """One request's generations, run back to back in the device slot."""
+
+    generations: list[Generation]
+    deadline: float | None = None               # time.monotonic() seconds
+    cancel: threading.Event = field(default_factory=threading.Event)
+    timed_out: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+
+    def expire(self) -> None:
+        self.timed_out = True
+        self.cancel.set()
+
+
+DONE = object()         # the worker's last event of a job
+log = logging.getLogger("xcompile.serve")
+
+
+class Scheduler:
+    """The device slot and its queue (module docstring)."""
+
+    def __init__(self, config: ServeConfig, open_worker: Callable[[ServeConfig], EngineWorker] = EngineWorker):
+        self.config, self.open_worker = config, open_worker
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="xcompile-engine")
+        self.slot = asyncio.Lock()
+        self.waiting = 0
+        self.running: Job | None = None
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None
+
+    async def load(self) -> None:
+        """Open the engines on the worker thread; ``load_error`` holds the one-line reason if that fails."""
+        try:
+            self.worker = await asyncio.get_running_loop().run_in_executor(self.executor, self.open_worker,
+                                                                           self.config)
+        except XcompileError as e:
+            self.load_error = str(e)
+        except Exception as e:              # a backend's own error (e.g. ONNX Runtime's): report it, keep the cause
+            log.exception("opening %s failed", self.config.engine_dir)
+            self.load_error = f"{self.config.engine_dir}: {type(e).__name__}: {e}"
+
+    def ready(self) -> EngineWorker:
+        """The worker, or ServeError 503 while the engines load (or after loading failed)."""
+        if self.worker is None:
+            raise ServeError(503, f"engines failed to load: {self.load_error}" if self.load_error else
+                             "engines are loading; retry shortly")
+        return self.worker
+
+    def deadline(self) -> float | None:
+        return time.monotonic() + self.config.request_timeout if self.config.request_timeout else None
+
+    async def run(self, job: Job) -> AsyncIterator[tuple]:
+        """Admit ``job`` (ServeError 429 when the queue is full) and yield ``("admitted", None, None)``;
+        then wait for the device in FIFO order, run the job there and yield the worker's events
+        (``EngineWorker.run``); ServeError 504 past the deadline. Leaving early (client gone) cancels
+        the job within one round."""
+        worker = self.ready()
+        if self.slot.locked() and self.waiting >= self.config.max_queue:
+            raise ServeError(429, f"server busy: {self.waiting} requests already wait for the device "
+                                  f"(--max-queue {self.config.max_queue}); retry later")
+        loop = asyncio.get_running_loop()
+        self.waiting += 1
+        try:
+            yield "admitted", None, None
+            async with asyncio.timeout(None if job.deadline is None else job.deadline - time.monotonic()):
+                await self.slot.acquire()
+        except TimeoutError:
+            raise self._timeout(job, "waiting for the device") from None
+        finally:
+            self.waiting -= 1
+        # no await from acquire to here: the slot is always handed to the worker or released
+        self.running = job
+        events: asyncio.Queue = asyncio.Queue()
+        post = lambda e: loop.call_soon_threadsafe(events.put_nowait, e)     # noqa: E731 (thread -> loop)
+
+        def work():
+            try:
+                return worker.run(job, post)
+            finally:
+                post(DONE)
+
+        future = loop.run_in_executor(self.executor, work)
+        future.add_done_callback(self._release)
+        timer = None if job.deadline is None else loop.call_later(max(0.0, job.deadline - time.monotonic()),
+                                                                  job.expire)
+        try:
+            while (event := await events.get()) is not DONE:
+                yield event
+            await future                                    # re-raises what the worker raised
+            if job.timed_out:
+                raise self._timeout(job, "generating")
+        finally:
+            job.cancel.set()                                # a no-op once the worker is done
+            if timer is not None:
+                timer.cancel()
+
+    def _release(self, _future) -> None:
+        self.running = None
+        self.slot.release()
+
+    def _timeout(self, job: Job, where: str) -> ServeError:
+        return ServeError(504, f"request timed out after {time.monotonic() - job.arrived:.1f} s {where} "
+                               f"(--request-timeout {self.config.request_timeout} s)", code="timeout")
+
+    async def close(self) -> None:
+        """Cancel what runs, then close the engines on the worker thread once it is done."""
+        if self.running is not None:
+            self.running.cancel.set()
+        if self.worker is not None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,161 @@
+"""The ``fast`` backend (runtime/backends/fast.py): fused-kernel engines against the torch reference engines.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py), on tiny fp32 models whose
+head_dim is 16 (the attention tile's minimum): every step's outputs and KV writes match the reference
+modules to fp32 rounding, and generation is token-exact against plain greedy decoding for every
+drafter. The interpreter is slow (about a second per target step), so generations here are short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import tiny_engines as T
+from fixtures import step_inputs
+
+pytest.importorskip("triton", reason="the fast backend needs triton (pip install triton)")
+
+from xcompile.runtime.backends import fast  # noqa: E402
+from xcompile.runtime.drafters import (  # noqa: E402
+    DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter,
+)
+from xcompile.runtime.errors import EngineError  # noqa: E402
+from xcompile.runtime.generate import Generator  # noqa: E402
+
+MAX_SEQ_LEN = 96
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> T.Tiny:
+    return T.build(MAX_SEQ_LEN, head_dim=16)
+
+
+def cfg(module) -> dict:
+    return dataclasses.asdict(module.cfg)
+
+
+def fast_target(tiny):
+    return fast.FastQwen3Engine(tiny.target_engine(), cfg(tiny.target), T.TAPS)
+
+
+def fast_eagle3(tiny):
+    e3, fc = tiny.eagle3_engines()
+    return fast.FastEagle3Engine(e3, cfg(tiny.eagle3)), fast.FastFCEngine(fc, cfg(tiny.eagle3))
+
+
+def tree_inputs(tokens: list[int], parents: list[int], start: int) -> dict[str, torch.Tensor]:
+    """Verify inputs of a tree (node i under parents[i]; node 0 the root) written at ``start``."""
+    s = len(tokens)
+    mask = torch.eye(s, dtype=torch.bool)
+    depth = [0] * s
+    for i in range(1, s):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return dict(input_ids=torch.tensor([tokens]), position_ids=start + torch.tensor([depth]),
+                write_index=torch.tensor([start]), tree_mask=mask[None], logit_rows=torch.arange(s)[None])
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item() < tol
+
+
+def test_target_steps_and_kv_match_the_reference(tiny):
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    ref.new_kv()
+    got.new_kv()
+    steps = [step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0),                  # prompt (fused: 5 rows)
+             step_inputs(torch.tensor([[7]]), 5),                                 # decode
+             step_inputs(torch.tensor([[8, 1, 2, 40]]), 6),                       # chain verify
+             tree_inputs([3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 1, 3], 10)]             # tree verify
+    for inputs in steps:
+        want, have = ref.run(**inputs), got.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    for a, b in zip(got.kv, ref.kv):
+        assert close(a[:, :, :16], b[:, :, :16])
+
+
+def test_long_passes_run_the_reference(tiny):
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    ref.new_kv()
+    got.new_kv()
+    prompt = step_inputs(torch.arange(70)[None] % T.VOCAB, 0)                    # > MAX_ROWS tokens
+    assert torch.equal(got.run(**prompt)["logits"], ref.run(**prompt)["logits"])
+
+
+def test_eagle3_steps_match_the_reference(tiny):
+    (ref, ref_fc), (got, got_fc) = tiny.eagle3_engines(), fast_eagle3(tiny)
+    ref.new_kv()
+    got.new_kv()
+    taps = torch.randn(1, 5, 3 * T.EAGLE3_CFG.target_hidden_size)
+    assert close(got_fc.run(hidden_taps=taps)["hidden_states"], ref_fc.run(hidden_taps=taps)["hidden_states"])
+    hidden = ref_fc.run(hidden_taps=taps)["hidden_states"]
+    for inputs in (step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0), tree_inputs([3, 4, 5, 6], [0, 0, 1, 1], 5)):
+        n = inputs["input_ids"].shape[1]
+        want = ref.run(hidden_states=hidden[:, :n], **inputs)
+        have = got.run(hidden_states=hidden[:, :n], **inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
+
+
+def test_eagle3_norm_before_residual_matches_the_reference():
+    """speculators-format heads add hidden_norm(hidden), not the hidden, to the attention output."""
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    tiny.eagle3.midlayer.norm_before_residual = True
+    config = {**cfg(tiny.eagle3), "norm_before_residual": True}
+    ref = tiny.eagle3_engines()[0]
+    got = fast.FastEagle3Engine(tiny.eagle3_engines()[0], config)
+    plain = fast.FastEagle3Engine(tiny.eagle3_engines()[0], cfg(tiny.eagle3))      # the rule ignored
+    ref.new_kv()
+    got.new_kv()
+    hidden = torch.randn(1, 5, T.EAGLE3_CFG.hidden_size)
+    inputs = step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0)
+    plain.new_kv()
+    want, have = ref.run(hidden_states=hidden, **inputs), got.run(hidden_states=hidden, **inputs)
+    assert close(have["hidden_out"], want["hidden_out"]) and close(have["logits"], want["logits"])
+    assert not close(plain.run(hidden_states=hidden, **inputs)["hidden_out"], want["hidden_out"], 1e-2)
+
+
+DRAFTERS = {
+    "none": lambda t: NoDrafter(),
+    "eagle3": lambda t: Eagle3ChainDrafter(*fast_eagle3(t), t.d2t, 3),
+    "eagle3-tree": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6),
+    "draft-model": lambda t: DraftModelDrafter(fast.FastQwen3Engine(T.Tiny.draft_engine(t), cfg(t.draft)), 3),
+    "self-draft": lambda t: DraftModelDrafter(fast.FastQwen3Engine(t.self_draft_engine(), cfg(t.target)), 3),
+}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_fast_generation_equals_plain_greedy(name, tiny):
+    prompt = [5, 9, 11, 20, 33, 7]
+    want = T.greedy_reference(tiny.target, prompt, 8)
+    r = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True).generate(prompt, 8)
+    assert r.tokens == want
+    if name == "self-draft":                                                     # always right: full acceptance
+        assert r.stats.accepted == r.stats.drafted
+
+
+def test_fast_refuses_what_its_kernels_cannot_run(tiny, monkeypatch):
+    with pytest.raises(EngineError, match="head_dim 8"):
+        fast.FastQwen3Engine(T.build(MAX_SEQ_LEN).target_engine(), cfg(T.build(MAX_SEQ_LEN).target), T.TAPS)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(EngineError, match="CUDA device"):
+        fast_target(tiny)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["none", "eagle3", "eagle3-tree", "draft-model"])
+def test_fast_round_graphs_equal_eager_on_the_gpu(name):
+    """bf16 on the GPU: whole-round CUDA graphs give the eager fast path's tokens; both equal plain greedy
+    on the same fast engines (row-invariant kernels: a verified token is computed as if decoded alone)."""
+    tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
+    prompts = [[5, 6, 7, 8, 9], [77], [40, 3] * 10]
+    plain = Generator(fast_target(tiny), NoDrafter(), [], 512)
+    eager = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512)
+    graphed = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512, cuda_graphs=True)
+    for p in prompts:
+        want = plain.generate(p, 100).tokens
+        assert eager.generate(p, 100).tokens == want
+        assert graphed.generate(p, 100).tokens == want
+    assert graphed.round_fallback is None and all(g.replay is not None for g in graphed.rounds.values())

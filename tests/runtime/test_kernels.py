@@ -1,0 +1,200 @@
+"""The fused kernels (runtime/kernels/) against their plain-torch references.
+
+On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when no GPU is
+visible) at small shapes that still cover partial tiles, several row tiles, ragged live lengths and
+tree masks; tests marked ``gpu`` run the compiled kernels at the Qwen3-8B shapes. Tolerances: fp32
+agrees to float rounding (1e-5 relative); bf16 agrees to a few roundings (2e-2 relative, the 1e-3..1e-2
+band of bf16 operands plus reduction-order flips of single roundings).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
+
+from xcompile.compile.models.layers import rope_tables  # noqa: E402
+from xcompile.runtime.kernels.attention import attention, attention_reference  # noqa: E402
+from xcompile.runtime.kernels.linear import linear, linear_reference  # noqa: E402
+from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference  # noqa: E402
+from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (scale * torch.randn(*shape, device=DEV)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("kind", ["plain", "norm+residual", "gated", "ragged K"])
+def test_linear_matches_reference(kind, rows, dtype):
+    torch.manual_seed(rows)
+    n, k = (80, 200) if kind == "ragged K" else (96, 256)
+    gated = kind == "gated"
+    w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
+    x = randn(rows, k, dtype=dtype)
+    norm = randn(k, dtype=dtype) + 1 if kind in ("norm+residual", "gated") else None
+    residual = randn(rows, n, dtype=dtype) if kind == "norm+residual" else None
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device=DEV)          # every element must be written
+    linear(x, w, norm=norm, gated=gated, residual=residual, out=out)
+    ref = linear_reference(x, w, norm=norm, gated=gated, residual=residual)
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL[dtype]
+
+
+def test_linear_residual_in_place_and_extra_out():
+    x, w = randn(3, 64, dtype=torch.float32), randn(32, 64, dtype=torch.float32)
+    y = randn(3, 32, dtype=torch.float32)
+    want = y + x @ w.T
+    taps = torch.zeros(3, 96, device=DEV)
+    linear(x, w, residual=y, out=y, extra_out=taps[:, 32:64])
+    assert rel(y, want) < 1e-6 and torch.equal(taps[:, 32:64], y) and not taps[:, :32].any()
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("gated", [False, True])
+def test_linear_split_k_matches_reference(split, gated, monkeypatch):
+    """Split K: partial sums of each split, added in split order by the column block's last program; a
+    second call reuses the arrival counters (each launch resets them)."""
+    from xcompile.runtime.kernels import linear as L
+
+    n, k, rows = 48, 512, 21
+    monkeypatch.setitem(L.TILES, (n, k), (16, 64, 4, 2, split))
+    w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
+    x, r = randn(rows, k, dtype=torch.float32), randn(rows, n, dtype=torch.float32)
+    for _ in range(2):
+        got = linear(x, w, norm=g, gated=gated, residual=None if gated else r)
+        want = linear_reference(x, w, norm=g, gated=gated, residual=None if gated else r)
+        assert rel(got, want) < 1e-5
+    assert torch.equal(linear(x[:1], w, norm=g, gated=gated, residual=None if gated else r[:1])[0], got[0])
+    assert not L._counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated"])
+def test_one_row_gemv_matches_reference(kind, dtype, monkeypatch):
+    from xcompile.runtime.kernels import linear as L
+
+    n, k = 40, 1024
+    monkeypatch.setitem(L.GEMV_TILES, (n, k), (8, 256, 4))
+    gated = kind == "gated"
+    w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
+    x, g = randn(1, k, dtype=dtype), randn(k, dtype=dtype) + 1
+    r = randn(1, n, dtype=dtype) if kind != "gated" else None
+    taps = torch.zeros(1, 3 * n, dtype=dtype, device=DEV)
+    norm = None if kind == "plain" else g
+    got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=taps[:, n:2 * n])
+    assert rel(got, linear_reference(x, w, norm=norm, gated=gated, residual=r)) < TOL[dtype]
+    assert torch.equal(taps[:, n:2 * n], got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_the_row_count(dtype):
+    """A row's output is the same bits alone and inside a block (speculative == plain greedy)."""
+    torch.manual_seed(0)
+    w, g = randn(96, 256, dtype=dtype, scale=1 / 16), randn(256, dtype=dtype) + 1
+    x = randn(40, 256, dtype=dtype)
+    full = linear(x, w, norm=g)
+    for m in (1, 7, 17):
+        assert torch.equal(linear(x[:m], w, norm=g), full[:m])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,write_index,rows", [(4, 2, 0, 5), (8, 2, 517, 1), (8, 4, 100, 7),
+                                                              (4, 1, 200, 33), (4, 4, 63, 64)])
+def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype):
+    torch.manual_seed(write_index + rows)
+    d, s_max = 64, 640
+    kc, vc = randn(1, kv_heads, s_max, d, dtype=dtype), randn(1, kv_heads, s_max, d, dtype=dtype)
+    q = randn(rows, heads * d, dtype=dtype)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=128)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
+
+
+def test_attention_reads_nothing_past_the_live_length():
+    """Stale rows past write_index + rows (NaN here) change nothing: the loop stops at the live length."""
+    d, heads = 32, 4
+    kc, vc = randn(1, 2, 300, d, dtype=torch.float32), randn(1, 2, 300, d, dtype=torch.float32)
+    kc[:, :, 150:], vc[:, :, 150:] = float("nan"), float("nan")
+    q, tm, wi = randn(3, heads * d, dtype=torch.float32), torch.ones(3, 3, dtype=torch.bool, device=DEV).tril(), \
+        torch.tensor([147], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=64)
+    assert not got.isnan().any() and rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+
+
+def test_attention_tree_mask_rows_may_be_strided():
+    d, heads, rows = 32, 4, 6
+    kc, vc = randn(1, 2, 256, d, dtype=torch.float32), randn(1, 2, 256, d, dtype=torch.float32)
+    q = randn(rows, heads * d, dtype=torch.float32)
+    big = torch.eye(10, dtype=torch.bool, device=DEV)
+    big[:, 0] = True
+    tm = big[:rows, :rows]                                                       # row stride 10
+    wi = torch.tensor([40], device=DEV)
+    assert rel(attention(q, kc, vc, wi, tm, heads), attention_reference(q, kc, vc, wi, tm.contiguous(), heads)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_rope_kv_matches_reference(qk_norm, dtype):
+    torch.manual_seed(1)
+    heads, kv_heads, d, rows = 4, 2, 64, 5
+    qkv = randn(rows, (heads + 2 * kv_heads) * d, dtype=dtype)
+    cos, sin = (t.to(DEV) for t in rope_tables(d, 128, 1e6))
+    pos = torch.tensor([30, 31, 31, 32, 33], device=DEV)                        # tree nodes share positions
+    wi = torch.tensor([30], device=DEV)
+    qn, kn = (randn(d, dtype=dtype) + 1, randn(d, dtype=dtype) + 1) if qk_norm else (None, None)
+    caches = [randn(1, kv_heads, 128, d, dtype=dtype) for _ in range(2)]
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    q = rope_kv(qkv, pos, wi, cos, sin, got_k, got_v, heads, kv_heads, d, qn, kn)
+    want = rope_kv_reference(qkv, pos, wi, cos, sin, want_k, want_v, heads, kv_heads, d, qn, kn)
+    assert rel(q, want) < TOL[dtype] and rel(got_k, want_k) < TOL[dtype] and torch.equal(got_v, want_v)
+    assert torch.equal(got_k[:, :, :30], caches[0][:, :, :30])                   # nothing before write_index
+
+
+def test_embed_norms_matches_reference():
+    torch.manual_seed(2)
+    emb, hidden = randn(50, 48, dtype=torch.bfloat16), randn(3, 48, dtype=torch.bfloat16)
+    w1, w2 = randn(48, dtype=torch.bfloat16) + 1, randn(48, dtype=torch.bfloat16) + 1
+    ids = torch.tensor([4, 49, 0], device=DEV)
+    got = embed_norms(ids, emb, w1, hidden, w2, 1e-6)
+    assert rel(got, embed_norms_reference(ids, emb, w1, hidden, w2, 1e-6)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False),
+                                       (151936, 4096, False), (6144, 8192, False)])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_linear_at_qwen3_8b_shapes(n, k, gated, rows):
+    torch.manual_seed(n + rows)
+    w = randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5)
+    x, g = randn(rows, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16) + 1
+    out = linear(x, w, norm=g, gated=gated)
+    assert rel(out, linear_reference(x, w, norm=g, gated=gated)) < 1e-2
+    assert torch.equal(linear(x[:1], w, norm=g, gated=gated)[0], out[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1, 128, 4095])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_attention_at_qwen3_8b_shapes(ctx, rows):
+    torch.manual_seed(ctx + rows)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q = randn(rows, 32 * 128, dtype=torch.bfloat16)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.3) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([ctx], device=DEV)
+    got = attention(q, kc, vc, wi, tm, 32)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
+    if rows > 1:
+        assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], 32)[0], got[0])

@@ -1,0 +1,142 @@
+"""ONNX Runtime on CUDA (onnxruntime-gpu, the ``gpu`` extra): the exported graphs against the torch
+backend on the same GPU, with and without ORT's own CUDA graphs, bf16 through ``xcompile diff``, and
+no stream of provider warnings. Tests marked ``gpu`` skip without a CUDA device, and also (saying so)
+where onnxruntime has no CUDA provider. The CPU-side checks run everywhere.
+
+Tolerances: fp32 logits within 1e-2 of the torch reference (ORT's CUDA provider may use TF32
+matmuls), greedy tokens equal; bf16 through ``xcompile diff``'s own bf16 tolerances."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import step_inputs
+
+from xcompile.compile.pipeline import ExportRequest, export_engine_dir
+from xcompile.runtime.backends import ort
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.generate import Generator
+from xcompile.runtime.load import make_drafter, open_engine_dir
+
+MAX_SEQ = 64
+
+
+def _has_cuda_provider() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+needs_ort_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _has_cuda_provider(),
+                                    reason="needs a CUDA GPU and onnxruntime-gpu (pip install 'xcompile[gpu]')")
+
+
+def _export(tmp_path_factory, name: str, **request) -> Path:
+    out = tmp_path_factory.getbasetemp() / name
+    if not (out / "manifest.json").is_file():
+        export_engine_dir(ExportRequest(out=out, max_seq_len=MAX_SEQ, **request))
+    return out
+
+
+@pytest.fixture(scope="session")
+def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
+    # same name and request as runtime/test_ort.py: one export per session
+    return _export(tmp_path_factory, "tiny-fp32", model=str(tiny_target), eagle3=str(tiny_eagle3),
+                   draft_model=str(tiny_draft), dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def bf16_cuda_dir(tiny_target, tiny_eagle3, tmp_path_factory) -> Path:
+    return _export(tmp_path_factory, "tiny-bf16-ortcuda", model=str(tiny_target), eagle3=str(tiny_eagle3), dtype="bf16")
+
+
+# --------------------------------------------------------------------------------------------
+# everywhere
+
+
+def test_cuda_graphs_need_cuda(fp32_dir):
+    with pytest.raises(EngineError, match="CUDA graphs need device='cuda'"):
+        ort.load(fp32_dir, "target", "cpu", cuda_graphs=True)
+
+
+def test_cuda_library_dirs_are_the_nvidia_wheels_lib_folders(tmp_path, monkeypatch):
+    for pkg in ("cu13", "cudnn"):
+        (tmp_path / "nvidia" / pkg / "lib").mkdir(parents=True)
+    (tmp_path / "nvidia" / "cudnn" / "include").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    found = ort.cuda_library_dirs()
+    assert tmp_path / "nvidia" / "cu13" / "lib" in found and tmp_path / "nvidia" / "cudnn" / "lib" in found
+    assert not any(p.name == "include" for p in found)
+
+
+# --------------------------------------------------------------------------------------------
+# on a GPU with onnxruntime-gpu
+
+
+@pytest.mark.gpu
+@needs_ort_cuda
+def test_ort_cuda_steps_match_the_torch_backend(fp32_dir):
+    ours = open_engine_dir(fp32_dir, "ort", "cuda", cuda_graphs=False)
+    ref = open_engine_dir(fp32_dir, "torch", "cuda")
+    try:
+        e, r = ours.engines["target"], ref.engines["target"]
+        e.new_kv(), r.new_kv()
+        prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 250]], device="cuda")
+        for start, ids in ((0, prompt), (7, prompt[:, -1:]), (8, prompt[:, :3])):     # prefill, decode, verify 3
+            got, want = e.run(**step_inputs(ids, start)), r.run(**step_inputs(ids, start))
+            assert (got["logits"] - want["logits"]).abs().max() < 1e-2
+            assert torch.equal(got["logits"].argmax(-1), want["logits"].argmax(-1))
+        assert ours.engines["target"].session.get_providers()[0] == "CUDAExecutionProvider"
+    finally:
+        ours.close(), ref.close()
+
+
+@pytest.mark.gpu
+@needs_ort_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "ort-cuda-graphs"])
+@pytest.mark.parametrize("drafter, gamma", [("none", None), ("eagle3", 4), ("draft-model", 3)])
+def test_ort_cuda_greedy_tokens_equal_the_torch_backend(fp32_dir, cuda_graphs, drafter, gamma):
+    prompt = [5, 17, 42, 8, 99, 3, 250, 11]
+    tokens = {}
+    for backend in ("ort", "torch"):
+        es = open_engine_dir(fp32_dir, backend, "cuda", cuda_graphs=cuda_graphs)
+        try:
+            gen = Generator(es.engines["target"], make_drafter(es, drafter, gamma), [], MAX_SEQ,
+                            cuda_graphs=cuda_graphs)
+            tokens[backend] = gen.generate(prompt, 24).tokens
+            if backend == "ort" and cuda_graphs:
+                fallback = {g: e.graph_fallback for g, e in es.engines.items() if e.graph_fallback}
+        finally:
+            es.close()
+    assert tokens["ort"] == tokens["torch"]
+    if cuda_graphs and fallback:
+        pytest.skip(f"tokens equal, but ONNX Runtime ran without its CUDA graphs: {fallback}")
+
+
+@pytest.mark.gpu
+@needs_ort_cuda
+def test_bf16_graphs_pass_diff_on_ort_cuda(bf16_cuda_dir):
+    from xcompile.compile.diff import DiffOptions, run_diff
+
+    report = run_diff(bf16_cuda_dir, DiffOptions(backend="ort", device="cuda"))
+    assert report.passed, report.table()
+    assert all(r.top1 == 1.0 for r in report.results if r.top1 is not None), report.table()
+
+
+@pytest.mark.gpu
+@needs_ort_cuda
+def test_no_stream_of_provider_warnings(bf16_cuda_dir):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    xrun = [sys.executable, "-c", "from xcompile.runtime.cli import main; main()"]
+    r = subprocess.run([*xrun, "generate", str(bf16_cuda_dir), "--backend", "ort",
+                        "--device", "cuda", "--prompt-ids", "5,17,42", "--max-new-tokens", "8", "--drafter", "eagle3"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    noise = [line for line in r.stderr.splitlines() if "onnxruntime" in line.lower() or line.startswith("[W:")]
+    assert not noise, noise
