@@ -17,6 +17,7 @@ from fixtures import step_inputs
 from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import GraphedEngine
+from xcompile.runtime.sampling import Sampler, SamplingParams
 
 MAX_SEQ_LEN = 128
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,6 +188,40 @@ def test_whole_round_graphs_replay_one_recording_per_drafter(name, tiny):
     assert graphed.target is not None and not isinstance(graphed.target, GraphedEngine)
     assert capture.captures == len(graphed.rounds) == 1              # one drafter, recorded once
     assert capture.replays == rounds - 1                             # every round but the first (eager)
+
+
+def test_whole_round_graphs_are_recorded_per_sampling_mode(tiny):
+    """A recorded round freezes the sampler's static branches (greedy or sampled, the top-k size, top-p
+    on or off): a generator serving greedy and sampled requests in turn must replay, for each request,
+    a round recorded under its own mode, and give the tokens of eager execution."""
+    modes = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=1),
+             SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=0.7, top_k=5, seed=3)]
+    make, _ = DRAFTERS["eagle3"]
+    eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, capture=RoundRecorder())
+    recorded = {}
+
+    def capture(step, device):                # a recording remembers the mode it was made under
+        mode = graphed.sampler.mode
+        recorded[mode] = recorded.get(mode, 0) + 1
+
+        def replay():
+            assert graphed.sampler.mode == mode, "replayed a round recorded under another sampling mode"
+            step()
+
+        return replay, None
+
+    graphed.capture = capture
+    for params in modes + modes[::-1]:
+        got, want = graphed.generate([5, 6, 7], 24, sampling=params), eager.generate([5, 6, 7], 24, sampling=params)
+        assert got.tokens == want.tokens
+    assert recorded == {m: 1 for m in {mode_of(p) for p in modes}}       # 3 modes, each recorded once
+
+
+def mode_of(params: SamplingParams) -> tuple:
+    s = Sampler()
+    s.reset(params)
+    return s.mode
 
 
 @pytest.mark.gpu
