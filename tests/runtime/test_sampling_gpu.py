@@ -23,17 +23,23 @@ QWEN3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=7)      # Qwe
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_sampled_tokens_equal_with_and_without_cuda_graphs(name, dtype):
+@pytest.mark.parametrize("round_graphs", [False, True])
+def test_sampled_tokens_equal_with_and_without_cuda_graphs(name, dtype, round_graphs):
+    """Per-step graphs or whole-round graphs: the same seed, the same tokens as eager, also when one
+    generator serves greedy and sampled requests of different modes in turn (a round graph per mode)."""
     tiny = T.build(512, device="cuda", dtype=dtype)
     make, _ = DRAFTERS[name]
     eager = Generator(tiny.target_engine(), make(tiny), [], 512)
-    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, capture=CudaGraphCapture())
+    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, round_graphs=round_graphs)
     for p in ([5, 6, 7, 8, 9], [77], [40, 3] * 10):
-        for params in (QWEN3, SamplingParams(temperature=1.0, seed=8)):
+        for params in (QWEN3, SamplingParams(), SamplingParams(temperature=1.0, seed=8), QWEN3):
             want = eager.generate(p, 200, sampling=params)
             got = graphed.generate(p, 200, sampling=params)
             assert got.tokens == want.tokens
             assert got.stats.accepted_at == want.stats.accepted_at
+    if round_graphs:
+        assert graphed.round_fallback is None, graphed.round_fallback
+        assert len(graphed.rounds) >= 3                  # greedy and two sampling modes, each recorded
 
 
 def sampler_round(vocab: int, k: int, tree_tokens: int, params: SamplingParams):
