@@ -167,7 +167,7 @@ class Generator:
         self.length = torch.zeros(1, dtype=torch.int64, device=self.device)
         # whole-round CUDA graphs when every engine's steps are capturable (one replay per round), else
         # graphs per fixed-shape step of the capturable engines
-        self.rounds: dict[int, _RoundGraph] | None = None
+        self.rounds: dict[tuple, _RoundGraph] | None = None
         self.round_fallback: str | None = None
         if cuda_graphs and round_graphs and all(e.graph_capturable for e in (target, *drafter.engines)):
             self.rounds = {}
@@ -275,9 +275,12 @@ class Generator:
         nothing) and replayed, every later one is a replay of that graph."""
         if self.rounds is None:
             return self._round_in_place(drafter)
-        graph = self.rounds.get(id(drafter))
+        # one graph per drafter and sampler mode: greedy or not, top-k, top-p are Python branches the
+        # capture bakes in (temperature, top-p, min-p values and the random state are device tensors)
+        key = (id(drafter), self.sampler.mode)
+        graph = self.rounds.get(key)
         if graph is None:
-            graph = self.rounds[id(drafter)] = _RoundGraph()
+            graph = self.rounds[key] = _RoundGraph()
             graph.drafted, back = self._round_in_place(drafter)
             graph.back = back.clone()
             return graph.drafted, graph.back

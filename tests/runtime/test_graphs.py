@@ -189,6 +189,20 @@ def test_whole_round_graphs_replay_one_recording_per_drafter(name, tiny):
     assert capture.replays == rounds - 1                             # every round but the first (eager)
 
 
+def test_round_graphs_are_recorded_per_sampler_mode(tiny):
+    """Greedy, top-k and top-p are Python branches a capture bakes in: each mode gets its own graph."""
+    from xcompile.runtime.sampling import SamplingParams
+
+    capture = RoundRecorder()
+    g = Generator(tiny.target_engine(), Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3), [], MAX_SEQ_LEN,
+                  cuda_graphs=True, capture=capture)
+    g.generate([5, 6, 7], 12)
+    g.generate([5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, top_k=5, seed=1))
+    g.generate([5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=1))
+    g.generate([5, 6, 7], 12)
+    assert len(g.rounds) == capture.captures == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", DRAFTERS)
