@@ -189,6 +189,27 @@ def test_whole_round_graphs_replay_one_recording_per_drafter(name, tiny):
     assert capture.replays == rounds - 1                             # every round but the first (eager)
 
 
+def test_round_graphs_are_dropped_when_kv_is_rebound(tiny):
+    """A round graph writes the KV buffers it was recorded with: after Engine.bind_kv it is re-recorded."""
+    capture = RoundRecorder()
+    target = tiny.target_engine()
+    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
+    want = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 12).tokens
+    assert g.generate([5, 6, 7], 12).tokens == want and capture.captures == 1
+    target.new_kv()                                                  # fresh buffers: the graph's are stale
+    assert g.generate([5, 6, 7], 12).tokens == want and capture.captures == 2
+
+
+def test_a_warming_capture_records_rounds_without_running_them(tiny):
+    """CudaGraphCapture warms a step up by running it; a round must run once, so round graphs use the
+    capture without warm-up (same pool)."""
+    from xcompile.runtime.graphs import CudaGraphCapture
+
+    warming = CudaGraphCapture(warmup=2)
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=warming)
+    assert g.capture.warmup == 0 and g.capture.error_mode == warming.error_mode
+
+
 def test_round_graphs_are_recorded_per_sampler_mode(tiny):
     """Greedy, top-k and top-p are Python branches a capture bakes in: each mode gets its own graph."""
     from xcompile.runtime.sampling import SamplingParams
