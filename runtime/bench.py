@@ -161,7 +161,7 @@ def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) ->
             block.q_tok = block.q.gather(2, block.tokens[:, :, None])[:, :, 0]
         cases.append(("accept chain", k + 1, lambda b=block, x=logits(k + 1): accept_chain(b, x, sampler)))
     if tree_tokens:
-        depth = opts.tree["depth"]
+        depth = opts.tree.depth
         parents, level = [0], [0]
         for i in range(1, tree_tokens):        # random attachment under nodes above the last level
             open_ = [j for j in range(i) if level[j] < depth]
