@@ -25,7 +25,7 @@ from test_sampling import tv, tv_bound
 import fixtures
 from xcompile.runtime.drafters import prompt_inputs
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import make_drafter, open_engine_dir
+from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
 from xcompile.runtime.sampling import GREEDY, Sampler, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,9 +35,8 @@ SMALL = {"vocab_size": 8, "num_hidden_layers": 1, "hidden_size": 32, "intermedia
 PROMPT, M, MAX_SEQ_LEN = [2, 4], 3, 32
 PARAMS = SamplingParams(temperature=1.0, top_k=2, seed=2024)
 N = {"torch": 400, "ort": 100}                  # samples per configuration (ORT's are checked against torch's)
-DRAFTERS = {"none": dict(drafter="none"), "draft-model": dict(drafter="draft-model", gamma=2),
-            "eagle3": dict(drafter="eagle3", gamma=2),
-            "eagle3-tree": dict(drafter="eagle3", tree=dict(topk=2, depth=3, total_tokens=6))}
+DRAFTERS = {"none": DrafterSpec("none"), "draft-model": DrafterSpec("draft-model", 2),
+            "eagle3": DrafterSpec("eagle3", 2), "eagle3-tree": DrafterSpec("eagle3", tree=TreeShape(2, 3, 6))}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +45,9 @@ def small_dir(tmp_path_factory) -> Path:
     from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 
     root = tmp_path_factory.mktemp("small_vocab")
-    target = fixtures.write_qwen3_checkpoint(root / "target", SMALL, tokenizer=False)
-    draft = fixtures.write_qwen3_checkpoint(root / "draft", SMALL, seed=5, tokenizer=False)
+    # both with the same 8-token tokenizer: export checks that a draft model maps tokens to the target's ids
+    target = fixtures.write_qwen3_checkpoint(root / "target", SMALL)
+    draft = fixtures.write_qwen3_checkpoint(root / "draft", SMALL, seed=5)
     head = fixtures.write_eagle3_checkpoint(root / "head", SMALL, {"draft_vocab_size": 6, "intermediate_size": 48})
     out = root / "dir"
     export_engine_dir(ExportRequest(model=str(target), out=out, eagle3=str(head), draft_model=str(draft),
@@ -98,9 +98,7 @@ def outcomes(results) -> torch.Tensor:
 
 
 def generator(es, name: str) -> Generator:
-    opts = DRAFTERS[name]
-    return Generator(es.engines["target"], make_drafter(es, opts["drafter"], opts.get("gamma"), opts.get("tree")),
-                     [], MAX_SEQ_LEN)
+    return Generator(es.engines["target"], make_drafter(es, DRAFTERS[name]), [], MAX_SEQ_LEN)
 
 
 _SAMPLES: dict[tuple[str, str], list] = {}
