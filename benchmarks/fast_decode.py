@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 
 import torch
 
@@ -24,10 +23,11 @@ from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime import kernels
-from xcompile.runtime.kernels import linear as L
 from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
+from xcompile.runtime.bench import timed
 from xcompile.runtime.drafters import causal, prompt_inputs
 from xcompile.runtime.graphs import CudaGraphCapture
+from xcompile.runtime.kernels import linear as L
 
 DEV = torch.device("cuda")
 
@@ -48,30 +48,11 @@ def step_inputs(tokens: int, ctx: int, vocab: int) -> dict:
 
 def graphed_ms(run, inputs: dict, reps: int = 30) -> float:
     replay, _ = CudaGraphCapture(warmup=2)(lambda: run(**inputs), DEV)
-    for _ in range(3):
-        replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return timed(replay, DEV, reps)
 
 
 def timed_ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return timed(fn, DEV, reps, warmup=1)
 
 
 def main() -> None:

@@ -171,7 +171,9 @@ class Generator:
         self.round_fallback: str | None = None
         if cuda_graphs and round_graphs and all(e.graph_capturable for e in (target, *drafter.engines)):
             self.rounds = {}
-            self.capture = capture or CudaGraphCapture(warmup=0)
+            # a round is not idempotent: its capture records it without warm-up runs of it
+            capture = capture or CudaGraphCapture(warmup=0)
+            self.capture = capture.recording_only() if isinstance(capture, CudaGraphCapture) else capture
         elif cuda_graphs:
             step_capture = capture or CudaGraphCapture()
 
@@ -275,7 +277,8 @@ class Generator:
         nothing) and replayed, every later one is a replay of that graph."""
         if self.rounds is None:
             return self._round_in_place(drafter)
-        # a recording freezes the sampler's static branches (greedy or not, top-k, top-p on): one per mode
+        # one graph per drafter and sampler mode: greedy or not, top-k, top-p are Python branches the
+        # capture bakes in (temperature, top-p, min-p values and the random state are device tensors)
         key = (id(drafter), self.sampler.mode)
         graph = self.rounds.get(key)
         if graph is None:
@@ -283,7 +286,12 @@ class Generator:
             graph.drafted, back = self._round_in_place(drafter)
             graph.back = back.clone()
             return graph.drafted, graph.back
+        if graph.kv is not None and any(a is not b for a, b in zip(graph.kv, self._kv_lists(drafter))):
+            # an engine's KV was re-bound (Engine.bind_kv) since the capture: its graphs write the old buffers
+            self.rounds.clear()
+            return self._advance(drafter)
         if graph.replay is None:
+            graph.kv = self._kv_lists(drafter)
             try:
                 graph.replay, _ = self.capture(lambda: self._round_in_place(drafter, graph.back), self.device)
             except (GraphUnavailable, RuntimeError) as e:
@@ -294,6 +302,10 @@ class Generator:
                 return self._advance(drafter)
         graph.replay()
         return graph.drafted, graph.back
+
+    def _kv_lists(self, drafter: Drafter) -> tuple[list, ...]:
+        """The KV lists of the round's engines (``bind_kv`` makes a new one): what a capture recorded."""
+        return tuple(e.kv for e in (self.target, *drafter.engines))
 
     def _round_in_place(self, drafter: Drafter, back: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """A round that advances (root, length) in place and writes its ``for_host`` into ``back``."""
@@ -334,6 +346,7 @@ class _RoundGraph:
         self.replay: Callable[[], None] | None = None
         self.drafted = 0
         self.back: torch.Tensor | None = None
+        self.kv: tuple[list, ...] | None = None     # the engines' KV lists when captured
 
 
 def emit(tokens: list[int], on_tokens: Callable[[list[int]], None] | None) -> None:

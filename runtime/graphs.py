@@ -56,6 +56,15 @@ class CudaGraphCapture:
         self.warmup, self.error_mode = warmup, error_mode
         self.pool = None
 
+    def recording_only(self) -> CudaGraphCapture:
+        """This capture without warm-up runs (same pool and error mode), for steps that must run once
+        only, such as a whole speculative round (runtime/generate.py)."""
+        if not self.warmup:
+            return self
+        capture = CudaGraphCapture(warmup=0, error_mode=self.error_mode)
+        capture.pool = self.pool
+        return capture
+
     def __call__(self, step: Callable[[], T], device: torch.device) -> tuple[Callable[[], None], T]:
         """Warm up, then record one call of ``step``: (replay, what that call returned). Raises
         GraphUnavailable off CUDA, RuntimeError when the step cannot be captured."""

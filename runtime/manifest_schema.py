@@ -125,7 +125,10 @@ MANIFEST = fields({
                       choice(*GRAPHS)),
     "engines": dict_of(fields({"file": file_name, "graph": choice(*GRAPHS), "flavor": choice(*FLAVORS),
                                "trt_version": string, "compute_capabilities": list_of(string),
-                               "profiles": list_of(_PROFILE), "onnx_sha256": string},
+                               "profiles": list_of(_PROFILE), "onnx_sha256": string,
+                               # builder controls (compile/build.py BuildOptions.builder): workspace bytes,
+                               # optimization level 0..5
+                               "builder": fields({"workspace": integer(1), "optimization_level": integer(0)}, ())},
                               ("file", "graph", "flavor", "trt_version")), choice(*GRAPHS)),
     "eos_token_ids": list_of(integer(0)),
     "tokenizer_files": list_of(file_name),

@@ -53,7 +53,7 @@ python3 - "$DEMO" "$DEVICE" > "$OUT/demo_tokens.log" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import make_drafter, open_engine_dir
+from xcompile.runtime.load import DEFAULT_GAMMA, DrafterSpec, make_drafter, open_engine_dir
 from xcompile.runtime.text import Text
 
 directory, device = sys.argv[1], sys.argv[2]
@@ -68,7 +68,7 @@ for drafter, gamma in (("none", None), ("eagle3", 4)):
             continue
         es = open_engine_dir(directory, backend, device, cuda_graphs=graphs)
         try:
-            gen = Generator(es.engines["target"], make_drafter(es, drafter, gamma), [], es.manifest.max_seq_len,
+            gen = Generator(es.engines["target"], make_drafter(es, DrafterSpec(drafter, gamma or DEFAULT_GAMMA)), [], es.manifest.max_seq_len,
                             cuda_graphs=graphs)
             results = [gen.generate(p, 128) for p in prompts]
             fallback = {g: e.graph_fallback for g, e in es.engines.items() if getattr(e, "graph_fallback", None)}

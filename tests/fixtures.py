@@ -278,3 +278,16 @@ def step_inputs(ids: torch.Tensor, start: int = 0, positions: torch.Tensor | Non
     return {"input_ids": ids, "position_ids": positions,
             "write_index": torch.full((b,), start, dtype=torch.int64, device=dev), "tree_mask": tree_mask,
             "logit_rows": rows}
+
+
+def refused(result, *needles: str, code: int = 2) -> str:
+    """A click CliRunner result that failed as xcompile's CLIs promise: one `error:` line on stderr naming
+    what is wrong (each of ``needles``), exit ``code`` (2: a bad option, 1: a bad request), nothing on
+    stdout, no traceback. Returns the line."""
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert "Traceback" not in result.output and result.stdout == ""
+    return lines[0]

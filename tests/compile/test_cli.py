@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixtures import refused
 
 from xcompile.compile.cli import main
 
@@ -19,17 +20,6 @@ rtx = pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reaso
 
 def xcompile(*args, input=None):
     return CliRunner().invoke(main, [str(a) for a in args], input=input)
-
-
-def refused(result, *needles: str, code: int = 2) -> str:
-    """One `error:` line on stderr naming what is wrong, exit ``code`` (2: a bad option, 1: a bad request)."""
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in result.output and result.stdout == ""
-    return lines[0]
 
 
 @pytest.fixture

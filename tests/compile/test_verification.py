@@ -36,9 +36,10 @@ def run(cli, *args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
-def error_line(result) -> str:
-    """A failed command: exit 1, one `error:` line on stderr (after any progress), no traceback."""
-    assert result.exit_code == 1, (result.exit_code, result.output)
+def error_line(result, code: int = 1) -> str:
+    """A failed command: exit 1 (2: a bad option, refused before any work), one `error:` line on stderr
+    (after any progress), no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.output)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), result.stderr
     assert "Traceback" not in result.output
@@ -142,8 +143,9 @@ def test_damaged_manifest_is_one_line(engine_copy, edit, message):
 
 def test_bad_prompts_are_one_line(engine_copy):
     gen = ("generate", engine_copy, "--backend", "ort", "--device", "cpu")
-    assert "empty prompt" in error_line(run(xrun, *gen, "--prompt-ids", ""))
-    assert "not valid UTF-8 (byte 0xff at character 5)" in error_line(run(xrun, *gen, "--prompt", "hello\udcff"))
+    assert "no token ids given" in error_line(run(xrun, *gen, "--prompt-ids", ""), code=2)
+    line = error_line(run(xrun, *gen, "--prompt", "hello\udcff"), code=2)
+    assert "--prompt" in line and "not valid UTF-8" in line and "0xff" in line
     config = json.loads((engine_copy / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}{{ m['content'] }"          # unclosed
     (engine_copy / "tokenizer_config.json").write_text(json.dumps(config))
@@ -178,13 +180,13 @@ main()
 
 
 def test_sigint_mid_bench_writes_no_report(tiny_engine_dir, tmp_path):
-    report = tmp_path / "out" / "bench.json"
+    report = tmp_path / "bench.json"
     child = Child(XRUN, "bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", 16,
                   "--gammas", 1, "--tree", "", "--new-tokens", 8, "--repeats", 100_000, "--json", report)
     child.wait_for("loaded")
     code, seconds = child.interrupt(signal.SIGINT)
     assert code == 130 and seconds < 15 and child.lines[-1].strip() == "interrupted", (code, child.lines)
-    assert not (tmp_path / "out").exists()
+    assert not report.exists() and staging_leftovers(tmp_path) == []
 
 
 def test_sigint_mid_diff_saves_nothing(tiny_engine_dir, tmp_path):

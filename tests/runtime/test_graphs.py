@@ -17,7 +17,6 @@ from fixtures import step_inputs
 from xcompile.runtime.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import GraphedEngine
-from xcompile.runtime.sampling import Sampler, SamplingParams
 
 MAX_SEQ_LEN = 128
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,38 +189,39 @@ def test_whole_round_graphs_replay_one_recording_per_drafter(name, tiny):
     assert capture.replays == rounds - 1                             # every round but the first (eager)
 
 
-def test_whole_round_graphs_are_recorded_per_sampling_mode(tiny):
-    """A recorded round freezes the sampler's static branches (greedy or sampled, the top-k size, top-p
-    on or off): a generator serving greedy and sampled requests in turn must replay, for each request,
-    a round recorded under its own mode, and give the tokens of eager execution."""
-    modes = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=1),
-             SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=0.7, top_k=5, seed=3)]
-    make, _ = DRAFTERS["eagle3"]
-    eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
-    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, capture=RoundRecorder())
-    recorded = {}
-
-    def capture(step, device):                # a recording remembers the mode it was made under
-        mode = graphed.sampler.mode
-        recorded[mode] = recorded.get(mode, 0) + 1
-
-        def replay():
-            assert graphed.sampler.mode == mode, "replayed a round recorded under another sampling mode"
-            step()
-
-        return replay, None
-
-    graphed.capture = capture
-    for params in modes + modes[::-1]:
-        got, want = graphed.generate([5, 6, 7], 24, sampling=params), eager.generate([5, 6, 7], 24, sampling=params)
-        assert got.tokens == want.tokens
-    assert recorded == {m: 1 for m in {mode_of(p) for p in modes}}       # 3 modes, each recorded once
+def test_round_graphs_are_dropped_when_kv_is_rebound(tiny):
+    """A round graph writes the KV buffers it was recorded with: after Engine.bind_kv it is re-recorded."""
+    capture = RoundRecorder()
+    target = tiny.target_engine()
+    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
+    want = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 12).tokens
+    assert g.generate([5, 6, 7], 12).tokens == want and capture.captures == 1
+    target.new_kv()                                                  # fresh buffers: the graph's are stale
+    assert g.generate([5, 6, 7], 12).tokens == want and capture.captures == 2
 
 
-def mode_of(params: SamplingParams) -> tuple:
-    s = Sampler()
-    s.reset(params)
-    return s.mode
+def test_a_warming_capture_records_rounds_without_running_them(tiny):
+    """CudaGraphCapture warms a step up by running it; a round must run once, so round graphs use the
+    capture without warm-up (same pool)."""
+    from xcompile.runtime.graphs import CudaGraphCapture
+
+    warming = CudaGraphCapture(warmup=2)
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=warming)
+    assert g.capture.warmup == 0 and g.capture.error_mode == warming.error_mode
+
+
+def test_round_graphs_are_recorded_per_sampler_mode(tiny):
+    """Greedy, top-k and top-p are Python branches a capture bakes in: each mode gets its own graph."""
+    from xcompile.runtime.sampling import SamplingParams
+
+    capture = RoundRecorder()
+    g = Generator(tiny.target_engine(), Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3), [], MAX_SEQ_LEN,
+                  cuda_graphs=True, capture=capture)
+    g.generate([5, 6, 7], 12)
+    g.generate([5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, top_k=5, seed=1))
+    g.generate([5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=1))
+    g.generate([5, 6, 7], 12)
+    assert len(g.rounds) == capture.captures == 3
 
 
 @pytest.mark.gpu

@@ -88,15 +88,25 @@ def test_engine_set_is_a_context_manager(tiny_engine_dir):
     assert log == ["a", "b"]                    # closed on the way out of an error too
 
 
-def test_a_missing_d2t_closes_the_engines(tiny_engine_dir, tmp_path, monkeypatch):
+def test_a_failing_d2t_closes_the_engines(tiny_engine_dir, tmp_path, monkeypatch):
     import shutil
 
-    copy = shutil.copytree(tiny_engine_dir, tmp_path / "dir")
-    (copy / D2T_FILE).unlink()
     closed = []
     monkeypatch.setattr(load.EngineSet, "close", lambda self: closed.append(sorted(self.engines)))
-    with pytest.raises(EngineError, match="d2t.safetensors: missing"):
+    # a missing d2t file is found by the file records before any engine opens: nothing to close
+    copy = shutil.copytree(tiny_engine_dir, tmp_path / "dir")
+    (copy / D2T_FILE).unlink()
+    with pytest.raises(EngineError, match="d2t.safetensors: is missing"):
         open_engine_dir(copy, "torch", "cpu")
+    assert closed == []
+
+    # one that fails to load after the engines opened closes them
+    def unreadable(path, device):
+        raise EngineError(f"{path}: unreadable")
+
+    monkeypatch.setattr(load, "load_d2t", unreadable)
+    with pytest.raises(EngineError, match="d2t.safetensors: unreadable"):
+        open_engine_dir(tiny_engine_dir, "torch", "cpu")
     assert closed == [["draft", "eagle3", "eagle3_fc", "target"]]
 
 

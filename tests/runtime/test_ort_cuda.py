@@ -21,7 +21,7 @@ from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.backends import ort
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import make_drafter, open_engine_dir
+from xcompile.runtime.load import DEFAULT_GAMMA, DrafterSpec, make_drafter, open_engine_dir
 
 MAX_SEQ = 64
 
@@ -107,7 +107,8 @@ def test_ort_cuda_greedy_tokens_equal_the_torch_backend(fp32_dir, cuda_graphs, d
     for backend in ("ort", "torch"):
         es = open_engine_dir(fp32_dir, backend, "cuda", cuda_graphs=cuda_graphs)
         try:
-            gen = Generator(es.engines["target"], make_drafter(es, drafter, gamma), [], MAX_SEQ,
+            spec = DrafterSpec(drafter, gamma or DEFAULT_GAMMA)
+            gen = Generator(es.engines["target"], make_drafter(es, spec), [], MAX_SEQ,
                             cuda_graphs=cuda_graphs)
             tokens[backend] = gen.generate(prompt, 24).tokens
             if backend == "ort" and cuda_graphs:

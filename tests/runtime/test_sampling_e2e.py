@@ -35,8 +35,8 @@ SMALL = {"vocab_size": 8, "num_hidden_layers": 1, "hidden_size": 32, "intermedia
 PROMPT, M, MAX_SEQ_LEN = [2, 4], 3, 32
 PARAMS = SamplingParams(temperature=1.0, top_k=2, seed=2024)
 N = {"torch": 400, "ort": 100}                  # samples per configuration (ORT's are checked against torch's)
-DRAFTERS = {"none": DrafterSpec("none"), "draft-model": DrafterSpec("draft-model", gamma=2),
-            "eagle3": DrafterSpec("eagle3", gamma=2), "eagle3-tree": DrafterSpec("eagle3", tree=TreeShape(2, 3, 6))}
+DRAFTERS = {"none": DrafterSpec("none"), "draft-model": DrafterSpec("draft-model", 2),
+            "eagle3": DrafterSpec("eagle3", 2), "eagle3-tree": DrafterSpec("eagle3", tree=TreeShape(2, 3, 6))}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,9 @@ def small_dir(tmp_path_factory) -> Path:
     from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 
     root = tmp_path_factory.mktemp("small_vocab")
+    # both with the same 8-token tokenizer: export checks that a draft model maps tokens to the target's ids
     target = fixtures.write_qwen3_checkpoint(root / "target", SMALL)
-    draft = fixtures.write_qwen3_checkpoint(root / "draft", SMALL, seed=5)        # the same 8-token tokenizer
+    draft = fixtures.write_qwen3_checkpoint(root / "draft", SMALL, seed=5)
     head = fixtures.write_eagle3_checkpoint(root / "head", SMALL, {"draft_vocab_size": 6, "intermediate_size": 48})
     out = root / "dir"
     export_engine_dir(ExportRequest(model=str(target), out=out, eagle3=str(head), draft_model=str(draft),

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from fixtures import refused
 
 from xcompile.runtime.cli import main
 
@@ -128,16 +129,6 @@ def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
 
 # option checks: each bad or inert option fails at parse time (exit 2) or, when it depends on what the
 # dir holds, before any engine loads (exit 1), with one line naming it ---------------------------------
-
-
-def refused(result, *needles: str, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in result.output and result.stdout == ""
-    return lines[0]
 
 
 def run(*args, input=None):
