@@ -31,10 +31,10 @@ def test_sampled_tokens_equal_with_and_without_cuda_graphs(name, dtype, round_gr
     make, _ = DRAFTERS[name]
     eager = Generator(tiny.target_engine(), make(tiny), [], 512)
     graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, round_graphs=round_graphs)
-    for p in ([5, 6, 7, 8, 9], [77], [40, 3] * 10):
-        for params in (QWEN3, SamplingParams(), SamplingParams(temperature=1.0, seed=8), QWEN3):
-            want = eager.generate(p, 200, sampling=params)
-            got = graphed.generate(p, 200, sampling=params)
+    for p in ([5, 6, 7, 8, 9], [40, 3] * 10):
+        for params in (QWEN3, SamplingParams(), SamplingParams(temperature=1.0, seed=8)):
+            want = eager.generate(p, 64, sampling=params)
+            got = graphed.generate(p, 64, sampling=params)
             assert got.tokens == want.tokens
             assert got.stats.accepted_at == want.stats.accepted_at
     if round_graphs:
