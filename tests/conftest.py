@@ -94,3 +94,10 @@ def tiny_engine_dir(tmp_path_factory, tiny_target, tiny_eagle3, tiny_draft) -> P
     export_engine_dir(ExportRequest(model=str(tiny_target), out=out, eagle3=str(tiny_eagle3),
                                     draft_model=str(tiny_draft), dtype="fp32", max_seq_len=256))
     return out
+
+
+@pytest.fixture(scope="session")
+def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
+    """The tiny target + EAGLE3 head + draft model, exported fp32 with 64 KV slots."""
+    return fixtures.exported_dir(tmp_path_factory, "tiny-fp32", model=str(tiny_target), eagle3=str(tiny_eagle3),
+                                 draft_model=str(tiny_draft), dtype="fp32")

@@ -291,3 +291,14 @@ def refused(result, *needles: str, code: int = 2) -> str:
         assert n in lines[0], lines[0]
     assert "Traceback" not in result.output and result.stdout == ""
     return lines[0]
+
+
+def exported_dir(tmp_path_factory, name: str, **request) -> Path:
+    """An engine dir exported once per session under ``name`` (max_seq_len 64 unless the request says),
+    shared by every test file that asks for the same name."""
+    from xcompile.compile.pipeline import ExportRequest, export_engine_dir
+
+    out = tmp_path_factory.getbasetemp() / name
+    if not (out / "manifest.json").is_file():
+        export_engine_dir(ExportRequest(out=out, **{"max_seq_len": 64, **request}))
+    return out

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import pytest
 import torch
 from click.testing import CliRunner
 
@@ -20,7 +19,6 @@ from xcompile.compile import config
 from xcompile.compile.cli import main
 from xcompile.compile.compare import compare, tolerances
 from xcompile.compile.diff import DiffOptions, run_diff
-from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.integrity import record_file
 from xcompile.runtime.manifest import Manifest
 
@@ -28,15 +26,6 @@ MAX_SEQ = 64
 # a KNOWN_MODELS stand-in small enough to export in seconds (the real aliases are 0.6B and up)
 TINY = config.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-
-
-@pytest.fixture(scope="session")
-def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
-    out = tmp_path_factory.getbasetemp() / "tiny-fp32"      # shared with test_export.py / test_ort.py
-    if not (out / "manifest.json").is_file():
-        export_engine_dir(ExportRequest(model=str(tiny_target), eagle3=str(tiny_eagle3), draft_model=str(tiny_draft),
-                                        out=out, dtype="fp32", max_seq_len=MAX_SEQ))
-    return out
 
 
 def cli(*args):

@@ -17,7 +17,7 @@ import onnx_ir as ir
 import pytest
 import torch
 from click.testing import CliRunner
-from fixtures import TINY_DRAFT, TINY_QWEN3, write_qwen3_checkpoint
+from fixtures import TINY_DRAFT, TINY_QWEN3, exported_dir, write_qwen3_checkpoint
 from safetensors.torch import load_file
 
 from xcompile.compile import checkpoint as ck
@@ -35,23 +35,9 @@ ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FL
                "bfloat16": onnx.TensorProto.BFLOAT16, "int64": onnx.TensorProto.INT64, "bool": onnx.TensorProto.BOOL}
 
 
-def exported(tmp_path_factory, name: str, **request) -> Path:
-    """An engine dir exported once per session (shared by name across test files)."""
-    out = tmp_path_factory.getbasetemp() / name
-    if not (out / "manifest.json").is_file():
-        export_engine_dir(ExportRequest(out=out, max_seq_len=MAX_SEQ, **request))
-    return out
-
-
-@pytest.fixture(scope="session")
-def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
-    return exported(tmp_path_factory, "tiny-fp32", model=str(tiny_target), eagle3=str(tiny_eagle3),
-                    draft_model=str(tiny_draft), dtype="fp32")
-
-
 @pytest.fixture(scope="session")
 def bf16_dir(tiny_target, tiny_eagle3, tmp_path_factory) -> Path:
-    return exported(tmp_path_factory, "tiny-bf16", model=str(tiny_target), eagle3=str(tiny_eagle3), dtype="bf16")
+    return exported_dir(tmp_path_factory, "tiny-bf16", model=str(tiny_target), eagle3=str(tiny_eagle3), dtype="bf16")
 
 
 def cli(*args: str):

@@ -6,7 +6,6 @@ The engine dir is exported once per session (same helper and name as compile/tes
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,15 +23,6 @@ from xcompile.runtime.errors import EngineError
 MAX_SEQ = 64
 TAPS = (0, 2, 3)
 TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
-    out = tmp_path_factory.getbasetemp() / "tiny-fp32"
-    if not (out / "manifest.json").is_file():
-        export_engine_dir(ExportRequest(model=str(tiny_target), eagle3=str(tiny_eagle3), draft_model=str(tiny_draft),
-                                        out=out, dtype="fp32", max_seq_len=MAX_SEQ))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import step_inputs
+from fixtures import exported_dir, step_inputs
 
-from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.backends import ort
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
@@ -36,23 +35,9 @@ needs_ort_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _has_cu
                                     reason="needs a CUDA GPU and onnxruntime-gpu (pip install 'xcompile[gpu]')")
 
 
-def _export(tmp_path_factory, name: str, **request) -> Path:
-    out = tmp_path_factory.getbasetemp() / name
-    if not (out / "manifest.json").is_file():
-        export_engine_dir(ExportRequest(out=out, max_seq_len=MAX_SEQ, **request))
-    return out
-
-
-@pytest.fixture(scope="session")
-def fp32_dir(tiny_target, tiny_eagle3, tiny_draft, tmp_path_factory) -> Path:
-    # same name and request as runtime/test_ort.py: one export per session
-    return _export(tmp_path_factory, "tiny-fp32", model=str(tiny_target), eagle3=str(tiny_eagle3),
-                   draft_model=str(tiny_draft), dtype="fp32")
-
-
 @pytest.fixture(scope="session")
 def bf16_cuda_dir(tiny_target, tiny_eagle3, tmp_path_factory) -> Path:
-    return _export(tmp_path_factory, "tiny-bf16-ortcuda", model=str(tiny_target), eagle3=str(tiny_eagle3), dtype="bf16")
+    return exported_dir(tmp_path_factory, "tiny-bf16-ortcuda", model=str(tiny_target), eagle3=str(tiny_eagle3), dtype="bf16")
 
 
 # --------------------------------------------------------------------------------------------
