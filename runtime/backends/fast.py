@@ -124,9 +124,9 @@ class _FastEngine(Engine):
         self.reference.close()
         super().close()
 
-    def _attend(self, layer: _Layer, x_normed_qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
+    def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
         """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
-        q = rope_kv(x_normed_qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
+        q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
                     self.head_dim, layer.q_norm, layer.k_norm, self.eps)
         return attention(q, k_cache, v_cache, wi, mask, self.heads, self.chunk)
 
