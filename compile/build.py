@@ -31,7 +31,7 @@ from xcompile.compile.trt_loaders import (
 from xcompile.plugins.registry import PluginError, load_plugins
 from xcompile.runtime import files, interrupts, logs
 from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, resolve_flavor
-from xcompile.runtime.contract import DTYPES, GraphSpec, graph_spec
+from xcompile.runtime.contract import DTYPES, GraphSpec, dynamic_ranges, graph_spec
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import EngineEntry, Manifest, kv_layers
 
@@ -125,7 +125,7 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
                                "re-export it")
         progress(f"  {label}: parsed in {time.monotonic() - start:.1f}s ({report.attention} attention, "
                  f"{report.rope} RoPE, {len(report.kv_updates)} KV-cache-update layers)")
-        shapes = [profile_shapes(parsed[1], spec, {"tokens": p.tokens, "rows": p.rows, "batch": (1, 1, max_batch)})
+        shapes = [profile_shapes(parsed[1], spec, {**dynamic_ranges(p.tokens, p.rows), "batch": (1, 1, max_batch)})
                   for p in profiles]
         # the exporter's attention masks are additive floats: TRT-RTX 1.7 fails to build a boolean
         # mask shared by several attention layers ("Graph contains more than one op named <mask>_iota")

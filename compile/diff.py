@@ -39,7 +39,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.reference import reference_engines
 from xcompile.runtime import files, logs
 from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec
+from xcompile.runtime.contract import DRAFT, DYNAMIC_DIMS, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec
 from xcompile.runtime.engine import TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import XcompileError
 from xcompile.runtime.manifest import Manifest
@@ -116,7 +116,7 @@ class EngineRunner(BaseRunner):
         meta = TensorMetadata()
         for t in self.spec.step_inputs:
             dtype = self.engine.dtype if t.dtype == MODEL_DTYPE else TORCH_DTYPES[t.dtype]
-            meta.add(t.name, dtype=dtype, shape=[None if d in ("tokens", "rows") else self.dims[d] for d in t.shape])
+            meta.add(t.name, dtype=dtype, shape=[None if d in DYNAMIC_DIMS else self.dims[d] for d in t.shape])
         return meta
 
     def infer_impl(self, feed_dict):

@@ -9,11 +9,11 @@ I/O (runtime/contract.py is the source of truth; names, dtypes and order come fr
                past_key_i / past_value_i [B,Hkv,S_max,D]
     draft      as target, without hidden_taps                   logits [B,R,V], present_*
     eagle3     input_ids, hidden_states [B,S,H], position_ids,  logits [B,R,V_draft], hidden_out [B,S,H],
-               write_index, tree_mask, logit_rows,               present_key_0, present_value_0
+               write_index, tree_mask [B,S,W], logit_rows,       present_key_0, present_value_0
                past_key_0, past_value_0
     eagle3_fc  hidden_taps [B,S,3H]                              hidden_states [B,S,H]
 
-Only S (``tokens``) and R (``rows``) are dynamic; B = max_batch and S_max = max_seq_len are fixed
+Only S (``tokens``), R (``rows``) and the eagle3 mask's W (``mask_keys``) are dynamic; B = max_batch and S_max = max_seq_len are fixed
 per engine. Floating tensors have the graph's dtype (fp32, fp16 or bf16; TensorRT 11 is strongly
 typed, so the ONNX precision is the engine's). The KV write is TensorScatter, attention is
 Attention with an explicit boolean mask, RoPE is RotaryEmbedding, norms are RMSNormalization
@@ -44,7 +44,7 @@ from torch import nn
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
 from xcompile.runtime import integrity
-from xcompile.runtime.contract import CONTRACT_VERSION, MODEL_DTYPE, GraphSpec
+from xcompile.runtime.contract import CONTRACT_VERSION, DYNAMIC_DIMS, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import DTYPE_NAMES, TORCH_DTYPES
 
 # contract dtype name -> ONNX IR dtype, and IR dtype -> torch dtype (what a weight is written as)
@@ -54,7 +54,7 @@ _TORCH_OF_IR = {ir_dtype: TORCH_DTYPES[name] for name, ir_dtype in _IR_DTYPES.it
 
 # Example sizes for tracing. torch.export specialises dims of size 0/1, and a dim whose example
 # equals another's may be unified with it, so the dynamic dims get distinct sizes >= 2.
-_EXAMPLE = {"tokens": 5, "rows": 3}
+_EXAMPLE = {"tokens": 5, "rows": 3, "mask_keys": 7}
 # Offsets in the data file: 64 B for every tensor (SIMD loads), 64 KiB for tensors over 1 MiB so
 # that runtimes may mmap them page-aligned (the layout onnx_ir used by default before 1.1).
 _ALIGN, _ALIGN_LARGE, _LARGE = 64, 1 << 16, 1 << 20
@@ -86,7 +86,7 @@ def example_inputs(spec: GraphSpec, dims: dict, dtype: torch.dtype, device: torc
     for t in spec.inputs:
         shape = tuple(sizes[d] for d in t.shape)
         if t.name == "tree_mask":
-            x = torch.ones(shape, dtype=torch.bool, device=device).tril()
+            x = torch.ones(shape, dtype=torch.bool, device=device).tril(shape[2] - shape[1])
         elif t.name in ("position_ids", "logit_rows"):
             x = torch.arange(shape[1], device=device).expand(shape).contiguous()
         elif t.dtype == "int64":
@@ -98,10 +98,9 @@ def example_inputs(spec: GraphSpec, dims: dict, dtype: torch.dtype, device: torc
 
 
 def dynamic_shapes(module: nn.Module, spec: GraphSpec, max_seq_len: int) -> tuple:
-    """``dynamic_shapes`` for torch.export: one shared Dim for ``tokens`` and one for ``rows``,
-    every other axis static. Trailing KV inputs of a ``*kv`` forward are grouped as one tuple."""
-    named = {"tokens": torch.export.Dim("tokens", min=1, max=max_seq_len),
-             "rows": torch.export.Dim("rows", min=1, max=max_seq_len)}
+    """``dynamic_shapes`` for torch.export: one shared Dim per dynamic contract dim (``tokens``,
+    ``rows``, ``mask_keys``), every other axis static. Trailing KV inputs of a ``*kv`` forward are grouped as one tuple."""
+    named = {d: torch.export.Dim(d, min=1, max=max_seq_len) for d in DYNAMIC_DIMS}
     per_input = [{i: named[d] for i, d in enumerate(t.shape) if d in named} for t in spec.inputs]
     params = list(inspect.signature(module.forward).parameters.values())
     if params and params[-1].kind is inspect.Parameter.VAR_POSITIONAL:
@@ -173,7 +172,7 @@ def check_io(model: ir.Model, spec: GraphSpec, dtype: torch.dtype) -> None:
             raise CompileError(f"{spec.graph}: exported {kind}s {got} differ from the contract's {want}")
         for v, t in zip(values, tensors):
             dynamic = [str(d) for d in v.shape if not isinstance(d, int)]
-            if dynamic != [d for d in t.shape if d in ("tokens", "rows")]:
+            if dynamic != [d for d in t.shape if d in DYNAMIC_DIMS]:
                 raise CompileError(f"{spec.graph}: {kind} {v.name} has shape {v.shape}, contract {t.shape}")
 
 

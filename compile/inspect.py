@@ -16,6 +16,7 @@ from pathlib import Path
 
 from xcompile.compile.errors import CompileError
 from xcompile.runtime.backends.trt import collecting_logger, deserialize_error, import_trt, trt_dtype_names
+from xcompile.runtime.contract import dynamic_ranges
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import EngineEntry, Manifest
 
@@ -47,7 +48,7 @@ def profile_shapes(io: dict, dims: dict, profiles: list[dict]) -> dict[str, list
     for t in io["inputs"] + io["outputs"]:
         per_profile = []
         for p in profiles:
-            ranges = {"tokens": p["tokens"], "rows": p.get("rows", p["tokens"])}
+            ranges = dynamic_ranges(p["tokens"], p.get("rows", p["tokens"]))
             per_profile.append(_shape_text(
                 [(ranges[d][0], ranges[d][2]) if d in ranges else (dims.get(d, d),) * 2 for d in t["shape"]]))
         out[t["name"]] = per_profile

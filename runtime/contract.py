@@ -8,8 +8,9 @@ version it was built with and the runtime refuses a mismatch.
 Symbolic dims (sizes fixed per engine are recorded in the manifest's ``dims``):
 
     batch        sequences in flight (1 for now; every graph keeps the axis)
-    tokens       new tokens this call: the only dynamic axis of an engine
+    tokens       new tokens this call
     rows         rows whose logits are wanted (1 for prefill, ``tokens`` for verify)
+    mask_keys    keys ``tree_mask`` covers, >= tokens (``eagle3`` only; ``tokens`` elsewhere)
     max_seq_len  static KV capacity per sequence
     kv_heads, head_dim, vocab, hidden, taps_hidden (3 * target hidden), draft_vocab
 
@@ -25,17 +26,24 @@ Graphs:
 
 KV caches: input ``past_key_{i}`` [batch, kv_heads, max_seq_len, head_dim] is updated in place;
 output ``present_key_{i}`` aliases it (TensorRT KVCacheUpdate / ORT TensorScatter in place).
-Attention sees key j of sequence b iff j < write_index[b], or j = write_index[b] + m with
-tree_mask[b, i, m] true. Slots past that are stale and never read.
+Attention: the columns of ``tree_mask`` [batch, tokens, mask_keys] are the last ``mask_keys`` keys up
+to the new ones, starting at ``origin[b] = write_index[b] + tokens - mask_keys``. New token i of
+sequence b sees key j iff j < origin[b], or j = origin[b] + m with tree_mask[b, i, m] true. Slots
+past write_index[b] + tokens are stale and never read. Target and draft take [batch, tokens, tokens]
+(the columns are the new tokens); the ``eagle3`` graph's may cover more, so a tree level appended after
+earlier temporary levels sees only its ancestors among them (runtime/drafters.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2     # 2: eagle3 tree_mask columns may reach before write_index (mask_keys)
 
 TARGET, DRAFT, EAGLE3, EAGLE3_FC = "target", "draft", "eagle3", "eagle3_fc"
+
+# the axes that vary from call to call (every other dim is fixed per engine, recorded in ``dims``)
+DYNAMIC_DIMS = ("tokens", "rows", "mask_keys")
 GRAPHS = (TARGET, DRAFT, EAGLE3, EAGLE3_FC)
 
 # dtype names as they appear in manifests ("model" resolves to the engine's compute dtype)
@@ -82,6 +90,12 @@ _STEP_INPUTS = (
     TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")),
     TensorSpec("logit_rows", "int64", ("batch", "rows")),
 )
+
+
+def dynamic_ranges(tokens, rows) -> dict:
+    """Each dynamic dim's range, given those of ``tokens`` and ``rows`` (an optimization profile's):
+    ``mask_keys`` shares ``tokens``' range."""
+    return {"tokens": tokens, "rows": rows, "mask_keys": tokens}
 
 
 def _kv_inputs(num_layers: int) -> tuple[TensorSpec, ...]:
@@ -148,7 +162,9 @@ def target_spec(num_layers: int, taps: bool = True) -> GraphSpec:
 
 def eagle3_spec() -> GraphSpec:
     """EAGLE3 step: draft-vocab logits of the selected rows and the pre-norm hidden to feed back."""
-    inputs = (_STEP_INPUTS[0], TensorSpec("hidden_states", MODEL_DTYPE, ("batch", "tokens", "hidden"))) + _STEP_INPUTS[1:]
+    mask = TensorSpec("tree_mask", "bool", ("batch", "tokens", "mask_keys"))
+    inputs = (_STEP_INPUTS[0], TensorSpec("hidden_states", MODEL_DTYPE, ("batch", "tokens", "hidden")),
+              *(mask if t.name == "tree_mask" else t for t in _STEP_INPUTS[1:]))
     outputs = (
         TensorSpec("logits", MODEL_DTYPE, ("batch", "rows", "draft_vocab")),
         TensorSpec("hidden_out", MODEL_DTYPE, ("batch", "tokens", "hidden")),

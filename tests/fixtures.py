@@ -266,7 +266,7 @@ def staging_leftovers(parent: Path) -> list[str]:
 def step_inputs(ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Contract step inputs for ``ids`` [B, S] written at ``start``, on ``ids``'s device: causal unless
-    ``tree_mask`` [B, S, S] is given, positions start.. unless given, logits for every row unless ``rows``."""
+    ``tree_mask`` [B, S, S] (eagle3: [B, S, W >= S]) is given, positions start.. unless given, logits for every row unless ``rows``."""
     b, s = ids.shape
     dev = ids.device
     if positions is None:

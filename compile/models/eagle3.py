@@ -103,7 +103,7 @@ class MidLayer(nn.Module):
 
 class Eagle3(nn.Module):
     """forward(input_ids [B,S], hidden_states [B,S,H], position_ids [B,S], write_index [B],
-               tree_mask [B,S,S], logit_rows [B,R], past_key_0, past_value_0)
+               tree_mask [B,S,W], logit_rows [B,R], past_key_0, past_value_0)
          -> logits [B,R,draft_vocab], hidden_out [B,S,H] (pre-norm), present_key_0, present_value_0
     """
 

@@ -84,18 +84,20 @@ def write_kv(cache: torch.Tensor, update: torch.Tensor, step: "Step") -> torch.T
 
 def attention_mask(write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_len: int, dtype: torch.dtype
                    ) -> torch.Tensor:
-    """Additive mask [B, 1, S, S_max] (0 = visible, -inf = hidden): query i sees every committed key
-    (< write_index) and the new keys tree_mask[b, i, :] allows. Built from a constant arange(S_max),
-    so no shape depends on values. Additive rather than boolean: TensorRT-RTX 1.7 fails to build
-    graphs whose attention layers share one boolean mask."""
-    b, s, _ = tree_mask.shape
+    """Additive mask [B, 1, S, S_max] (0 = visible, -inf = hidden) by the I/O contract's rule: the
+    columns of tree_mask [B, S, W] are keys origin..origin+W-1, origin = write_index + S - W; query i
+    sees every key before origin and the keys tree_mask[b, i, :] allows (W = S: every committed key
+    and the new ones the mask allows). Built from a constant arange(S_max), so no shape depends on
+    values. Additive rather than boolean: TensorRT-RTX 1.7 fails to build graphs whose attention
+    layers share one boolean mask."""
+    b, s, w = tree_mask.shape
     keys = torch.arange(max_seq_len, device=tree_mask.device)
-    offset = keys[None, :] - write_index[:, None]                                  # [B, S_max]
-    committed = offset < 0
-    in_block = (offset >= 0) & (offset < s)
-    index = offset.clamp(0, s - 1)[:, None, :].expand(b, s, max_seq_len)
-    block = torch.gather(tree_mask, 2, index) & in_block[:, None, :]                # [B, S, S_max]
-    visible = (committed[:, None, :] | block)[:, None]
+    offset = keys[None, :] - (write_index[:, None] + (s - w))                      # [B, S_max]: column of key
+    before = offset < 0
+    in_mask = (offset >= 0) & (offset < w)
+    index = offset.clamp(0, w - 1)[:, None, :].expand(b, s, max_seq_len)
+    block = torch.gather(tree_mask, 2, index) & in_mask[:, None, :]                # [B, S, S_max]
+    visible = (before[:, None, :] | block)[:, None]
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
 
 

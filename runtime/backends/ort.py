@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from xcompile.runtime import logs
-from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
+from xcompile.runtime.contract import DYNAMIC_DIMS, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engine import MODEL_TORCH_DTYPES, TORCH_DTYPES, Engine, KVShape
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.manifest import Manifest
@@ -109,7 +109,7 @@ class OrtEngine(Engine):
         return self.dtype if name == MODEL_DTYPE else TORCH_DTYPES[name]
 
     def _size(self, dim: str, tokens: int, rows: int) -> int:
-        if dim == "tokens":
+        if dim in ("tokens", "mask_keys"):          # buffers: mask_keys is sized like tokens
             return tokens
         if dim == "rows":
             return rows
@@ -143,11 +143,11 @@ class OrtEngine(Engine):
             if x.dtype != self._dtype(t.dtype) or x.device != self.device:
                 raise EngineError(f"{self.spec.graph}: input {t.name} is {x.dtype} on {x.device}, expected "
                                   f"{self._dtype(t.dtype)} on {self.device}")
-        tokens, rows = self._tokens_rows(inputs)
+        tokens, rows, keys = self._dynamic(inputs)
         if tokens > self.max_tokens or rows > self.max_rows:
             raise EngineError(f"{self.spec.graph}: {tokens} tokens / {rows} rows exceed the engine's preallocated "
                               f"max_tokens={self.max_tokens} / max_rows={self.max_rows}")
-        graph_id = self._graph_id(tokens, rows)
+        graph_id = self._graph_id(tokens, rows, keys)
         for t in self._inputs:
             x = inputs[t.name]
             if graph_id != _NO_GRAPH:
@@ -175,20 +175,22 @@ class OrtEngine(Engine):
             return self.run(**inputs)
         return outputs
 
-    def _graph_id(self, tokens: int, rows: int) -> str:
-        """ORT's gpu_graph_id for a step of this shape: one graph per (tokens, rows), none for long steps."""
-        if not (self.graphs_enabled and self.cuda_graphs) or tokens > GRAPH_MAX_TOKENS or rows > GRAPH_MAX_TOKENS:
+    def _graph_id(self, tokens: int, rows: int, keys: int) -> str:
+        """ORT's gpu_graph_id for a step of this shape: one graph per (tokens, rows, mask_keys), none for
+        long steps (the static input buffers hold GRAPH_MAX_TOKENS of each)."""
+        if not (self.graphs_enabled and self.cuda_graphs) or max(tokens, rows, keys) > GRAPH_MAX_TOKENS:
             return _NO_GRAPH
-        return self._graph_ids.setdefault((tokens, rows), str(len(self._graph_ids)))
+        return self._graph_ids.setdefault((tokens, rows, keys), str(len(self._graph_ids)))
 
-    def _tokens_rows(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
-        tokens = rows = 0
+    def _dynamic(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+        """This call's (tokens, rows, mask_keys); mask_keys is tokens where the graph has no such axis."""
+        size = {}
         for t in self._inputs:
-            if "tokens" in t.shape:
-                tokens = inputs[t.name].shape[t.shape.index("tokens")]
-            if "rows" in t.shape:
-                rows = inputs[t.name].shape[t.shape.index("rows")]
-        return tokens, rows
+            for axis, dim in enumerate(t.shape):
+                if dim in DYNAMIC_DIMS:
+                    size[dim] = inputs[t.name].shape[axis]
+        tokens = size.get("tokens", 0)
+        return tokens, size.get("rows", 0), size.get("mask_keys", tokens)
 
     def close(self) -> None:
         super().close()
@@ -210,7 +212,8 @@ def _session(path: Path, device: torch.device, options, cuda_graphs: bool = Fals
     ort.set_default_logger_severity(4 if cuda_graphs else level)        # the environment's, before a session's
     if options is None:
         options = ort.SessionOptions()
-        options.log_severity_level = logs.library_levels().onnxruntime
+        # the session's own logger prints the refusal too (inference_session.cc, H200 2026-12-01)
+        options.log_severity_level = 4 if cuda_graphs else level
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise EngineError("ONNX Runtime has no CUDA provider here; install onnxruntime-gpu (pip install "

@@ -1,10 +1,11 @@
 """Split-KV attention of a step's new tokens over the live KV length, then the reduction of the splits.
 
-    q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, M] bool
+    q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
     ->  out [M, Hq*D]
 
-Token m sees every key j < write_index (committed) and the new key write_index + i iff
-tree_mask[m, i] (the I/O contract's rule). Only keys below write_index + M are read: the live length
+The I/O contract's rule: the mask's columns are keys origin..origin+W-1, origin = write_index + M - W;
+token m sees every key j < origin and key origin + i iff tree_mask[m, i] (W = M: every committed key
+and the new ones the mask allows). Only keys below write_index + M are read: the live length
 lives on the device, so the same launch serves every context length inside one CUDA graph.
 
 Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split,
@@ -29,7 +30,7 @@ MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 pr
 
 
 @triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -58,10 +59,10 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, stride_q, stride_ch, stride_tm,
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * sm_scale
-        new = keys - wi                                                     # >= 0: a key of this step
-        in_step = (new >= 0) & inside
-        seen = tl.load(TM + tok[:, None] * stride_tm + new[None, :], mask=live[:, None] & in_step[None, :], other=0)
-        visible = ((keys < wi)[None, :] | (seen != 0)) & inside[None, :]
+        col = keys - (wi + M - W)                                           # >= 0: a column of the mask
+        in_mask = (col >= 0) & inside
+        seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
+        visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # rows with nothing visible yet
@@ -112,18 +113,19 @@ def chunk_for(max_seq_len: int) -> int:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, M] bool (rows may be strided)
-    -> [M, Hq*D]."""
+    """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
+    strided) -> [M, Hq*D]."""
     m = q.shape[0]
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
     chunk = chunk or chunk_for(max_seq_len)
     splits = math.ceil(max_seq_len / chunk)
-    assert tree_mask.shape == (m, m) and tree_mask.stride(1) == 1 and q.stride(1) == 1
+    w = tree_mask.shape[1]
+    assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
-        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, q.stride(0),
+        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
         IEEE=ieee_dot(q.dtype), PDL=pdl(), num_warps=4, num_stages=2, **launch())
     if out is None:
@@ -141,7 +143,7 @@ def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
     n = wi + m
     keys, values = k_cache[0, :, :n].float(), v_cache[0, :, :n].float()          # [Hkv, n, D]
     visible = torch.ones(m, n, dtype=torch.bool)
-    visible[:, wi:] = tree_mask.cpu()
+    visible[:, n - tree_mask.shape[1]:] = tree_mask.cpu()
     qh = q.float().view(m, heads, d).transpose(0, 1)                             # [Hq, M, D]
     kh = keys.repeat_interleave(heads // kv_heads, 0)
     vh = values.repeat_interleave(heads // kv_heads, 0)

@@ -135,3 +135,33 @@ def test_rope_theta_override(setup, tiny_target, tiny_eagle3):
     other, *_ = reference_head(sd, embed, cfg, tokens[0], g, torch.arange(9), cfg.rope_theta)
     assert (logits[0] - ref_logits).abs().max() <= TOL
     assert (logits[0] - other).abs().max() > 10 * TOL                 # θ actually matters here
+
+
+def test_tree_level_appended_after_earlier_levels_sees_only_its_ancestors(setup):
+    """The contract's mask_keys: level-2 nodes written after level 1 (slots L+2, L+3) with tree_mask
+    [2, 4] whose columns start at L see the prompt, their own parent and themselves only, which is what
+    each branch computes alone as a chain (parent at L, child at L+1)."""
+    target, head, sd, embed, cfg = setup
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    kv = head.new_kv()
+    L = prompt.shape[1]
+    _, _, (logits, hidden, *_) = prompt_pass(target, head, prompt, kv)
+    level1 = head.to_target_ids(logits[:, -1].topk(2, dim=-1).indices)                 # [1, 2] siblings
+    h0 = hidden[:, -1:].expand(1, 2, -1)
+    level2 = torch.tensor([[11, 23]])                                                   # child of node 0, of node 1
+    with torch.no_grad():
+        _, h1, *_ = head(**step_inputs(level1, start=L, positions=torch.full((1, 2), L),
+                                       tree_mask=torch.eye(2, dtype=torch.bool)[None]),
+                         hidden_states=h0, k_cache=kv[0], v_cache=kv[1])
+        mask = torch.tensor([[[True, False, True, False], [False, True, False, True]]])
+        tree_logits, tree_hidden, *_ = head(**step_inputs(level2, start=L + 2, positions=torch.full((1, 2), L + 1),
+                                                          tree_mask=mask), hidden_states=h1, k_cache=kv[0], v_cache=kv[1])
+        for branch in range(2):
+            alone = [t.clone() for t in kv]
+            head(**step_inputs(level1[:, branch:branch + 1], start=L), hidden_states=h0[:, :1],
+                 k_cache=alone[0], v_cache=alone[1])
+            chain_logits, chain_hidden, *_ = head(**step_inputs(level2[:, branch:branch + 1], start=L + 1),
+                                                  hidden_states=h1[:, branch:branch + 1], k_cache=alone[0],
+                                                  v_cache=alone[1])
+            assert (tree_logits[0, branch] - chain_logits[0, 0]).abs().max() <= TOL
+            assert (tree_hidden[0, branch] - chain_hidden[0, 0]).abs().max() <= TOL

@@ -24,7 +24,7 @@ from xcompile.compile import checkpoint as ck
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
-from xcompile.runtime.contract import graph_spec
+from xcompile.runtime.contract import DYNAMIC_DIMS, graph_spec
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.integrity import record_file
 from xcompile.runtime.manifest import Manifest
@@ -64,7 +64,8 @@ def leftovers(parent: Path) -> list[str]:
 
 @pytest.mark.parametrize("graph", ["target", "draft", "eagle3", "eagle3_fc"])
 def test_graph_io_follows_contract(fp32_dir, graph):
-    """Names, dtypes and order of every input/output equal the contract's; only tokens/rows are dynamic."""
+    """Names, dtypes and order of every input/output equal the contract's; only tokens/rows (and the
+    eagle3 mask's mask_keys) are dynamic."""
     m = Manifest.load(fp32_dir)
     model = onnx.load(fp32_dir / m.graphs[graph].onnx, load_external_data=False)
     spec = graph_spec(graph, {"target": TINY_QWEN3["num_hidden_layers"], "draft": TINY_DRAFT["num_hidden_layers"]}
@@ -75,7 +76,7 @@ def test_graph_io_follows_contract(fp32_dir, graph):
         for v, t in zip(values, tensors):
             assert v.type.tensor_type.elem_type == ONNX_DTYPES["float32" if t.dtype == "model" else t.dtype], v.name
             shape = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            assert shape == [d if d in ("tokens", "rows") else dims[d] for d in t.shape], v.name
+            assert shape == [d if d in DYNAMIC_DIMS else dims[d] for d in t.shape], v.name
     assert {o.domain: o.version for o in model.opset_import}[""] == 24
 
 

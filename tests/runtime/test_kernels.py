@@ -145,6 +145,29 @@ def test_attention_tree_mask_rows_may_be_strided():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,keys,write_index", [(4, 12, 30), (8, 40, 70), (1, 5, 4), (16, 64, 200)])
+def test_attention_mask_columns_may_reach_before_write_index(rows, keys, write_index, dtype):
+    """tree_mask [M, W > M] (the eagle3 contract's mask_keys): its columns start at write_index + M - W,
+    so keys of earlier temporary entries are visible only where the mask says (a tree level appended
+    after the levels before it)."""
+    torch.manual_seed(rows + keys)
+    d, heads = 64, 4
+    kc, vc = randn(1, 2, 384, d, dtype=dtype), randn(1, 2, 384, d, dtype=dtype)
+    q = randn(rows, heads * d, dtype=dtype)
+    big = torch.rand(rows + 3, keys, device=DEV) < 0.4
+    big[torch.arange(rows), keys - rows + torch.arange(rows)] = True             # each new token sees itself
+    tm = big[:rows]                                                              # strided rows
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=64)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm.contiguous(), heads)) < TOL[dtype]
+    # hidden earlier keys are as good as absent: the same as a cache where they carry no weight
+    ones = torch.ones(rows, keys, dtype=torch.bool, device=DEV)
+    ones[:, keys - rows:] = tm[:, keys - rows:]
+    square = attention(q, kc, vc, wi, tm[:, keys - rows:].contiguous(), heads, chunk=64)
+    assert torch.equal(attention(q, kc, vc, wi, ones, heads, chunk=64), square)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_rope_kv_matches_reference(qk_norm, dtype):
     torch.manual_seed(1)
@@ -198,3 +221,16 @@ def test_attention_at_qwen3_8b_shapes(ctx, rows):
     assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
     if rows > 1:
         assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], 32)[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1, 4000])
+def test_attention_tree_level_mask_at_qwen3_8b_head_shape(ctx):
+    """An EAGLE3 tree level (10 new nodes after 40 earlier ones) at the 8B head's shapes."""
+    torch.manual_seed(ctx)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q = randn(10, 32 * 128, dtype=torch.bfloat16)
+    tm = torch.rand(10, 50, device=DEV) < 0.2
+    tm[torch.arange(10), 40 + torch.arange(10)] = True
+    wi = torch.tensor([ctx + 40], device=DEV)
+    assert rel(attention(q, kc, vc, wi, tm, 32), attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
