@@ -306,10 +306,11 @@ class Eagle3TreeDrafter(_Eagle3):
     depth         longest drafted path (EAGLE's ``depth`` + 1; sglang's ``num_steps``); depth-1 expansions
     total_tokens  tokens verified per round, the root included (EAGLE's ``total_token``)
 
-    The contract's mask lets a query see every key before ``write_index``, so expansion level i
-    re-runs all i expanded levels as one block at the persistent length with the ancestor mask
-    (S = topk * i) instead of appending one level at a time: a node's K/V depend only on its own
-    inputs, so the re-run reproduces the earlier levels, and siblings stay invisible to each other.
+    Each expansion is one draft step over the topk nodes of one level, appended to the draft KV
+    after the levels before it (temporary entries past the persistent length). Its tree_mask covers
+    every expanded node so far (the contract's ``mask_keys``: columns from the persistent length on),
+    so a node sees the committed prefix, its ancestors and itself, and neither its siblings nor the
+    other branches.
     """
 
     name = "eagle3-tree"
@@ -339,9 +340,9 @@ class Eagle3TreeDrafter(_Eagle3):
         self.ex_hidden = None
         self.ex_mask = torch.eye(n, dtype=torch.bool, device=device).repeat(batch, 1, 1)
         # a level-j node (j = 1..depth-1) sits at target position length+j and is expanded at draft
-        # position length+j-1 (pairing §3.1)
+        # position length+j-1 (pairing §3.1), its K/V written at slot length + k*(j-1) + its index
         self.ex_offsets = torch.arange(n, device=device) // k
-        self.ex_rows = [torch.arange(k * (i - 1), k * i, device=device).expand(batch, k) for i in range(1, self.depth)]
+        self.ex_rows = torch.arange(k, device=device).expand(batch, k)
         self.expand_index = torch.arange(k, device=device).expand(batch, k)   # pool index of the expanded level 1
 
     def propose(self, root, length):
@@ -357,10 +358,11 @@ class Eagle3TreeDrafter(_Eagle3):
         ex_score, ex_pool = logp[:, 0], self.expand_index
         base = k
         for level in range(1, self.depth):
-            s = k * level
-            out = self.eagle3.run(input_ids=self.ex_tokens[:, :s], hidden_states=self.ex_hidden[:, :s],
-                                  position_ids=length[:, None] + self.ex_offsets[:s], write_index=length,
-                                  tree_mask=self.ex_mask[:, :s, :s], logit_rows=self.ex_rows[level - 1])
+            s = k * level                                                        # nodes expanded after this step
+            new = slice(s - k, s)                                                # this level's nodes
+            out = self.eagle3.run(input_ids=self.ex_tokens[:, new], hidden_states=self.ex_hidden[:, new],
+                                  position_ids=length[:, None] + self.ex_offsets[new], write_index=length + s - k,
+                                  tree_mask=self.ex_mask[:, new, :s], logit_rows=self.ex_rows)
             logp, tok = topk_children(out["logits"], self.d2t, k)               # [B, k, k]
             # cumulative score of a child = its log-prob + its parent's score
             cu = (logp + ex_score[:, :, None]).flatten(1)                        # [B, k*k]
@@ -371,7 +373,7 @@ class Eagle3TreeDrafter(_Eagle3):
                 # expand the k best children of this level next (scores over all k*k)
                 ex_score, top = cu.topk(k, dim=-1)
                 parent = top // k                                                # which expanded node [B, k]
-                hidden = out["hidden_out"][:, s - k:s]                           # outputs of this level's nodes
+                hidden = out["hidden_out"]                                       # outputs of this level's nodes
                 self.ex_tokens[:, s:s + k] = tok.gather(1, top)
                 self.ex_hidden[:, s:s + k] = hidden.gather(1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]))
                 # each new node sees its parent's ancestors (columns < s) and itself (the diagonal, preset)
@@ -382,7 +384,7 @@ class Eagle3TreeDrafter(_Eagle3):
         return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)
 
     def use_graphs(self, wrap):
-        self._wrap(wrap, {self.topk * i for i in range(1, self.depth)})
+        self._wrap(wrap, {self.topk})
 
 
 def check_d2t(d2t: torch.Tensor) -> torch.Tensor:

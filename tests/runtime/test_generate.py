@@ -269,6 +269,28 @@ def test_eagle3_tree_follows_the_pairing_rule(tiny, prompts):
     assert checked == len(pools) * (1 + topk + topk)
 
 
+def test_eagle3_tree_expands_one_level_per_step(tiny, prompts):
+    """Each expansion runs the head over that level's topk nodes only, written after the levels before
+    it, with a mask over every node expanded so far (no level is run twice)."""
+    topk, depth = 3, 4
+    d = Eagle3TreeDrafter(*tiny.eagle3_engines(), tiny.d2t, topk, depth, 16)
+    calls = []
+    run = d.eagle3.run
+
+    def recording(**inputs):
+        calls.append((tuple(inputs["input_ids"].shape), tuple(inputs["tree_mask"].shape),
+                      int(inputs["write_index"][0])))
+        return run(**inputs)
+
+    d.eagle3.run = recording
+    p = prompts[1]
+    Generator(tiny.target_engine(), d, [], MAX_SEQ_LEN).generate(p, 2)     # the prompt pass + one round
+    expansions = [c for c in calls[1:] if c[0][1] == topk][:depth - 1]      # calls[0]: the prompt pass
+    assert [c[:2] for c in expansions] == [((1, topk), (1, topk, topk * i)) for i in range(1, depth)]
+    start = expansions[0][2]
+    assert [c[2] for c in expansions] == [start + topk * (i - 1) for i in range(1, depth)]
+
+
 # sampling ----------------------------------------------------------------------------------------
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=8, seed=3)
