@@ -4,8 +4,8 @@
 # and check ORT-CUDA greedy tokens == torch-backend tokens (plain and EAGLE3 chain, gamma 4, with and
 # without ORT's CUDA graphs), `xcompile diff --backend ort --device cuda` on the demo and on a
 # Qwen3-8B-shape synthetic export, then plain and EAGLE3 round costs on ORT-CUDA with and without its
-# CUDA graphs (xrun bench). Seven files land in $OUT (the device tool returns at most 8): summary.log,
-# ort_gpu_tests.log, demo_tokens.log, diff.log, bench.log, bench_ort_8b.json, bench_ort_demo.json.
+# CUDA graphs (xrun bench). Eight files land in $OUT (the device tool returns at most 8): summary.log,
+# ort_gpu_tests.log, demo_tokens.log, diff.log, ort_layers.log, bench.log, bench_ort_8b.json, bench_ort_demo.json.
 #
 # The 8B-shape export keeps Qwen3-8B's every dimension (hidden 4096, GQA 32/8, head_dim 128, vocab
 # 151936, AngelSlim-shaped head) but only LAYERS decoder layers (default 8, --synthetic-layers): the
@@ -14,7 +14,7 @@
 #
 # Usage (device tool, carry [".whl"] holding polygraphy's wheel, see DEVELOPERS.md):
 #   bash scripts/h200_ort.sh
-# Knobs: LAYERS=36 (full depth), SKIP_TESTS=1, SKIP_8B=1; CPU dry run of the same flow (ORT CPU, fp32):
+# Knobs: LAYERS=36 (full depth), SKIP_TESTS=1, SKIP_8B=1, SKIP_BENCH=1; CPU dry run of the same flow (ORT CPU, fp32):
 #   PATH=$PWD/.venv/bin:$PATH DEVICE=cpu DTYPE=fp32 Q8=qwen3-0.6b LAYERS=1 OUT=/tmp/ortdry bash scripts/h200_ort.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -79,7 +79,8 @@ for drafter, gamma in (("none", None), ("eagle3", 4)):
         tau = sum(r.stats.acceptance_length for r in results) / len(results)
         print(f"{drafter:>7} {key:<12} tau {tau:.2f}  first tokens {runs[key][0][:8]}"
               + (f"  ORT graphs fell back: {fallback}" if fallback else ""))
-    same = all(v == runs["torch"] for v in runs.values())
+    first = next(iter(runs.values()))          # the torch backend's ("torch+graphs" on cuda)
+    same = all(v == first for v in runs.values())
     ok &= same
     print(f"{drafter:>7} tokens equal across {list(runs)}: {same}")
 sys.exit(0 if ok else 1)
@@ -97,16 +98,25 @@ if [ "${SKIP_8B:-0}" != 1 ]; then
   echo "   export took $((SECONDS - START)) s" | tee -a "$OUT/summary.log"
   step "xcompile diff --backend ort --device $DEVICE on the $Q8 shape"
   CHECK="diff $Q8"; check bash -c "xcompile diff '$BIG' --backend ort --device '$DEVICE' 2>&1 | tee -a '$OUT/diff.log' | tail -3; exit \${PIPESTATUS[0]}"
+  step "where ORT and the torch backend part on the $Q8 shape, layer by layer (benchmarks/ort_layers.py)"
+  { python3 benchmarks/ort_layers.py "$BIG" --device "$DEVICE" --steps 2
+    [ "$DEVICE" = cuda ] && python3 benchmarks/ort_layers.py "$BIG" --device cuda --steps 2 --against fast; } \
+    > "$OUT/ort_layers.log" 2>&1
+  tail -14 "$OUT/ort_layers.log"
+fi
+if [ "${SKIP_8B:-0}" != 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "xrun bench on ORT-$DEVICE, $Q8 shape: plain and EAGLE3 chain rounds, with and without ORT's CUDA graphs"
   xrun bench "$BIG" --backend ort --device "$DEVICE" --contexts 128 --gammas 4 --tree '' --new-tokens 32 \
     --num-prompts 1 --repeats 5 --json "$OUT/bench_ort_8b.json" >> "$OUT/bench.log" 2>&1
   CHECK="bench $Q8"; check test -s "$OUT/bench_ort_8b.json"
 fi
 
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
 step "xrun bench on ORT-$DEVICE, demo pair on held-out text (real acceptance)"
 xrun bench "$DEMO" --backend ort --device "$DEVICE" --contexts 128 --gammas 4 --tree '' --new-tokens 64 \
   --num-prompts 4 --repeats 5 --prompts data/corpus.heldout.txt --json "$OUT/bench_ort_demo.json" >> "$OUT/bench.log" 2>&1
 CHECK="bench demo"; check test -s "$OUT/bench_ort_demo.json"
+fi
 
 step "round costs (ms) on ORT-$DEVICE: CUDA graphs yes/no"
 python3 - "$OUT" <<'EOF' | tee -a "$OUT/summary.log"
