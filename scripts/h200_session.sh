@@ -1,23 +1,55 @@
 #!/usr/bin/env bash
-# The closing H200 call of a session (after onnxruntime-gpu's pieces are in /tmp/bigwhl, DEVELOPERS.md):
-# the fast backend's bf16 agreement and tau on the demo pair (torch vs fast), the sampling round on the
-# H200 (GPU tests: one graph replay; xrun bench greedy vs sampled rounds), then ONNX Runtime on CUDA
-# (scripts/h200_ort.sh). Each step has its own time limit; logs land in $OUT.
+# The fast-backend H200 calls of a session, in two parts of under ten minutes each (logs in $OUT):
+#   PART=1  the gpu-marked tests (kernels incl. the eagle3 tree-level mask, fast engines, round graphs,
+#           sampling), then `xrun bench --synthetic qwen3-8b` greedy and sampled (Qwen3's recommended
+#           temperature 0.6 / top-k 20 / top-p 0.95): chain gamma 6 and tree 10/6/32 rounds
+#   PART=2  benchmarks/fast_decode.py (decode steps, PDL, prefill TTFT against the matmul rate), then the
+#           demo pair in bf16: tau of chains and tree on held-out text at temperature 0 / 0.6 / 1.0, and
+#           benchmarks/fast_agreement.py (fast vs reference, speculative vs plain greedy)
+# ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PART=${PART:-1}
 install() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; }
 # an image whose setuptools predates SPDX license strings (< 77): install with the table form
 install || { sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/' pyproject.toml && install; } || exit 1
-step() { echo "== [$(date +%T)] $*"; }
-step "demo pair, bf16: fast vs torch backend"
-xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
-timeout 120 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts 8 2>&1 | tee "$OUT/agreement.log"
-step "sampling on the GPU: tests, then greedy vs sampled rounds (demo, fast backend)"
-timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_sampling_gpu.py 2>&1 | tail -3
-for T in 0 0.6 1.0; do
-  timeout 60 xrun bench /tmp/demo-bf16 --backend fast --device cuda --contexts 128 --gammas 4 --tree 10,6,32 \
-      --new-tokens 64 --num-prompts 4 --prompts data/corpus.heldout.txt --repeats 5 --temperature $T --seed 1 -q 2>&1 | grep -E "^ *128|sampl|accept" | head -12
-done
-step "ONNX Runtime on CUDA"
-SKIP_8B=${SKIP_8B:-1} timeout 200 bash scripts/h200_ort.sh 2>&1 | tail -25
+step() { echo "== [$(date +%T)] $*" | tee -a "$OUT/summary.log"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.log"
+
+if [ "$PART" = 1 ]; then
+  step "gpu tests"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
+    tests/runtime/test_fast.py tests/runtime/test_graphs.py tests/runtime/test_sampling_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
+  BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas 6 --tree 10,6,32 --num-prompts 2)
+  step "xrun bench ${BENCH[*]} (greedy)"
+  timeout 170 xrun bench "${BENCH[@]}" --json "$OUT/bench_greedy.json" > "$OUT/bench_greedy.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  step "xrun bench ${BENCH[*]} --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0"
+  timeout 170 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
+    --json "$OUT/bench_sampled.json" > "$OUT/bench_sampled.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -hE "^ +128 +yes|^target|^eagle3|^sampl|floor" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
+fi
+
+if [ "$PART" = 2 ]; then
+  step "benchmarks/fast_decode.py --contexts 128 (decode steps, PDL, prefill TTFT)"
+  timeout 240 python3 benchmarks/fast_decode.py --contexts 128 --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -E "prefill|target step|eagle3" "$OUT/fast_decode.log" | head -12
+  step "demo pair bf16: tau at temperature 0 / 0.6 / 1.0 (fast backend, held-out text)"
+  xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
+  for T in 0 0.6 1.0; do
+    timeout 70 xrun bench /tmp/demo-bf16 --backend fast --device cuda --contexts 128 --gammas 4,6 --tree 10,6,32 \
+      --new-tokens 128 --num-prompts 8 --prompts data/corpus.heldout.txt --repeats 5 --temperature $T --seed 1 \
+      > "$OUT/demo_T$T.log" 2>&1
+    echo "   T=$T exit $?" | tee -a "$OUT/summary.log"
+    grep -E "^ +128 +yes" "$OUT/demo_T$T.log"
+  done
+  step "benchmarks/fast_agreement.py on the demo (8 prompts)"
+  timeout 150 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts 8 > "$OUT/agreement.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  tail -12 "$OUT/agreement.log"
+fi
+step "done"
