@@ -19,7 +19,7 @@ from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.families import family
-from xcompile.compile.models import eagle3, qwen3
+from xcompile.compile.models import qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.backends.torch_module import TorchEngine
@@ -100,7 +100,7 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
                                  {"taps": list(cfg.default_tap_layers) if eagle3 else []})}
     if eagle3:
         head = synthetic_eagle3_config(cfg)
-        models[EAGLE3] = ModelEntry(eagle3.KIND, head.to_dict(), synthetic.source(name, seed, EAGLE3),
+        models[EAGLE3] = ModelEntry(Eagle3.kind, head.to_dict(), synthetic.source(name, seed, EAGLE3),
                                     {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
     if draft:
         models[DRAFT] = ModelEntry(qwen3.KIND, synthetic.known_config(draft).to_dict(),

@@ -17,23 +17,28 @@ install || { sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }
 step() { echo "== [$(date +%T)] $*" | tee -a "$OUT/summary.log"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.log"
 
+BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas 6 --tree 10,6,32 --num-prompts 1)
+bench_8b() {
+  step "xrun bench ${BENCH[*]} (greedy)"
+  timeout 150 xrun bench "${BENCH[@]}" --json "$OUT/bench_greedy.json" > "$OUT/bench_greedy.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  step "xrun bench ${BENCH[*]} --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0"
+  timeout 150 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
+    --json "$OUT/bench_sampled.json" > "$OUT/bench_sampled.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -hE "^ +128 +yes|^target|^eagle3|^sampl|floor" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
+}
+
 if [ "$PART" = 1 ]; then
   step "gpu tests"
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
     tests/runtime/test_fast.py tests/runtime/test_graphs.py tests/runtime/test_sampling_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
-  BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas 6 --tree 10,6,32 --num-prompts 2)
-  step "xrun bench ${BENCH[*]} (greedy)"
-  timeout 170 xrun bench "${BENCH[@]}" --json "$OUT/bench_greedy.json" > "$OUT/bench_greedy.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  step "xrun bench ${BENCH[*]} --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0"
-  timeout 170 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
-    --json "$OUT/bench_sampled.json" > "$OUT/bench_sampled.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -hE "^ +128 +yes|^target|^eagle3|^sampl|floor" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
+  bench_8b
 fi
 
 if [ "$PART" = 2 ]; then
+  [ "${BENCH_8B:-0}" = 1 ] && bench_8b
   step "benchmarks/fast_decode.py --contexts 128 (decode steps, PDL, prefill TTFT)"
   timeout 240 python3 benchmarks/fast_decode.py --contexts 128 --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
@@ -47,8 +52,8 @@ if [ "$PART" = 2 ]; then
     echo "   T=$T exit $?" | tee -a "$OUT/summary.log"
     grep -E "^ +128 +yes" "$OUT/demo_T$T.log"
   done
-  step "benchmarks/fast_agreement.py on the demo (8 prompts)"
-  timeout 150 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts 8 > "$OUT/agreement.log" 2>&1
+  step "benchmarks/fast_agreement.py on the demo (4 prompts)"
+  timeout 120 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts 4 > "$OUT/agreement.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -12 "$OUT/agreement.log"
 fi
