@@ -39,10 +39,6 @@ fi
 
 if [ "$PART" = 2 ]; then
   [ "${BENCH_8B:-0}" = 1 ] && bench_8b
-  step "benchmarks/fast_decode.py --contexts 128 (decode steps, PDL, prefill TTFT)"
-  timeout 240 python3 benchmarks/fast_decode.py --contexts 128 --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -E "prefill|target step|eagle3" "$OUT/fast_decode.log" | head -12
   step "demo pair bf16: tau at temperature 0 / 0.6 / 1.0 (fast backend, held-out text)"
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   for T in 0 0.6 1.0; do
@@ -52,6 +48,10 @@ if [ "$PART" = 2 ]; then
     echo "   T=$T exit $?" | tee -a "$OUT/summary.log"
     grep -E "^ +128 +yes" "$OUT/demo_T$T.log"
   done
+  step "benchmarks/fast_decode.py --contexts 128 (decode steps, PDL, prefill TTFT)"
+  timeout 240 python3 benchmarks/fast_decode.py --contexts 128 --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -E "prefill|target step|eagle3" "$OUT/fast_decode.log" | head -12
   step "benchmarks/fast_agreement.py on the demo (4 prompts)"
   timeout 120 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts 4 > "$OUT/agreement.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
