@@ -20,11 +20,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas 6 --tree 10,6,32 --num-prompts 1)
 bench_8b() {
   step "xrun bench ${BENCH[*]} (greedy)"
-  timeout 150 xrun bench "${BENCH[@]}" --json "$OUT/bench_greedy.json" > "$OUT/bench_greedy.log" 2>&1
+  timeout 150 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   step "xrun bench ${BENCH[*]} --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0"
   timeout 150 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
-    --json "$OUT/bench_sampled.json" > "$OUT/bench_sampled.log" 2>&1
+    > "$OUT/bench_sampled.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -hE "^ +128 +yes|^target|^eagle3|^sampl|floor" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
 }
@@ -49,7 +49,7 @@ if [ "$PART" = 2 ]; then
     grep -E "^ +128 +yes" "$OUT/demo_T$T.log"
   done
   step "benchmarks/fast_decode.py --contexts 128 (decode steps, PDL, prefill TTFT)"
-  timeout 240 python3 benchmarks/fast_decode.py --contexts 128 --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
+  timeout 240 python3 benchmarks/fast_decode.py --contexts 128 > "$OUT/fast_decode.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -E "prefill|target step|eagle3" "$OUT/fast_decode.log" | head -12
   step "benchmarks/fast_agreement.py on the demo (4 prompts)"
