@@ -76,14 +76,18 @@ class OrtEngine(Engine):
         self.max_tokens = max_tokens or dims["max_seq_len"]
         self.max_rows = min(max_rows, self.max_tokens)
         self.graph_fallback: str | None = None     # why ORT's CUDA graphs are off although asked for
+        # torch's stream, for ORT's kernels (0, the legacy default stream, cannot be handed over: ORT then
+        # runs on a stream of its own, so every run synchronizes, see ``stream_ordered``)
+        self._stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         try:
-            self.session = _session(self.path, device, session_options, cuda_graphs)
+            self.session = _session(self.path, device, session_options, cuda_graphs, self._stream)
         except EngineError as e:
             if not cuda_graphs:
                 raise
             # e.g. nodes ORT places on the CPU: a session with graphs refuses them; run without
             self.graph_fallback, cuda_graphs = str(e), False
-            self.session = _session(self.path, device, session_options, False)
+            self.session = _session(self.path, device, session_options, False, self._stream)
+        self._session_graphs = cuda_graphs          # the session was made with enable_cuda_graph
         self._check_session()
         self._inputs, self._outputs = spec.step_inputs, spec.step_outputs
         # one flat buffer per output, sized for max_tokens / max_rows; runs bind a contiguous prefix
@@ -98,7 +102,7 @@ class OrtEngine(Engine):
         # graph id, made once (ORT warns whenever a config entry is overwritten).
         self.graphs_enabled = self.cuda_graphs = cuda_graphs
         self._graph_ids: dict[tuple[int, int], str] = {}
-        self._run_options = {_NO_GRAPH: _run_options(device, _NO_GRAPH if cuda_graphs else None)}
+        self._run_options: dict[tuple[str, bool], object] = {}
         # inputs of graphed steps are copied here: a replay reads the addresses its capture saw
         tokens = min(GRAPH_MAX_TOKENS, self.max_tokens)
         self._static = {t.name: torch.empty(math.prod(self._size(d, tokens, min(tokens, self.max_rows))
@@ -157,8 +161,10 @@ class OrtEngine(Engine):
                 # in ``inputs`` until the run returns
                 inputs[t.name] = x = x.contiguous()
             self._bind(self._binding.bind_input, t.name, x)
-        if graph_id not in self._run_options:
-            self._run_options[graph_id] = _run_options(self.device, graph_id)
+        ordered = self.device.type == "cuda" and stream_ordered(self._stream, torch.cuda.current_stream(self.device).cuda_stream)
+        key = (graph_id, ordered)
+        if key not in self._run_options:
+            self._run_options[key] = _run_options(graph_id if self._session_graphs else None, ordered)
         outputs = {}
         for t in self._outputs:
             shape = tuple(self._size(d, tokens, rows) for d in t.shape)
@@ -166,7 +172,7 @@ class OrtEngine(Engine):
             self._bind(self._binding.bind_output, t.name, out)
             outputs[t.name] = out
         try:
-            self.session.run_with_iobinding(self._binding, self._run_options[graph_id])
+            self.session.run_with_iobinding(self._binding, self._run_options[key])
         except Exception as e:   # ORT raises its own pybind exception types; one line with the cause kept
             if graph_id == _NO_GRAPH:
                 raise EngineError(f"{self.path.name}: ONNX Runtime failed: {str(e).splitlines()[0]}") from e
@@ -199,7 +205,7 @@ class OrtEngine(Engine):
         self.session = None
 
 
-def _session(path: Path, device: torch.device, options, cuda_graphs: bool = False):
+def _session(path: Path, device: torch.device, options, cuda_graphs: bool = False, stream: int = 0):
     import onnxruntime as ort
 
     if not path.is_file():
@@ -219,10 +225,11 @@ def _session(path: Path, device: torch.device, options, cuda_graphs: bool = Fals
             raise EngineError("ONNX Runtime has no CUDA provider here; install onnxruntime-gpu (pip install "
                               "'xcompile[gpu]', after pip uninstall onnxruntime) or run on cpu")
         preload_cuda_libraries()
-        stream = torch.cuda.current_stream(device).cuda_stream
         # use_tf32 0: fp32 graphs multiply in fp32, as the torch reference does (ORT's CUDA provider
         # defaults to TF32, 1e-2 off on the logits of the fp32 test models; bf16/fp16 graphs are unaffected)
-        cuda = {"device_id": device.index or 0, "user_compute_stream": str(stream), "use_tf32": "0"}
+        cuda = {"device_id": device.index or 0, "use_tf32": "0"}
+        if stream:
+            cuda["user_compute_stream"] = str(stream)
         if cuda_graphs:
             cuda["enable_cuda_graph"] = "1"
         providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
@@ -242,17 +249,27 @@ def _session(path: Path, device: torch.device, options, cuda_graphs: bool = Fals
     return session
 
 
-def _run_options(device: torch.device, graph_id: str | None):
-    """Options of one run; ``graph_id``: ORT's gpu_graph_id, for sessions made with CUDA graphs."""
+def stream_ordered(session_stream: int, current_stream: int) -> bool:
+    """Whether torch ops on ``current_stream`` are ordered after the kernels of an ORT session made with
+    ``session_stream`` as its user_compute_stream: only when that is the same stream and not 0. Stream 0
+    (torch's legacy default stream) is not handed to ORT, which then launches on a stream of its own:
+    reading its outputs without a sync read stale buffers (seen on the H200 at the Qwen3-8B shape,
+    2026-12-01, where the demo's short kernels hid it)."""
+    return session_stream != 0 and current_stream == session_stream
+
+
+def _run_options(graph_id: str | None, ordered: bool):
+    """Options of one run; ``graph_id``: ORT's gpu_graph_id, for sessions made with CUDA graphs;
+    ``ordered``: ORT's kernels run on the caller's stream (``stream_ordered``)."""
     import onnxruntime as ort
 
     options = ort.RunOptions()
     options.log_severity_level = logs.library_levels().onnxruntime
     if graph_id is not None:
         options.add_run_config_entry("gpu_graph_id", graph_id)
-    if device.type == "cuda":
-        # ORT runs on torch's stream (user_compute_stream): later torch ops are ordered after its kernels, so
-        # the host sync ORT adds after each run (and after each graph replay) only costs latency
+    if ordered:
+        # later torch ops on this stream are ordered after ORT's kernels, so the host sync ORT adds after
+        # each run (and after each graph replay) would only cost latency
         options.add_run_config_entry("disable_synchronize_execution_providers", "1")
     return options
 

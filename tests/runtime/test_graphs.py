@@ -128,7 +128,7 @@ DRAFTERS = {
     "eagle3": (lambda t: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, 3),
                {"target": {1, 4}, "eagle3": {1, 4}, "eagle3_fc": {4}}),
     "eagle3-tree": (lambda t: Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, 4, 3, 12),
-                    {"target": {1, 12}, "eagle3": {4, 8}, "eagle3_fc": {4}}),
+                    {"target": {1, 12}, "eagle3": {4}, "eagle3_fc": {4}}),
 }
 
 
