@@ -81,6 +81,11 @@ for drafter, gamma in (("none", None), ("eagle3", 4)):
               + (f"  ORT graphs fell back: {fallback}" if fallback else ""))
     first = next(iter(runs.values()))          # the torch backend's ("torch+graphs" on cuda)
     same = all(v == first for v in runs.values())
+    for key, seqs in runs.items():
+        for i, (got, want) in enumerate(zip(seqs, first)):
+            if got != want:
+                k = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+                print(f"{drafter:>7} {key:<12} prompt {i}: parts from the torch backend at token {k} of {len(want)}")
     ok &= same
     print(f"{drafter:>7} tokens equal across {list(runs)}: {same}")
 sys.exit(0 if ok else 1)
