@@ -289,6 +289,8 @@ class Generator:
         if graph.kv is not None and any(a is not b for a, b in zip(graph.kv, self._kv_lists(drafter))):
             # an engine's KV was re-bound (Engine.bind_kv) since the capture: its graphs write the old buffers
             self.rounds.clear()
+            if isinstance(self.capture, CudaGraphCapture):
+                self.capture.new_pool()
             return self._advance(drafter)
         if graph.replay is None:
             graph.kv = self._kv_lists(drafter)

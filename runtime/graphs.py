@@ -56,6 +56,12 @@ class CudaGraphCapture:
         self.warmup, self.error_mode = warmup, error_mode
         self.pool = None
 
+    def new_pool(self) -> None:
+        """Record later graphs into a new memory pool: call it when dropping graphs. Once every graph of
+        a pool is destroyed, torch no longer counts the pool as in use, and capturing into its handle
+        again fails an allocator assert (``use_count > 0``, CUDACachingAllocator.cpp; seen on the H200)."""
+        self.pool = None
+
     def recording_only(self) -> CudaGraphCapture:
         """This capture without warm-up runs (same pool and error mode), for steps that must run once
         only, such as a whole speculative round (runtime/generate.py)."""
@@ -118,6 +124,8 @@ class GraphedEngine(Engine):
         self.engine.bind_kv(buffers)
         self.kv = self.engine.kv
         self.graphs.clear()                 # they captured the old buffers' addresses
+        if isinstance(self.capture, CudaGraphCapture):
+            self.capture.new_pool()
 
     @torch.inference_mode()
     def run(self, **inputs: torch.Tensor) -> Outputs:

@@ -262,6 +262,8 @@ class TrtEngine(Engine):
                 ctx.set_tensor_address(present, self.kv[i].data_ptr())
         self._replays.clear()       # captured graphs hold the old addresses
         self._warm.clear()
+        if isinstance(self.graphs, CudaGraphCapture):
+            self.graphs.new_pool()
 
     def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """One step. Outputs are views of preallocated buffers, valid until the next ``run``."""

@@ -253,3 +253,37 @@ def test_cuda_graphs_give_identical_tokens(name, dtype, round_graphs):
     graphed.generate(prompts[0], 200)
     t2 = time.perf_counter()
     print(f"{name} {dtype}: eager {200 / (t1 - t0):.0f} tok/s, graphs {200 / (t2 - t1):.0f} tok/s")
+
+
+def test_dropped_graphs_are_not_recorded_into_their_pool_again(tiny):
+    """Once every graph of a memory pool is gone, torch's allocator refuses captures into that pool
+    (H200, 2026-12-01: `use_count > 0` assert after a KV re-bind): the Generator and GraphedEngine
+    start a new pool when they drop their graphs."""
+    from xcompile.runtime.graphs import CudaGraphCapture
+
+    class PoolRecorder(CudaGraphCapture):
+        """CudaGraphCapture's pool bookkeeping on CPU: a capture makes a pool when it has none."""
+
+        def __init__(self):
+            super().__init__(warmup=0)
+            self.pools = []
+
+        def __call__(self, step, device):
+            if self.pool is None:
+                self.pool = object()
+            self.pools.append(self.pool)
+            return step, None
+
+    capture = PoolRecorder()
+    target = tiny.target_engine()
+    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
+    g.generate([5, 6, 7], 12)
+    target.new_kv()                                                  # the round graph is dropped
+    g.generate([5, 6, 7], 12)
+    assert len(capture.pools) == 2 and capture.pools[0] is not capture.pools[1]
+
+    step_capture = PoolRecorder()
+    graphed = GraphedEngine(tiny.target_engine(), {1}, capture=step_capture)
+    step_capture.pool = first = object()
+    graphed.new_kv()                                                 # bind_kv drops its graphs
+    assert step_capture.pool is not first
