@@ -5,13 +5,13 @@ views of buffers preallocated for ``max_tokens`` new tokens / ``max_rows`` logit
 ``present_*`` output is bound to the very buffer of its ``past_*`` input, so ORT's TensorScatter
 updates the cache in place (it copies past -> present only when they differ).
 
-Providers: cpu (``onnxruntime``) and cuda (``onnxruntime-gpu``, the ``gpu`` extra; ORT runs on
-torch's current stream via ``user_compute_stream``, so torch orders every later read after ORT's
-kernels and ORT's own per-run host sync is skipped). Its CUDA 13 / cuDNN 9 libraries are the ones the
+Providers: cpu (``onnxruntime``) and cuda (``onnxruntime-gpu``, the ``gpu`` extra; ORT runs on a
+torch stream of the engine's own, its ``user_compute_stream``, which waits for the caller's stream
+before each run and the caller's for it after, so ORT's own per-run host sync is skipped). Its CUDA 13 / cuDNN 9 libraries are the ones the
 torch wheels installed under ``site-packages/nvidia/*/lib``: they are loaded (``preload_cuda_libraries``)
 before the first CUDA session, so no LD_LIBRARY_PATH is needed. ``cuda_graphs`` turns on ORT's own CUDA
 graphs (provider option ``enable_cuda_graph``): every step of up to ``GRAPH_MAX_TOKENS`` tokens gets a
-graph per (tokens, rows) shape (run option ``gpu_graph_id``), replayed on later calls of that shape;
+graph per (tokens, rows, mask_keys) shape (run option ``gpu_graph_id``), replayed on later calls of that shape;
 inputs are then copied into static buffers so each replay reads the addresses it was captured with.
 Longer steps (prompt passes) run without a graph (``gpu_graph_id`` -1).
 
@@ -76,17 +76,21 @@ class OrtEngine(Engine):
         self.max_tokens = max_tokens or dims["max_seq_len"]
         self.max_rows = min(max_rows, self.max_tokens)
         self.graph_fallback: str | None = None     # why ORT's CUDA graphs are off although asked for
-        # torch's stream, for ORT's kernels (0, the legacy default stream, cannot be handed over: ORT then
-        # runs on a stream of its own, so every run synchronizes, see ``stream_ordered``)
-        self._stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        # ORT's kernels run on a stream of this engine's, ordered after the caller's stream before each run
+        # and the caller's after it (``run``): no host sync, whatever stream the caller uses. (Handing ORT
+        # torch's current stream instead fails for the legacy default stream, handle 0, which ORT does not
+        # take as a user stream: its kernels then ran unordered, and outputs were read before ORT wrote
+        # them, seen on the H200 at the Qwen3-8B shape, 2026-12-01.)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        handle = self._stream.cuda_stream if self._stream is not None else 0
         try:
-            self.session = _session(self.path, device, session_options, cuda_graphs, self._stream)
+            self.session = _session(self.path, device, session_options, cuda_graphs, handle)
         except EngineError as e:
             if not cuda_graphs:
                 raise
             # e.g. nodes ORT places on the CPU: a session with graphs refuses them; run without
             self.graph_fallback, cuda_graphs = str(e), False
-            self.session = _session(self.path, device, session_options, False, self._stream)
+            self.session = _session(self.path, device, session_options, False, handle)
         self._session_graphs = cuda_graphs          # the session was made with enable_cuda_graph
         self._check_session()
         self._inputs, self._outputs = spec.step_inputs, spec.step_outputs
@@ -101,8 +105,8 @@ class OrtEngine(Engine):
         # gpu_graph_id -1 (a session with graphs captures id 0 when none is given). One RunOptions per
         # graph id, made once (ORT warns whenever a config entry is overwritten).
         self.graphs_enabled = self.cuda_graphs = cuda_graphs
-        self._graph_ids: dict[tuple[int, int], str] = {}
-        self._run_options: dict[tuple[str, bool], object] = {}
+        self._graph_ids: dict[tuple[int, int, int], str] = {}
+        self._run_options: dict[str, object] = {}
         # inputs of graphed steps are copied here: a replay reads the addresses its capture saw
         tokens = min(GRAPH_MAX_TOKENS, self.max_tokens)
         self._static = {t.name: torch.empty(math.prod(self._size(d, tokens, min(tokens, self.max_rows))
@@ -161,24 +165,29 @@ class OrtEngine(Engine):
                 # in ``inputs`` until the run returns
                 inputs[t.name] = x = x.contiguous()
             self._bind(self._binding.bind_input, t.name, x)
-        ordered = self.device.type == "cuda" and stream_ordered(self._stream, torch.cuda.current_stream(self.device).cuda_stream)
-        key = (graph_id, ordered)
-        if key not in self._run_options:
-            self._run_options[key] = _run_options(graph_id if self._session_graphs else None, ordered)
+        if graph_id not in self._run_options:
+            self._run_options[graph_id] = _run_options(graph_id if self._session_graphs else None,
+                                                       ordered=self._stream is not None)
         outputs = {}
         for t in self._outputs:
             shape = tuple(self._size(d, tokens, rows) for d in t.shape)
             out = self._buffers[t.name][: math.prod(shape)].view(shape)
             self._bind(self._binding.bind_output, t.name, out)
             outputs[t.name] = out
+        caller = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        if caller is not None:
+            self._stream.wait_stream(caller)          # ORT reads what the caller's stream wrote
         try:
-            self.session.run_with_iobinding(self._binding, self._run_options[key])
+            self.session.run_with_iobinding(self._binding, self._run_options[graph_id])
         except Exception as e:   # ORT raises its own pybind exception types; one line with the cause kept
             if graph_id == _NO_GRAPH:
                 raise EngineError(f"{self.path.name}: ONNX Runtime failed: {str(e).splitlines()[0]}") from e
             # a capture that fails turns the graphs off; the step is idempotent, so it simply runs again
             self.graph_fallback, self.graphs_enabled = f"capture failed: {str(e).splitlines()[0]}", False
             return self.run(**inputs)
+        finally:
+            if caller is not None:
+                caller.wait_stream(self._stream)      # the caller reads what ORT's stream wrote
         return outputs
 
     def _graph_id(self, tokens: int, rows: int, keys: int) -> str:
@@ -249,18 +258,9 @@ def _session(path: Path, device: torch.device, options, cuda_graphs: bool = Fals
     return session
 
 
-def stream_ordered(session_stream: int, current_stream: int) -> bool:
-    """Whether torch ops on ``current_stream`` are ordered after the kernels of an ORT session made with
-    ``session_stream`` as its user_compute_stream: only when that is the same stream and not 0. Stream 0
-    (torch's legacy default stream) is not handed to ORT, which then launches on a stream of its own:
-    reading its outputs without a sync read stale buffers (seen on the H200 at the Qwen3-8B shape,
-    2026-12-01, where the demo's short kernels hid it)."""
-    return session_stream != 0 and current_stream == session_stream
-
-
 def _run_options(graph_id: str | None, ordered: bool):
     """Options of one run; ``graph_id``: ORT's gpu_graph_id, for sessions made with CUDA graphs;
-    ``ordered``: ORT's kernels run on the caller's stream (``stream_ordered``)."""
+    ``ordered``: ORT's kernels run on a stream the caller's is ordered with (OrtEngine.run)."""
     import onnxruntime as ort
 
     options = ort.RunOptions()
@@ -268,8 +268,8 @@ def _run_options(graph_id: str | None, ordered: bool):
     if graph_id is not None:
         options.add_run_config_entry("gpu_graph_id", graph_id)
     if ordered:
-        # later torch ops on this stream are ordered after ORT's kernels, so the host sync ORT adds after
-        # each run (and after each graph replay) would only cost latency
+        # the caller's stream waits for ORT's after the run, so the host sync ORT adds after each run
+        # (and after each graph replay) would only cost latency
         options.add_run_config_entry("disable_synchronize_execution_providers", "1")
     return options
 

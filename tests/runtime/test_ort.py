@@ -172,14 +172,3 @@ def test_kv_shape_from_manifest(fp32_dir):
     assert engine.kv_shape == KVShape(layers=1, kv_heads=2, head_dim=16, max_seq_len=MAX_SEQ, batch=1)
     assert ort.load(fp32_dir, "eagle3_fc").kv_shape is None
 
-
-def test_runs_skip_ort_sync_only_on_the_stream_handed_to_it():
-    """ORT's per-run host sync may be skipped only when its kernels run on the caller's stream: a
-    non-default stream given as user_compute_stream. Stream 0 is not handed over (ORT then launches on
-    a stream of its own), and a run from another stream must sync too."""
-    from xcompile.runtime.backends.ort import stream_ordered
-
-    assert stream_ordered(0x5a5a, 0x5a5a)
-    assert not stream_ordered(0, 0)
-    assert not stream_ordered(0x5a5a, 0)
-    assert not stream_ordered(0x5a5a, 0x7b7b)

@@ -84,6 +84,34 @@ def test_ort_cuda_steps_match_the_torch_backend(fp32_dir):
 
 @pytest.mark.gpu
 @needs_ort_cuda
+def test_ort_cuda_outputs_are_ordered_with_the_callers_stream(fp32_dir):
+    """ORT runs on a stream of the engine's own; a run waits for the caller's stream (its inputs) and
+    makes the caller's stream wait for it (its outputs), from the default stream and from a side
+    stream alike. Inputs are produced and outputs consumed on the caller's stream with no sync between,
+    after queueing a long kernel first, so any missing wait reads stale or unfinished buffers."""
+    ours = open_engine_dir(fp32_dir, "ort", "cuda", cuda_graphs=False)
+    ref = open_engine_dir(fp32_dir, "torch", "cuda")
+    try:
+        e, r = ours.engines["target"], ref.engines["target"]
+        prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 250]], device="cuda")
+        r.new_kv()
+        want = r.run(**step_inputs(prompt))["logits"].clone()
+        busy = torch.randn(4096, 4096, device="cuda")
+        for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+            with torch.cuda.stream(stream):
+                e.new_kv()
+                for _ in range(20):
+                    busy = busy @ busy / 64                                     # the caller's stream is busy
+                ids = prompt + 0                                                # written on the caller's stream
+                got = e.run(**step_inputs(ids))["logits"] * 1                   # read on the caller's stream
+            torch.cuda.synchronize()
+            assert (got - want).abs().max() < 1e-2
+    finally:
+        ours.close(), ref.close()
+
+
+@pytest.mark.gpu
+@needs_ort_cuda
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "ort-cuda-graphs"])
 @pytest.mark.parametrize("drafter, gamma", [("none", None), ("eagle3", 4), ("draft-model", 3)])
 def test_ort_cuda_greedy_tokens_equal_the_torch_backend(fp32_dir, cuda_graphs, drafter, gamma):
