@@ -123,7 +123,9 @@ def test_damaged_manifest_is_one_line_naming_the_field(tmp_path, manifest_data, 
 
 
 def test_contract_version_and_format(tmp_path, manifest_data):
-    for edit, message in ((dict(contract_version=99), "I/O contract v99"), (dict(format="other"), "not an xcompile")):
+    # v1: dirs exported before the eagle3 tree mask gained mask_keys (2026-12-01) must be rebuilt
+    for edit, message in ((dict(contract_version=99), "I/O contract v99"), (dict(format="other"), "not an xcompile"),
+                          (dict(contract_version=1), r"I/O contract v1, this runtime speaks v2; rebuild")):
         (tmp_path / "manifest.json").write_text(json.dumps({**manifest_data, **edit}))
         with pytest.raises(EngineError, match=message):
             Manifest.load(tmp_path)
