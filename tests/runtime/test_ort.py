@@ -109,6 +109,26 @@ def test_eagle3_phases(fp32_dir, models):
     check_kv(head, head_ref, n + 3)
 
 
+def test_eagle3_tree_level_mask_reaches_before_write_index(fp32_dir, models):
+    """The eagle3 graph's mask_keys axis (contract v2): a tree level of 2 nodes written after a level of
+    3, its tree_mask [2, 5] covering both levels, matches the reference module; the exported graph
+    takes a mask wider than its tokens."""
+    head, head_ref = pair(fp32_dir, models, "eagle3")
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3]])
+    n = prompt.shape[1]
+    hidden = torch.randn(1, n, models["eagle3"].cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for e in (head, head_ref):
+        e.run(**{**step_inputs(prompt), "hidden_states": hidden})
+    level1 = {**step_inputs(torch.tensor([[7, 9, 13]]), start=n, positions=torch.full((1, 3), n),
+                            tree_mask=torch.eye(3, dtype=torch.bool)[None]), "hidden_states": hidden[:, -3:]}
+    check(head.run(**level1), head_ref.run(**level1))
+    mask = torch.tensor([[[True, False, False, True, False], [False, False, True, False, True]]])
+    level2 = {**step_inputs(torch.tensor([[21, 4]]), start=n + 3, positions=torch.full((1, 2), n + 1),
+                            tree_mask=mask), "hidden_states": hidden[:, :2]}
+    check(head.run(**level2), head_ref.run(**level2))
+    check_kv(head, head_ref, n + 5)
+
+
 def test_kv_update_is_in_place(fp32_dir, capfd):
     """With past and present bound to one buffer ORT's TensorScatter skips its past->present copy
     (it logs a warning whenever it has to copy; warnings are enabled here)."""
