@@ -13,7 +13,8 @@ What one run measures (docs/BENCHMARKS.md has figures):
     greedy or (``sampling``) speculative sampling with a fixed seed;
     and, beside them, the speedup a given tau would give (tau * decode / round), which is what
     synthetic weights can say (random heads accept nothing);
-  - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights.
+  - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights;
+  - the prefill of the longest context's prompt (TTFT) against the matmul rate measured in the run.
 Timings use CUDA events (or the host clock on the CPU), after warm-up, median of repeats.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 from xcompile.runtime import logs
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
-from xcompile.runtime.drafters import causal
+from xcompile.runtime.drafters import causal, prompt_inputs
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.graphs import CudaGraphCapture, GraphedEngine, GraphUnavailable
@@ -93,6 +94,39 @@ def weight_bytes(config: dict, dtype: str) -> int:
     layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + 2 * d
     params = c["num_hidden_layers"] * layer + h + c["vocab_size"] * h
     return params * {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+
+
+def prefill_flops(config: dict, tokens: int) -> int:
+    """Matmul FLOPs of a Qwen3 prompt pass over ``tokens`` tokens that returns one logit row: every layer's
+    projections for every token, lm_head for the one row, attention's QK^T and PV over the causal half."""
+    c = config
+    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    projections = c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    attention = 2 * c["num_hidden_layers"] * q * tokens * tokens
+    return 2 * projections * tokens + 2 * c["vocab_size"] * h + attention
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of one square matmul in ``dtype`` (8192 on a GPU; 1024 in fp32 on a CPU)."""
+    n, dtype = (8192, dtype) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / (timed(lambda: a @ a, device, repeats=5) / 1e3)
+
+
+def prefill_cost(es: EngineSet, ctx: int) -> dict:
+    """TTFT of a ``ctx``-token prompt pass of the target (eager, as the Generator runs prompts) against
+    the matmul rate measured here."""
+    dev, engine = es.device, es.engines[TARGET]
+    config = es.manifest.models[TARGET].config
+    if not engine.kv and engine.kv_shape:
+        engine.new_kv()
+    prompt = prompt_inputs(torch.randint(0, config["vocab_size"], (1, ctx), device=dev))
+    ms = timed(lambda: engine.run(**prompt), dev, repeats=5, warmup=1)
+    rate = matmul_rate(dev, engine.dtype)
+    achieved = prefill_flops(config, ctx) / (ms / 1e3)
+    return {"tokens": ctx, "ttft_ms": ms, "tflops": achieved / 1e12, "matmul_tflops": rate / 1e12,
+            "fraction_of_matmul": achieved / rate}
 
 
 def _step_inputs(tokens: int, write_index: int, vocab: int, device: torch.device) -> dict:
@@ -282,13 +316,14 @@ def _measurements(es: EngineSet, opts: BenchOptions, graphs: bool, tree_tokens: 
     the others."""
     fits = sum(context_fits(c, opts.new_tokens, es.manifest.max_seq_len) for c in opts.contexts)
     first = len(drafters(es, opts)) * (2 if graphs else 1) + sum(map(len, step_sizes(es, opts, tree_tokens).values()))
-    return (first + peer + fits - 1) if fits else 0
+    return (first + peer + fits - 1 + 1) if fits else 0        # + 1: the prefill
 
 
 def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree_tokens: int | None,
              g: torch.Generator, vocab: int, log: Callable[[str], None], peer, bar) -> None:
-    """The measurements of ``run_bench`` into ``report``; the first context that fits gets them all."""
-    first = True
+    """The measurements of ``run_bench`` into ``report``; the first context that fits gets them all, the
+    longest one that fits a prefill."""
+    first, longest = True, 0
     for ctx in opts.contexts:
         if not context_fits(ctx, opts.new_tokens, es.manifest.max_seq_len):
             log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
@@ -312,6 +347,11 @@ def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree
             report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
             _tick(bar, f"{ctx}: peer")
         first = False
+        longest = max(longest, ctx)
+    if longest:
+        log(f"prefill of {longest} tokens ...")
+        report["prefill"] = prefill_cost(es, longest)
+        _tick(bar, f"prefill {longest}")
 
 
 def _tick(bar, what: str) -> None:
@@ -360,6 +400,10 @@ def format_report(report: dict) -> str:
     if "floor_ms_per_token" in report:
         lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
                      f"{report['floor_ms_per_token']:.3f} ms/token ({1e3 / report['floor_ms_per_token']:.0f} tok/s)")
+    if report.get("prefill"):
+        p = report["prefill"]
+        lines.append(f"prefill {p['tokens']} tokens: TTFT {p['ttft_ms']:.1f} ms, {p['tflops']:.1f} TFLOP/s = "
+                     f"{100 * p['fraction_of_matmul']:.0f} % of the {p['matmul_tflops']:.1f} TFLOP/s matmul rate measured here")
     if report.get("peer_ms_per_token"):
         lines.append(f"peer: transformers generate (static cache) {report['peer_ms_per_token']:.3f} ms/token "
                      f"({1e3 / report['peer_ms_per_token']:.0f} tok/s)")

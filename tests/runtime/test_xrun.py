@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -107,6 +108,11 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
     steps = {(r["graph"], r["tokens"]) for r in report["steps"]}
     assert {("target", 1), ("target", 2), ("target", 3), ("eagle3", 1), ("draft", 1)} <= steps
     assert "speedup_e2e" in out
+    # the longest context's prompt pass against the matmul rate of the same run
+    prefill = report["prefill"]
+    assert prefill["tokens"] == 16 and prefill["ttft_ms"] > 0 and prefill["matmul_tflops"] > 0
+    assert prefill["fraction_of_matmul"] == pytest.approx(prefill["tflops"] / prefill["matmul_tflops"])
+    assert "prefill 16 tokens: TTFT" in out
 
 
 def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
@@ -278,3 +284,16 @@ def test_bench_times_a_sampling_round(tiny_engine_dir, tmp_path):
     assert all(r["tau"] >= 1.0 for r in report["generation"])
     code, out = xrun("bench", "--synthetic", "qwen3-8b", "--temperature", "-2")
     assert code == 1 and "temperature must be" in out
+
+
+def test_prefill_flops_of_the_qwen3_8b_shape():
+    """2 x non-embedding projection parameters x tokens, lm_head for one row, causal QK^T and PV: for
+    Qwen3-8B's config at 4096 tokens, the projections are 6.95e9 parameters (36 layers of 4096x6144 qkv,
+    4096x4096 o, 3 x 4096x12288 MLP), lm_head 151936 x 4096, attention 2 x 36 x 4096 x 4096^2."""
+    from xcompile.compile.config import KNOWN_MODELS
+    from xcompile.runtime.bench import prefill_flops
+
+    config = dataclasses.asdict(KNOWN_MODELS["qwen3-8b"].config)
+    projections = 36 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 12288)
+    want = 2 * projections * 4096 + 2 * 151936 * 4096 + 2 * 36 * 4096 * 4096 ** 2
+    assert prefill_flops(config, 4096) == want
