@@ -24,7 +24,7 @@ from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime import kernels
 from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
-from xcompile.runtime.bench import timed
+from xcompile.runtime.bench import matmul_rate, prefill_flops, timed
 from xcompile.runtime.drafters import causal, prompt_inputs
 from xcompile.runtime.graphs import CudaGraphCapture
 from xcompile.runtime.kernels import linear as L
@@ -115,17 +115,13 @@ def main() -> None:
         out["rows"].append(row)
         print(f"{row['what']:<22}{ctx:>6}{7:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}")
     # prefill: TTFT of a 4096-token prompt (the fast engine runs it on the reference modules) against the
-    # bf16 matmul rate measured here: 2 * parameters * tokens (lm_head: the one logit row) + attention (QK^T and
-    # PV, causal half). Until 2026-12-01 the count took lm_head over every token, 8 % more than the work done.
+    # bf16 matmul rate measured here, FLOPs counted as xrun bench counts them (runtime/bench.py
+    # prefill_flops: lm_head over the one logit row; until 2026-12-01 this script took it over every token)
     n = 4096
     prompt = prompt_inputs(torch.randint(0, cfg.vocab_size, (1, n), device=DEV))
     ttft = timed_ms(lambda: fast.run(**prompt))
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    mm = timed_ms(lambda: a @ a)
-    rate = 2 * 8192 ** 3 / (mm / 1e3)
-    params = sum(p.numel() for name, p in target.named_parameters() if "embed_tokens" not in name and "lm_head" not in name)
-    flops = (2 * params * n + 2 * target.lm_head.weight.numel()
-             + 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n)
+    rate = matmul_rate(DEV, torch.bfloat16)
+    flops = prefill_flops(dataclasses.asdict(cfg), n)
     out["prefill"] = {"tokens": n, "ttft_ms": ttft, "matmul_tflops": rate / 1e12, "fraction": flops / (ttft / 1e3) / rate}
     print(f"prefill {n} tokens: {ttft:.1f} ms, {flops / (ttft / 1e3) / 1e12:.0f} TFLOP/s = "
           f"{100 * out['prefill']['fraction']:.0f} % of the {rate / 1e12:.0f} TFLOP/s bf16 matmul rate measured here")

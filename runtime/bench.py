@@ -89,22 +89,27 @@ def weight_bytes(config: dict, dtype: str) -> int:
     norms, the final norm and lm_head; of the input embedding only one row (negligible), unless tied,
     when it is the lm_head itself."""
     c = config
-    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + 2 * d
+    h, d = c["hidden_size"], c["head_dim"]
+    layer = _projections(c) + 2 * h + 2 * d                            # + input/post-attention and q/k norms
     params = c["num_hidden_layers"] * layer + h + c["vocab_size"] * h
     return params * {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+
+
+def _projections(config: dict) -> int:
+    """Weights of one Qwen3 layer's projections: q/k/v, o, gate/up/down."""
+    c = config
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"]
 
 
 def prefill_flops(config: dict, tokens: int) -> int:
     """Matmul FLOPs of a Qwen3 prompt pass over ``tokens`` tokens that returns one logit row: every layer's
     projections for every token, lm_head for the one row, attention's QK^T and PV over the causal half."""
     c = config
-    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    projections = c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * inter)
-    attention = 2 * c["num_hidden_layers"] * q * tokens * tokens
-    return 2 * projections * tokens + 2 * c["vocab_size"] * h + attention
+    projections = c["num_hidden_layers"] * _projections(c)
+    attention = 2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * tokens * tokens
+    return 2 * projections * tokens + 2 * c["vocab_size"] * c["hidden_size"] + attention
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
