@@ -1,14 +1,16 @@
-"""Greedy agreement of the fast backend with the reference path on a real trained model (the demo pair).
+"""Greedy agreement of the fast backend (or ONNX Runtime's CUDA provider) with the reference path on a real
+trained model (the demo pair).
 
     xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024
     python benchmarks/fast_agreement.py /tmp/demo-bf16 [--prompts data/corpus.heldout.txt] [--num-prompts 16]
+        [--against fast|ort]
 
 1. Teacher-forced: the reference's greedy tokens are fed one decode step at a time into both the torch
-   backend and the fast backend; at every position the two argmaxes are compared. Each disagreement is
+   backend and the other backend; at every position the two argmaxes are compared. Each disagreement is
    reported with the reference's top-2 logit gap there (a near tie when small).
-2. Free-running on the fast path: plain greedy against the EAGLE3 chain (gamma 4, 6) and tree
-   (10/6/32), with whole-round CUDA graphs: identical outputs, or the first divergence with its gap.
-   The measured tau of each is printed too.
+2. Free-running on the other backend: plain greedy against the EAGLE3 chain (gamma 4, 6) and tree
+   (10/6/32), with whole-round CUDA graphs where the backend allows them: identical outputs, or the first
+   divergence with its gap. The measured tau of each is printed too.
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--against", choices=("fast", "ort"), default="fast",
+                    help="the backend compared with the torch reference (ort: ONNX Runtime's CUDA provider)")
+    ap.add_argument("--device", default="cuda", help="cpu for a dry run of the flow (--against ort only)")
     args = ap.parse_args()
-    with open_engine_dir(args.engine_dir, "torch", "cuda") as ref_es, \
-            open_engine_dir(args.engine_dir, "fast", "cuda") as fast_es:
+    # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
+    with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
+            open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:
         run(args, ref_es, fast_es)
 
 
@@ -59,6 +65,7 @@ def run(args, ref_es, fast_es) -> None:
     n = args.prompt_len
     prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
     ref_t, fast_t = ref_es.engines["target"], fast_es.engines["target"]
+    other = fast_es.backend
     ref_gen = Generator(ref_t, NoDrafter(), [], ref_es.manifest.max_seq_len, cuda_graphs=True)
     positions = disagreements = 0
     gaps, all_gaps = [], []
@@ -85,13 +92,13 @@ def run(args, ref_es, fast_es) -> None:
     for spec in (DrafterSpec("eagle3", 4), DrafterSpec("eagle3", 6), DrafterSpec("eagle3", tree=TreeShape(10, 6, 32))):
         name = spec.label
         taus = {}
-        for label, es in (("torch", ref_es), ("fast", fast_es)):
+        for label, es in (("torch", ref_es), (other, fast_es)):
             gen = Generator(es.engines["target"], make_drafter(es, spec), [], es.manifest.max_seq_len, cuda_graphs=True)
             runs = [gen.generate(p, args.new_tokens) for p in prompts]
             # tau as Stats.acceptance_length defines it: tokens the rounds emitted, over the rounds
             taus[label] = sum(r.stats.new_tokens - 1 for r in runs) / sum(r.stats.rounds for r in runs)
         same, diverged = 0, []
-        for p, r in zip(prompts, runs):                          # the fast runs against fast plain greedy
+        for p, r in zip(prompts, runs):                    # the other backend's runs against its plain greedy
             want = fast_plain.generate(p, args.new_tokens).tokens
             if r.tokens == want:
                 same += 1
@@ -101,8 +108,8 @@ def run(args, ref_es, fast_es) -> None:
             prefill(fast_t, p + want[:k])
             logits = step(fast_t, (p + want)[len(p) + k - 1], len(p) + k - 1)
             diverged.append((k, round(gap(logits), 4)))
-        print(f"{name}: tau {taus['torch']:.2f} on the torch backend, {taus['fast']:.2f} on the fast backend; fast: "
-              f"{same}/{len(prompts)} outputs identical to plain greedy on the fast path; first divergences "
+        print(f"{name}: tau {taus['torch']:.2f} on the torch backend, {taus[other]:.2f} on the {other} backend; {other}: "
+              f"{same}/{len(prompts)} outputs identical to plain greedy on the {other} path; first divergences "
               f"(token index, top-2 gap): {diverged}")
 
 

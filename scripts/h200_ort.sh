@@ -91,6 +91,13 @@ for drafter, gamma in (("none", None), ("eagle3", 4)):
 sys.exit(0 if ok else 1)
 EOF
 STATUS=$?; cat "$OUT/demo_tokens.log"; CHECK="demo tokens"; check test "$STATUS" = 0
+if [ "$DEVICE" = cuda ]; then
+  # where the tokens part, is it a near tie? teacher-forced ORT vs torch argmax at every position, each
+  # disagreement with the torch backend's top-2 logit gap (appended to demo_tokens.log: 8 files come back)
+  step "demo: teacher-forced ORT-cuda vs torch argmax, 8 prompts (benchmarks/fast_agreement.py --against ort)"
+  python3 benchmarks/fast_agreement.py "$DEMO" --against ort --num-prompts 8 2>&1 | grep -v Warning \
+    | tee -a "$OUT/demo_tokens.log" | tee -a "$OUT/summary.log"
+fi
 
 step "xcompile diff --backend ort --device $DEVICE on the demo"
 CHECK="diff demo"; check bash -c "xcompile diff '$DEMO' --backend ort --device '$DEVICE' 2>&1 | tee -a '$OUT/diff.log' | tail -3; exit \${PIPESTATUS[0]}"
