@@ -95,7 +95,7 @@ if [ "$DEVICE" = cuda ]; then
   # where the tokens part, is it a near tie? teacher-forced ORT vs torch argmax at every position, each
   # disagreement with the torch backend's top-2 logit gap (appended to demo_tokens.log: 8 files come back)
   step "demo: teacher-forced ORT-cuda vs torch argmax, 8 prompts (benchmarks/fast_agreement.py --against ort)"
-  python3 benchmarks/fast_agreement.py "$DEMO" --against ort --num-prompts 8 2>&1 | grep -v Warning \
+  python3 benchmarks/fast_agreement.py "$DEMO" --against ort --num-prompts 8 2>&1 | grep -vE "Warning|return func" \
     | tee -a "$OUT/demo_tokens.log" | tee -a "$OUT/summary.log"
 fi
 
