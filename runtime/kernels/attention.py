@@ -1,6 +1,8 @@
-"""Split-KV attention of a step's new tokens over the live KV length, then the reduction of the splits.
+"""Split-KV attention of a step's new tokens over the live KV length and the reduction of the splits, in one
+launch; ``attend`` also does rope_kv's work (q/k RMSNorm, RoPE, the KV write) in the same launch.
 
-    q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
+    attention: q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
+    attend:    qkv [M, (Hq+2Hkv)*D] (the fused projection's output), position_ids [M], ... the same
     ->  out [M, Hq*D]
 
 The I/O contract's rule: the mask's columns are keys origin..origin+W-1, origin = write_index + M - W;
@@ -10,9 +12,15 @@ lives on the device, so the same launch serves every context length inside one C
 
 Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split,
 tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g,
-head r%g), so each KV tile is read once per head group. Splits past the live length write an empty
-partial. The reduction combines the splits in a fixed order. Chunks at absolute positions and fixed
-row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
+head r%g), so each KV tile is read once per head group. Splits past the live length leave an empty
+partial. The last program of a (kv head, row tile) to finish (an arrival counter) combines the splits
+in split order, so the result does not depend on which finished last. Chunks at absolute positions and
+fixed row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
+
+In ``attend`` every program computes its rows' q from qkv (normed, rotated) and takes the new keys
+(write_index.. write_index + M - 1) from qkv as well, normed and rotated, instead of from the cache;
+the split holding a new key writes it (and its value) to the caches from its first row tile. No
+program reads a cache row that this launch writes, so the write needs no ordering.
 """
 
 from __future__ import annotations
@@ -23,26 +31,35 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import ROW_TILE, counters, ieee_dot, launch, pdl
+from xcompile.runtime.kernels.rope_kv import rope_kv_reference, rope_rows
 
 BLOCK_S = 64        # keys per inner step
 MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 programs for 132 SMs
 
 
 @triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
-                  G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+def _attention_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, POS, COS, SIN, QN, KN, M, W, stride_q, stride_ch,
+                      stride_tm, stride_o, sm_scale, eps, CHUNK, SPLITS, G: tl.constexpr, HQ: tl.constexpr,
+                      HKV: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
+                      IEEE: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+    # Q: q [M, HQ*D] rotated, or qkv [M, (HQ+2HKV)*D] when ROPE (norm weights QN/KN when NORM)
     if PDL:
         tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)
     split = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    tile = tl.program_id(2)
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tok = rows // G
     head = kvh * G + rows % G
     live = tok < M
     d = tl.arange(0, D)
-    q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    dt = OUT.dtype.element_ty
+    if ROPE:
+        q = rope_rows(Q, stride_q, tok, head * D, tl.load(POS + tok, mask=live, other=0), QN, COS, SIN, live, eps,
+                      D, NORM, dt)
+    else:
+        q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     wi = tl.load(WI)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, wi + M)
@@ -53,7 +70,25 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)
         inside = keys < end
-        k = tl.load(KC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+        cached = inside
+        if ROPE:
+            cached = inside & (keys < wi)                                   # new keys come from qkv
+        k = tl.load(KC + base + keys[:, None] * D + d[None, :], mask=cached[:, None], other=0.0)
+        v = tl.load(VC + base + keys[:, None] * D + d[None, :], mask=cached[:, None], other=0.0)
+        if ROPE:
+            if s0 + BLOCK_S > wi:                                           # a tile holding new keys
+                new = inside & (keys >= wi)
+                r = tl.where(new, keys - wi, 0)                             # the key's row of qkv
+                k_col = (HQ + kvh) * D + tl.zeros([BLOCK_S], dtype=tl.int32)
+                k_new = rope_rows(Q, stride_q, r, k_col, tl.load(POS + r, mask=new, other=0), KN, COS, SIN, new, eps,
+                                  D, NORM, dt)
+                v_new = tl.load(Q + r[:, None] * stride_q + (HQ + HKV + kvh) * D + d[None, :], mask=new[:, None],
+                                other=0.0)
+                k = tl.where(new[:, None], k_new, k)
+                v = tl.where(new[:, None], v_new, v)
+                if tile == 0:                                               # one writer per key
+                    tl.store(KC + base + keys[:, None] * D + d[None, :], k_new, mask=new[:, None])
+                    tl.store(VC + base + keys[:, None] * D + d[None, :], v_new, mask=new[:, None])
         if IEEE:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -69,7 +104,6 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -82,27 +116,28 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
     tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
     tl.store(MLP + slot * 2, m_i, mask=live)
     tl.store(MLP + slot * 2 + 1, l_i, mask=live)
-
-
-@triton.jit
-def _combine_kernel(OP, MLP, OUT, M, stride_o, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
-                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P2)
-    ok = s < SPLITS
-    slot = (s * M + tok) * HQ + head
-    m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
-    l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
-    top = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))                 # empty splits weigh nothing
-    d = tl.arange(0, D)
-    acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
+    tl.debug_barrier()                                                      # every thread's partials first
+    counter = CNT + kvh * tl.num_programs(2) + tile
+    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:              # the last split: combine them
+        tl.debug_barrier()
+        top = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            # .cg: read through to L2, where the other programs' partials are
+            sl = (s * M + tok) * HQ + head
+            top = tl.maximum(top, tl.load(MLP + sl * 2, mask=live, other=float("-inf"), cache_modifier=".cg"))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        y = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+        den = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        for s in range(0, SPLITS):                                          # split order: deterministic
+            sl = (s * M + tok) * HQ + head
+            m_s = tl.load(MLP + sl * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+            w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - top))     # empty splits weigh nothing
+            den += tl.load(MLP + sl * 2 + 1, mask=live, other=0.0, cache_modifier=".cg") * w
+            y += tl.load(OP + sl[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                         cache_modifier=".cg") * w[:, None]
+        y = y / tl.where(live, den, 1.0)[:, None]
+        tl.store(OUT + tok[:, None] * stride_o + head[:, None] * D + d[None, :], y.to(dt), mask=live[:, None])
+        tl.store(counter, 0)                                                # ready for the next launch
 
 
 def chunk_for(max_seq_len: int) -> int:
@@ -110,29 +145,48 @@ def chunk_for(max_seq_len: int) -> int:
     return BLOCK_S * max(1, math.ceil(max_seq_len / (MIN_SPLITS * BLOCK_S)))
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
-              tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None
-              ) -> torch.Tensor:
-    """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
-    strided) -> [M, Hq*D]."""
-    m = q.shape[0]
+def _launch(src, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, m, rope=None):
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
     chunk = chunk or chunk_for(max_seq_len)
     splits = math.ceil(max_seq_len / chunk)
     w = tree_mask.shape[1]
-    assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
-    partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
-    stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
-    _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
-        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
-        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), num_warps=4, num_stages=2, **launch())
+    assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and src.stride(1) == 1
+    assert k_cache.shape[0] == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     if out is None:
-        out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(m, heads)](partial, stats, out, m, out.stride(0), splits, HQ=heads, D=d,
-                                SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl(), num_warps=1, **launch())
+        out = torch.empty(m, heads * d, dtype=src.dtype, device=src.device)
+    tiles = triton.cdiv(g * m, ROW_TILE)
+    partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=src.device)
+    stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=src.device)
+    pos, cos, sin, q_norm, k_norm, eps = rope or (write_index, stats, stats, None, None, 0.0)
+    norm = q_norm is not None
+    _attention_kernel[(kv_heads, splits, tiles)](
+        src, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats,
+        counters(src.device, kv_heads * tiles), out, pos, cos, sin, q_norm if norm else stats,
+        k_norm if norm else stats, m, w, src.stride(0), k_cache.stride(1), tree_mask.stride(0), out.stride(0),
+        d ** -0.5, eps, chunk, splits, G=g, HQ=heads, HKV=kv_heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
+        IEEE=ieee_dot(src.dtype), PDL=pdl(), ROPE=rope is not None, NORM=norm, num_warps=4, num_stages=2,
+        **launch())
     return out
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
+              tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
+    strided) -> [M, Hq*D]."""
+    return _launch(q, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, q.shape[0])
+
+
+def attend(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tree_mask: torch.Tensor, heads: int,
+           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+           chunk: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rope_kv then attention in one launch: qkv [M, (Hq+2Hkv)*D]; position_ids [M]; cos/sin [P, D/2]
+    fp32; q_norm/k_norm [D] (Qwen3) or None; the caches get rows write_index + 0..M-1 -> [M, Hq*D]."""
+    assert qkv.shape[1] == (heads + 2 * k_cache.shape[1]) * k_cache.shape[3], (qkv.shape, k_cache.shape)
+    return _launch(qkv, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, qkv.shape[0],
+                   (position_ids, cos, sin, q_norm, k_norm, eps))
 
 
 def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
@@ -151,3 +205,12 @@ def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     y = torch.softmax(scores, -1) @ vh                                           # [Hq, M, D]
     return y.transpose(0, 1).reshape(m, heads * d).to(q.dtype)
+
+
+def attend_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache, tree_mask, heads, q_norm=None,
+                     k_norm=None, eps=1e-6):
+    """What ``attend`` computes (and writes to the caches): rope_kv_reference, then attention_reference."""
+    kv_heads, d = k_cache.shape[1], k_cache.shape[3]
+    q = rope_kv_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache, heads, kv_heads, d, q_norm,
+                          k_norm, eps)
+    return attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads)
