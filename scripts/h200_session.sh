@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The fast-backend H200 calls of a session, in two parts of under ten minutes each (logs in $OUT):
-#   PART=1  the gpu-marked tests (kernels incl. the eagle3 tree-level mask, fast engines, round graphs,
-#           sampling), then `xrun bench --synthetic qwen3-8b` greedy and sampled (Qwen3's recommended
-#           temperature 0.6 / top-k 20 / top-p 0.95): chain gamma 6 and tree 10/6/32 rounds
-#   PART=2  benchmarks/fast_decode.py (decode steps, PDL, prefill TTFT against the matmul rate), then the
-#           demo pair in bf16: tau of chains and tree on held-out text at temperature 0 / 0.6 / 1.0, and
-#           benchmarks/fast_agreement.py (fast vs reference, speculative vs plain greedy)
+#   PART=1  the gpu-marked tests (kernels incl. the fused rope + attention, fast engines, round graphs,
+#           sampling), then benchmarks/fast_decode.py at contexts 128 and 4096 (4352-slot cache): decode
+#           and verify steps with each fusion / PDL / the one-row cuBLAS calls switched off in the same run,
+#           the EAGLE3 step, prefill TTFT against the matmul rate
+#   PART=2  `xrun bench --synthetic qwen3-8b` greedy and sampled (Qwen3's recommended temperature 0.6 /
+#           top-k 20 / top-p 0.95): chain gamma 6 and tree 10/6/32 rounds; then the demo pair in bf16: tau
+#           of chains and tree on held-out text at temperature 0 / 0.6 / 1.0, and
+#           benchmarks/fast_agreement.py (fast vs reference, speculative vs plain greedy; AGREE_PROMPTS=16)
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -31,14 +33,18 @@ bench_8b() {
 
 if [ "$PART" = 1 ]; then
   step "gpu tests"
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
     tests/runtime/test_fast.py tests/runtime/test_graphs.py tests/runtime/test_sampling_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
-  bench_8b
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  step "benchmarks/fast_decode.py --contexts 128,4096 (decode steps, fusions/PDL/cuBLAS off, prefill TTFT)"
+  timeout 240 python3 benchmarks/fast_decode.py --contexts 128,4096 > "$OUT/fast_decode.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -20
 fi
 
 if [ "$PART" = 2 ]; then
-  [ "${BENCH_8B:-0}" = 1 ] && bench_8b
+  bench_8b
   step "demo pair bf16: tau at temperature 0 / 0.6 / 1.0 (fast backend, held-out text)"
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   for T in 0 0.6 1.0; do
@@ -48,12 +54,9 @@ if [ "$PART" = 2 ]; then
     echo "   T=$T exit $?" | tee -a "$OUT/summary.log"
     grep -E "^ +128 +yes" "$OUT/demo_T$T.log"
   done
-  step "benchmarks/fast_decode.py --contexts 128 (decode steps, PDL, prefill TTFT)"
-  timeout 240 python3 benchmarks/fast_decode.py --contexts 128 > "$OUT/fast_decode.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -E "prefill|target step|eagle3" "$OUT/fast_decode.log" | head -12
-  step "benchmarks/fast_agreement.py on the demo (4 prompts)"
-  timeout 120 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts 4 > "$OUT/agreement.log" 2>&1
+  step "benchmarks/fast_agreement.py on the demo (${AGREE_PROMPTS:-16} prompts)"
+  timeout 150 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
+    > "$OUT/agreement.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -12 "$OUT/agreement.log"
 fi

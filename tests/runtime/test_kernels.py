@@ -62,6 +62,26 @@ def test_linear_residual_in_place_and_extra_out():
     assert rel(y, want) < 1e-6 and torch.equal(taps[:, 32:64], y) and not taps[:, :32].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_row_cublas_path_matches_reference(dtype, monkeypatch):
+    """Shapes in CUBLAS_ONE_ROW send one-row calls without norm/gate/extra_out to torch.mm / addmm: the
+    residual in place, into another buffer, or none, each equal to the reference within tolerance;
+    with extra_out (the EAGLE3 taps) the call stays on the kernels and still writes both buffers."""
+    n, k = 96, 256
+    monkeypatch.setattr(L, "CUBLAS_ONE_ROW", {(n, k)})
+    w, x = randn(n, k, dtype=dtype, scale=k ** -0.5), randn(1, k, dtype=dtype)
+    r = randn(1, n, dtype=dtype)
+    want = linear_reference(x, w, residual=r)
+    assert rel(linear(x, w), linear_reference(x, w)) < TOL[dtype]
+    assert rel(linear(x, w, residual=r), want) < TOL[dtype]
+    y = r.clone()
+    assert linear(x, w, residual=y, out=y).data_ptr() == y.data_ptr() and rel(y, want) < TOL[dtype]
+    taps = torch.zeros(1, 2 * n, dtype=dtype, device=DEV)
+    y = r.clone()
+    linear(x, w, residual=y, out=y, extra_out=taps[:, n:])
+    assert rel(y, want) < TOL[dtype] and torch.equal(taps[:, n:], y)
+
+
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("gated", [False, True])
 def test_linear_split_k_matches_reference(split, gated, monkeypatch):
