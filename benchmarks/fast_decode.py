@@ -6,8 +6,8 @@ Weights are random (drawn on the GPU: exact values do not matter for speed, and 
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
 graphed step time of the reference modules and of the fast engines, also without programmatic
 dependent launch (PDL) and without the rope + attention fusion (rope_kv as a launch of its own), for 1
-(decode), 7 (chain verify) and 32 (tree verify) tokens, and for one token with every one-row call on the
-Triton GEMV (no cuBLAS, linear.CUBLAS_ONE_ROW) or on the tile kernel; the EAGLE3
+(decode), 7 (chain verify) and 32 (tree verify) tokens, and for one token with the tile kernel in place
+of the one-row GEMV; the EAGLE3
 head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
 logit error, argmax agreement) over a few decode steps.
 """
@@ -87,7 +87,7 @@ def main() -> None:
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
     print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>13}"
-          f"{'no-fusion ms':>13}{'no-cuBLAS ms':>13}")
+          f"{'no-fusion ms':>13}")
     for ctx in map(int, args.contexts.split(",")):
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
@@ -95,13 +95,10 @@ def main() -> None:
             row = {"what": "target step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(ref.run, inputs)}
             row["fast_ms"] = graphed_ms(fast.run, inputs)
             if tokens == 1 and L.GEMV_TILES:                   # the tile kernel for one row too
-                saved, cublas = dict(L.GEMV_TILES), set(L.CUBLAS_ONE_ROW)
+                saved = dict(L.GEMV_TILES)
                 L.GEMV_TILES.clear()
-                L.CUBLAS_ONE_ROW.clear()
                 row["fast_tile_kernel_ms"] = graphed_ms(fast.run, inputs)
                 L.GEMV_TILES.update(saved)
-                row["fast_no_cublas_ms"] = graphed_ms(fast.run, inputs)     # the GEMV for every one-row call
-                L.CUBLAS_ONE_ROW.update(cublas)
             kernels.PDL["enabled"] = False
             row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
             kernels.PDL["enabled"] = True
@@ -111,7 +108,7 @@ def main() -> None:
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
                   f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>13.3f}"
-                  f"{row['fast_unfused_ms']:>13.3f}{row.get('fast_no_cublas_ms', float('nan')):>13.3f}")
+                  f"{row['fast_unfused_ms']:>13.3f}")
         for tokens in (1, 10):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)

@@ -68,7 +68,7 @@ _COUNTERS: dict = {}
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
     """Arrival counters (int32) of kernels whose last-arriving program finishes a reduction (split-K
-    linear, the attention splits): zero between launches, each launch resets those it used, so kernels
+    linear): zero between launches, each launch resets those it used, so kernels
     in one stream share the buffer (with PDL too: a kernel touches them only after gdc_wait, when the
     previous kernel has completed). One buffer per device, allocated on first use, before any graph
     capture records it."""

@@ -1,5 +1,5 @@
-"""Split-KV attention of a step's new tokens over the live KV length and the reduction of the splits, in one
-launch; ``attend`` also does rope_kv's work (q/k RMSNorm, RoPE, the KV write) in the same launch.
+"""Split-KV attention of a step's new tokens over the live KV length, then the reduction of the splits;
+``attend`` also does rope_kv's work (q/k RMSNorm, RoPE, the KV write) inside the split launch.
 
     attention: q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
     attend:    qkv [M, (Hq+2Hkv)*D] (the fused projection's output), position_ids [M], ... the same
@@ -12,15 +12,14 @@ lives on the device, so the same launch serves every context length inside one C
 
 Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split,
 tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g,
-head r%g), so each KV tile is read once per head group. Splits past the live length leave an empty
-partial. The last program of a (kv head, row tile) to finish (an arrival counter) combines the splits
-in split order, so the result does not depend on which finished last. Chunks at absolute positions and
-fixed row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
+head r%g), so each KV tile is read once per head group. Splits past the live length write an empty
+partial. The reduction combines the splits in a fixed order. Chunks at absolute positions and fixed
+row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
 
-In ``attend`` every program computes its rows' q from qkv (normed, rotated) and takes the new keys
-(write_index.. write_index + M - 1) from qkv as well, normed and rotated, instead of from the cache;
-the split holding a new key writes it (and its value) to the caches from its first row tile. No
-program reads a cache row that this launch writes, so the write needs no ordering.
+In ``attend`` every program computes its rows' q from qkv (normed, rotated), reads the committed keys
+from the caches and then takes the new keys (write_index .. write_index + M - 1) from qkv, normed and
+rotated, in steps of BLOCK_NEW; the split holding a new key writes it (and its value) to the caches
+from its first row tile. No program reads a cache row that this launch writes.
 """
 
 from __future__ import annotations
@@ -31,18 +30,45 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, counters, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.rope_kv import rope_kv_reference, rope_rows
 
 BLOCK_S = 64        # keys per inner step
+BLOCK_NEW = 16      # new keys per step of attend's pass over them (1..64 per call)
 MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 programs for 132 SMs
 
 
 @triton.jit
-def _attention_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, POS, COS, SIN, QN, KN, M, W, stride_q, stride_ch,
-                      stride_tm, stride_o, sm_scale, eps, CHUNK, SPLITS, G: tl.constexpr, HQ: tl.constexpr,
-                      HKV: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
-                      IEEE: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+def _update(q, k, v, keys, inside, wi, M, W, TM, tok, live, stride_tm, sm_scale, m_i, l_i, acc,
+            IEEE: tl.constexpr):
+    """One online-softmax step of q's rows over the key tile k/v at positions keys (where ``inside``)."""
+    if IEEE:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = scores * sm_scale
+    col = keys - (wi + M - W)                                               # >= 0: a column of the mask
+    in_mask = (col >= 0) & inside
+    seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
+    visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # rows with nothing visible yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, POS, COS, SIN, QN, KN, M, W, stride_q, stride_ch, stride_tm,
+                  sm_scale, eps, CHUNK, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NEW: tl.constexpr, IEEE: tl.constexpr,
+                  PDL: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
     # Q: q [M, HQ*D] rotated, or qkv [M, (HQ+2HKV)*D] when ROPE (norm weights QN/KN when NORM)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -54,61 +80,42 @@ def _attention_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, POS, COS, SIN, QN, K
     head = kvh * G + rows % G
     live = tok < M
     d = tl.arange(0, D)
-    dt = OUT.dtype.element_ty
     if ROPE:
         q = rope_rows(Q, stride_q, tok, head * D, tl.load(POS + tok, mask=live, other=0), QN, COS, SIN, live, eps,
-                      D, NORM, dt)
+                      D, NORM, KC.dtype.element_ty)
     else:
         q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     wi = tl.load(WI)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, wi + M)
+    cached_end = end
+    if ROPE:
+        cached_end = tl.minimum(end, wi)                                    # the new keys come from qkv
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     base = kvh * stride_ch
-    for s0 in range(start, end, BLOCK_S):
+    for s0 in range(start, cached_end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)
-        inside = keys < end
-        cached = inside
-        if ROPE:
-            cached = inside & (keys < wi)                                   # new keys come from qkv
-        k = tl.load(KC + base + keys[:, None] * D + d[None, :], mask=cached[:, None], other=0.0)
-        v = tl.load(VC + base + keys[:, None] * D + d[None, :], mask=cached[:, None], other=0.0)
-        if ROPE:
-            if s0 + BLOCK_S > wi:                                           # a tile holding new keys
-                new = inside & (keys >= wi)
-                r = tl.where(new, keys - wi, 0)                             # the key's row of qkv
-                k_col = (HQ + kvh) * D + tl.zeros([BLOCK_S], dtype=tl.int32)
-                k_new = rope_rows(Q, stride_q, r, k_col, tl.load(POS + r, mask=new, other=0), KN, COS, SIN, new, eps,
-                                  D, NORM, dt)
-                v_new = tl.load(Q + r[:, None] * stride_q + (HQ + HKV + kvh) * D + d[None, :], mask=new[:, None],
-                                other=0.0)
-                k = tl.where(new[:, None], k_new, k)
-                v = tl.where(new[:, None], v_new, v)
-                if tile == 0:                                               # one writer per key
-                    tl.store(KC + base + keys[:, None] * D + d[None, :], k_new, mask=new[:, None])
-                    tl.store(VC + base + keys[:, None] * D + d[None, :], v_new, mask=new[:, None])
-        if IEEE:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * sm_scale
-        col = keys - (wi + M - W)                                           # >= 0: a column of the mask
-        in_mask = (col >= 0) & inside
-        seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
-        visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # rows with nothing visible yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        inside = keys < cached_end
+        k = tl.load(KC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(VC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+        m_i, l_i, acc = _update(q, k, v, keys, inside, wi, M, W, TM, tok, live, stride_tm, sm_scale, m_i, l_i, acc,
+                                IEEE)
+    if ROPE:
+        # this split's new keys, normed and rotated from qkv; its first row tile writes them to the caches
+        for s0 in range(tl.maximum(start, wi), end, BLOCK_NEW):
+            keys = s0 + tl.arange(0, BLOCK_NEW)
+            new = keys < end
+            r = tl.where(new, keys - wi, 0)                                 # the key's row of qkv
+            k = rope_rows(Q, stride_q, r, (HQ + kvh) * D + tl.zeros([BLOCK_NEW], dtype=tl.int32),
+                          tl.load(POS + r, mask=new, other=0), KN, COS, SIN, new, eps, D, NORM, KC.dtype.element_ty)
+            v = tl.load(Q + r[:, None] * stride_q + (HQ + HKV + kvh) * D + d[None, :], mask=new[:, None], other=0.0)
+            if tile == 0:                                                   # one writer per key
+                tl.store(KC + base + keys[:, None] * D + d[None, :], k, mask=new[:, None])
+                tl.store(VC + base + keys[:, None] * D + d[None, :], v, mask=new[:, None])
+            m_i, l_i, acc = _update(q, k, v, keys, new, wi, M, W, TM, tok, live, stride_tm, sm_scale, m_i, l_i, acc,
+                                    IEEE)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # partials [splits, M, HQ, (D | m, l)]
@@ -116,28 +123,27 @@ def _attention_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, POS, COS, SIN, QN, K
     tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
     tl.store(MLP + slot * 2, m_i, mask=live)
     tl.store(MLP + slot * 2 + 1, l_i, mask=live)
-    tl.debug_barrier()                                                      # every thread's partials first
-    counter = CNT + kvh * tl.num_programs(2) + tile
-    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:              # the last split: combine them
-        tl.debug_barrier()
-        top = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-        for s in range(0, SPLITS):
-            # .cg: read through to L2, where the other programs' partials are
-            sl = (s * M + tok) * HQ + head
-            top = tl.maximum(top, tl.load(MLP + sl * 2, mask=live, other=float("-inf"), cache_modifier=".cg"))
-        top = tl.where(top == float("-inf"), 0.0, top)
-        y = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
-        den = tl.zeros([BLOCK_Q], dtype=tl.float32)
-        for s in range(0, SPLITS):                                          # split order: deterministic
-            sl = (s * M + tok) * HQ + head
-            m_s = tl.load(MLP + sl * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - top))     # empty splits weigh nothing
-            den += tl.load(MLP + sl * 2 + 1, mask=live, other=0.0, cache_modifier=".cg") * w
-            y += tl.load(OP + sl[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
-                         cache_modifier=".cg") * w[:, None]
-        y = y / tl.where(live, den, 1.0)[:, None]
-        tl.store(OUT + tok[:, None] * stride_o + head[:, None] * D + d[None, :], y.to(dt), mask=live[:, None])
-        tl.store(counter, 0)                                                # ready for the next launch
+
+
+@triton.jit
+def _combine_kernel(OP, MLP, OUT, M, stride_o, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
+                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    ok = s < SPLITS
+    slot = (s * M + tok) * HQ + head
+    m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
+    l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))                 # empty splits weigh nothing
+    d = tl.arange(0, D)
+    acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
 def chunk_for(max_seq_len: int) -> int:
@@ -153,20 +159,20 @@ def _launch(src, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, m,
     w = tree_mask.shape[1]
     assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and src.stride(1) == 1
     assert k_cache.shape[0] == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    if out is None:
-        out = torch.empty(m, heads * d, dtype=src.dtype, device=src.device)
-    tiles = triton.cdiv(g * m, ROW_TILE)
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=src.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=src.device)
     pos, cos, sin, q_norm, k_norm, eps = rope or (write_index, stats, stats, None, None, 0.0)
     norm = q_norm is not None
-    _attention_kernel[(kv_heads, splits, tiles)](
-        src, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats,
-        counters(src.device, kv_heads * tiles), out, pos, cos, sin, q_norm if norm else stats,
-        k_norm if norm else stats, m, w, src.stride(0), k_cache.stride(1), tree_mask.stride(0), out.stride(0),
-        d ** -0.5, eps, chunk, splits, G=g, HQ=heads, HKV=kv_heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(src.dtype), PDL=pdl(), ROPE=rope is not None, NORM=norm, num_warps=4, num_stages=2,
-        **launch())
+    _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
+        src, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, pos, cos, sin,
+        q_norm if norm else stats, k_norm if norm else stats, m, w, src.stride(0), k_cache.stride(1),
+        tree_mask.stride(0), d ** -0.5, eps, chunk, G=g, HQ=heads, HKV=kv_heads, D=d, BLOCK_Q=ROW_TILE,
+        BLOCK_S=BLOCK_S, BLOCK_NEW=BLOCK_NEW, IEEE=ieee_dot(src.dtype), PDL=pdl(), ROPE=rope is not None,
+        NORM=norm, num_warps=4, num_stages=2, **launch())
+    if out is None:
+        out = torch.empty(m, heads * d, dtype=src.dtype, device=src.device)
+    _combine_kernel[(m, heads)](partial, stats, out, m, out.stride(0), splits, HQ=heads, D=d,
+                                SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl(), num_warps=1, **launch())
     return out
 
 

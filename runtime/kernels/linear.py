@@ -328,17 +328,6 @@ GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 8192): (16, 512, 4),             # EAGLE3 qkv: 36.2 / 41.6
 }
 
-# One-row calls without a norm prologue or gate that go to cuBLAS (torch.mm, or addmm folding the residual
-# in) instead of the GEMV: at these shapes cuBLAS's one-row kernels stream faster (docs/BENCHMARKS.md's
-# kernel table); benchmarks/fast_decode.py measures the step with this set emptied. The residual is added
-# to the fp32 product before its one rounding (the reference rounds the product first, then the sum).
-CUBLAS_ONE_ROW: set[tuple[int, int]] = {
-    (4096, 4096),                           # Qwen3-8B / EAGLE3 o_proj: 12.5 us against 14.0 (GEMV)
-    (4096, 12288),                          # Qwen3-8B down_proj, EAGLE3 fc: 30.6 / 39.3
-    (6144, 8192),                           # EAGLE3 qkv (its input is normed already): 30.8 / 36.2
-}
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            extra_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,12 +339,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    if m == 1 and (n_out, k) in CUBLAS_ONE_ROW and norm is None and not gated and extra_out is None:
-        if residual is None:
-            return torch.mm(x, w.T, out=out)
-        if residual.data_ptr() == out.data_ptr():
-            return out.addmm_(x, w.T)
-        return torch.addmm(residual, x, w.T, out=out)
     dummy = out
     gemv = GEMV_TILES.get((n_out, k)) if m == 1 else None
     if gemv is not None and k % gemv[1] == 0:

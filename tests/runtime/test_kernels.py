@@ -62,26 +62,6 @@ def test_linear_residual_in_place_and_extra_out():
     assert rel(y, want) < 1e-6 and torch.equal(taps[:, 32:64], y) and not taps[:, :32].any()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_one_row_cublas_path_matches_reference(dtype, monkeypatch):
-    """Shapes in CUBLAS_ONE_ROW send one-row calls without norm/gate/extra_out to torch.mm / addmm: the
-    residual in place, into another buffer, or none, each equal to the reference within tolerance;
-    with extra_out (the EAGLE3 taps) the call stays on the kernels and still writes both buffers."""
-    n, k = 96, 256
-    monkeypatch.setattr(L, "CUBLAS_ONE_ROW", {(n, k)})
-    w, x = randn(n, k, dtype=dtype, scale=k ** -0.5), randn(1, k, dtype=dtype)
-    r = randn(1, n, dtype=dtype)
-    want = linear_reference(x, w, residual=r)
-    assert rel(linear(x, w), linear_reference(x, w)) < TOL[dtype]
-    assert rel(linear(x, w, residual=r), want) < TOL[dtype]
-    y = r.clone()
-    assert linear(x, w, residual=y, out=y).data_ptr() == y.data_ptr() and rel(y, want) < TOL[dtype]
-    taps = torch.zeros(1, 2 * n, dtype=dtype, device=DEV)
-    y = r.clone()
-    linear(x, w, residual=y, out=y, extra_out=taps[:, n:])
-    assert rel(y, want) < TOL[dtype] and torch.equal(taps[:, n:], y)
-
-
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("gated", [False, True])
 def test_linear_split_k_matches_reference(split, gated, monkeypatch):
@@ -235,11 +215,21 @@ def test_attend_matches_rope_kv_then_attention(rows, keys, write_index, qk_norm,
     new = slice(write_index, write_index + rows)
     assert torch.equal(got_k[:, :, :write_index], caches[0][:, :, :write_index])
     assert torch.equal(got_k[:, :, new.stop:], caches[0][:, :, new.stop:])
-    # the same bits as the two launches it replaces (the kernel's q and keys round as rope_kv's)
+    # the two launches it replaces (rope_kv, then attention over the cache): the same caches, and the
+    # output to float rounding (attend takes the new keys in a pass of their own: another summation order)
     two_k, two_v = caches[0].clone(), caches[1].clone()
     q = rope_kv(qkv, pos, wi, cos, sin, two_k, two_v, heads, kv_heads, d, qn, kn)
-    assert torch.equal(got_k, two_k) and torch.equal(got, attention(q, two_k, two_v, wi, tm, heads, chunk=64))
-    assert not kernels.counters(got.device, 1).any()                            # the combine reset its counters
+    assert rel(got_k, two_k) < TOL[dtype] and torch.equal(got_v, two_v)
+    assert rel(got, attention(q, two_k, two_v, wi, tm, heads, chunk=64)) < TOL[dtype]
+    # a token's result does not depend on how many tokens the call carries (token 0 seeing only itself)
+    if rows > 1 and keys == rows:
+        causal = tm.contiguous()
+        causal[0] = False
+        causal[0, 0] = True
+        block = attend(qkv, pos, wi, cos, sin, caches[0].clone(), caches[1].clone(), causal, heads, qn, kn, chunk=64)
+        one = attend(qkv[:1], pos[:1], wi, cos, sin, caches[0].clone(), caches[1].clone(), causal[:1, :1], heads, qn,
+                     kn, chunk=64)
+        assert torch.equal(one[0], block[0])
 
 
 def test_embed_norms_matches_reference():
@@ -304,7 +294,7 @@ def test_attention_tree_level_mask_at_qwen3_8b_head_shape(ctx):
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_attend_at_qwen3_8b_shapes(ctx, rows):
     """The fused rope + KV write + attention at the 8B shape (4352-slot cache): the reference's output and
-    caches, and the same bits as rope_kv then attention."""
+    caches, rope_kv then attention to bf16 rounding, and a token's bits independent of the row count."""
     torch.manual_seed(ctx + rows)
     kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
     qkv = randn(rows, 48 * 128, dtype=torch.bfloat16)
@@ -317,4 +307,7 @@ def test_attend_at_qwen3_8b_shapes(ctx, rows):
     assert rel(got, attend_reference(qkv, pos, wi, cos, sin, k2, v2, tm, 32, qn, kn)) < 1e-2
     assert rel(k1, k2) < 1e-2 and torch.equal(v1, v2)
     q = rope_kv(qkv, pos, wi, cos, sin, k3, v3, 32, 8, 128, qn, kn)
-    assert torch.equal(k1, k3) and torch.equal(got, attention(q, k3, v3, wi, tm, 32))
+    assert rel(k1, k3) < 1e-2 and rel(got, attention(q, k3, v3, wi, tm, 32)) < 1e-2
+    if rows > 1:                                             # a token alone: the same bits as in the block
+        one = attend(qkv[:1], pos[:1], wi, cos, sin, kc.clone(), vc.clone(), tm[:1, :1], 32, qn, kn)
+        assert torch.equal(one[0], got[0])
