@@ -4,10 +4,8 @@
 
 Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
-graphed step time of the reference modules and of the fast engines, also without programmatic
-dependent launch (PDL) and without the rope + attention fusion (rope_kv as a launch of its own), for 1
-(decode), 7 (chain verify) and 32 (tree verify) tokens, and for one token with the tile kernel in place
-of the one-row GEMV; the EAGLE3
+graphed step time of the reference modules and of the fast engines with and without programmatic
+dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) tokens; the EAGLE3
 head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
 logit error, argmax agreement) over a few decode steps.
 """
@@ -86,8 +84,7 @@ def main() -> None:
     fe3, ffc = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg)), FastFCEngine(fc, {})
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
-    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>13}"
-          f"{'no-fusion ms':>13}")
+    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}")
     for ctx in map(int, args.contexts.split(",")):
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
@@ -102,13 +99,9 @@ def main() -> None:
             kernels.PDL["enabled"] = False
             row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
             kernels.PDL["enabled"] = True
-            kernels.FUSE["rope_attention"] = False
-            row["fast_unfused_ms"] = graphed_ms(fast.run, inputs)
-            kernels.FUSE["rope_attention"] = True
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
-                  f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>13.3f}"
-                  f"{row['fast_unfused_ms']:>13.3f}")
+                  f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}")
         for tokens in (1, 10):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)

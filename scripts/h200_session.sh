@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fast-backend H200 calls of a session, in two parts of under ten minutes each (logs in $OUT):
-#   PART=1  the gpu-marked tests (kernels incl. the fused rope + attention, fast engines, round graphs,
+#   PART=1  the gpu-marked tests (kernels, fast engines, round graphs,
 #           sampling), then benchmarks/fast_decode.py at contexts 128 and 4096 (4352-slot cache): decode
-#           and verify steps with each fusion / PDL / the one-row cuBLAS calls switched off in the same run,
+#           and verify steps, also without PDL and without the one-row GEMV (tile kernel), in the same run,
 #           the EAGLE3 step, prefill TTFT against the matmul rate
 #   PART=2  `xrun bench --synthetic qwen3-8b` greedy and sampled (Qwen3's recommended temperature 0.6 /
 #           top-k 20 / top-p 0.95): chain gamma 6 and tree 10/6/32 rounds; then the demo pair in bf16: tau
@@ -37,7 +37,7 @@ if [ "$PART" = 1 ]; then
     tests/runtime/test_fast.py tests/runtime/test_graphs.py tests/runtime/test_sampling_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
-  step "benchmarks/fast_decode.py --contexts 128,4096 (decode steps, fusions/PDL/cuBLAS off, prefill TTFT)"
+  step "benchmarks/fast_decode.py --contexts 128,4096 (decode steps, PDL / GEMV off, prefill TTFT)"
   timeout 240 python3 benchmarks/fast_decode.py --contexts 128,4096 > "$OUT/fast_decode.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -20

@@ -4,11 +4,12 @@ A fast engine wraps the torch backend's engine of the same graph: it takes the r
 weights (packed once: q/k/v and gate/up concatenated, the module's own parameters re-pointed at the
 packed storage, so no weight is held twice), shares its KV buffers, and runs every step of up to
 ``MAX_ROWS`` tokens on the kernels; longer passes (prompts) run the reference module, whose cuBLAS
-matmuls and SDPA are what a prefill needs. Per Qwen3 layer, a step is five launches:
+matmuls and SDPA are what a prefill needs. Per Qwen3 layer, a step is six launches plus the
+attention reduction:
 
     linear(norm)   x -> qkv                    RMSNorm + fused QKV projection
-    attend         qkv, caches -> a            q/k RMSNorm + RoPE + KV write, split-KV attention over
-                                               the live length, and the reduction of the splits
+    rope_kv        qkv -> q; k, v -> caches    q/k RMSNorm + RoPE + KV write
+    attention      q, caches -> a              split-KV over the live length + reduction
     linear(+res)   x += a Wo^T
     linear(gated)  x -> silu(x Wg^T) * (x Wu^T)  RMSNorm + gate/up + SiLU*mul
     linear(+res)   x += h Wd^T                 (and the EAGLE3 tap copy)
@@ -28,8 +29,8 @@ from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.kernels import FUSE, MAX_ROWS, interpreted
-from xcompile.runtime.kernels.attention import attend, attention, chunk_for
+from xcompile.runtime.kernels import MAX_ROWS, interpreted
+from xcompile.runtime.kernels.attention import attention, chunk_for
 from xcompile.runtime.kernels.linear import linear
 from xcompile.runtime.kernels.norm import embed_norms
 from xcompile.runtime.kernels.rope_kv import rope_kv
@@ -124,11 +125,7 @@ class _FastEngine(Engine):
         super().close()
 
     def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
-        """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention), one launch
-        (two with FUSE["rope_attention"] off, for benchmarks)."""
-        if FUSE["rope_attention"]:
-            return attend(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, mask, self.heads, layer.q_norm,
-                          layer.k_norm, self.eps, self.chunk)
+        """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
         q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
                     self.head_dim, layer.q_norm, layer.k_norm, self.eps)
         return attention(q, k_cache, v_cache, wi, mask, self.heads, self.chunk)

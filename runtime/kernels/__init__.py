@@ -3,10 +3,8 @@
 One module per fused step, each with the plain-torch reference it is tested against:
 
     linear.py     RMSNorm prologue + GEMV/skinny GEMM + residual or SiLU*mul epilogue (every projection)
-    rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens (its jit helper is
-                  also inlined into attention.attend)
-    attention.py  split-KV attention over the live KV length with the tree mask and its reduction in
-                  one launch; ``attend`` folds rope_kv into the same launch
+    rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
+    attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
 
 The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); longer
 passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does
@@ -56,26 +54,6 @@ def pdl() -> bool:
 def launch() -> dict:
     """Launch options of every kernel: ``launch_pdl`` when ``pdl()``."""
     return {"launch_pdl": True} if pdl() else {}
-
-
-# Fusions that benchmarks switch off to measure what each gives (benchmarks/fast_decode.py); on by default.
-#   rope_attention: q/k-norm + RoPE + the KV write inside the attention launch (attention.attend), instead
-#                   of a rope_kv launch before it
-FUSE = {"rope_attention": True}
-
-_COUNTERS: dict = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters (int32) of kernels whose last-arriving program finishes a reduction (split-K
-    linear): zero between launches, each launch resets those it used, so kernels
-    in one stream share the buffer (with PDL too: a kernel touches them only after gdc_wait, when the
-    previous kernel has completed). One buffer per device, allocated on first use, before any graph
-    capture records it."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def interpreted() -> bool:

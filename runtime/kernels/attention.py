@@ -1,8 +1,6 @@
-"""Split-KV attention of a step's new tokens over the live KV length, then the reduction of the splits;
-``attend`` also does rope_kv's work (q/k RMSNorm, RoPE, the KV write) inside the split launch.
+"""Split-KV attention of a step's new tokens over the live KV length, then the reduction of the splits.
 
-    attention: q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
-    attend:    qkv [M, (Hq+2Hkv)*D] (the fused projection's output), position_ids [M], ... the same
+    q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
     ->  out [M, Hq*D]
 
 The I/O contract's rule: the mask's columns are keys origin..origin+W-1, origin = write_index + M - W;
@@ -15,11 +13,6 @@ tile of 16 query rows); the g query heads sharing a KV head ride along the rows 
 head r%g), so each KV tile is read once per head group. Splits past the live length write an empty
 partial. The reduction combines the splits in a fixed order. Chunks at absolute positions and fixed
 row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
-
-In ``attend`` every program computes its rows' q from qkv (normed, rotated), reads the committed keys
-from the caches and then takes the new keys (write_index .. write_index + M - 1) from qkv, normed and
-rotated, in steps of BLOCK_NEW; the split holding a new key writes it (and its value) to the caches
-from its first row tile. No program reads a cache row that this launch writes.
 """
 
 from __future__ import annotations
@@ -31,91 +24,57 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
-from xcompile.runtime.kernels.rope_kv import rope_kv_reference, rope_rows
 
 BLOCK_S = 64        # keys per inner step
-BLOCK_NEW = 16      # new keys per step of attend's pass over them (1..64 per call)
 MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 programs for 132 SMs
 
 
 @triton.jit
-def _update(q, k, v, keys, inside, wi, M, W, TM, tok, live, stride_tm, sm_scale, m_i, l_i, acc,
-            IEEE: tl.constexpr):
-    """One online-softmax step of q's rows over the key tile k/v at positions keys (where ``inside``)."""
-    if IEEE:
-        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(k))
-    scores = scores * sm_scale
-    col = keys - (wi + M - W)                                               # >= 0: a column of the mask
-    in_mask = (col >= 0) & inside
-    seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
-    visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # rows with nothing visible yet
-    p = tl.exp(scores - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, POS, COS, SIN, QN, KN, M, W, stride_q, stride_ch, stride_tm,
-                  sm_scale, eps, CHUNK, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NEW: tl.constexpr, IEEE: tl.constexpr,
-                  PDL: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
-    # Q: q [M, HQ*D] rotated, or qkv [M, (HQ+2HKV)*D] when ROPE (norm weights QN/KN when NORM)
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
+                  G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)
     split = tl.program_id(1)
-    tile = tl.program_id(2)
-    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tok = rows // G
     head = kvh * G + rows % G
     live = tok < M
     d = tl.arange(0, D)
-    if ROPE:
-        q = rope_rows(Q, stride_q, tok, head * D, tl.load(POS + tok, mask=live, other=0), QN, COS, SIN, live, eps,
-                      D, NORM, KC.dtype.element_ty)
-    else:
-        q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     wi = tl.load(WI)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, wi + M)
-    cached_end = end
-    if ROPE:
-        cached_end = tl.minimum(end, wi)                                    # the new keys come from qkv
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     base = kvh * stride_ch
-    for s0 in range(start, cached_end, BLOCK_S):
+    for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)
-        inside = keys < cached_end
+        inside = keys < end
         k = tl.load(KC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * sm_scale
+        col = keys - (wi + M - W)                                           # >= 0: a column of the mask
+        in_mask = (col >= 0) & inside
+        seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
+        visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # rows with nothing visible yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(VC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-        m_i, l_i, acc = _update(q, k, v, keys, inside, wi, M, W, TM, tok, live, stride_tm, sm_scale, m_i, l_i, acc,
-                                IEEE)
-    if ROPE:
-        # this split's new keys, normed and rotated from qkv; its first row tile writes them to the caches
-        for s0 in range(tl.maximum(start, wi), end, BLOCK_NEW):
-            keys = s0 + tl.arange(0, BLOCK_NEW)
-            new = keys < end
-            r = tl.where(new, keys - wi, 0)                                 # the key's row of qkv
-            k = rope_rows(Q, stride_q, r, (HQ + kvh) * D + tl.zeros([BLOCK_NEW], dtype=tl.int32),
-                          tl.load(POS + r, mask=new, other=0), KN, COS, SIN, new, eps, D, NORM, KC.dtype.element_ty)
-            v = tl.load(Q + r[:, None] * stride_q + (HQ + HKV + kvh) * D + d[None, :], mask=new[:, None], other=0.0)
-            if tile == 0:                                                   # one writer per key
-                tl.store(KC + base + keys[:, None] * D + d[None, :], k, mask=new[:, None])
-                tl.store(VC + base + keys[:, None] * D + d[None, :], v, mask=new[:, None])
-            m_i, l_i, acc = _update(q, k, v, keys, new, wi, M, W, TM, tok, live, stride_tm, sm_scale, m_i, l_i, acc,
-                                    IEEE)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # partials [splits, M, HQ, (D | m, l)]
@@ -151,48 +110,29 @@ def chunk_for(max_seq_len: int) -> int:
     return BLOCK_S * max(1, math.ceil(max_seq_len / (MIN_SPLITS * BLOCK_S)))
 
 
-def _launch(src, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, m, rope=None):
-    _, kv_heads, max_seq_len, d = k_cache.shape
-    g = heads // kv_heads
-    chunk = chunk or chunk_for(max_seq_len)
-    splits = math.ceil(max_seq_len / chunk)
-    w = tree_mask.shape[1]
-    assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and src.stride(1) == 1
-    assert k_cache.shape[0] == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=src.device)
-    stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=src.device)
-    pos, cos, sin, q_norm, k_norm, eps = rope or (write_index, stats, stats, None, None, 0.0)
-    norm = q_norm is not None
-    _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
-        src, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, pos, cos, sin,
-        q_norm if norm else stats, k_norm if norm else stats, m, w, src.stride(0), k_cache.stride(1),
-        tree_mask.stride(0), d ** -0.5, eps, chunk, G=g, HQ=heads, HKV=kv_heads, D=d, BLOCK_Q=ROW_TILE,
-        BLOCK_S=BLOCK_S, BLOCK_NEW=BLOCK_NEW, IEEE=ieee_dot(src.dtype), PDL=pdl(), ROPE=rope is not None,
-        NORM=norm, num_warps=4, num_stages=2, **launch())
-    if out is None:
-        out = torch.empty(m, heads * d, dtype=src.dtype, device=src.device)
-    _combine_kernel[(m, heads)](partial, stats, out, m, out.stride(0), splits, HQ=heads, D=d,
-                                SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl(), num_warps=1, **launch())
-    return out
-
-
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
     strided) -> [M, Hq*D]."""
-    return _launch(q, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, q.shape[0])
-
-
-def attend(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tree_mask: torch.Tensor, heads: int,
-           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-           chunk: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """rope_kv then attention in one launch: qkv [M, (Hq+2Hkv)*D]; position_ids [M]; cos/sin [P, D/2]
-    fp32; q_norm/k_norm [D] (Qwen3) or None; the caches get rows write_index + 0..M-1 -> [M, Hq*D]."""
-    assert qkv.shape[1] == (heads + 2 * k_cache.shape[1]) * k_cache.shape[3], (qkv.shape, k_cache.shape)
-    return _launch(qkv, k_cache, v_cache, write_index, tree_mask, heads, chunk, out, qkv.shape[0],
-                   (position_ids, cos, sin, q_norm, k_norm, eps))
+    m = q.shape[0]
+    _, kv_heads, max_seq_len, d = k_cache.shape
+    g = heads // kv_heads
+    chunk = chunk or chunk_for(max_seq_len)
+    splits = math.ceil(max_seq_len / chunk)
+    w = tree_mask.shape[1]
+    assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
+    partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
+    _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
+        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
+        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), num_warps=4, num_stages=2, **launch())
+    if out is None:
+        out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
+    _combine_kernel[(m, heads)](partial, stats, out, m, out.stride(0), splits, HQ=heads, D=d,
+                                SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl(), num_warps=1, **launch())
+    return out
 
 
 def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
@@ -211,12 +151,3 @@ def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     y = torch.softmax(scores, -1) @ vh                                           # [Hq, M, D]
     return y.transpose(0, 1).reshape(m, heads * d).to(q.dtype)
-
-
-def attend_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache, tree_mask, heads, q_norm=None,
-                     k_norm=None, eps=1e-6):
-    """What ``attend`` computes (and writes to the caches): rope_kv_reference, then attention_reference."""
-    kv_heads, d = k_cache.shape[1], k_cache.shape[3]
-    q = rope_kv_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache, heads, kv_heads, d, q_norm,
-                          k_norm, eps)
-    return attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, counters, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
 
 
 @triton.jit
@@ -328,6 +328,18 @@ GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 8192): (16, 512, 4),             # EAGLE3 qkv: 36.2 / 41.6
 }
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the split-K column blocks, zero between launches (each launch resets those it
+    used); one buffer per device, allocated on first use (before any graph capture records it)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            extra_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,7 +364,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     block_n, block_k, warps, stages, split = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
     ws = torch.empty(split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
-    cnt = counters(x.device, blocks) if split > 1 else dummy
+    cnt = _counters(x.device, blocks) if split > 1 else dummy
     _linear_kernel[(blocks, split)](
         x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
         extra_out if extra_out is not None else dummy, ws, cnt, m, n_out, k, k // split, x.stride(0), out.stride(0),

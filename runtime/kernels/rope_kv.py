@@ -31,29 +31,6 @@ def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.c
 
 
 @triton.jit
-def rope_rows(QKV, stride_qkv, r, col, pos, w_ptr, COS, SIN, ok, eps, D: tl.constexpr, NORM: tl.constexpr,
-              dt: tl.constexpr):
-    """[R, D] head vectors QKV[r, col:col+D] (r, col, pos [R]; rows where ``ok``), RMS-normalised with
-    weight w_ptr when NORM and rotated at pos: what _rope_kv_kernel computes for one head, for R rows at
-    once, with the same roundings (attention.attend inlines it)."""
-    half: tl.constexpr = D // 2
-    d = tl.arange(0, D)
-    rot = tl.where(d < half, d + half, d - half)
-    src = QKV + r[:, None] * stride_qkv + col[:, None]
-    x = tl.load(src + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    xr = tl.load(src + rot[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        x = x * rstd * tl.load(w_ptr + d).to(tl.float32)[None, :]
-        xr = xr * rstd * tl.load(w_ptr + rot).to(tl.float32)[None, :]
-    x = x.to(dt).to(tl.float32)
-    xr = xr.to(dt).to(tl.float32) * tl.where(d < half, -1.0, 1.0)[None, :]
-    c = tl.load(COS + pos[:, None] * half + (d % half)[None, :], mask=ok[:, None], other=0.0).to(dt).to(tl.float32)
-    s = tl.load(SIN + pos[:, None] * half + (d % half)[None, :], mask=ok[:, None], other=0.0).to(dt).to(tl.float32)
-    return ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, stride_q, stride_ch, eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
