@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
     args = ap.parse_args()
+    builtin_gemv = dict(L.GEMV_TILES)
     if args.tiles:
         chosen = json.load(open(args.tiles))
         for table, key in ((L.TILES, "tiles"), (L.GEMV_TILES, "gemv_tiles")):
@@ -84,7 +85,8 @@ def main() -> None:
     fe3, ffc = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg)), FastFCEngine(fc, {})
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
-    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}")
+    print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}"
+          + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
     for ctx in map(int, args.contexts.split(",")):
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
@@ -99,9 +101,17 @@ def main() -> None:
             kernels.PDL["enabled"] = False
             row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
             kernels.PDL["enabled"] = True
+            if tokens == 1 and args.tiles:                     # the built-in one-row tiles, for comparison
+                chosen_gemv = dict(L.GEMV_TILES)
+                L.GEMV_TILES.clear()
+                L.GEMV_TILES.update(builtin_gemv)
+                row["fast_builtin_gemv_ms"] = graphed_ms(fast.run, inputs)
+                L.GEMV_TILES.clear()
+                L.GEMV_TILES.update(chosen_gemv)
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
-                  f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}")
+                  f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}"
+                  + (f"{row.get('fast_builtin_gemv_ms', float('nan')):>24.3f}" if args.tiles else ""))
         for tokens in (1, 10):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)

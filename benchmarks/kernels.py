@@ -1,13 +1,17 @@
 """Check and time the fused kernels (runtime/kernels/) at the Qwen3-8B / EAGLE3 / Qwen3-0.6B shapes on a GPU.
 
     python benchmarks/kernels.py [--sweep] [--json FILE]
+    python benchmarks/kernels.py --gemv [--json FILE]     # only the one-row GEMV's tiles, split K included
 
 For every projection shape: error against the torch reference at 1, 7 and 33 rows, row invariance
 (row 0 of a 7-row call equals the 1-row call bit for bit), and the time of one launch inside a CUDA
 graph of launches over rotating weight copies (so L2 never holds the weights), as GB/s of weight
 bytes against the device's copy bandwidth; cuBLAS (F.linear) beside it. ``--sweep`` times every
 candidate tile per shape and prints the best, which is what ``kernels/linear.py``'s TILES table
-holds. Then attention at several live lengths and row counts, and rope_kv.
+holds. Then attention at several live lengths and row counts, and rope_kv. ``--gemv`` times only the
+one-row GEMV's candidates (GEMV_SPLIT: split K included) at the shapes of GEMV_TILES, each called as the
+fast engines call it (qkv with its norm, o/down adding the residual in place), against the tile kernel
+and cuBLAS; its JSON's gemv_tiles (the fastest per shape) feed ``fast_decode.py --tiles``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,56 @@ WIDE = [(128, 128, 8, 3, 1), (64, 256, 4, 3, 1), (128, 256, 8, 2, 1), (256, 128,
 # one-row CUDA-core GEMV tiles (BLOCK_N, BLOCK_K, warps): at most 64 fp32 accumulators per thread
 GEMV = [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4),
         (16, 512, 8), (16, 1024, 8), (32, 256, 8)]
+
+
+# --gemv: (BLOCK_N, BLOCK_K, warps, split of K)
+GEMV_SPLIT = [(bn, bk, 4, split) for bn, bk in ((4, 256), (4, 512), (8, 256), (8, 512), (16, 512))
+              for split in (1, 2, 4)] + [(2, 512, 4, 1), (4, 1024, 4, 1), (4, 1024, 4, 2)]
+# the GEMV shapes as the fast engines call them: (name, N, K, norm prologue, residual epilogue)
+GEMV_CALLS = [("8b qkv", 6144, 4096, True, False), ("8b o", 4096, 4096, False, True),
+              ("8b down", 4096, 12288, False, True), ("eagle3 qkv", 6144, 8192, False, False)]
+
+
+def gemv_sweep(out: dict) -> None:
+    print(f"\n{'one-row GEMV':<14}{'N':>7}{'K':>7}  {'(bn, bk, warps, split)':<24}{'us':>7}{'GB/s':>7}")
+    for name, n, k, norm, residual in GEMV_CALLS:
+        ws = weights(n, k)
+        x = torch.randn(1, k, device="cuda", dtype=DT)
+        g = torch.rand(k, device="cuda", dtype=DT) + 0.5 if norm else None
+        rs = [torch.randn(1, n, device="cuda", dtype=DT) for _ in ws]     # the timed calls add into these
+        r_check = torch.randn(1, n, device="cuda", dtype=DT)
+        ref = L.linear_reference(x, ws[0], norm=g, residual=r_check if residual else None)
+
+        def call(w, r):
+            return L.linear(x, w, norm=g, residual=r if residual else None, out=r)
+
+        saved = L.GEMV_TILES.get((n, k))
+        results = []
+        for tile in [t for t in GEMV_SPLIT if k % (t[1] * t[3]) == 0]:
+            L.GEMV_TILES[(n, k)] = tile
+            try:
+                r0 = r_check.clone()
+                got = L.linear(x, ws[0], norm=g, residual=r0 if residual else None, out=r0)
+                assert rel(got, ref) < 1e-2, rel(got, ref)
+                results.append((graph_time([lambda w=w, r=r: call(w, r) for w, r in zip(ws, rs)]), tile))
+            except Exception as e:                           # noqa: BLE001 - out of registers etc.
+                print(f"  {tile}: {type(e).__name__} {e}")
+        L.GEMV_TILES.pop((n, k))
+        tile_us = graph_time([lambda w=w, r=r: call(w, r) for w, r in zip(ws, rs)])
+        cublas_us = time_cublas(n, k, False)
+        if saved is not None:
+            L.GEMV_TILES[(n, k)] = saved
+        results.sort()
+        nbytes = n * k * 2
+        for t, tile in results[:6]:
+            print(f"{name:<14}{n:>7}{k:>7}  {str(tile):<24}{t:>7.1f}{nbytes / t / 1e3:>7.0f}"
+                  + ("   <- current" if saved is not None and tuple((*saved, 1)[:4]) == tile else ""))
+        cur = next((t for t, tile in results if saved is not None and tuple((*saved, 1)[:4]) == tile), float("nan"))
+        print(f"{'':<28}current {cur:.1f} us, tile kernel {tile_us:.1f} us, cuBLAS (F.linear) {cublas_us:.1f} us")
+        out["gemv"].append({"name": name, "n": n, "k": k, "sweep": [(t, list(tile)) for t, tile in results],
+                            "tile_kernel_us": tile_us, "cublas_us": cublas_us})
+        if results:
+            out["gemv_tiles"][f"{n},{k}"] = list(results[0][1])
 
 
 def candidates(name: str, n: int, k: int, gated: bool) -> list[tuple]:
@@ -140,11 +194,19 @@ def time_cublas(n, k, gated, m=1) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--gemv", action="store_true", help="only the one-row GEMV's tiles (split K included)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda"))                # xrun bench's measurement
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}")
+    if args.gemv:
+        out = {"copy_bandwidth": bw, "gemv": [], "gemv_tiles": {}}
+        gemv_sweep(out)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     out = {"copy_bandwidth": bw, "linear": [], "attention": []}
     print(f"\n{'shape':<16}{'N':>8}{'K':>7} {'tile (bn,bk,w,s,split)':<22}{'us':>8}{'GB/s':>7}{'%bw':>6}  {'cublas us':>9}"
           f"{'%bw':>6}   m=7 us  m=32 us  invariant  rel err m=1/7/33")

@@ -251,19 +251,22 @@ def _sum_partials(WS, offset, SPLIT: tl.constexpr, r0, cols, N_OUT, BLOCK_M: tl.
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
-                 RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+                 RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
-    # per lane over K and reduced once at the end; the next weight tile is requested before the
-    # current one is used (software double buffering), and the first before waiting for the
-    # previous kernel (PDL). K is a multiple of BLOCK_K.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
+    # the next weight tile is requested before the current one is used (software double buffering),
+    # and the first before waiting for the previous kernel (PDL). K_SPLIT is a multiple of BLOCK_K.
+    pid_n = tl.program_id(0)
+    k_begin = tl.program_id(1) * K_SPLIT
+    k_end = k_begin + K_SPLIT
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wrows = tl.where(cols < N_OUT, cols, 0)
     w_ptr = W + wrows[:, None] * K
     u_ptr = W + (wrows[:, None] + N_OUT) * K
     ks = tl.arange(0, BLOCK_K)
-    w_next, wu_next = _load_w(w_ptr, u_ptr, ks, K, GATED, True)
+    w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True)
     if PDL:
         tl.extra.cuda.gdc_wait()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
@@ -271,21 +274,43 @@ def _gemv_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         w, wu = w_next, wu_next
         nk = k0 + BLOCK_K + ks
-        w_next = tl.load(w_ptr + nk[None, :], mask=nk[None, :] < K, other=0.0)
+        w_next = tl.load(w_ptr + nk[None, :], mask=nk[None, :] < k_end, other=0.0)
         if GATED:
-            wu_next = tl.load(u_ptr + nk[None, :], mask=nk[None, :] < K, other=0.0)
+            wu_next = tl.load(u_ptr + nk[None, :], mask=nk[None, :] < k_end, other=0.0)
         x = _load_x(X, 0, tl.arange(0, 1), 1, k0 + ks, K, rstd, G, NORM, True).to(tl.float32)   # [1, BLOCK_K]
         acc += w.to(tl.float32) * x
         if GATED:
             accu += wu.to(tl.float32) * x
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    y = tl.sum(acc, axis=1)[None, :]
-    yu = tl.sum(accu, axis=1)[None, :]
-    _epilogue(y, yu, Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL, EXTRA)
+    y = tl.sum(acc, axis=1)
+    yu = tl.sum(accu, axis=1)
+    if SPLIT > 1:
+        # as the tile kernel's split K: partial sums [SPLIT, 2, N_OUT] in WS, the column block's last
+        # program (counter CNT[pid_n]) adds them in split order and runs the epilogue
+        ok = cols < N_OUT
+        part = WS + tl.program_id(1) * 2 * N_OUT
+        tl.store(part + cols, y, mask=ok)
+        if GATED:
+            tl.store(part + N_OUT + cols, yu, mask=ok)
+        tl.debug_barrier()
+        if tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+            tl.debug_barrier()
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            yu = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                y += tl.load(WS + s * 2 * N_OUT + cols, mask=ok, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    yu += tl.load(WS + s * 2 * N_OUT + N_OUT + cols, mask=ok, other=0.0, cache_modifier=".cg")
+            _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
+                      EXTRA)
+            tl.store(CNT + pid_n, 0)
+    else:
+        _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
+                  EXTRA)
 
 
 # Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split of K); never per row
@@ -317,16 +342,28 @@ def tile_for(n_out: int, k: int) -> tuple[int, int, int, int, int]:
     return block_n, block_k, warps, stages, split
 
 
-# One-row (decode) tiles on the CUDA-core GEMV (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps); shapes not
-# listed run one-row calls on the tile kernel above. A row decoded alone then rounds differently from
-# the same row inside a verify block (another reduction order), so speculative and plain greedy may
-# part at near-ties; benchmarks/kernels.py measures both.
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 4096): (16, 512, 4),             # Qwen3-8B qkv: 19.8 us against 22.0 on the tile kernel
-    (4096, 4096): (4, 512, 4),              # Qwen3-8B o_proj: 14.0 / 16.9
-    (4096, 12288): (4, 512, 4),             # Qwen3-8B down_proj, EAGLE3 fc: 39.3 / 44.1
-    (6144, 8192): (16, 512, 4),             # EAGLE3 qkv: 36.2 / 41.6
+# One-row (decode) tiles on the CUDA-core GEMV (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, split of K);
+# shapes not listed run one-row calls on the tile kernel above. A row decoded alone then rounds
+# differently from the same row inside a verify block (another reduction order), so speculative and
+# plain greedy may part at near-ties; benchmarks/kernels.py measures both (--gemv: only these).
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (16, 512, 4, 1),          # Qwen3-8B qkv: 19.8 us against 22.0 on the tile kernel
+    (4096, 4096): (4, 512, 4, 1),           # Qwen3-8B o_proj: 14.0 / 16.9
+    (4096, 12288): (4, 512, 4, 1),          # Qwen3-8B down_proj, EAGLE3 fc: 39.3 / 44.1
+    (6144, 8192): (16, 512, 4, 1),          # EAGLE3 qkv: 36.2 / 41.6
 }
+
+
+def gemv_tile(n_out: int, k: int) -> tuple[int, int, int, int] | None:
+    """The one-row GEMV's tile for this shape, or None (the tile kernel): a split covers whole K blocks."""
+    tile = GEMV_TILES.get((n_out, k))
+    if tile is None:
+        return None
+    block_n, block_k, warps, split = (*tile, 1)[:4]
+    if k % (split * block_k):
+        return None if k % block_k else (block_n, block_k, warps, 1)
+    return block_n, block_k, warps, split
+
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -352,14 +389,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
-    gemv = GEMV_TILES.get((n_out, k)) if m == 1 else None
-    if gemv is not None and k % gemv[1] == 0:
-        block_n, block_k, warps = gemv
-        _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+    gemv = gemv_tile(n_out, k) if m == 1 else None
+    if gemv is not None:
+        block_n, block_k, warps, split = gemv
+        blocks = triton.cdiv(n_out, block_n)
+        ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
+        _gemv_kernel[(blocks, split)](
             x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
-            extra_out if extra_out is not None else dummy, n_out, k, eps, NORM=norm is not None, GATED=gated,
-            RESIDUAL=residual is not None, EXTRA=extra_out is not None, PDL=pdl(), BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=1, **launch())
+            extra_out if extra_out is not None else dummy, ws, _counters(x.device, blocks) if split > 1 else dummy,
+            n_out, k, k // split, eps, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
+            EXTRA=extra_out is not None, PDL=pdl(), SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            num_stages=1, **launch())
         return out
     block_n, block_k, warps, stages, split = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)

@@ -80,20 +80,30 @@ def test_linear_split_k_matches_reference(split, gated, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated"])
-def test_one_row_gemv_matches_reference(kind, dtype, monkeypatch):
-
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated", "residual in place"])
+def test_one_row_gemv_matches_reference(kind, split, dtype, monkeypatch):
+    """The one-row GEMV, whole K or split (partials added in split order by the column block's last
+    program, the counters reset for the next launch, which reuses them)."""
     n, k = 40, 1024
-    monkeypatch.setitem(L.GEMV_TILES, (n, k), (8, 256, 4))
+    monkeypatch.setitem(L.GEMV_TILES, (n, k), (8, 256, 4, split))
     gated = kind == "gated"
     w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
     x, g = randn(1, k, dtype=dtype), randn(k, dtype=dtype) + 1
     r = randn(1, n, dtype=dtype) if kind != "gated" else None
     taps = torch.zeros(1, 3 * n, dtype=dtype, device=DEV)
-    norm = None if kind == "plain" else g
-    got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=taps[:, n:2 * n])
-    assert rel(got, linear_reference(x, w, norm=norm, gated=gated, residual=r)) < TOL[dtype]
-    assert torch.equal(taps[:, n:2 * n], got)
+    norm = g if kind in ("norm+residual+extra", "gated") else None
+    want = linear_reference(x, w, norm=norm, gated=gated, residual=r)
+    for _ in range(2):
+        if kind == "residual in place":
+            got = r.clone()
+            linear(x, w, residual=got, out=got)
+        else:
+            got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=taps[:, n:2 * n])
+        assert rel(got, want) < TOL[dtype]
+    if kind == "norm+residual+extra":
+        assert torch.equal(taps[:, n:2 * n], got)
+    assert not L._counters(x.device, 1).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
