@@ -346,11 +346,13 @@ def tile_for(n_out: int, k: int) -> tuple[int, int, int, int, int]:
 # shapes not listed run one-row calls on the tile kernel above. A row decoded alone then rounds
 # differently from the same row inside a verify block (another reduction order), so speculative and
 # plain greedy may part at near-ties; benchmarks/kernels.py measures both (--gemv: only these).
+# Chosen by `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01, third session: each shape called
+# as the engines call it; split K never won at these shapes), us against the tile kernel in the same run:
 GEMV_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (6144, 4096): (16, 512, 4, 1),          # Qwen3-8B qkv: 19.8 us against 22.0 on the tile kernel
-    (4096, 4096): (4, 512, 4, 1),           # Qwen3-8B o_proj: 14.0 / 16.9
-    (4096, 12288): (4, 512, 4, 1),          # Qwen3-8B down_proj, EAGLE3 fc: 39.3 / 44.1
-    (6144, 8192): (16, 512, 4, 1),          # EAGLE3 qkv: 36.2 / 41.6
+    (6144, 4096): (4, 1024, 4, 1),          # Qwen3-8B qkv (+ RMSNorm): 20.3 against 22.0 (16/512: 27.1)
+    (4096, 4096): (4, 512, 4, 1),           # Qwen3-8B o_proj (+ residual): 10.2 / 12.0
+    (4096, 12288): (4, 512, 4, 1),          # Qwen3-8B down_proj (+ residual), EAGLE3 fc: 26.3 / 28.3
+    (6144, 8192): (16, 512, 4, 1),          # EAGLE3 qkv: 27.0 / 29.7
 }
 
 
