@@ -139,6 +139,14 @@ class GraphedEngine(Engine):
                 return graph(inputs)
         return self.engine.run(**inputs)
 
+    def replay_of(self, **inputs: torch.Tensor) -> Callable[[], None] | None:
+        """The bare replay of the graph serving ``inputs`` (recorded if need be, the inputs copied into its
+        static buffers once), as a step runs inside a recorded round; None when this engine runs eagerly."""
+        self.run(**inputs)
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+        graph = self.graphs.get(key) if self.fallback is None else None
+        return graph.replay if graph is not None else None
+
     def _capture(self, key: tuple, inputs: Outputs) -> _Graph | None:
         static = {name: t.clone() for name, t in inputs.items()}
         try:

@@ -85,6 +85,27 @@ def test_capture_once_per_shape_then_replay_into_the_same_buffers(tiny):
     assert not graphed.graphs
 
 
+def test_replay_of_gives_the_bare_replay_with_the_inputs_in_place(tiny):
+    """What xrun bench times as a graphed step: the replay alone, its inputs copied in once."""
+    capture = Emulated()
+    eager, graphed = tiny.target_engine(), GraphedEngine(tiny.target_engine(), {1}, capture)
+    eager.new_kv()
+    graphed.new_kv()
+    replay = graphed.replay_of(**block_inputs([5], 0))
+    assert (capture.captures, capture.replays) == (1, 1)
+    with torch.inference_mode():                                 # the emulated replay copies inference tensors
+        replay()
+        replay()
+    assert capture.replays == 3
+    out = graphed.graphs[next(iter(graphed.graphs))].outputs
+    assert torch.equal(out["logits"], eager.run(**block_inputs([5], 0))["logits"])   # the same step again
+    assert graphed.replay_of(**block_inputs([1, 2], 1)) is None                     # not recorded: eager
+    cpu = GraphedEngine(tiny.target_engine(), {1})                                  # no CUDA: no replay
+    cpu.new_kv()
+    with pytest.warns(UserWarning, match="running eagerly"):
+        assert cpu.replay_of(**block_inputs([5], 0)) is None
+
+
 def test_capture_failure_falls_back(tiny):
     def broken(step, device):
         raise RuntimeError("operation not permitted when stream is capturing")
