@@ -53,14 +53,22 @@ def main() -> None:
     ap.add_argument("--against", choices=("fast", "ort"), default="fast",
                     help="the backend compared with the torch reference (ort: ONNX Runtime's CUDA provider)")
     ap.add_argument("--device", default="cuda", help="cpu for a dry run of the flow (--against ort only)")
+    ap.add_argument("--max-gap", type=float, help="exit 1 unless every disagreement and divergence is at a near tie: "
+                    "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
     args = ap.parse_args()
     # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
     with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
             open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:
-        run(args, ref_es, fast_es)
+        gaps = run(args, ref_es, fast_es)
+    if args.max_gap is not None:
+        wide = [g for g in gaps if g > args.max_gap]
+        print(f"near ties (top-2 gap <= {args.max_gap}): {len(gaps) - len(wide)} of {len(gaps)} partings"
+              + (f"; wider gaps: {wide}" if wide else ""))
+        raise SystemExit(1 if wide else 0)
 
 
-def run(args, ref_es, fast_es) -> None:
+def run(args, ref_es, fast_es) -> list[float]:
+    """Prints both checks; returns the top-2 gap at every disagreement and first divergence."""
     ids = Text(Path(args.engine_dir)).encode(Path(args.prompts).read_text())
     n = args.prompt_len
     prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
@@ -111,6 +119,8 @@ def run(args, ref_es, fast_es) -> None:
         print(f"{name}: tau {taus['torch']:.2f} on the torch backend, {taus[other]:.2f} on the {other} backend; {other}: "
               f"{same}/{len(prompts)} outputs identical to plain greedy on the {other} path; first divergences "
               f"(token index, top-2 gap): {diverged}")
+        gaps += [g for _, g in diverged]
+    return gaps
 
 
 if __name__ == "__main__":

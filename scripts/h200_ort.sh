@@ -90,13 +90,14 @@ for drafter, gamma in (("none", None), ("eagle3", 4)):
     print(f"{drafter:>7} tokens equal across {list(runs)}: {same}")
 sys.exit(0 if ok else 1)
 EOF
-STATUS=$?; cat "$OUT/demo_tokens.log"; CHECK="demo tokens"; check test "$STATUS" = 0
+STATUS=$?; cat "$OUT/demo_tokens.log"; CHECK="demo tokens identical (strict)"; check test "$STATUS" = 0
 if [ "$DEVICE" = cuda ]; then
   # where the tokens part, is it a near tie? teacher-forced ORT vs torch argmax at every position, each
   # disagreement with the torch backend's top-2 logit gap (appended to demo_tokens.log: 8 files come back)
   step "demo: teacher-forced ORT-cuda vs torch argmax, 8 prompts (benchmarks/fast_agreement.py --against ort)"
-  python3 benchmarks/fast_agreement.py "$DEMO" --against ort --num-prompts 8 2>&1 | grep -vE "Warning|return func" \
-    | tee -a "$OUT/demo_tokens.log" | tee -a "$OUT/summary.log"
+  CHECK="ORT/torch partings all at near ties"
+  check bash -c "python3 benchmarks/fast_agreement.py '$DEMO' --against ort --num-prompts 8 --max-gap 0.0625 2>&1 \
+    | grep -vE 'Warning|return func' | tee -a '$OUT/demo_tokens.log' | tee -a '$OUT/summary.log'; exit \${PIPESTATUS[0]}"
 fi
 
 step "xcompile diff --backend ort --device $DEVICE on the demo"
