@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import torch
 # chosen before triton is first imported
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the fault tests send SIGINT to child commands, which inherit this process's disposition: a shell that
+# starts the suite as a background job (`.ci/run &`) leaves SIGINT ignored, and an ignored signal stays
+# ignored across exec, so the children would never see it. A handler installed here is reset to the
+# default at exec instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # tests import the checkpoint writers as ``fixtures`` whatever pytest's import mode
 sys.path.insert(0, str(Path(__file__).parent))
