@@ -89,10 +89,11 @@ def gemv_sweep(out: dict) -> None:
             L.GEMV_TILES[(n, k)] = saved
         results.sort()
         nbytes = n * k * 2
+        current = tuple((*saved, 1)[:4]) if saved is not None else None        # older tables: no split
         for t, tile in results[:6]:
             print(f"{name:<14}{n:>7}{k:>7}  {str(tile):<24}{t:>7.1f}{nbytes / t / 1e3:>7.0f}"
-                  + ("   <- current" if saved is not None and tuple((*saved, 1)[:4]) == tile else ""))
-        cur = next((t for t, tile in results if saved is not None and tuple((*saved, 1)[:4]) == tile), float("nan"))
+                  + ("   <- current" if tile == current else ""))
+        cur = next((t for t, tile in results if tile == current), float("nan"))
         print(f"{'':<28}current {cur:.1f} us, tile kernel {tile_us:.1f} us, cuBLAS (F.linear) {cublas_us:.1f} us")
         out["gemv"].append({"name": name, "n": n, "k": k, "sweep": [(t, list(tile)) for t, tile in results],
                             "tile_kernel_us": tile_us, "cublas_us": cublas_us})
