@@ -71,7 +71,7 @@ def gemv_sweep(out: dict) -> None:
         def call(w, r):
             return L.linear(x, w, norm=g, residual=r if residual else None, out=r)
 
-        saved = L.GEMV_TILES.get((n, k))
+        saved, current = L.GEMV_TILES.get((n, k)), L.gemv_tile(n, k)       # as linear() reads the table
         results = []
         for tile in [t for t in GEMV_SPLIT if k % (t[1] * t[3]) == 0]:
             L.GEMV_TILES[(n, k)] = tile
@@ -89,7 +89,6 @@ def gemv_sweep(out: dict) -> None:
             L.GEMV_TILES[(n, k)] = saved
         results.sort()
         nbytes = n * k * 2
-        current = tuple((*saved, 1)[:4]) if saved is not None else None        # older tables: no split
         for t, tile in results[:6]:
             print(f"{name:<14}{n:>7}{k:>7}  {str(tile):<24}{t:>7.1f}{nbytes / t / 1e3:>7.0f}"
                   + ("   <- current" if tile == current else ""))
