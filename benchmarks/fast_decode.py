@@ -1,6 +1,6 @@
 """One Qwen3-8B-shaped decode step on the fast backend vs the reference path, on a GPU, in one run.
 
-    python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--json FILE]
+    python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--tiles FILE] [--chunks 64,128] [--json FILE]
 
 Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
@@ -27,6 +27,7 @@ from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQ
 from xcompile.runtime.bench import matmul_rate, prefill_flops, timed
 from xcompile.runtime.drafters import causal, prompt_inputs
 from xcompile.runtime.graphs import CudaGraphCapture
+from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.kernels import linear as L
 
 DEV = torch.device("cuda")
@@ -61,14 +62,15 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,4096")
     ap.add_argument("--json")
     ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
+    ap.add_argument("--chunks", default="", help="attention chunks (keys per split) to time the step with too")
     args = ap.parse_args()
-    builtin_gemv = dict(L.GEMV_TILES)
+    builtin_gemv = dict(G.GEMV_TILES)
     if args.tiles:
         chosen = json.load(open(args.tiles))
-        for table, key in ((L.TILES, "tiles"), (L.GEMV_TILES, "gemv_tiles")):
+        for table, key in ((L.TILES, "tiles"), (G.GEMV_TILES, "gemv_tiles")):
             for shape, tile in chosen.get(key, {}).items():
                 table[tuple(map(int, shape.split(",")))] = tuple(tile)
-        print("tiles:", L.TILES, "\none-row gemv tiles:", L.GEMV_TILES)
+        print("tiles:", L.TILES, "\none-row gemv tiles:", G.GEMV_TILES)
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))
@@ -93,25 +95,34 @@ def main() -> None:
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             row = {"what": "target step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(ref.run, inputs)}
             row["fast_ms"] = graphed_ms(fast.run, inputs)
-            if tokens == 1 and L.GEMV_TILES:                   # the tile kernel for one row too
-                saved = dict(L.GEMV_TILES)
-                L.GEMV_TILES.clear()
+            if tokens == 1 and G.GEMV_TILES:                   # the tile kernel for one row too
+                saved = dict(G.GEMV_TILES)
+                G.GEMV_TILES.clear()
                 row["fast_tile_kernel_ms"] = graphed_ms(fast.run, inputs)
-                L.GEMV_TILES.update(saved)
+                G.GEMV_TILES.update(saved)
             kernels.PDL["enabled"] = False
             row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
             kernels.PDL["enabled"] = True
             if tokens == 1 and args.tiles:                     # the built-in one-row tiles, for comparison
-                chosen_gemv = dict(L.GEMV_TILES)
-                L.GEMV_TILES.clear()
-                L.GEMV_TILES.update(builtin_gemv)
+                chosen_gemv = dict(G.GEMV_TILES)
+                G.GEMV_TILES.clear()
+                G.GEMV_TILES.update(builtin_gemv)
                 row["fast_builtin_gemv_ms"] = graphed_ms(fast.run, inputs)
-                L.GEMV_TILES.clear()
-                L.GEMV_TILES.update(chosen_gemv)
+                G.GEMV_TILES.clear()
+                G.GEMV_TILES.update(chosen_gemv)
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
                   f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}"
                   + (f"{row.get('fast_builtin_gemv_ms', float('nan')):>24.3f}" if args.tiles else ""))
+        for chunk in [int(c) for c in args.chunks.split(",") if c]:
+            default, fast.chunk = fast.chunk, chunk
+            for tokens in (1, 32):
+                row = {"what": f"chunk {chunk}", "ctx": ctx, "tokens": tokens,
+                       "fast_ms": graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))}
+                out["rows"].append(row)
+                print(f"{row['what'] + ' (default ' + str(default) + ')':<22}{ctx:>6}{tokens:>7}{'':>9}"
+                      f"{row['fast_ms']:>9.3f}")
+            fast.chunk = default
         for tokens in (1, 10):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)

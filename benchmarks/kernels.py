@@ -1,7 +1,7 @@
 """Check and time the fused kernels (runtime/kernels/) at the Qwen3-8B / EAGLE3 / Qwen3-0.6B shapes on a GPU.
 
     python benchmarks/kernels.py [--sweep] [--json FILE]
-    python benchmarks/kernels.py --gemv [--json FILE]     # only the one-row GEMV's tiles, split K included
+    python benchmarks/kernels.py --gemv [--json FILE]     # the one-row GEMVs' tiles, then the verify tiles
 
 For every projection shape: error against the torch reference at 1, 7 and 33 rows, row invariance
 (row 0 of a 7-row call equals the 1-row call bit for bit), and the time of one launch inside a CUDA
@@ -9,9 +9,11 @@ graph of launches over rotating weight copies (so L2 never holds the weights), a
 bytes against the device's copy bandwidth; cuBLAS (F.linear) beside it. ``--sweep`` times every
 candidate tile per shape and prints the best, which is what ``kernels/linear.py``'s TILES table
 holds. Then attention at several live lengths and row counts, and rope_kv. ``--gemv`` times only the
-one-row GEMV's candidates (GEMV_SPLIT: split K included) at the shapes of GEMV_TILES, each called as the
-fast engines call it (qkv with its norm, o/down adding the residual in place), against the tile kernel
-and cuBLAS; its JSON's gemv_tiles (the fastest per shape) feed ``fast_decode.py --tiles``.
+one-row GEMVs' candidates (GEMV_SPLIT: split K included; GEMV_STREAM: the streaming kernel) at the
+decode shapes, each called as the fast engines call it (qkv and gate/up with their norm, o/down adding
+the residual in place), against the tile kernel and cuBLAS; before that, for the same shapes, the tile
+kernel's candidates (TILE_STREAM: the streaming kernel) at 1, 7 and 32 rows, chosen at 7 + 32 (verify).
+Its JSON's tiles and gemv_tiles feed ``fast_decode.py --tiles``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 import triton
 
 from xcompile.runtime.bench import copy_bandwidth
+from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.kernels import linear as L
 from xcompile.runtime.kernels.attention import attention, attention_reference, chunk_for
 from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference
@@ -50,54 +53,94 @@ GEMV = [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 
         (16, 512, 8), (16, 1024, 8), (32, 256, 8)]
 
 
-# --gemv: (BLOCK_N, BLOCK_K, warps, split of K)
-GEMV_SPLIT = [(bn, bk, 4, split) for bn, bk in ((4, 256), (4, 512), (8, 256), (8, 512), (16, 512))
-              for split in (1, 2, 4)] + [(2, 512, 4, 1), (4, 1024, 4, 1), (4, 1024, 4, 2)]
-# the GEMV shapes as the fast engines call them: (name, N, K, norm prologue, residual epilogue)
-GEMV_CALLS = [("8b qkv", 6144, 4096, True, False), ("8b o", 4096, 4096, False, True),
-              ("8b down", 4096, 12288, False, True), ("eagle3 qkv", 6144, 8192, False, False)]
+# --gemv: one-row candidates, _gemv_kernel's and the streaming kernel's (the fastest of the third
+# session's sweep, runs/2026-12-01-h200-s3-gemv-sweep.log, and of this session's first)
+GEMV_SPLIT = [G.Gemv(4, 256, 4), G.Gemv(4, 512, 4), G.Gemv(4, 1024, 4), G.Gemv(8, 512, 4), G.Gemv(16, 512, 4),
+              G.Gemv(4, 512, 4, 2)]
+GEMV_STREAM = [G.Gemv(4, 1024, 4, 1, 4, 2), G.Gemv(4, 1024, 4, 1, 8, 1), G.Gemv(4, 1024, 4, 1, 8, 2),
+               G.Gemv(4, 512, 4, 1, 8, 1), G.Gemv(4, 512, 4, 1, 4, 2), G.Gemv(8, 512, 4, 1, 8, 2)]
+# --gemv: the streaming tile kernel's candidates (BLOCK_N, BLOCK_K, warps, stages, split, per_sm)
+TILE_STREAM = [L.Tile(bn, bk, 4, st, 1, per_sm) for bn, bk, st in ((16, 256, 4), (32, 256, 3), (64, 128, 4),
+                                                                    (64, 256, 3)) for per_sm in (1, 2)]
+# the GEMV shapes as the fast engines call them: (name, N, K, norm prologue, residual epilogue, gated)
+GEMV_CALLS = [("8b qkv", 6144, 4096, True, False, False), ("8b o", 4096, 4096, False, True, False),
+              ("8b gate/up", 12288, 4096, True, False, True), ("8b down", 4096, 12288, False, True, False),
+              ("eagle3 qkv", 6144, 8192, False, False, False)]
 
 
 def gemv_sweep(out: dict) -> None:
-    print(f"\n{'one-row GEMV':<14}{'N':>7}{'K':>7}  {'(bn, bk, warps, split)':<24}{'us':>7}{'GB/s':>7}")
-    for name, n, k, norm, residual in GEMV_CALLS:
-        ws = weights(n, k)
+    """One-row candidates per shape, called as the engines call them; the fastest -> out["gemv_tiles"]
+    when it beats the tile kernel's tile."""
+    print(f"\n{'one-row GEMV':<14}{'N':>7}{'K':>7}  {'(bn, bk, warps, split, per_sm, ahead)':<38}{'us':>7}{'GB/s':>7}")
+    for name, n, k, norm, residual, gated in GEMV_CALLS:
+        ws = weights(2 * n if gated else n, k)
         x = torch.randn(1, k, device="cuda", dtype=DT)
         g = torch.rand(k, device="cuda", dtype=DT) + 0.5 if norm else None
-        rs = [torch.randn(1, n, device="cuda", dtype=DT) for _ in ws]     # the timed calls add into these
+        rs = [torch.randn(1, n, device="cuda", dtype=DT) for _ in ws]     # the timed calls add into / write these
         r_check = torch.randn(1, n, device="cuda", dtype=DT)
-        ref = L.linear_reference(x, ws[0], norm=g, residual=r_check if residual else None)
+        ref = L.linear_reference(x, ws[0], norm=g, gated=gated, residual=r_check if residual else None)
 
         def call(w, r):
-            return L.linear(x, w, norm=g, residual=r if residual else None, out=r)
+            return L.linear(x, w, norm=g, gated=gated, residual=r if residual else None, out=r)
 
-        saved, current = L.GEMV_TILES.get((n, k)), L.gemv_tile(n, k)       # as linear() reads the table
+        saved, current = G.GEMV_TILES.get((n, k)), G.gemv_tile(n, k)       # as linear() reads the table
         results = []
-        for tile in [t for t in GEMV_SPLIT if k % (t[1] * t[3]) == 0]:
-            L.GEMV_TILES[(n, k)] = tile
+        for tile in [t for t in GEMV_SPLIT + GEMV_STREAM if k % (t.block_k * t.split) == 0]:
+            G.GEMV_TILES[(n, k)] = tile
             try:
                 r0 = r_check.clone()
-                got = L.linear(x, ws[0], norm=g, residual=r0 if residual else None, out=r0)
+                got = L.linear(x, ws[0], norm=g, gated=gated, residual=r0 if residual else None, out=r0)
                 assert rel(got, ref) < 1e-2, rel(got, ref)
                 results.append((graph_time([lambda w=w, r=r: call(w, r) for w, r in zip(ws, rs)]), tile))
             except Exception as e:                           # noqa: BLE001 - out of registers etc.
-                print(f"  {tile}: {type(e).__name__} {e}")
-        L.GEMV_TILES.pop((n, k))
+                print(f"  {tuple(tile)}: {type(e).__name__} {e}")
+        G.GEMV_TILES.pop((n, k), None)
         tile_us = graph_time([lambda w=w, r=r: call(w, r) for w, r in zip(ws, rs)])
-        cublas_us = time_cublas(n, k, False)
+        cublas_us = time_cublas(n, k, gated)
         if saved is not None:
-            L.GEMV_TILES[(n, k)] = saved
+            G.GEMV_TILES[(n, k)] = saved
         results.sort()
-        nbytes = n * k * 2
+        nbytes = (2 if gated else 1) * n * k * 2
         for t, tile in results[:6]:
-            print(f"{name:<14}{n:>7}{k:>7}  {str(tile):<24}{t:>7.1f}{nbytes / t / 1e3:>7.0f}"
+            print(f"{name:<14}{n:>7}{k:>7}  {str(tuple(tile)):<38}{t:>7.1f}{nbytes / t / 1e3:>7.0f}"
                   + ("   <- current" if tile == current else ""))
         cur = next((t for t, tile in results if tile == current), float("nan"))
         print(f"{'':<28}current {cur:.1f} us, tile kernel {tile_us:.1f} us, cuBLAS (F.linear) {cublas_us:.1f} us")
         out["gemv"].append({"name": name, "n": n, "k": k, "sweep": [(t, list(tile)) for t, tile in results],
                             "tile_kernel_us": tile_us, "cublas_us": cublas_us})
-        if results:
+        if results and results[0][0] < tile_us:
             out["gemv_tiles"][f"{n},{k}"] = list(results[0][1])
+
+
+def verify_sweep(out: dict, rows=(1, 7, 32)) -> None:
+    """Tile-kernel candidates (streaming ones included) of the decode shapes, timed at 1, 7 and 32 rows;
+    the tile serves every row count but one row (a GEMV when one beats it, gemv_sweep after this), so
+    the lowest time at 7 + 32 rows (chain and tree verify) -> out["tiles"] and L.TILES."""
+    print(f"\n{'tile kernel':<14}{'N':>7}{'K':>7}  {'(bn, bk, w, s, split, per_sm)':<30}"
+          + "".join(f"{f'm={m} us':>10}" for m in rows))
+    for name, n, k, _, _, gated in GEMV_CALLS:
+        current = tuple(L.tile_for(n, k))
+        gemv = G.GEMV_TILES.pop((n, k), None)                # one row on the tile kernel here
+        results = []
+        for tile in candidates(name, n, k, gated) + [t for t in TILE_STREAM if k % t.block_k == 0]:
+            try:
+                results.append(([time_linear(n, k, gated, tile, m) for m in rows], tuple(L.Tile(*tile))))
+            except Exception as e:                           # noqa: BLE001 - out of shared memory etc.
+                print(f"  {tuple(tile)}: {type(e).__name__} {str(e)[:80]}")
+        results.sort(key=lambda r: sum(r[0][1:]))
+        for ts, tile in results[:5]:
+            print(f"{name:<14}{n:>7}{k:>7}  {str(tile):<30}" + "".join(f"{t:>10.1f}" for t in ts)
+                  + ("   <- current" if tile == current else ""))
+        cur = next((ts for ts, tile in results if tile == current), None)
+        if cur is not None and results[0][1] != current:
+            print(f"{'':<28}current {current}: " + " / ".join(f"{t:.1f}" for t in cur) + " us")
+        out.setdefault("verify", []).append({"name": name, "n": n, "k": k, "rows": list(rows),
+                                             "sweep": [(ts, list(tile)) for ts, tile in results]})
+        if results:
+            out.setdefault("tiles", {})[f"{n},{k}"] = list(results[0][1])
+            L.TILES[(n, k)] = L.Tile(*results[0][1])         # what gemv_sweep compares the GEMVs against
+        if gemv is not None:
+            G.GEMV_TILES[(n, k)] = gemv
 
 
 def candidates(name: str, n: int, k: int, gated: bool) -> list[tuple]:
@@ -166,7 +209,7 @@ def check_linear(name, n, k, gated, report):
 
 
 def time_linear(n, k, gated, tile, m=1, table=None) -> float:
-    """µs of one launch with ``tile`` in ``table`` (L.TILES, or L.GEMV_TILES for the one-row kernel)."""
+    """µs of one launch with ``tile`` in ``table`` (L.TILES, or G.GEMV_TILES for the one-row kernel)."""
     table = L.TILES if table is None else table
     ws = weights(2 * n if gated else n, k)
     x = torch.randn(m, k, device="cuda", dtype=DT)
@@ -202,6 +245,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}")
     if args.gemv:
         out = {"copy_bandwidth": bw, "gemv": [], "gemv_tiles": {}}
+        verify_sweep(out)
         gemv_sweep(out)
         if args.json:
             with open(args.json, "w") as f:
@@ -232,14 +276,14 @@ def main() -> None:
             g_results = []
             for gt in GEMV:
                 try:
-                    g_results.append((time_linear(n, k, gated, gt, table=L.GEMV_TILES), gt))
+                    g_results.append((time_linear(n, k, gated, gt, table=G.GEMV_TILES), gt))
                 except Exception as e:                       # noqa: BLE001 - out of registers etc.
                     rep.setdefault("failed", []).append(f"gemv {gt}: {type(e).__name__}")
             rep["gemv_sweep"] = [(tg, list(gt)) for tg, gt in g_results]
             if g_results and min(g_results)[0] < t:
                 rep["gemv"] = list(min(g_results)[1])
                 rep["gemv_us"] = min(g_results)[0]
-                L.GEMV_TILES[(n, k)] = tuple(rep["gemv"])
+                G.GEMV_TILES[(n, k)] = tuple(rep["gemv"])
         check_linear(name, n, k, gated, rep)
         tc = time_cublas(n, k, gated)
         t7, t32 = time_linear(n, k, gated, tile, 7), time_linear(n, k, gated, tile, 32)
@@ -290,7 +334,7 @@ def main() -> None:
         print(f"{'rope_kv':<12}{'':>6}{m:>6}{t:>8.1f}{rel(a.cpu(), b):>10.1e}")
     print(f"(attention chunk {chunk_for(smax)} keys per split)")
     out["tiles"] = {f"{n},{k}": list(L.tile_for(n, k)) for _, n, k, _ in SHAPES}
-    out["gemv_tiles"] = {f"{n},{k}": list(t) for (n, k), t in L.GEMV_TILES.items()}
+    out["gemv_tiles"] = {f"{n},{k}": list(t) for (n, k), t in G.GEMV_TILES.items()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The fast-backend H200 calls of a session, in two parts of under ten minutes each (logs in $OUT):
+# The fast-backend H200 calls of a session, in parts of under ten minutes each (logs in $OUT):
+#   PART=0  tuning: benchmarks/kernels.py --gemv (one-row GEMV tiles, streaming included; then the tile
+#           kernel's tiles at the verify row counts) -> $OUT/gemv.json, then benchmarks/fast_decode.py with
+#           those tiles against the built-in ones and with attention chunks CHUNKS (64,128,256)
 #   PART=1  the gpu-marked tests (kernels, fast engines, round graphs,
 #           sampling), then benchmarks/fast_decode.py at contexts 128 and 4096 (4352-slot cache): decode
 #           and verify steps, also without PDL and without the one-row GEMV (tile kernel), in the same run,
@@ -31,6 +34,19 @@ bench_8b() {
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -hE "^ +128 +yes|^target|^eagle3|^sampl|floor" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
 }
+
+if [ "$PART" = 0 ]; then
+  step "benchmarks/kernels.py --gemv (one-row GEMV and verify tiles)"
+  timeout 330 python3 benchmarks/kernels.py --gemv --json "$OUT/gemv.json" > "$OUT/gemv_sweep.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  cat "$OUT/gemv_sweep.log"
+  TILES=(); [ -f "$OUT/gemv.json" ] && TILES=(--tiles "$OUT/gemv.json")
+  step "benchmarks/fast_decode.py --contexts 128,4096 --tiles gemv.json --chunks ${CHUNKS:-64,128,256}"
+  timeout 240 python3 benchmarks/fast_decode.py --contexts 128,4096 "${TILES[@]}" \
+    --chunks "${CHUNKS:-64,128,256}" --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -24
+fi
 
 if [ "$PART" = 1 ]; then
   step "gpu tests"

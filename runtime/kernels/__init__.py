@@ -2,7 +2,8 @@
 
 One module per fused step, each with the plain-torch reference it is tested against:
 
-    linear.py     RMSNorm prologue + GEMV/skinny GEMM + residual or SiLU*mul epilogue (every projection)
+    linear.py     RMSNorm prologue + skinny GEMM + residual or SiLU*mul epilogue (every projection)
+    gemv.py       the same for one row on the CUDA cores (decode, single draft steps)
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
 
@@ -10,7 +11,7 @@ The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, d
 passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does
 not depend on how many rows the call carries (fixed tiles of 16 rows, tiles chosen by the weight
 shape only, attention chunks at absolute key positions). One-row calls of the shapes in
-``linear.GEMV_TILES`` take a faster CUDA-core GEMV instead, whose order differs: a token decoded alone
+``gemv.GEMV_TILES`` take a faster CUDA-core GEMV instead, whose order differs: a token decoded alone
 and the same token verified in a block then round differently, and in bf16 speculative and plain
 greedy decoding may part at a near tie (benchmarks/fast_agreement.py counts them).
 

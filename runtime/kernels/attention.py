@@ -10,8 +10,8 @@ lives on the device, so the same launch serves every context length inside one C
 
 Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split,
 tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g,
-head r%g), so each KV tile is read once per head group. Splits past the live length write an empty
-partial. The reduction combines the splits in a fixed order. Chunks at absolute positions and fixed
+head r%g), so each KV tile is read once per head group. Splits past the live length return at once;
+the reduction combines the live ones in a fixed order. Chunks at absolute positions and fixed
 row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
 """
 
@@ -26,15 +26,44 @@ import triton.language as tl
 from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
 
 BLOCK_S = 64        # keys per inner step
-MIN_SPLITS = 16     # splits per KV head at full length: with 8 KV heads, 128 programs for 132 SMs
+CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
+                    # on the H200 (benchmarks/fast_decode.py --chunks 64,128,256, 2026-12-01), ms at 1 / 32
+                    # tokens: context 128 4.521 / 6.619, 4.565 / 6.269, 4.632 / 6.217; context 4096 4.885 /
+                    # 9.260, 4.798 / 8.198, 4.874 / 7.770
+MAX_SPLITS = 128    # longer caches get longer chunks: the reduction holds every split's partial at once
+
+
+@triton.jit
+def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i, l_i, acc,
+                  IEEE: tl.constexpr):
+    """Online-softmax update of one query tile's state (m_i, l_i, acc) with the keys ``keys``."""
+    inside = keys < end
+    if IEEE:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = scores * sm_scale
+    col = keys - (wi + M - W)                                               # >= 0: a column of the mask
+    in_mask = (col >= 0) & inside
+    seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
+    visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # rows with nothing visible yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -42,50 +71,49 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
     head = kvh * G + rows % G
     live = tok < M
     d = tl.arange(0, D)
-    q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    # write_index and the cached keys below it are older than this launch's predecessor (rope_kv, which
+    # writes only keys write_index..write_index+M-1 and lets this launch start once its own wait is over):
+    # splits past the live length return at once, and the first block's cached keys and values are in
+    # flight before the wait (programmatic dependent launch).
     wi = tl.load(WI)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, wi + M)
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
-    base = kvh * stride_ch
-    for s0 in range(start, end, BLOCK_S):
-        keys = s0 + tl.arange(0, BLOCK_S)
-        inside = keys < end
-        k = tl.load(KC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * sm_scale
-        col = keys - (wi + M - W)                                           # >= 0: a column of the mask
-        in_mask = (col >= 0) & inside
-        seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
-        visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # rows with nothing visible yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + base + keys[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    # partials [splits, M, HQ, (D | m, l)]
-    slot = (split * M + tok) * HQ + head
-    tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
-    tl.store(MLP + slot * 2, m_i, mask=live)
-    tl.store(MLP + slot * 2 + 1, l_i, mask=live)
+    if start < end:
+        base = kvh * stride_ch
+        keys = start + tl.arange(0, BLOCK_S)
+        cached = keys < tl.minimum(end, wi)
+        offs = base + keys[:, None] * D + d[None, :]
+        k = tl.load(KC + offs, mask=cached[:, None], other=0.0)
+        v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
+        k = tl.where(new[:, None], tl.load(KC + offs, mask=new[:, None], other=0.0), k)
+        v = tl.where(new[:, None], tl.load(VC + offs, mask=new[:, None], other=0.0), v)
+        q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+        m_i, l_i, acc = _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i, l_i,
+                                      acc, IEEE)
+        for s0 in range(start + BLOCK_S, end, BLOCK_S):
+            ks = s0 + tl.arange(0, BLOCK_S)
+            kv_offs = base + ks[:, None] * D + d[None, :]
+            k = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0.0)
+            v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
+                                          l_i, acc, IEEE)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # partials [splits, M, HQ, (D | m, l)]; the combine reads the live splits only
+        slot = (split * M + tok) * HQ + head
+        tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
+        tl.store(MLP + slot * 2, m_i, mask=live)
+        tl.store(MLP + slot * 2 + 1, l_i, mask=live)
 
 
 @triton.jit
-def _combine_kernel(OP, MLP, OUT, M, stride_o, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
+def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, HQ: tl.constexpr, D: tl.constexpr,
                     SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -93,7 +121,7 @@ def _combine_kernel(OP, MLP, OUT, M, stride_o, SPLITS, HQ: tl.constexpr, D: tl.c
     tok = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
-    ok = s < SPLITS
+    ok = s < tl.cdiv(tl.load(WI) + M, CHUNK)                                # the splits that hold live keys
     slot = (s * M + tok) * HQ + head
     m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
     l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
@@ -106,8 +134,9 @@ def _combine_kernel(OP, MLP, OUT, M, stride_o, SPLITS, HQ: tl.constexpr, D: tl.c
 
 
 def chunk_for(max_seq_len: int) -> int:
-    """Keys per split: MIN_SPLITS splits over the whole cache, in whole BLOCK_S steps."""
-    return BLOCK_S * max(1, math.ceil(max_seq_len / (MIN_SPLITS * BLOCK_S)))
+    """Keys per split for a cache of ``max_seq_len`` slots: CHUNK, or whole BLOCK_S steps such that at
+    most MAX_SPLITS splits cover the cache."""
+    return max(CHUNK, BLOCK_S * math.ceil(max_seq_len / (MAX_SPLITS * BLOCK_S)))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
@@ -130,8 +159,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         IEEE=ieee_dot(q.dtype), PDL=pdl(), num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(m, heads)](partial, stats, out, m, out.stride(0), splits, HQ=heads, D=d,
-                                SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl(), num_warps=1, **launch())
+    p2 = triton.next_power_of_2(splits)
+    _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, HQ=heads, D=d,
+                                SPLITS_P2=p2, PDL=pdl(), num_warps=min(8, max(1, p2 // 16)), **launch())
     return out
 
 

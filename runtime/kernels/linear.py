@@ -10,9 +10,12 @@ Memory-bound at these M: every weight byte is read once, by the program that own
 columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
 of them. Rounding follows the reference modules (each matmul output rounded to the model dtype
 before the next elementwise op), so the reference below is what the kernel is tested against.
+One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,31 +23,8 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
-
-
-@triton.jit
-def _load_x(X, stride_xm, rows, M, ks, K, rstd, G, NORM: tl.constexpr, EVEN_K: tl.constexpr):
-    """A [ROWS, BLOCK_K] tile of x, RMS-normalised when NORM (rstd [ROWS], weight G [K])."""
-    if EVEN_K:
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=rows[:, None] < M, other=0.0)
-    else:
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0)
-    if NORM:
-        g = tl.load(G + ks, mask=ks < K, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * rstd[:, None] * g[None, :]).to(X.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _rstd(X, stride_xm, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
-    return tl.rsqrt(ss / K + eps)
+from xcompile.runtime.kernels.common import _counters, _epilogue, _load_w, _load_x, _rstd
+from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
 
 
 @triton.jit
@@ -54,40 +34,6 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w), acc)
-
-
-@triton.jit
-def _epilogue(acc, accu, Y, stride_ym, Y2, stride_y2m, R, stride_rm, rows, cols, M, N_OUT,
-              GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
-    dt = Y.dtype.element_ty
-    y = acc.to(dt)
-    if GATED:
-        g = y.to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(dt)                                  # F.silu, rounded
-        y = (s.to(tl.float32) * accu.to(dt).to(tl.float32)).to(dt)      # * up, rounded
-    mask = (rows[:, None] < M) & (cols[None, :] < N_OUT)
-    if RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
-    if EXTRA:
-        tl.store(Y2 + rows[:, None] * stride_y2m + cols[None, :], y, mask=mask)
-
-
-@triton.jit
-def _load_w(w_ptr, u_ptr, ks, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at columns ks (and its up tile when gated)."""
-    if EVEN_K:
-        w = tl.load(w_ptr + ks[None, :])
-    else:
-        w = tl.load(w_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
-    wu = w
-    if GATED:
-        if EVEN_K:
-            wu = tl.load(u_ptr + ks[None, :])
-        else:
-            wu = tl.load(u_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
-    return w, wu
 
 
 @triton.jit
@@ -178,19 +124,77 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
         # order, so the result does not depend on which program finished last, and runs the epilogue.
         rows_pad = TILES * BLOCK_M
         part = WS + (tl.program_id(1) * 2 * rows_pad) * N_OUT
-        _store_partials(part, a0, a1, a2, a3, r0, cols, N_OUT, BLOCK_M, TILES)
+        _store_partials(part, a0, a1, a2, a3, r0, cols, M, N_OUT, BLOCK_M, TILES)
         if GATED:
-            _store_partials(part + rows_pad * N_OUT, u0, u1, u2, u3, r0, cols, N_OUT, BLOCK_M, TILES)
+            _store_partials(part + rows_pad * N_OUT, u0, u1, u2, u3, r0, cols, M, N_OUT, BLOCK_M, TILES)
         tl.debug_barrier()                                  # every thread's partials before the release
         arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
             tl.debug_barrier()
-            a0, a1, a2, a3 = _sum_partials(WS, 0, SPLIT, r0, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+            a0, a1, a2, a3 = _sum_partials(WS, 0, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
             if GATED:
-                u0, u1, u2, u3 = _sum_partials(WS, rows_pad, SPLIT, r0, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+                u0, u1, u2, u3 = _sum_partials(WS, rows_pad, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
             _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
                        N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
             tl.store(CNT + pid_n, 0)                        # ready for the next launch
+
+
+@triton.jit
+def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
+                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                          IEEE: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # a fixed number of programs (a few per SM), each over the column blocks pid, pid + P, ... in one
+    # loop of (column block, K block) steps, so the software pipeline streams weight tiles across column
+    # blocks and a program's fixed costs (the RMSNorm pass, the pipeline's fill) are paid once; each
+    # column block is reduced as _linear_kernel reduces it with the same tile (same bits). K % BLOCK_K == 0.
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    KT = K // BLOCK_K
+    n_it = tl.cdiv(tl.cdiv(N_OUT, BLOCK_N) - pid, P) * KT
+    if PDL:
+        tl.extra.cuda.gdc_wait()                            # x is loaded inside the pipelined loop
+    r0 = tl.arange(0, BLOCK_M)
+    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s3 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 1:
+            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 2:
+            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 3:
+            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+    a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(0, n_it):
+        cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
+        wrows = tl.where(cols < N_OUT, cols, 0)
+        ks = (it % KT) * BLOCK_K + tl.arange(0, BLOCK_K)
+        w, wu = _load_w(W + wrows[:, None] * K, W + (wrows[:, None] + N_OUT) * K, ks, K, GATED, True)
+        a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
+                                              u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, True, TILES)
+        if it % KT == KT - 1:                               # the column block is done
+            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
+                       N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
+            a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -210,173 +214,92 @@ def _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, 
 
 
 @triton.jit
-def _store_partials(P, a0, a1, a2, a3, r0, cols, N_OUT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
-    """Row tiles of one program's partial sums into P [TILES*BLOCK_M, N_OUT] (fp32)."""
+def _store_partials(P, a0, a1, a2, a3, r0, cols, M, N_OUT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """Row tiles of one program's partial sums into P [TILES*BLOCK_M, N_OUT] (fp32), the live rows only."""
     ok = cols[None, :] < N_OUT
-    tl.store(P + r0[:, None] * N_OUT + cols[None, :], a0, mask=ok)
+    tl.store(P + r0[:, None] * N_OUT + cols[None, :], a0, mask=ok & (r0[:, None] < M))
     if TILES > 1:
-        tl.store(P + (r0 + BLOCK_M)[:, None] * N_OUT + cols[None, :], a1, mask=ok)
+        r1 = r0 + BLOCK_M
+        tl.store(P + r1[:, None] * N_OUT + cols[None, :], a1, mask=ok & (r1[:, None] < M))
     if TILES > 2:
-        tl.store(P + (r0 + 2 * BLOCK_M)[:, None] * N_OUT + cols[None, :], a2, mask=ok)
+        r2 = r0 + 2 * BLOCK_M
+        tl.store(P + r2[:, None] * N_OUT + cols[None, :], a2, mask=ok & (r2[:, None] < M))
     if TILES > 3:
-        tl.store(P + (r0 + 3 * BLOCK_M)[:, None] * N_OUT + cols[None, :], a3, mask=ok)
+        r3 = r0 + 3 * BLOCK_M
+        tl.store(P + r3[:, None] * N_OUT + cols[None, :], a3, mask=ok & (r3[:, None] < M))
 
 
 @triton.jit
-def _sum_tile(WS, offset, SPLIT: tl.constexpr, rows, cols, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _sum_tile(WS, offset, SPLIT: tl.constexpr, rows, cols, M, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               TILES: tl.constexpr):
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     stride = 2 * TILES * BLOCK_M * N_OUT                    # one split's partials (gate and up halves)
     for s in tl.static_range(SPLIT):                        # split order: deterministic
         # .cg: read through to L2, where the other programs' partials are (this SM's L1 may hold stale lines)
         acc += tl.load(WS + s * stride + (offset + rows)[:, None] * N_OUT + cols[None, :],
-                       mask=cols[None, :] < N_OUT, other=0.0, cache_modifier=".cg")
+                       mask=(cols[None, :] < N_OUT) & (rows[:, None] < M), other=0.0, cache_modifier=".cg")
     return acc
 
 
 @triton.jit
-def _sum_partials(WS, offset, SPLIT: tl.constexpr, r0, cols, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _sum_partials(WS, offset, SPLIT: tl.constexpr, r0, cols, M, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   TILES: tl.constexpr):
-    a0 = _sum_tile(WS, offset, SPLIT, r0, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+    a0 = _sum_tile(WS, offset, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
     a1 = a0
     a2 = a0
     a3 = a0
     if TILES > 1:
-        a1 = _sum_tile(WS, offset, SPLIT, r0 + BLOCK_M, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+        a1 = _sum_tile(WS, offset, SPLIT, r0 + BLOCK_M, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
     if TILES > 2:
-        a2 = _sum_tile(WS, offset, SPLIT, r0 + 2 * BLOCK_M, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+        a2 = _sum_tile(WS, offset, SPLIT, r0 + 2 * BLOCK_M, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
     if TILES > 3:
-        a3 = _sum_tile(WS, offset, SPLIT, r0 + 3 * BLOCK_M, cols, N_OUT, BLOCK_M, BLOCK_N, TILES)
+        a3 = _sum_tile(WS, offset, SPLIT, r0 + 3 * BLOCK_M, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
     return a0, a1, a2, a3
 
 
-@triton.jit
-def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
-                 RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
-    # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
-    # the next weight tile is requested before the current one is used (software double buffering),
-    # and the first before waiting for the previous kernel (PDL). K_SPLIT is a multiple of BLOCK_K.
-    pid_n = tl.program_id(0)
-    k_begin = tl.program_id(1) * K_SPLIT
-    k_end = k_begin + K_SPLIT
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrows = tl.where(cols < N_OUT, cols, 0)
-    w_ptr = W + wrows[:, None] * K
-    u_ptr = W + (wrows[:, None] + N_OUT) * K
-    ks = tl.arange(0, BLOCK_K)
-    w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    rstd = tl.zeros([1], dtype=tl.float32) + 1.0
-    if NORM:
-        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        w, wu = w_next, wu_next
-        nk = k0 + BLOCK_K + ks
-        w_next = tl.load(w_ptr + nk[None, :], mask=nk[None, :] < k_end, other=0.0)
-        if GATED:
-            wu_next = tl.load(u_ptr + nk[None, :], mask=nk[None, :] < k_end, other=0.0)
-        x = _load_x(X, 0, tl.arange(0, 1), 1, k0 + ks, K, rstd, G, NORM, True).to(tl.float32)   # [1, BLOCK_K]
-        acc += w.to(tl.float32) * x
-        if GATED:
-            accu += wu.to(tl.float32) * x
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    y = tl.sum(acc, axis=1)
-    yu = tl.sum(accu, axis=1)
-    if SPLIT > 1:
-        # as the tile kernel's split K: partial sums [SPLIT, 2, N_OUT] in WS, the column block's last
-        # program (counter CNT[pid_n]) adds them in split order and runs the epilogue
-        ok = cols < N_OUT
-        part = WS + tl.program_id(1) * 2 * N_OUT
-        tl.store(part + cols, y, mask=ok)
-        if GATED:
-            tl.store(part + N_OUT + cols, yu, mask=ok)
-        tl.debug_barrier()
-        if tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-            tl.debug_barrier()
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            yu = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                y += tl.load(WS + s * 2 * N_OUT + cols, mask=ok, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    yu += tl.load(WS + s * 2 * N_OUT + N_OUT + cols, mask=ok, other=0.0, cache_modifier=".cg")
-            _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
-                      EXTRA)
-            tl.store(CNT + pid_n, 0)
-    else:
-        _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
-                  EXTRA)
+class Tile(NamedTuple):
+    """A tile-kernel tile: BLOCK_N output columns x BLOCK_K of K per step, num_warps, num_stages, the
+    split of K (_linear_kernel), or per_sm > 0: _linear_stream_kernel with per_sm programs per SM."""
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    split: int = 1
+    per_sm: int = 0
 
 
-# Tiles per weight shape (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split of K); never per row
-# count, so a row's reduction order is the same at every row count the tile kernel serves. The fastest
-# of benchmarks/kernels.py's candidates at one row on the H200 (2026-12-01, `python benchmarks/kernels.py
-# --sweep`, docs/BENCHMARKS.md); DEFAULT_TILE for other shapes.
-DEFAULT_TILE = (32, 512, 4, 3, 1)
-TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (6144, 4096): (32, 256, 4, 3, 2),       # Qwen3-8B qkv
-    (4096, 4096): (64, 256, 4, 3, 4),       # Qwen3-8B o_proj
-    (12288, 4096): (128, 128, 8, 3, 1),     # Qwen3-8B gate/up (gated: 2 x 12288 rows)
-    (4096, 12288): (32, 512, 4, 3, 1),      # Qwen3-8B down_proj, EAGLE3 fc
-    (151936, 4096): (128, 128, 8, 3, 1),    # Qwen3-8B lm_head
-    (6144, 8192): (32, 256, 4, 3, 2),       # EAGLE3 qkv (over [embedding, hidden])
-    (32000, 4096): (128, 128, 8, 3, 1),     # EAGLE3 lm_head (draft vocabulary)
-    (4096, 1024): (32, 256, 4, 3, 1),       # Qwen3-0.6B qkv
-    (1024, 2048): (32, 256, 4, 3, 2),       # Qwen3-0.6B o_proj
-    (3072, 1024): (64, 256, 4, 3, 2),       # Qwen3-0.6B gate/up
-    (1024, 3072): (32, 256, 4, 3, 2),       # Qwen3-0.6B down_proj
-    (151936, 1024): (128, 128, 8, 3, 1),    # Qwen3-0.6B lm_head
+# Tiles per weight shape (N_OUT, K); never per row count, so a row's reduction order is the same at every
+# row count the tile kernel serves. For shapes whose one row runs on a GEMV (gemv.GEMV_TILES), the fastest
+# at 7 + 32 rows (chain and tree verify) of `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01,
+# fourth session; us at 7 / 32 rows against the previous tile in the same run); for the others the fastest
+# at one row of `--sweep` (first session, docs/BENCHMARKS.md); DEFAULT_TILE elsewhere.
+DEFAULT_TILE = Tile(32, 512, 4, 3)
+TILES: dict[tuple[int, int], Tile] = {
+    (6144, 4096): Tile(64, 256, 4, 3, per_sm=1),    # Qwen3-8B qkv: 23.4 / 34.6 (32/256 split 2: 24.0 / 37.6)
+    (4096, 4096): Tile(64, 256, 4, 3, 4),           # Qwen3-8B o_proj: 18.2 / 28.0
+    (12288, 4096): Tile(128, 128, 8, 3),            # Qwen3-8B gate/up (gated: 2 x 12288 rows): 57.6 / 65.2
+    (4096, 12288): Tile(64, 256, 4, 3, 4),          # Qwen3-8B down_proj, EAGLE3 fc: 51.7 / 82.7 (32/512: 52.9 / 86.6)
+    (151936, 4096): Tile(128, 128, 8, 3),           # Qwen3-8B lm_head
+    (6144, 8192): Tile(64, 256, 4, 3, 2),           # EAGLE3 qkv ([embedding, hidden]): 43.9 / 68.8 (32/256: 72.9)
+    (32000, 4096): Tile(128, 128, 8, 3),            # EAGLE3 lm_head (draft vocabulary)
+    (4096, 1024): Tile(32, 256, 4, 3),              # Qwen3-0.6B qkv
+    (1024, 2048): Tile(32, 256, 4, 3, 2),           # Qwen3-0.6B o_proj
+    (3072, 1024): Tile(64, 256, 4, 3, 2),           # Qwen3-0.6B gate/up
+    (1024, 3072): Tile(32, 256, 4, 3, 2),           # Qwen3-0.6B down_proj
+    (151936, 1024): Tile(128, 128, 8, 3),           # Qwen3-0.6B lm_head
 }
 
 
-def tile_for(n_out: int, k: int) -> tuple[int, int, int, int, int]:
-    block_n, block_k, warps, stages, split = TILES.get((n_out, k), DEFAULT_TILE)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    if k % (split * block_k):                   # a split covers whole K blocks
-        split = 1
-    return block_n, block_k, warps, stages, split
-
-
-# One-row (decode) tiles on the CUDA-core GEMV (N_OUT, K) -> (BLOCK_N, BLOCK_K, num_warps, split of K);
-# shapes not listed run one-row calls on the tile kernel above. A row decoded alone then rounds
-# differently from the same row inside a verify block (another reduction order), so speculative and
-# plain greedy may part at near-ties; benchmarks/kernels.py measures both (--gemv: only these).
-# Chosen by `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01, third session: each shape called
-# as the engines call it; split K never won at these shapes), us against the tile kernel in the same run:
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (6144, 4096): (4, 1024, 4, 1),          # Qwen3-8B qkv (+ RMSNorm): 20.3 against 22.0 (16/512: 27.1)
-    (4096, 4096): (4, 512, 4, 1),           # Qwen3-8B o_proj (+ residual): 10.2 / 12.0
-    (4096, 12288): (4, 512, 4, 1),          # Qwen3-8B down_proj (+ residual), EAGLE3 fc: 26.3 / 28.3
-    (6144, 8192): (16, 512, 4, 1),          # EAGLE3 qkv: 27.0 / 29.7
-}
-
-
-def gemv_tile(n_out: int, k: int) -> tuple[int, int, int, int] | None:
-    """The one-row GEMV's tile for this shape, or None (the tile kernel): a split covers whole K blocks."""
-    tile = GEMV_TILES.get((n_out, k))
-    if tile is None:
-        return None
-    block_n, block_k, warps, split = (*tile, 1)[:4]
-    if k % (split * block_k):
-        return None if k % block_k else (block_n, block_k, warps, 1)
-    return block_n, block_k, warps, split
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters of the split-K column blocks, zero between launches (each launch resets those it
-    used); one buffer per device, allocated on first use (before any graph capture records it)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+def tile_for(n_out: int, k: int) -> Tile:
+    """The tile kernel's tile for this shape (any sequence of Tile's fields, as a JSON table holds them):
+    BLOCK_K at most K's power of two; a split covers whole K blocks; streaming needs K % BLOCK_K == 0."""
+    tile = Tile(*TILES.get((n_out, k), DEFAULT_TILE))
+    tile = tile._replace(block_k=min(tile.block_k, max(16, triton.next_power_of_2(k))))
+    if tile.per_sm > 0:
+        tile = tile._replace(split=1, per_sm=tile.per_sm if k % tile.block_k == 0 else 0)
+    if k % (tile.split * tile.block_k):
+        tile = tile._replace(split=1)
+    return tile
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -391,29 +314,27 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
-    gemv = gemv_tile(n_out, k) if m == 1 else None
-    if gemv is not None:
-        block_n, block_k, warps, split = gemv
-        blocks = triton.cdiv(n_out, block_n)
-        ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
-        _gemv_kernel[(blocks, split)](
-            x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
-            extra_out if extra_out is not None else dummy, ws, _counters(x.device, blocks) if split > 1 else dummy,
-            n_out, k, k // split, eps, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
-            EXTRA=extra_out is not None, PDL=pdl(), SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-            num_stages=1, **launch())
+    tile = gemv_tile(n_out, k) if m == 1 else None
+    if tile is not None:
+        return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
+    t = tile_for(n_out, k)
+    blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
+    ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
+            extra_out if extra_out is not None else dummy)
+    strides = (x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+               extra_out.stride(0) if extra_out is not None else 0)
+    flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
+                 IEEE=ieee_dot(x.dtype), TILES=tiles, PDL=pdl(), BLOCK_M=ROW_TILE, BLOCK_N=t.block_n,
+                 BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **launch())
+    if t.per_sm > 0:
+        programs = min(blocks, t.per_sm * sms(x.device))
+        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, **flags)
         return out
-    block_n, block_k, warps, stages, split = tile_for(n_out, k)
-    blocks, tiles = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
-    ws = torch.empty(split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
-    cnt = _counters(x.device, blocks) if split > 1 else dummy
-    _linear_kernel[(blocks, split)](
-        x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
-        extra_out if extra_out is not None else dummy, ws, cnt, m, n_out, k, k // split, x.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
-        NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-        IEEE=ieee_dot(x.dtype), EVEN_K=k % block_k == 0, TILES=tiles, PDL=pdl(), SPLIT=split,
-        BLOCK_M=ROW_TILE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch())
+    ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
+        else dummy
+    cnt = _counters(x.device, blocks) if t.split > 1 else dummy
+    _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, m, n_out, k, k // t.split, *strides, eps,
+                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, **flags)
     return out
 
 

@@ -16,6 +16,8 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
 from xcompile.runtime.kernels.attention import attention, attention_reference  # noqa: E402
+from xcompile.runtime.kernels import common as C  # noqa: E402
+from xcompile.runtime.kernels import gemv as G  # noqa: E402
 from xcompile.runtime.kernels import linear as L  # noqa: E402
 from xcompile.runtime.kernels.linear import linear, linear_reference  # noqa: E402
 from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference  # noqa: E402
@@ -76,17 +78,56 @@ def test_linear_split_k_matches_reference(split, gated, monkeypatch):
         want = linear_reference(x, w, norm=g, gated=gated, residual=None if gated else r)
         assert rel(got, want) < 1e-5
     assert torch.equal(linear(x[:1], w, norm=g, gated=gated, residual=None if gated else r[:1])[0], got[0])
-    assert not L._counters(x.device, 1).any()
+    assert not C._counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("rows", [1, 21, 64])
+@pytest.mark.parametrize("gated", [False, True])
+def test_streaming_tile_kernel_matches_reference_and_its_tile(rows, gated, monkeypatch):
+    """The streaming tile kernel (a few programs, each over several column blocks: 7 blocks of 16 here, on
+    the interpreter's 2 "SMs") against the reference, and bit for bit against _linear_kernel with the
+    same tile; one row here is the tile kernel too (no GEMV tile for this shape)."""
+    n, k = 112, 256
+    w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
+    x, r = randn(rows, k, dtype=torch.float32), randn(rows, n, dtype=torch.float32)
+    residual = None if gated else r
+    monkeypatch.setitem(L.TILES, (n, k), L.Tile(16, 64, 4, 2))
+    classic = linear(x, w, norm=g, gated=gated, residual=residual)
+    monkeypatch.setitem(L.TILES, (n, k), L.Tile(16, 64, 4, 2, per_sm=2))
+    got = linear(x, w, norm=g, gated=gated, residual=residual)
+    assert rel(got, linear_reference(x, w, norm=g, gated=gated, residual=residual)) < 1e-5
+    assert torch.equal(got, classic)
+
+
+def test_tile_for_reads_json_rows_and_falls_back():
+    """Tables from JSON hold lists; BLOCK_K is capped at K's power of two; a split that does not cover
+    whole K blocks means no split; streaming needs K % BLOCK_K == 0 and never splits."""
+    table = {(8, 96): [16, 512, 4, 3, 2], (8, 192): [16, 64, 4, 3, 4, 2], (8, 200): [16, 64, 4, 3, 1, 2]}
+    for shape, tile in table.items():
+        L.TILES[shape] = tile
+    try:
+        assert L.tile_for(8, 96) == L.Tile(16, 128, 4, 3, 1)
+        assert L.tile_for(8, 192) == L.Tile(16, 64, 4, 3, 1, 2)
+        assert L.tile_for(8, 200) == L.Tile(16, 64, 4, 3, 1, 0)
+        assert L.tile_for(3, 100) == L.DEFAULT_TILE._replace(block_k=128)
+    finally:
+        for shape in table:
+            del L.TILES[shape]
+
+
+GEMVS = {"split 1": G.Gemv(8, 256, 4), "split 2": G.Gemv(8, 256, 4, split=2), "split 4": G.Gemv(8, 256, 4, split=4),
+         "stream": G.Gemv(8, 256, 4, per_sm=1), "stream ahead 2": G.Gemv(8, 256, 4, per_sm=2, ahead=2)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("tile", list(GEMVS))
 @pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated", "residual in place"])
-def test_one_row_gemv_matches_reference(kind, split, dtype, monkeypatch):
-    """The one-row GEMV, whole K or split (partials added in split order by the column block's last
-    program, the counters reset for the next launch, which reuses them)."""
+def test_one_row_gemv_matches_reference(kind, tile, dtype, monkeypatch):
+    """The one-row GEMVs: whole K or split (partials added in split order by the column block's last
+    program, the counters reset for the next launch, which reuses them), and streaming (a few programs,
+    each over several column blocks: 5 blocks of 8 here, on the interpreter's 2 "SMs")."""
     n, k = 40, 1024
-    monkeypatch.setitem(L.GEMV_TILES, (n, k), (8, 256, 4, split))
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), GEMVS[tile])
     gated = kind == "gated"
     w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
     x, g = randn(1, k, dtype=dtype), randn(k, dtype=dtype) + 1
@@ -103,7 +144,35 @@ def test_one_row_gemv_matches_reference(kind, split, dtype, monkeypatch):
         assert rel(got, want) < TOL[dtype]
     if kind == "norm+residual+extra":
         assert torch.equal(taps[:, n:2 * n], got)
-    assert not L._counters(x.device, 1).any()
+    assert not C._counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_streaming_gemv_gives_the_bits_of_its_tile(ahead, monkeypatch):
+    """A streaming program reduces each column block as _gemv_kernel does with the same tile: same bits."""
+    n, k = 72, 512
+    w, x, g = randn(2 * n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(1, k, dtype=torch.bfloat16), \
+        randn(k, dtype=torch.bfloat16) + 1
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 128, 4))
+    want = linear(x, w, norm=g, gated=True)
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 128, 4, per_sm=2, ahead=ahead))
+    assert torch.equal(linear(x, w, norm=g, gated=True), want)
+
+
+def test_gemv_tile_reads_json_rows_and_falls_back():
+    """Tables from JSON hold lists; a BLOCK_K that does not divide K means the tile kernel; a split that
+    does not cover whole K blocks, or a streaming tile, means no split."""
+    G.GEMV_TILES[(7, 96)] = [4, 64, 4]
+    G.GEMV_TILES[(8, 192)] = [4, 64, 4, 2, 0]
+    G.GEMV_TILES[(9, 256)] = [4, 64, 4, 2, 3, 2]
+    try:
+        assert G.gemv_tile(7, 96) is None
+        assert G.gemv_tile(8, 192) == G.Gemv(4, 64, 4, split=1)
+        assert G.gemv_tile(9, 256) == G.Gemv(4, 64, 4, split=1, per_sm=3, ahead=2)
+        assert G.gemv_tile(10, 256) is None
+    finally:
+        for shape in ((7, 96), (8, 192), (9, 256)):
+            del G.GEMV_TILES[shape]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,14 +189,18 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,write_index,rows", [(4, 2, 0, 5), (8, 2, 517, 1), (8, 4, 100, 7),
                                                               (4, 1, 200, 33), (4, 4, 63, 64)])
-def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype):
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, chunk):
+    """chunk None: the default (128 keys). Most splits are past the live length; at write_index 63 and
+    517 a split's first block mixes cached keys (read before the wait for rope_kv) and this step's new
+    ones (read after it)."""
     torch.manual_seed(write_index + rows)
     d, s_max = 64, 640
     kc, vc = randn(1, kv_heads, s_max, d, dtype=dtype), randn(1, kv_heads, s_max, d, dtype=dtype)
     q = randn(rows, heads * d, dtype=dtype)
     tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
     wi = torch.tensor([write_index], device=DEV)
-    got = attention(q, kc, vc, wi, tm, heads, chunk=128)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=chunk)
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
 
 
@@ -205,8 +278,8 @@ def test_embed_norms_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False),
-                                       (151936, 4096, False), (6144, 8192, False)])
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True),
+                                       (4096, 12288, False), (151936, 4096, False), (6144, 8192, False)])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 def test_linear_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
     """Accurate at every row count; a row alone gets the same bits as inside a block on the tile kernel.
@@ -219,9 +292,26 @@ def test_linear_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
     assert rel(out, linear_reference(x, w, norm=g, gated=gated)) < 1e-2
     alone = linear(x[:1], w, norm=g, gated=gated)
     assert rel(alone, linear_reference(x[:1], w, norm=g, gated=gated)) < 1e-2
-    monkeypatch.delitem(L.GEMV_TILES, (n, k), raising=False)                       # the tile kernel for one row
+    monkeypatch.delitem(G.GEMV_TILES, (n, k), raising=False)                       # the tile kernel for one row
     block = linear(x, w, norm=g, gated=gated)
     assert torch.equal(linear(x[:1], w, norm=g, gated=gated)[0], block[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_streaming_kernels_give_their_tiles_bits_at_qwen3_8b_qkv(rows, monkeypatch):
+    """The compiled streaming GEMV / tile kernel against the per-block kernels with the same tiles, at the
+    8B qkv shape (RMSNorm prologue): the same bits."""
+    n, k = 6144, 4096
+    torch.manual_seed(rows)
+    w, g = randn(n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(k, dtype=torch.bfloat16) + 1
+    x = randn(rows, k, dtype=torch.bfloat16)
+    table, plain, stream = (G.GEMV_TILES, G.Gemv(4, 1024, 4), G.Gemv(4, 1024, 4, per_sm=4, ahead=2)) if rows == 1 \
+        else (L.TILES, L.Tile(64, 256, 4, 3), L.Tile(64, 256, 4, 3, per_sm=1))
+    monkeypatch.setitem(table, (n, k), plain)
+    want = linear(x, w, norm=g)
+    monkeypatch.setitem(table, (n, k), stream)
+    assert torch.equal(linear(x, w, norm=g), want)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,80 @@
+"""Pieces the projection kernels share (linear.py's tile kernel, gemv.py's one-row GEMVs): loading a
+tile of x with its RMSNorm prologue, the per-row 1/rms, the weight tiles, the epilogue (SiLU*mul,
+residual, the second output) and the split-K arrival counters."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_x(X, stride_xm, rows, M, ks, K, rstd, G, NORM: tl.constexpr, EVEN_K: tl.constexpr):
+    """A [ROWS, BLOCK_K] tile of x, RMS-normalised when NORM (rstd [ROWS], weight G [K])."""
+    if EVEN_K:
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=rows[:, None] < M, other=0.0)
+    else:
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+    if NORM:
+        g = tl.load(G + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd[:, None] * g[None, :]).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _rstd(X, stride_xm, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _epilogue(acc, accu, Y, stride_ym, Y2, stride_y2m, R, stride_rm, rows, cols, M, N_OUT,
+              GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
+    dt = Y.dtype.element_ty
+    y = acc.to(dt)
+    if GATED:
+        g = y.to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(dt)                                  # F.silu, rounded
+        y = (s.to(tl.float32) * accu.to(dt).to(tl.float32)).to(dt)      # * up, rounded
+    mask = (rows[:, None] < M) & (cols[None, :] < N_OUT)
+    if RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+    if EXTRA:
+        tl.store(Y2 + rows[:, None] * stride_y2m + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _load_w(w_ptr, u_ptr, ks, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns ks (and its up tile when gated)."""
+    if EVEN_K:
+        w = tl.load(w_ptr + ks[None, :])
+    else:
+        w = tl.load(w_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    wu = w
+    if GATED:
+        if EVEN_K:
+            wu = tl.load(u_ptr + ks[None, :])
+        else:
+            wu = tl.load(u_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    return w, wu
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the split-K column blocks, zero between launches (each launch resets those it
+    used); one buffer per device, allocated on first use (before any graph capture records it)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
