@@ -272,10 +272,12 @@ class Tile(NamedTuple):
 # row count the tile kernel serves. For shapes whose one row runs on a GEMV (gemv.GEMV_TILES), the fastest
 # at 7 + 32 rows (chain and tree verify) of `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01,
 # fourth session; us at 7 / 32 rows against the previous tile in the same run); for the others the fastest
-# at one row of `--sweep` (first session, docs/BENCHMARKS.md); DEFAULT_TILE elsewhere.
+# at one row of `--sweep` (first session, docs/BENCHMARKS.md); DEFAULT_TILE elsewhere. The streaming
+# kernel was fastest alone for qkv (23.4 / 34.6) but slower inside the step (6.249 against 6.092 ms for
+# a 32-token verify): it cannot fetch weights before the PDL wait (its pipelined loop also loads x).
 DEFAULT_TILE = Tile(32, 512, 4, 3)
 TILES: dict[tuple[int, int], Tile] = {
-    (6144, 4096): Tile(64, 256, 4, 3, per_sm=1),    # Qwen3-8B qkv: 23.4 / 34.6 (32/256 split 2: 24.0 / 37.6)
+    (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 23.8 / 35.4 (32/256 split 2: 24.0 / 37.6)
     (4096, 4096): Tile(64, 256, 4, 3, 4),           # Qwen3-8B o_proj: 18.2 / 28.0
     (12288, 4096): Tile(128, 128, 8, 3),            # Qwen3-8B gate/up (gated: 2 x 12288 rows): 57.6 / 65.2
     (4096, 12288): Tile(64, 256, 4, 3, 4),          # Qwen3-8B down_proj, EAGLE3 fc: 51.7 / 82.7 (32/512: 52.9 / 86.6)
