@@ -41,8 +41,10 @@ class KVShape:
 
 
 def new_kv(kv: KVShape, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """Zeroed buffers in contract order: key_0, value_0, key_1, ..."""
-    return [torch.zeros(kv.shape, dtype=dtype, device=device) for _ in range(2 * kv.layers)]
+    """Zeroed buffers in contract order: key_0, value_0, key_1, ...; consecutive slices of one
+    [2 * layers, *kv.shape] tensor, so that work over every buffer (speculative.compact_kv) can be one
+    launch instead of one per buffer."""
+    return list(torch.zeros(2 * kv.layers, *kv.shape, dtype=dtype, device=device).unbind(0))
 
 
 def normalize_device(device: torch.device | str) -> torch.device:

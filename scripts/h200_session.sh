@@ -12,6 +12,8 @@
 #           of chains and tree on held-out text at temperature 0 / 0.6 / 1.0, and
 #           benchmarks/fast_agreement.py (fast vs reference, speculative vs plain greedy; AGREE_PROMPTS=16;
 #           SKIP_DEMO_TAU=1 leaves the tau runs out)
+#   PART=3  a quick re-check after a kernel change: `xrun bench --synthetic qwen3-8b` greedy, the gpu tests of
+#           kernels, fast engines and round graphs, benchmarks/fast_decode.py at contexts 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -76,5 +78,20 @@ if [ "$PART" = 2 ]; then
     > "$OUT/agreement.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -12 "$OUT/agreement.log"
+fi
+if [ "$PART" = 3 ]; then
+  step "xrun bench ${BENCH[*]} (greedy)"
+  timeout 150 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -hE "^ +128 +yes|^target|^eagle3|^sampl|^accept|floor" "$OUT/bench_greedy.log"
+  step "gpu tests (kernels, fast engines, round graphs)"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
+    tests/runtime/test_fast.py tests/runtime/test_graphs.py > "$OUT/gpu_tests.log" 2>&1
+  echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  step "benchmarks/fast_decode.py --contexts 128,4096"
+  timeout 100 python3 benchmarks/fast_decode.py --contexts 128,4096 > "$OUT/fast_decode.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -16
 fi
 step "done"

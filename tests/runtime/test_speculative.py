@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xcompile.runtime.speculative import (Block, accept_chain, accept_tree, ancestors, bonus, chain_block,
+from xcompile.runtime.engine import KVShape, new_kv
+from xcompile.runtime.speculative import (Block, _stacked, accept_chain, accept_tree, ancestors, bonus, chain_block,
                                           compact_kv, for_host, select_tree, topk_children)
 
 V = 100
@@ -111,6 +112,22 @@ def test_accept_tree_partial(pred, count, path):
     assert int(acc.count) == count
     assert acc.path[0, :count + 1].tolist() == path
     assert acc.tokens[0, :count + 1].tolist() == [pred[0][i] for i in path]
+
+
+def test_compact_kv_over_new_kv_buffers_is_one_move_with_the_same_result():
+    """engine.new_kv's buffers are slices of one tensor: compact_kv moves them all in one gather/scatter,
+    with the result of moving each buffer on its own (separate clones take the per-buffer path)."""
+    bufs = new_kv(KVShape(layers=3, kv_heads=2, head_dim=4, max_seq_len=20, batch=2), torch.float32, "cpu")
+    for b in bufs:
+        b.copy_(torch.randn(b.shape))
+    assert _stacked(bufs) is not None and _stacked(bufs).shape == (6, 2, 2, 20, 4)
+    apart = [b.clone() for b in bufs]
+    assert _stacked(apart) is None and _stacked(bufs[::2]) is None and _stacked(bufs[1:]) is not None
+    write_index, path = torch.tensor([3, 9]), torch.tensor([[0, 1, 3, 5], [0, 2, 2, 2]])
+    compact_kv(bufs, write_index, path)
+    compact_kv(apart, write_index, path)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, apart))
+    assert torch.equal(bufs[4][1, :, 10], apart[4][1, :, 11])          # batch row 1: path[1] = 2 -> slot 10
 
 
 def test_compact_kv_moves_the_path_rows():
