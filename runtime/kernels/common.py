@@ -23,13 +23,6 @@ def _load_x(X, stride_xm, rows, M, ks, K, rstd, G, NORM: tl.constexpr, EVEN_K: t
     return x
 
 
-def norm_chunk(k: int, rows: int, warps: int) -> int:
-    """Columns of x per step of the RMSNorm pass (_rstd) over ``rows`` rows: as wide as 32 fp32 values per
-    thread allow, at most K's power of two. Each step is a round trip to L2 before the next (x was just
-    written there), so few wide steps beat the weight tile's BLOCK_K (128 for gate/up: 32 steps at K 4096)."""
-    return max(16, min(triton.next_power_of_2(k), 32 * 32 * warps // rows))
-
-
 @triton.jit
 def _rstd(X, stride_xm, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -21,13 +21,13 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import interpreted, launch, pdl
-from xcompile.runtime.kernels.common import _counters, _epilogue, _load_w, _load_x, _rstd, norm_chunk
+from xcompile.runtime.kernels.common import _counters, _epilogue, _load_w, _load_x, _rstd
 
 
 @triton.jit
 def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
     # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
     # the next weight tile is requested before the current one is used (software double buffering),
@@ -45,7 +45,7 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
         tl.extra.cuda.gdc_wait()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM:
-        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, NORM_K)
+        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -104,7 +104,7 @@ def _stream_w(W, pid, P, it, KT, N_OUT, K, ks, GATED: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                         RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one row, a fixed number of programs (a few per SM) each streaming the row blocks pid, pid + P, ...
     # as one loop over (row block, K block): the weight tiles AHEAD iterations ahead are in flight across
     # row-block boundaries, and the program's fixed costs (the first tile's latency, the RMSNorm pass)
@@ -123,7 +123,7 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
         tl.extra.cuda.gdc_wait()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM:
-        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, NORM_K)
+        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for it in range(0, n_it):
@@ -202,8 +202,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_K=norm_chunk(k, 1, tile.warps),
-                 num_warps=tile.warps, num_stages=1, **launch())
+                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=1,
+                 **launch())
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))

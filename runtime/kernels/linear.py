@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
-from xcompile.runtime.kernels.common import _counters, _epilogue, _load_w, _load_x, _rstd, norm_chunk
+from xcompile.runtime.kernels.common import _counters, _epilogue, _load_w, _load_x, _rstd
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
 
 
@@ -68,8 +68,7 @@ def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u
 def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm, stride_y2m,
                    eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                    IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NORM_K: tl.constexpr):
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
     # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split)
     pid_n = tl.program_id(0)
@@ -91,13 +90,13 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
     s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     s3 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, NORM_K)
+        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 1:
-            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, NORM_K)
+            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 2:
-            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, NORM_K)
+            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 3:
-            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, NORM_K)
+            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
     # accumulators of each tile (u*: the up half when gated)
     a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -144,7 +143,7 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
 def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
                           NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                           IEEE: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # a fixed number of programs (a few per SM), each over the column blocks pid, pid + P, ... in one
     # loop of (column block, K block) steps, so the software pipeline streams weight tiles across column
     # blocks and a program's fixed costs (the RMSNorm pass, the pipeline's fill) are paid once; each
@@ -161,13 +160,13 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
     s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     s3 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, NORM_K)
+        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 1:
-            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, NORM_K)
+            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 2:
-            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, NORM_K)
+            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
         if TILES > 3:
-            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, NORM_K)
+            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
     a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -328,8 +327,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                extra_out.stride(0) if extra_out is not None else 0)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
                  IEEE=ieee_dot(x.dtype), TILES=tiles, PDL=pdl(), BLOCK_M=ROW_TILE, BLOCK_N=t.block_n,
-                 BLOCK_K=t.block_k, NORM_K=norm_chunk(k, ROW_TILE, t.warps), num_warps=t.warps,
-                 num_stages=t.stages, **launch())
+                 BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **launch())
     if t.per_sm > 0:
         programs = min(blocks, t.per_sm * sms(x.device))
         _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, **flags)
