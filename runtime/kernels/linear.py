@@ -65,6 +65,32 @@ def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u
 
 
 @triton.jit
+def _tile_rstds(X, stride_xm, r0, M, K, eps, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                TILES: tl.constexpr):
+    """Per-row 1/rms of each of the TILES row tiles (zeros, unused, without NORM)."""
+    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    if NORM:
+        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 1:
+            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 2:
+            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+        if TILES > 3:
+            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _zero_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulators of each row tile (a*) and their up halves when gated (u*)."""
+    z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
 def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm, stride_y2m,
                    eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                    IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
@@ -84,28 +110,8 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
     if PDL:
         tl.extra.cuda.gdc_wait()
     r0 = tl.arange(0, BLOCK_M)
-    # per-row 1/rms of each tile (unused without NORM)
-    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s3 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 1:
-            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 2:
-            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 3:
-            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-    # accumulators of each tile (u*: the up half when gated)
-    a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+    a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
                                           u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
     for k0 in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
@@ -155,26 +161,8 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
     if PDL:
         tl.extra.cuda.gdc_wait()                            # x is loaded inside the pipelined loop
     r0 = tl.arange(0, BLOCK_M)
-    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s3 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 1:
-            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 2:
-            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 3:
-            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-    a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+    a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     for it in range(0, n_it):
         cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
         wrows = tl.where(cols < N_OUT, cols, 0)
@@ -185,14 +173,7 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
         if it % KT == KT - 1:                               # the column block is done
             _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
                        N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
-            a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            a3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
