@@ -26,16 +26,35 @@ step() { echo "== [$(date +%T)] $*" | tee -a "$OUT/summary.log"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.log"
 
 BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas 6 --tree 10,6,32 --num-prompts 1)
-bench_8b() {
+SHOW="^ +128 +yes|^target|^eagle3|^sampl|^accept|floor"     # the bench lines echoed back
+bench_greedy() {
   step "xrun bench ${BENCH[*]} (greedy)"
   timeout 150 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
+}
+bench_8b() {
+  bench_greedy
   step "xrun bench ${BENCH[*]} --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0"
   timeout 150 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
     > "$OUT/bench_sampled.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -hE "^ +128 +yes|^target|^eagle3|^sampl|floor" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
+  grep -hE "$SHOW" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
 }
+# gpu_tests SECONDS TEST_FILE...: the gpu-marked tests of those files -> $OUT/gpu_tests.log
+gpu_tests() {
+  local limit=$1; shift
+  timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rs "$@" > "$OUT/gpu_tests.log" 2>&1
+  echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+}
+# fast_decode SECONDS LINES [ARG...]: benchmarks/fast_decode.py --contexts 128,4096 ARG... -> $OUT/fast_decode.log
+fast_decode() {
+  local limit=$1 lines=$2; shift 2
+  timeout "$limit" python3 benchmarks/fast_decode.py --contexts 128,4096 "$@" > "$OUT/fast_decode.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -"$lines"
+}
+KERNEL_TESTS=(tests/runtime/test_kernels.py tests/runtime/test_fast.py tests/runtime/test_graphs.py)
 
 if [ "$PART" = 0 ]; then
   step "benchmarks/kernels.py --gemv (one-row GEMV and verify tiles)"
@@ -44,22 +63,14 @@ if [ "$PART" = 0 ]; then
   cat "$OUT/gemv_sweep.log"
   TILES=(); [ -f "$OUT/gemv.json" ] && TILES=(--tiles "$OUT/gemv.json")
   step "benchmarks/fast_decode.py --contexts 128,4096 --tiles gemv.json --chunks ${CHUNKS:-64,128,256}"
-  timeout 240 python3 benchmarks/fast_decode.py --contexts 128,4096 "${TILES[@]}" \
-    --chunks "${CHUNKS:-64,128,256}" --json "$OUT/fast_decode.json" > "$OUT/fast_decode.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -24
+  fast_decode 240 24 "${TILES[@]}" --chunks "${CHUNKS:-64,128,256}" --json "$OUT/fast_decode.json"
 fi
 
 if [ "$PART" = 1 ]; then
   step "gpu tests"
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
-    tests/runtime/test_fast.py tests/runtime/test_graphs.py tests/runtime/test_sampling_gpu.py > "$OUT/gpu_tests.log" 2>&1
-  echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
-  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  gpu_tests 300 "${KERNEL_TESTS[@]}" tests/runtime/test_sampling_gpu.py
   step "benchmarks/fast_decode.py --contexts 128,4096 (decode steps, PDL / GEMV off, prefill TTFT)"
-  timeout 240 python3 benchmarks/fast_decode.py --contexts 128,4096 > "$OUT/fast_decode.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -20
+  fast_decode 240 20
 fi
 
 if [ "$PART" = 2 ]; then
@@ -80,18 +91,11 @@ if [ "$PART" = 2 ]; then
   tail -12 "$OUT/agreement.log"
 fi
 if [ "$PART" = 3 ]; then
-  step "xrun bench ${BENCH[*]} (greedy)"
-  timeout 150 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -hE "^ +128 +yes|^target|^eagle3|^sampl|^accept|floor" "$OUT/bench_greedy.log"
+  bench_greedy
+  grep -hE "$SHOW" "$OUT/bench_greedy.log"
   step "gpu tests (kernels, fast engines, round graphs)"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_kernels.py \
-    tests/runtime/test_fast.py tests/runtime/test_graphs.py > "$OUT/gpu_tests.log" 2>&1
-  echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
-  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  gpu_tests 200 "${KERNEL_TESTS[@]}"
   step "benchmarks/fast_decode.py --contexts 128,4096"
-  timeout 100 python3 benchmarks/fast_decode.py --contexts 128,4096 > "$OUT/fast_decode.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -16
+  fast_decode 100 16
 fi
 step "done"
