@@ -1,13 +1,16 @@
 """One Qwen3-8B-shaped decode step on the fast backend vs the reference path, on a GPU, in one run.
 
     python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--tiles FILE] [--chunks 64,128] [--json FILE]
+    python benchmarks/fast_decode.py --variants "prefetch_o=1;evict_first=1;prefetch_o=1,evict_first=1"
 
 Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
 graphed step time of the reference modules and of the fast engines with and without programmatic
 dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) tokens; the EAGLE3
 head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
-logit error, argmax agreement) over a few decode steps.
+logit error, argmax agreement) over a few decode steps. ``--variants`` instead times the decode and
+verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
+``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run.
 """
 
 from __future__ import annotations
@@ -56,6 +59,44 @@ def timed_ms(fn, reps: int = 5) -> float:
     return timed(fn, DEV, reps, warmup=1)
 
 
+def parse_variants(spec: str) -> list[dict]:
+    """'a=1,b=0;c=2' -> [{}, {'a': 1.0, 'b': 0.0}, {'c': 2.0}] (the built-in schedule first)."""
+    out = [{}]
+    for v in spec.split(";"):
+        if v.strip():
+            pairs = [kv.split("=") for kv in v.split(",")]
+            unknown = [k for k, _ in pairs if k not in kernels.SCHEDULE]
+            if unknown:
+                raise SystemExit(f"--variants: unknown schedule key(s) {unknown}; known: {list(kernels.SCHEDULE)}")
+            out.append({k.strip(): float(x) for k, x in pairs})
+    return out
+
+
+def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg) -> list[dict]:
+    """Graphed step ms of the fast target (1 / 7 / 32 tokens) and the EAGLE3 step (1 token) per variant."""
+    builtin = dict(kernels.SCHEDULE)
+    rows = []
+    print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
+    for ctx in contexts:
+        ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
+        for v in variants:
+            kernels.SCHEDULE.clear()
+            kernels.SCHEDULE.update(builtin | v)
+            row = {"variant": v, "ctx": ctx}
+            for tokens in (1, 7, 32):
+                row[f"fast_ms_{tokens}"] = graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))
+            e3_in = step_inputs(1, ctx, cfg.vocab_size)
+            e3_in["hidden_states"] = torch.randn(1, 1, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+            row["eagle3_ms"] = graphed_ms(fe3.run, e3_in)
+            rows.append(row)
+            name = ",".join(f"{k}={x:g}" for k, x in v.items()) or "built-in " + str(builtin)
+            print(f"{name[:47]:<48}{ctx:>6}{row['fast_ms_1']:>8.3f}{row['fast_ms_7']:>8.3f}{row['fast_ms_32']:>8.3f}"
+                  f"{row['eagle3_ms']:>8.3f}")
+    kernels.SCHEDULE.clear()
+    kernels.SCHEDULE.update(builtin)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
@@ -63,7 +104,9 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
     ap.add_argument("--chunks", default="", help="attention chunks (keys per split) to time the step with too")
+    ap.add_argument("--variants", help="only time the steps under these kernels.SCHEDULE variants (docstring)")
     args = ap.parse_args()
+    variants = parse_variants(args.variants) if args.variants is not None else None
     builtin_gemv = dict(G.GEMV_TILES)
     if args.tiles:
         chosen = json.load(open(args.tiles))
@@ -87,6 +130,12 @@ def main() -> None:
     fe3, ffc = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg)), FastFCEngine(fc, {})
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
+    if variants is not None:
+        out["variants"] = time_variants(variants, list(map(int, args.contexts.split(","))), fast, fe3, ref, cfg)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}"
           + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
     for ctx in map(int, args.contexts.split(",")):

@@ -14,6 +14,8 @@
 #           SKIP_DEMO_TAU=1 leaves the tau runs out)
 #   PART=3  a quick re-check after a kernel change: `xrun bench --synthetic qwen3-8b` greedy, the gpu tests of
 #           kernels, fast engines and round graphs, benchmarks/fast_decode.py at contexts 128,4096
+#   PART=4  the kernel schedule (kernels.SCHEDULE: L2 prefetches, evict-first weights, early PDL trigger): its
+#           gpu test, then benchmarks/fast_decode.py --variants "$VARIANTS" at contexts 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -97,5 +99,12 @@ if [ "$PART" = 3 ]; then
   gpu_tests 200 "${KERNEL_TESTS[@]}"
   step "benchmarks/fast_decode.py --contexts 128,4096"
   fast_decode 100 16
+fi
+if [ "$PART" = 4 ]; then
+  step "gpu tests (the schedule changes no bits)"
+  gpu_tests 150 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k schedule
+  V=${VARIANTS:-"prefetch_o=1;prefetch_o=0.5;evict_first=1;prefetch_o=1,evict_first=1;early_trigger=1;prefetch_next_mb=4,evict_first=1;prefetch_o=1,prefetch_next_mb=4,evict_first=1;prefetch_o=1,prefetch_next_mb=8,evict_first=1;prefetch_o=1,prefetch_next_mb=4,evict_first=1,early_trigger=1"}
+  step "benchmarks/fast_decode.py --variants $V"
+  fast_decode 420 30 --variants "$V" --json "$OUT/variants.json"
 fi
 step "done"

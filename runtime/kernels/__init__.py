@@ -47,6 +47,19 @@ def _pdl_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+# How a step's kernels fill the moments the memory system would idle (inside a graph, between and at the
+# ends of kernels), each switch measured by `benchmarks/fast_decode.py --variants` on the H200:
+#   prefetch_o       fraction of each layer's o-projection weights that rope_kv asks L2 to fetch before its
+#                    wait: between the qkv and o projections, rope, attention and its reduction read little
+#   prefetch_next_mb megabytes of the next projection's weights each projection asks L2 for after its loop
+#                    (its tail, while the last programs finish)
+#   evict_first      projection weights (read once per step) loaded evict-first, so prefetched lines stay
+#   early_trigger    projections and attention let the next kernel launch right after their own wait
+#                    (not at the end of their loop): its weight loads before its wait overlap this kernel
+# L2 prefetches change no result: they are cache hints (off in the interpreter, which has no cache).
+SCHEDULE = {"prefetch_o": 0.0, "prefetch_next_mb": 0.0, "evict_first": False, "early_trigger": False}
+
+
 def pdl() -> bool:
     """Whether kernels are launched with programmatic dependent launch (their PDL constexpr)."""
     return PDL["enabled"] and not interpreted() and _pdl_capable()

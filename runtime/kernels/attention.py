@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
@@ -63,7 +63,7 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 @triton.jit
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -87,6 +87,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
+            if EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
         new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
         k = tl.where(new[:, None], tl.load(KC + offs, mask=new[:, None], other=0.0), k)
         v = tl.where(new[:, None], tl.load(VC + offs, mask=new[:, None], other=0.0), v)
@@ -103,7 +105,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
             v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
                                           l_i, acc, IEEE)
-        if PDL:
+        if PDL and not EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         # partials [splits, M, HQ, (D | m, l)]; the combine reads the live splits only
         slot = (split * M + tok) * HQ + head
@@ -156,7 +158,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), num_warps=4, num_stages=2, **launch())
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=bool(SCHEDULE["early_trigger"]), num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)

@@ -21,13 +21,15 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import interpreted, launch, pdl
-from xcompile.runtime.kernels.common import _counters, _epilogue, _load_w, _load_x, _rstd
+from xcompile.runtime.kernels.common import (Prefetch, _counters, _epilogue, _load_w, _load_weight, _load_x,
+                                             _prefetch_l2, _rstd, prefetch_args, schedule_flags)
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
-                 RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, PF, pf_items, pf_bytes, pf_stride,
+                 NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                 PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREFETCH: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr, THREADS: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
     # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
     # the next weight tile is requested before the current one is used (software double buffering),
@@ -40,9 +42,11 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     w_ptr = W + wrows[:, None] * K
     u_ptr = W + (wrows[:, None] + N_OUT) * K
     ks = tl.arange(0, BLOCK_K)
-    w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True)
+    w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True, EVICT)
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM:
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
@@ -51,14 +55,14 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     for k0 in range(k_begin, k_end, BLOCK_K):
         w, wu = w_next, wu_next
         nk = k0 + BLOCK_K + ks
-        w_next = tl.load(w_ptr + nk[None, :], mask=nk[None, :] < k_end, other=0.0)
+        w_next = _load_weight(w_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
         if GATED:
-            wu_next = tl.load(u_ptr + nk[None, :], mask=nk[None, :] < k_end, other=0.0)
+            wu_next = _load_weight(u_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
         x = _load_x(X, 0, tl.arange(0, 1), 1, k0 + ks, K, rstd, G, NORM, True).to(tl.float32)   # [1, BLOCK_K]
         acc += w.to(tl.float32) * x
         if GATED:
             accu += wu.to(tl.float32) * x
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     yu = tl.sum(accu, axis=1)
@@ -85,26 +89,27 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     else:
         _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
                   EXTRA)
+    if PREFETCH:                                            # the next kernel's weights, into L2
+        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, pid_n * SPLIT + tl.program_id(1),
+                     tl.num_programs(0) * SPLIT, THREADS)
 
 
 @triton.jit
-def _stream_w(W, pid, P, it, KT, N_OUT, K, ks, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _stream_w(W, pid, P, it, KT, N_OUT, K, ks, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVICT: tl.constexpr):
     """The weight tile(s) of a streaming program's iteration ``it``: row block pid + (it // KT) * P,
     K block it % KT."""
     cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
     wrows = tl.where(cols < N_OUT, cols, 0)
     kk = (it % KT) * BLOCK_K + ks
-    w = tl.load(W + wrows[:, None] * K + kk[None, :])
-    wu = w
-    if GATED:
-        wu = tl.load(W + (wrows[:, None] + N_OUT) * K + kk[None, :])
-    return w, wu
+    return _load_w(W + wrows[:, None] * K, W + (wrows[:, None] + N_OUT) * K, kk, K, GATED, True, EVICT)
 
 
 @triton.jit
-def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
-                        RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, PF, pf_items, pf_bytes, pf_stride, NORM: tl.constexpr,
+                        GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr,
+                        AHEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                        EVICT: tl.constexpr, EARLY: tl.constexpr, THREADS: tl.constexpr):
     # one row, a fixed number of programs (a few per SM) each streaming the row blocks pid, pid + P, ...
     # as one loop over (row block, K block): the weight tiles AHEAD iterations ahead are in flight across
     # row-block boundaries, and the program's fixed costs (the first tile's latency, the RMSNorm pass)
@@ -115,12 +120,14 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
     KT = K // BLOCK_K
     n_it = tl.cdiv(tl.cdiv(N_OUT, BLOCK_N) - pid, P) * KT
     ks = tl.arange(0, BLOCK_K)
-    w1, wu1 = _stream_w(W, pid, P, 0, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K)
+    w1, wu1 = _stream_w(W, pid, P, 0, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
     w2, wu2 = w1, wu1
     if AHEAD > 1:
-        w2, wu2 = _stream_w(W, pid, P, tl.minimum(1, n_it - 1), KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K)
+        w2, wu2 = _stream_w(W, pid, P, tl.minimum(1, n_it - 1), KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM:
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
@@ -131,9 +138,9 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
         nxt = tl.minimum(it + AHEAD, n_it - 1)            # past the end: the last tile again (an L2 hit)
         if AHEAD > 1:
             w1, wu1 = w2, wu2
-            w2, wu2 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K)
+            w2, wu2 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
         else:
-            w1, wu1 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K)
+            w1, wu1 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
         x = _load_x(X, 0, tl.arange(0, 1), 1, (it % KT) * BLOCK_K + ks, K, rstd, G, NORM, True).to(tl.float32)
         acc += w.to(tl.float32) * x
         if GATED:
@@ -146,8 +153,10 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
                       EXTRA)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH:                                            # the next kernel's weights, into L2
+        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, pid, P, THREADS)
 
 
 class Gemv(NamedTuple):
@@ -195,22 +204,24 @@ def sms(device: torch.device) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, norm: torch.Tensor | None, eps: float,
-         gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None) -> torch.Tensor:
+         gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None,
+         prefetch: Prefetch | None = None) -> torch.Tensor:
     """linear() of one row (its docstring) with ``tile``: x [1, K] -> out [1, N]."""
     n_out, k = out.shape[1], x.shape[1]
     dummy = out
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
+    pf, has_pf = prefetch_args(prefetch, dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=1,
-                 **launch())
+                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PREFETCH=has_pf, **schedule_flags(),
+                 THREADS=32 * tile.warps, num_warps=tile.warps, num_stages=1, **launch())
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))
-        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, AHEAD=tile.ahead, **flags)
+        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, *pf, AHEAD=tile.ahead, **flags)
         return out
     split = tile.split
     ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
     cnt = _counters(x.device, blocks) if split > 1 else dummy
-    _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, SPLIT=split, **flags)
+    _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, *pf, SPLIT=split, **flags)
     return out

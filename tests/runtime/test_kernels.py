@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
+from xcompile.runtime import kernels  # noqa: E402
 from xcompile.runtime.kernels.attention import attention, attention_reference  # noqa: E402
 from xcompile.runtime.kernels import common as C  # noqa: E402
 from xcompile.runtime.kernels import gemv as G  # noqa: E402
@@ -275,6 +276,69 @@ def test_embed_norms_matches_reference():
     ids = torch.tensor([4, 49, 0], device=DEV)
     got = embed_norms(ids, emb, w1, hidden, w2, 1e-6)
     assert rel(got, embed_norms_reference(ids, emb, w1, hidden, w2, 1e-6)) < 1e-2
+
+
+ALL_ON = {"prefetch_o": 1.0, "prefetch_next_mb": 4.0, "evict_first": True, "early_trigger": True}
+
+
+def test_prefetch_box_follows_the_reading_order(monkeypatch):
+    """A one-row GEMV reads W row block after row block: its box is W's first bytes in 16 KiB segments;
+    the tile kernel's programs start together at the first K step of their rows (of each split): its box
+    is each row's (split's) first bytes. Capped by the weight, None when nothing is left to fetch."""
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)                          # rows of 512 bytes, 32 KiB
+    monkeypatch.setitem(G.GEMV_TILES, (64, 256), G.Gemv(4, 128, 4))
+    monkeypatch.setitem(L.TILES, (64, 256), L.Tile(32, 64, 4, 3, 2))
+    assert L.prefetch_box(w, 20000, 1) == C.Prefetch(w, 1, 16384, 16384)
+    assert L.prefetch_box(w, 1e9, 1) == C.Prefetch(w, 2, 16384, 16384)      # the whole weight, no more
+    assert L.prefetch_box(w, 8192, 7) == C.Prefetch(w, 128, 64, 256)        # 2 splits x 64 rows x 64 bytes
+    assert L.prefetch_box(w, 1e9, 7) == C.Prefetch(w, 128, 256, 256)        # every split segment, whole
+    assert L.prefetch_box(w, 8, 1) is None and L.prefetch_box(w, 1000, 7) is None
+    gate_up = torch.zeros(2 * 32, 256, dtype=torch.bfloat16)                # gated: 32 outputs, 64 rows
+    monkeypatch.setitem(L.TILES, (32, 256), L.Tile(32, 64, 4, 3))
+    assert L.prefetch_box(gate_up, 64 * 128, 7, gated=True) == C.Prefetch(gate_up, 64, 128, 512)
+
+
+def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
+    """Evict-first weight loads (the one switch the interpreter runs: PDL and L2 prefetches are GPU-only)
+    leave every projection's result as it was."""
+    torch.manual_seed(3)
+    w, x, g = randn(192, 256, dtype=torch.float32), randn(5, 256, dtype=torch.float32), randn(256, dtype=torch.float32)
+    want = [linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)]
+    for key, value in ALL_ON.items():
+        monkeypatch.setitem(kernels.SCHEDULE, key, value)
+    got = [linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
+    """L2 prefetches (of another weight), evict-first loads and the early PDL trigger are scheduling
+    only: every projection shape of an 8B layer, and rope_kv, give the same bits with all of them on."""
+    torch.manual_seed(rows)
+    shapes = [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False)]
+    ws = [randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5) for n, k, gated in shapes]
+    xs = [randn(rows, k, dtype=torch.bfloat16) for _, k, _ in shapes]
+    g = randn(4096, dtype=torch.bfloat16) + 1
+
+    def run(prefetch_mb):
+        outs = []
+        for i, ((n, k, gated), w, x) in enumerate(zip(shapes, ws, xs)):
+            box = L.prefetch_box(ws[(i + 1) % len(ws)], prefetch_mb * 2 ** 20, rows)
+            outs.append(linear(x, w, norm=g if k == 4096 else None, gated=gated, residual=None, prefetch=box))
+        return outs
+
+    want = run(0)
+    for key, value in ALL_ON.items():
+        monkeypatch.setitem(kernels.SCHEDULE, key, value)
+    assert all(torch.equal(a, b) for a, b in zip(run(8), want))
+    cos, sin = (t.to(DEV) for t in rope_tables(128, 4352, 1e6))
+    qkv = randn(rows, 48 * 128, dtype=torch.bfloat16)
+    pos, wi = torch.arange(rows, device=DEV) + 100, torch.tensor([100], device=DEV)
+    caches = [randn(1, 8, 4352, 128, dtype=torch.bfloat16) for _ in range(2)]
+    q0 = rope_kv(qkv, pos, wi, cos, sin, *caches, 32, 8, 128)
+    q1 = rope_kv(qkv, pos, wi, cos, sin, *caches, 32, 8, 128, prefetch=L.prefetch_box(ws[1], 2 ** 25, rows))
+    assert torch.equal(q0, q1)
 
 
 @pytest.mark.gpu
