@@ -68,7 +68,7 @@ def parse_variants(spec: str) -> list[dict]:
             unknown = [k for k, _ in pairs if k not in kernels.SCHEDULE]
             if unknown:
                 raise SystemExit(f"--variants: unknown schedule key(s) {unknown}; known: {list(kernels.SCHEDULE)}")
-            out.append({k.strip(): float(x) for k, x in pairs})
+            out.append({k.strip(): bool(float(x)) for k, x in pairs})
     return out
 
 
@@ -76,7 +76,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     """Graphed step ms of the fast target (1 / 7 / 32 tokens) and the EAGLE3 step (1 token) per variant."""
     builtin = dict(kernels.SCHEDULE)
     rows = []
-    print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
+    print(f"built-in schedule {builtin}\n{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
     for ctx in contexts:
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for v in variants:
@@ -89,7 +89,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             e3_in["hidden_states"] = torch.randn(1, 1, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
             row["eagle3_ms"] = graphed_ms(fe3.run, e3_in)
             rows.append(row)
-            name = ",".join(f"{k}={x:g}" for k, x in v.items()) or "built-in " + str(builtin)
+            name = ",".join(f"{k}={int(x)}" for k, x in v.items()) or "built-in"
             print(f"{name[:47]:<48}{ctx:>6}{row['fast_ms_1']:>8.3f}{row['fast_ms_7']:>8.3f}{row['fast_ms_32']:>8.3f}"
                   f"{row['eagle3_ms']:>8.3f}")
     kernels.SCHEDULE.clear()

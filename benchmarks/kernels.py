@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py [--sweep] [--json FILE]
     python benchmarks/kernels.py --gemv [--json FILE]     # the one-row GEMVs' tiles, then the verify tiles
+    python benchmarks/kernels.py --gemv --no-verify --calls "8b qkv,8b gate/up" --schedule norm_late=1
 
 For every projection shape: error against the torch reference at 1, 7 and 33 rows, row invariance
 (row 0 of a 7-row call equals the 1-row call bit for bit), and the time of one launch inside a CUDA
@@ -13,7 +14,8 @@ one-row GEMVs' candidates (GEMV_SPLIT: split K included; GEMV_STREAM: the stream
 decode shapes, each called as the fast engines call it (qkv and gate/up with their norm, o/down adding
 the residual in place), against the tile kernel and cuBLAS; before that, for the same shapes, the tile
 kernel's candidates (TILE_STREAM: the streaming kernel) at 1, 7 and 32 rows, chosen at 7 + 32 (verify).
-Its JSON's tiles and gemv_tiles feed ``fast_decode.py --tiles``.
+Its JSON's tiles and gemv_tiles feed ``fast_decode.py --tiles``. ``--calls`` keeps those GEMV shapes only,
+``--no-verify`` leaves the tile kernel's sweep out, ``--schedule`` sets kernels.SCHEDULE entries first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from xcompile.runtime import kernels
 from xcompile.runtime.bench import copy_bandwidth
 from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.kernels import linear as L
@@ -239,13 +242,28 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="only the one-row GEMV's tiles (split K included)")
     ap.add_argument("--json")
+    ap.add_argument("--calls", help="--gemv: only these GEMV_CALLS names (comma-separated)")
+    ap.add_argument("--no-verify", action="store_true", help="--gemv: leave the tile kernel's verify sweep out")
+    ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=value,...")
     args = ap.parse_args()
+    for kv in filter(None, args.schedule.split(",")):
+        key, value = kv.split("=")
+        if key not in kernels.SCHEDULE:
+            raise SystemExit(f"--schedule: unknown key {key!r}; known: {list(kernels.SCHEDULE)}")
+        kernels.SCHEDULE[key] = bool(float(value))
+    if args.calls:
+        names = args.calls.split(",")
+        GEMV_CALLS[:] = [c for c in GEMV_CALLS if c[0] in names]
+        if not GEMV_CALLS:
+            raise SystemExit(f"--calls: none of {names} is a GEMV call")
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda"))                # xrun bench's measurement
-    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}")
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}"
+          f"  schedule {kernels.SCHEDULE}")
     if args.gemv:
         out = {"copy_bandwidth": bw, "gemv": [], "gemv_tiles": {}}
-        verify_sweep(out)
+        if not args.no_verify:
+            verify_sweep(out)
         gemv_sweep(out)
         if args.json:
             with open(args.json, "w") as f:

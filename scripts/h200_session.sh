@@ -14,8 +14,9 @@
 #           SKIP_DEMO_TAU=1 leaves the tau runs out)
 #   PART=3  a quick re-check after a kernel change: `xrun bench --synthetic qwen3-8b` greedy, the gpu tests of
 #           kernels, fast engines and round graphs, benchmarks/fast_decode.py at contexts 128,4096
-#   PART=4  the kernel schedule (kernels.SCHEDULE: L2 prefetches, evict-first weights, early PDL trigger): its
-#           gpu test, then benchmarks/fast_decode.py --variants "$VARIANTS" at contexts 128,4096
+#   PART=4  the kernel schedule (kernels.SCHEDULE: evict-first weights, early PDL trigger, norm_late): its
+#           tests, benchmarks/fast_decode.py --variants "$VARIANTS" at contexts 128,4096, then the one-row
+#           GEMV sweep of CALLS (8b qkv, gate/up) with norm_late off and on
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -101,10 +102,19 @@ if [ "$PART" = 3 ]; then
   fast_decode 100 16
 fi
 if [ "$PART" = 4 ]; then
-  step "gpu tests (the schedule changes no bits)"
+  step "tests of the schedule and norm_late (gpu-marked, and the small-shape norm_late test on the GPU)"
   gpu_tests 150 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k schedule
-  V=${VARIANTS:-"prefetch_o=1;prefetch_o=0.5;evict_first=1;prefetch_o=1,evict_first=1;early_trigger=1;prefetch_next_mb=4,evict_first=1;prefetch_o=1,prefetch_next_mb=4,evict_first=1;prefetch_o=1,prefetch_next_mb=8,evict_first=1;prefetch_o=1,prefetch_next_mb=4,evict_first=1,early_trigger=1"}
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py -k norm_late 2>&1 | tail -1 \
+    | tee -a "$OUT/summary.log"
+  V=${VARIANTS:-"norm_late=1;early_trigger_verify=0;evict_first=0;norm_late=1,early_trigger_decode=1"}
   step "benchmarks/fast_decode.py --variants $V"
-  fast_decode 420 30 --variants "$V" --json "$OUT/variants.json"
+  fast_decode 300 30 --variants "$V" --json "$OUT/variants.json"
+  for NL in 0 1; do
+    step "benchmarks/kernels.py --gemv --no-verify --calls ${CALLS:-8b qkv,8b gate/up} --schedule norm_late=$NL"
+    timeout 150 python3 benchmarks/kernels.py --gemv --no-verify --calls "${CALLS:-8b qkv,8b gate/up}" \
+      --schedule norm_late=$NL --json "$OUT/gemv_nl$NL.json" > "$OUT/gemv_nl$NL.log" 2>&1
+    echo "   exit $?" | tee -a "$OUT/summary.log"
+    grep -vE "^device" "$OUT/gemv_nl$NL.log" | tail -16
+  done
 fi
 step "done"

@@ -29,9 +29,9 @@ from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.kernels import MAX_ROWS, SCHEDULE, interpreted
+from xcompile.runtime.kernels import MAX_ROWS, interpreted
 from xcompile.runtime.kernels.attention import attention, chunk_for
-from xcompile.runtime.kernels.linear import linear, prefetch_box
+from xcompile.runtime.kernels.linear import linear
 from xcompile.runtime.kernels.norm import embed_norms
 from xcompile.runtime.kernels.rope_kv import rope_kv
 
@@ -98,16 +98,6 @@ class _Layer:
         self.down = p.get(f"{prefix}mlp.down_proj.weight")
 
 
-def _prefetches(layer: _Layer, after_down: torch.Tensor, rows: int, down_rows: int) -> dict:
-    """The L2 prefetches of one layer's kernels (kernels.SCHEDULE): rope_kv asks for the o projection's
-    weights, each projection for the first bytes of the next one's (the down projection's: ``after_down``,
-    the next layer's qkv or the lm_head, called with ``down_rows`` rows)."""
-    o_bytes = SCHEDULE["prefetch_o"] * layer.o.numel() * layer.o.element_size()
-    nbytes = SCHEDULE["prefetch_next_mb"] * 2 ** 20
-    return dict(rope=prefetch_box(layer.o, o_bytes, rows), o=prefetch_box(layer.gate_up, nbytes, rows, gated=True),
-                gate_up=prefetch_box(layer.down, nbytes, rows), down=prefetch_box(after_down, nbytes, down_rows))
-
-
 class _FastEngine(Engine):
     """What the fast engines share: the reference engine for long passes, the KV it shares, the step
     inputs of batch 1."""
@@ -134,10 +124,10 @@ class _FastEngine(Engine):
         self.reference.close()
         super().close()
 
-    def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope, prefetch=None):
+    def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
         """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
         q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
-                    self.head_dim, layer.q_norm, layer.k_norm, self.eps, prefetch=prefetch)
+                    self.head_dim, layer.q_norm, layer.k_norm, self.eps)
         return attention(q, k_cache, v_cache, wi, mask, self.heads, self.chunk)
 
     @staticmethod
@@ -171,17 +161,14 @@ class FastQwen3Engine(_FastEngine):
         x = F.embedding(ids[0], self.embed)                                    # [S, H]
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
-        n_logits = inputs["logit_rows"].shape[1]
         for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
-            pf = _prefetches(layer, self.lm_head if last else self.layers[i + 1].qkv, s, n_logits if last else s)
             qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps)
-            a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope, pf["rope"])
-            linear(a, layer.o, residual=x, out=x, prefetch=pf["o"])
-            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, prefetch=pf["gate_up"])
+            a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)
+            linear(a, layer.o, residual=x, out=x)
+            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True)
             slots = [j for j, t in enumerate(self.taps) if t == i]
             extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
-            linear(g, layer.down, residual=x, out=x, extra_out=extra, prefetch=pf["down"])
+            linear(g, layer.down, residual=x, out=x, extra_out=extra)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 taps[0, :, j * h:(j + 1) * h] = x
         rows = x.index_select(0, inputs["logit_rows"][0])
@@ -216,16 +203,15 @@ class FastEagle3Engine(_FastEngine):
         pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
         hidden = inputs["hidden_states"][0]                                    # [S, H]
         layer = self.layer
-        pf = _prefetches(layer, self.lm_head, ids.shape[1], inputs["logit_rows"].shape[1])
         # u = [input_layernorm(embed(ids)), hidden_norm(hidden)]: embedding first (§3)
         u = embed_norms(ids[0], self.embed, layer.ln1, hidden, self.hidden_norm, self.eps)
         qkv = linear(u, layer.qkv)
-        a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope, pf["rope"])
+        a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope)
         h = hidden.shape[-1]
         residual = u[:, h:] if self.norm_before_residual else hidden           # u[:, H:] = hidden_norm(hidden)
-        x = linear(a, layer.o, residual=residual, prefetch=pf["o"])            # residual = the hidden
-        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, prefetch=pf["gate_up"])
-        linear(g, layer.down, residual=x, out=x, prefetch=pf["down"])
+        x = linear(a, layer.o, residual=residual)                              # residual = the hidden
+        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True)
+        linear(g, layer.down, residual=x, out=x)
         rows = x.index_select(0, inputs["logit_rows"][0])
         logits = linear(rows, self.lm_head, norm=self.norm, eps=self.eps)[None]
         return {"logits": logits, "hidden_out": x[None]}

@@ -47,17 +47,19 @@ def _pdl_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-# How a step's kernels fill the moments the memory system would idle (inside a graph, between and at the
-# ends of kernels), each switch measured by `benchmarks/fast_decode.py --variants` on the H200:
-#   prefetch_o       fraction of each layer's o-projection weights that rope_kv asks L2 to fetch before its
-#                    wait: between the qkv and o projections, rope, attention and its reduction read little
-#   prefetch_next_mb megabytes of the next projection's weights each projection asks L2 for after its loop
-#                    (its tail, while the last programs finish)
-#   evict_first      projection weights (read once per step) loaded evict-first, so prefetched lines stay
-#   early_trigger    projections and attention let the next kernel launch right after their own wait
-#                    (not at the end of their loop): its weight loads before its wait overlap this kernel
-# L2 prefetches change no result: they are cache hints (off in the interpreter, which has no cache).
-SCHEDULE = {"prefetch_o": 0.0, "prefetch_next_mb": 0.0, "evict_first": False, "early_trigger": False}
+# How the projection and attention kernels overlap, measured with `benchmarks/fast_decode.py --variants` on
+# the H200 (2026-12-01, fifth session, docs/BENCHMARKS.md), each a switch:
+#   evict_first           weights (read once per step) load evict-first in L2: 4.578 -> 4.551 ms a decode step
+#   early_trigger_verify  calls of several rows let the next kernel launch right after their own wait, not
+#                         at the end of their loop (its weight loads before its wait overlap this kernel):
+#                         7-token verify 4.943 -> 4.843 ms, 32-token 5.974 -> 5.930
+#   early_trigger_decode  the same for one-row calls: slower (4.578 -> 4.618), off
+# (L2 prefetches of the next projection's weights, from rope_kv or a projection's tail, measured slower in
+# every amount tried, 0.5-33 MB: 4.61-4.85 ms; not kept.) None of those changes a result. One that does:
+#   norm_late             a projection's RMSNorm prologue multiplies x by its weight only (rounded) and the
+#                         1/rms scales the fp32 sums at the end, its sum of squares gathered in the main loop:
+#                         no pass over x before the weights stream (not with split K: those keep the pass)
+SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": False}
 
 
 def pdl() -> bool:

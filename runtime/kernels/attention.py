@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels.common import schedule_flags
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
@@ -158,7 +159,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=bool(SCHEDULE["early_trigger"]), num_warps=4, num_stages=2, **launch())
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)

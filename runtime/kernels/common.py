@@ -1,17 +1,15 @@
 """Pieces the projection kernels share (linear.py's tile kernel, gemv.py's one-row GEMVs): loading a
 tile of x with its RMSNorm prologue, the per-row 1/rms, the weight tiles, the epilogue (SiLU*mul,
-residual, the second output), the split-K arrival counters, and L2 prefetches of another kernel's
-weights (SCHEDULE in __init__.py)."""
+residual, the second output), the split-K arrival counters, and the schedule flags (SCHEDULE in
+__init__.py)."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import SCHEDULE, interpreted
+from xcompile.runtime.kernels import SCHEDULE
 
 
 @triton.jit
@@ -26,6 +24,20 @@ def _load_x(X, stride_xm, rows, M, ks, K, rstd, G, NORM: tl.constexpr, EVEN_K: t
         g = tl.load(G + ks, mask=ks < K, other=0.0).to(tl.float32)
         x = (x.to(tl.float32) * rstd[:, None] * g[None, :]).to(X.dtype.element_ty)
     return x
+
+
+@triton.jit
+def _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K: tl.constexpr):
+    """The RMSNorm prologue with 1/rms left for the epilogue (norm_late): a [ROWS, BLOCK_K] tile of x * g
+    (rounded to x's dtype) and the per-row sum of x^2 over these columns (fp32)."""
+    if EVEN_K:
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=rows[:, None] < M, other=0.0)
+    else:
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+    xf = x.to(tl.float32)
+    g = tl.load(G + ks, mask=ks < K, other=0.0).to(tl.float32)
+    return (xf * g[None, :]).to(X.dtype.element_ty), tl.sum(xf * xf, axis=1)
 
 
 @triton.jit
@@ -80,43 +92,16 @@ def _load_w(w_ptr, u_ptr, ks, K, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVIC
     return w, wu
 
 
-class Prefetch(NamedTuple):
-    """Weight bytes for L2 to fetch ahead of the kernel that reads them: ``items`` segments of
-    ``item_bytes`` (a multiple of 16) every ``stride`` bytes from ``base``'s first byte (16-aligned)."""
-    base: torch.Tensor
-    items: int
-    item_bytes: int
-    stride: int
+def norm_late(norm: bool, split: int) -> bool:
+    """Whether a call's RMSNorm takes its 1/rms in the epilogue (SCHEDULE's norm_late; not with split K,
+    whose programs each see part of the row)."""
+    return norm and split == 1 and bool(SCHEDULE["norm_late"])
 
 
-def prefetch_args(prefetch: Prefetch | None, dummy: torch.Tensor) -> tuple[tuple, bool]:
-    """A kernel's (PF, pf_items, pf_bytes, pf_stride) arguments and its PREFETCH flag (never in the
-    interpreter: the prefetch is inline PTX)."""
-    if prefetch is None or prefetch.items <= 0 or interpreted():
-        return (dummy, 0, 16, 16), False
-    return (prefetch.base, prefetch.items, prefetch.item_bytes, prefetch.stride), True
-
-
-def schedule_flags() -> dict:
-    """The projection and attention kernels' EVICT / EARLY constexprs from SCHEDULE."""
-    return dict(EVICT=bool(SCHEDULE["evict_first"]), EARLY=bool(SCHEDULE["early_trigger"]))
-
-
-@triton.jit
-def _prefetch_l2(PF, items, item_bytes, stride, part, parts, THREADS: tl.constexpr):
-    """Ask L2 for this program's share (``part`` of ``parts``) of a Prefetch box, one bulk prefetch
-    (cp.async.bulk.prefetch.L2, sm_90+) per segment and thread: no result, nothing waits for it."""
-    per = tl.cdiv(items, parts)
-    first = part * per
-    last = tl.minimum(first + per, items)
-    base = PF.to(tl.pointer_type(tl.int8))
-    for i0 in range(first, last, THREADS):
-        i = i0 + tl.arange(0, THREADS)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], $4; }\n"
-            "mov.u32 $0, 0;", "=r,l,r,r,r",
-            [base + i.to(tl.int64) * stride, i, tl.zeros_like(i) + last, tl.zeros_like(i) + item_bytes],
-            dtype=tl.int32, is_pure=False, pack=1)
+def schedule_flags(rows: int) -> dict:
+    """The EVICT / EARLY constexprs of a projection or attention call of ``rows`` rows (SCHEDULE)."""
+    early = SCHEDULE["early_trigger_verify" if rows > 1 else "early_trigger_decode"]
+    return dict(EVICT=bool(SCHEDULE["evict_first"]), EARLY=bool(early))
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -21,19 +21,20 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import interpreted, launch, pdl
-from xcompile.runtime.kernels.common import (Prefetch, _counters, _epilogue, _load_w, _load_weight, _load_x,
-                                             _prefetch_l2, _rstd, prefetch_args, schedule_flags)
+from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_weight, _load_x, _load_xg, _rstd,
+                                             norm_late, schedule_flags)
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, PF, pf_items, pf_bytes, pf_stride,
-                 NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
-                 PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr, THREADS: tl.constexpr):
+def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+                 RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
+                 LATE: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
     # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
     # the next weight tile is requested before the current one is used (software double buffering),
     # and the first before waiting for the previous kernel (PDL). K_SPLIT is a multiple of BLOCK_K.
+    # LATE (no split): the RMSNorm's 1/rms scales the reduced sums, its sum of squares gathered on the way.
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     k_end = k_begin + K_SPLIT
@@ -48,8 +49,9 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, PF, pf_item
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
-    if NORM:
+    if NORM and not LATE:
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
+    ss = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -58,7 +60,12 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, PF, pf_item
         w_next = _load_weight(w_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
         if GATED:
             wu_next = _load_weight(u_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
-        x = _load_x(X, 0, tl.arange(0, 1), 1, k0 + ks, K, rstd, G, NORM, True).to(tl.float32)   # [1, BLOCK_K]
+        if LATE:
+            x, d = _load_xg(X, 0, tl.arange(0, 1), 1, k0 + ks, K, G, True)
+            ss += d
+        else:
+            x = _load_x(X, 0, tl.arange(0, 1), 1, k0 + ks, K, rstd, G, NORM, True)        # [1, BLOCK_K]
+        x = x.to(tl.float32)
         acc += w.to(tl.float32) * x
         if GATED:
             accu += wu.to(tl.float32) * x
@@ -66,6 +73,8 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, PF, pf_item
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     yu = tl.sum(accu, axis=1)
+    if LATE:
+        y, yu = y * tl.rsqrt(ss / K + eps), yu * tl.rsqrt(ss / K + eps)
     if SPLIT > 1:
         # as the tile kernel's split K: partial sums [SPLIT, 2, N_OUT] in WS, the column block's last
         # program (counter CNT[pid_n]) adds them in split order and runs the epilogue
@@ -89,9 +98,6 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, PF, pf_item
     else:
         _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
                   EXTRA)
-    if PREFETCH:                                            # the next kernel's weights, into L2
-        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, pid_n * SPLIT + tl.program_id(1),
-                     tl.num_programs(0) * SPLIT, THREADS)
 
 
 @triton.jit
@@ -106,15 +112,16 @@ def _stream_w(W, pid, P, it, KT, N_OUT, K, ks, GATED: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, PF, pf_items, pf_bytes, pf_stride, NORM: tl.constexpr,
-                        GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr,
-                        AHEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                        EVICT: tl.constexpr, EARLY: tl.constexpr, THREADS: tl.constexpr):
+def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+                        RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
+                        LATE: tl.constexpr):
     # one row, a fixed number of programs (a few per SM) each streaming the row blocks pid, pid + P, ...
     # as one loop over (row block, K block): the weight tiles AHEAD iterations ahead are in flight across
     # row-block boundaries, and the program's fixed costs (the first tile's latency, the RMSNorm pass)
     # are paid once, not once per row block. Each row block is reduced as _gemv_kernel reduces it (the
-    # same lanes, the same order): the same bits as its tile. K is a multiple of BLOCK_K.
+    # same lanes, the same order): the same bits as its tile. K is a multiple of BLOCK_K. LATE: 1/rms from
+    # the sum of squares of the first row block's pass.
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     KT = K // BLOCK_K
@@ -129,8 +136,9 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, PF, pf_items, pf_bytes
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
-    if NORM:
+    if NORM and not LATE:
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
+    ss = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for it in range(0, n_it):
@@ -141,7 +149,12 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, PF, pf_items, pf_bytes
             w2, wu2 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
         else:
             w1, wu1 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
-        x = _load_x(X, 0, tl.arange(0, 1), 1, (it % KT) * BLOCK_K + ks, K, rstd, G, NORM, True).to(tl.float32)
+        if LATE:
+            x, d = _load_xg(X, 0, tl.arange(0, 1), 1, (it % KT) * BLOCK_K + ks, K, G, True)
+            ss += tl.where(it < KT, d, 0.0)                 # the first row block's pass: all of K once
+        else:
+            x = _load_x(X, 0, tl.arange(0, 1), 1, (it % KT) * BLOCK_K + ks, K, rstd, G, NORM, True)
+        x = x.to(tl.float32)
         acc += w.to(tl.float32) * x
         if GATED:
             accu += wu.to(tl.float32) * x
@@ -149,14 +162,14 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, PF, pf_items, pf_bytes
             cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
             y = tl.sum(acc, axis=1)
             yu = tl.sum(accu, axis=1)
+            if LATE:
+                y, yu = y * tl.rsqrt(ss / K + eps), yu * tl.rsqrt(ss / K + eps)
             _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
                       EXTRA)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH:                                            # the next kernel's weights, into L2
-        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, pid, P, THREADS)
 
 
 class Gemv(NamedTuple):
@@ -204,24 +217,24 @@ def sms(device: torch.device) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, norm: torch.Tensor | None, eps: float,
-         gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None,
-         prefetch: Prefetch | None = None) -> torch.Tensor:
+         gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None) -> torch.Tensor:
     """linear() of one row (its docstring) with ``tile``: x [1, K] -> out [1, N]."""
     n_out, k = out.shape[1], x.shape[1]
     dummy = out
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
-    pf, has_pf = prefetch_args(prefetch, dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PREFETCH=has_pf, **schedule_flags(),
-                 THREADS=32 * tile.warps, num_warps=tile.warps, num_stages=1, **launch())
+                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **schedule_flags(1), num_warps=tile.warps,
+                 num_stages=1, **launch())
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))
-        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, *pf, AHEAD=tile.ahead, **flags)
+        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, AHEAD=tile.ahead, LATE=norm_late(norm is not None, 1),
+                                         **flags)
         return out
     split = tile.split
     ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
     cnt = _counters(x.device, blocks) if split > 1 else dummy
-    _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, *pf, SPLIT=split, **flags)
+    _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, SPLIT=split,
+                                  LATE=norm_late(norm is not None, split), **flags)
     return out

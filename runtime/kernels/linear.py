@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
-from xcompile.runtime.kernels.common import (Prefetch, _counters, _epilogue, _load_w, _load_x, _prefetch_l2, _rstd,
-                                             prefetch_args, schedule_flags)
+from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _rstd, norm_late,
+                                             schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
 
 
@@ -38,31 +38,42 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(X, stride_xm, G, M, K, ks, rows, s, NORM: tl.constexpr, EVEN_K: tl.constexpr, LATE: tl.constexpr):
+    """One row tile of x at columns ks and its statistic s: LATE, x * g and s + these columns' sum of x^2
+    per row; else x RMS-normalised with the 1/rms s (when NORM)."""
+    if LATE:
+        x, ss = _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K)
+        return x, s + ss
+    return _load_x(X, stride_xm, rows, M, ks, K, s, G, NORM, EVEN_K), s
+
+
+@triton.jit
 def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u1, u2, u3,
          BLOCK_M: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-         EVEN_K: tl.constexpr, TILES: tl.constexpr):
-    """Accumulate one K step of every row tile against the weight tile(s)."""
+         EVEN_K: tl.constexpr, TILES: tl.constexpr, LATE: tl.constexpr):
+    """Accumulate one K step of every row tile against the weight tile(s) (and, LATE, the row tiles'
+    sums of squares s*)."""
     r0 = tl.arange(0, BLOCK_M)
-    x = _load_x(X, stride_xm, r0, M, ks, K, s0, G, NORM, EVEN_K)
+    x, s0 = _row_tile(X, stride_xm, G, M, K, ks, r0, s0, NORM, EVEN_K, LATE)
     a0 = _dot(x, w, a0, IEEE)
     if GATED:
         u0 = _dot(x, wu, u0, IEEE)
     if TILES > 1:
-        x = _load_x(X, stride_xm, r0 + BLOCK_M, M, ks, K, s1, G, NORM, EVEN_K)
+        x, s1 = _row_tile(X, stride_xm, G, M, K, ks, r0 + BLOCK_M, s1, NORM, EVEN_K, LATE)
         a1 = _dot(x, w, a1, IEEE)
         if GATED:
             u1 = _dot(x, wu, u1, IEEE)
     if TILES > 2:
-        x = _load_x(X, stride_xm, r0 + 2 * BLOCK_M, M, ks, K, s2, G, NORM, EVEN_K)
+        x, s2 = _row_tile(X, stride_xm, G, M, K, ks, r0 + 2 * BLOCK_M, s2, NORM, EVEN_K, LATE)
         a2 = _dot(x, w, a2, IEEE)
         if GATED:
             u2 = _dot(x, wu, u2, IEEE)
     if TILES > 3:
-        x = _load_x(X, stride_xm, r0 + 3 * BLOCK_M, M, ks, K, s3, G, NORM, EVEN_K)
+        x, s3 = _row_tile(X, stride_xm, G, M, K, ks, r0 + 3 * BLOCK_M, s3, NORM, EVEN_K, LATE)
         a3 = _dot(x, w, a3, IEEE)
         if GATED:
             u3 = _dot(x, wu, u3, IEEE)
-    return a0, a1, a2, a3, u0, u1, u2, u3
+    return a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3
 
 
 @triton.jit
@@ -85,6 +96,19 @@ def _tile_rstds(X, stride_xm, r0, M, K, eps, NORM: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, r0, r1, r2, r3, TILES: tl.constexpr):
+    """norm_late: each row tile's accumulators times its rows' 1/rms r*."""
+    a0, u0 = a0 * r0[:, None], u0 * r0[:, None]
+    if TILES > 1:
+        a1, u1 = a1 * r1[:, None], u1 * r1[:, None]
+    if TILES > 2:
+        a2, u2 = a2 * r2[:, None], u2 * r2[:, None]
+    if TILES > 3:
+        a3, u3 = a3 * r3[:, None], u3 * r3[:, None]
+    return a0, a1, a2, a3, u0, u1, u2, u3
+
+
+@triton.jit
 def _zero_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Accumulators of each row tile (a*) and their up halves when gated (u*)."""
     z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -93,13 +117,13 @@ def _zero_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm, stride_y2m,
-                   eps, PF, pf_items, pf_bytes, pf_stride, NORM: tl.constexpr, GATED: tl.constexpr,
-                   RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                   TILES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
-                   EARLY: tl.constexpr, THREADS: tl.constexpr):
+                   eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
-    # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split)
+    # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split). LATE (no
+    # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,17 +139,26 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+    if LATE:
+        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, False, BLOCK_M, BLOCK_K, TILES)   # zeros
+    else:
+        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
-    a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
-                                          u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
+    a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1,
+                                                          a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE,
+                                                          EVEN_K, TILES, LATE)
     for k0 in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K, EVICT)
-        a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
-                                              u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, EVEN_K, TILES)
+        a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0,
+                                                              a1, a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED,
+                                                              IEEE, EVEN_K, TILES, LATE)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()               # the next kernel may launch (and wait) now
+    if LATE:                                                # s*: the rows' sums of x^2 over all of K
+        a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, tl.rsqrt(s0 / K + eps),
+                                                     tl.rsqrt(s1 / K + eps), tl.rsqrt(s2 / K + eps),
+                                                     tl.rsqrt(s3 / K + eps), TILES)
     if SPLIT == 1:
         _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT,
                    GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
@@ -148,21 +181,19 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
             _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
                        N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
             tl.store(CNT + pid_n, 0)                        # ready for the next launch
-    if PREFETCH:                                            # the next kernel's weights, into L2
-        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, pid_n * SPLIT + tl.program_id(1),
-                     tl.num_programs(0) * SPLIT, THREADS)
 
 
 @triton.jit
 def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
-                          PF, pf_items, pf_bytes, pf_stride, NORM: tl.constexpr, GATED: tl.constexpr,
-                          RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, IEEE: tl.constexpr, TILES: tl.constexpr,
-                          PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PREFETCH: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr, THREADS: tl.constexpr):
+                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                          IEEE: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
+                          LATE: tl.constexpr):
     # a fixed number of programs (a few per SM), each over the column blocks pid, pid + P, ... in one
     # loop of (column block, K block) steps, so the software pipeline streams weight tiles across column
     # blocks and a program's fixed costs (the RMSNorm pass, the pipeline's fill) are paid once; each
     # column block is reduced as _linear_kernel reduces it with the same tile (same bits). K % BLOCK_K == 0.
+    # LATE: the rows' 1/rms from the sums of squares of the first column block's pass (q*), as _linear_kernel
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     KT = K // BLOCK_K
@@ -172,23 +203,33 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+    if LATE:
+        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, False, BLOCK_M, BLOCK_K, TILES)   # zeros
+    else:
+        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+    q0, q1, q2, q3 = s0, s1, s2, s3
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     for it in range(0, n_it):
         cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
         wrows = tl.where(cols < N_OUT, cols, 0)
         ks = (it % KT) * BLOCK_K + tl.arange(0, BLOCK_K)
         w, wu = _load_w(W + wrows[:, None] * K, W + (wrows[:, None] + N_OUT) * K, ks, K, GATED, True, EVICT)
-        a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3,
-                                              u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE, True, TILES)
+        a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0,
+                                                              a1, a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED,
+                                                              IEEE, True, TILES, LATE)
         if it % KT == KT - 1:                               # the column block is done
+            if LATE:
+                first = it < KT
+                q0 = tl.where(first, tl.rsqrt(s0 / K + eps), q0)
+                q1 = tl.where(first, tl.rsqrt(s1 / K + eps), q1)
+                q2 = tl.where(first, tl.rsqrt(s2 / K + eps), q2)
+                q3 = tl.where(first, tl.rsqrt(s3 / K + eps), q3)
+                a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
             _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
                        N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
             a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH:                                            # the next kernel's weights, into L2
-        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, pid, P, THREADS)
 
 
 @triton.jit
@@ -300,11 +341,10 @@ def tile_for(n_out: int, k: int) -> Tile:
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           extra_out: torch.Tensor | None = None, prefetch: Prefetch | None = None) -> torch.Tensor:
+           extra_out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] (module docstring). w [N, K] (gated: [2N, K], gate rows then up rows);
     norm [K]: RMSNorm weight of the prologue; residual [M, N] (may be ``out``); extra_out [M, N]
-    (any row stride): a second copy of the result; prefetch: another kernel's weights for L2 to fetch
-    once this one's loop is done (prefetch_box). Rows of x may be strided; columns contiguous."""
+    (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous."""
     m, k = x.shape
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
@@ -313,50 +353,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     dummy = out
     tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
-        return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out,
-                    prefetch=prefetch)
+        return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
     t = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
     strides = (x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
                extra_out.stride(0) if extra_out is not None else 0)
-    pf, has_pf = prefetch_args(prefetch, dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
                  IEEE=ieee_dot(x.dtype), TILES=tiles, PDL=pdl(), BLOCK_M=ROW_TILE, BLOCK_N=t.block_n,
-                 BLOCK_K=t.block_k, PREFETCH=has_pf, **schedule_flags(), THREADS=32 * t.warps, num_warps=t.warps,
-                 num_stages=t.stages, **launch())
+                 BLOCK_K=t.block_k, **schedule_flags(m), num_warps=t.warps, num_stages=t.stages, **launch())
     if t.per_sm > 0:
         programs = min(blocks, t.per_sm * sms(x.device))
-        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, *pf, **flags)
+        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, LATE=norm_late(norm is not None, 1),
+                                           **flags)
         return out
     ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
         else dummy
     cnt = _counters(x.device, blocks) if t.split > 1 else dummy
-    _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, m, n_out, k, k // t.split, *strides, eps, *pf,
-                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, **flags)
+    _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, m, n_out, k, k // t.split, *strides, eps,
+                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=norm_late(norm is not None, t.split),
+                                      **flags)
     return out
-
-
-def prefetch_box(w: torch.Tensor, nbytes: float, rows: int, gated: bool = False) -> Prefetch | None:
-    """The first ``nbytes`` that linear() of ``rows`` rows will read of weight ``w``, as a Prefetch box
-    (None if that is nothing): the one-row GEMVs read W row block after row block (its first bytes);
-    the tile kernel's programs all start at once, each at the first K step of its rows (of each split)."""
-    n_rows, k = w.shape
-    row_bytes = k * w.element_size()
-    if nbytes < 16 or w.data_ptr() % 16 or row_bytes % 16:
-        return None
-    n_out = n_rows // 2 if gated else n_rows
-    if rows == 1 and gemv_tile(n_out, k) is not None:
-        item = 16384
-        items = min(int(nbytes), n_rows * row_bytes) // item
-        return Prefetch(w, items, item, item) if items else None
-    split = tile_for(n_out, k).split
-    seg = row_bytes // split
-    if seg % 16:
-        return None
-    item = min(int(nbytes) // (n_rows * split), seg) // 16 * 16
-    return Prefetch(w, n_rows * split, item, seg) if item else None
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,

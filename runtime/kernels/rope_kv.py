@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import launch, pdl
-from xcompile.runtime.kernels.common import Prefetch, _prefetch_l2, prefetch_args
 
 
 @triton.jit
@@ -33,11 +32,7 @@ def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.c
 
 @triton.jit
 def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, stride_q, stride_ch, eps,
-                    PF, pf_items, pf_bytes, pf_stride, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if PREFETCH:        # a later kernel's weights (the o projection's), while the qkv projection drains
-        _prefetch_l2(PF, pf_items, pf_bytes, pf_stride, tl.program_id(0) * (HQ + HKV) + tl.program_id(1),
-                     tl.num_programs(0) * (HQ + HKV), 32)
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -73,20 +68,18 @@ def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, strid
 def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
             head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-            eps: float = 1e-6, out: torch.Tensor | None = None, prefetch: Prefetch | None = None) -> torch.Tensor:
+            eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [M, (Hq+2Hkv)*D]; position_ids [M]; write_index [1]; cos/sin [P, D/2] fp32; caches
-    [1, Hkv, S_max, D] written in place at rows write_index + 0..M-1 -> q [M, Hq*D]. prefetch: weights
-    for L2 to fetch before the wait for the previous kernel."""
+    [1, Hkv, S_max, D] written in place at rows write_index + 0..M-1 -> q [M, Hq*D]."""
     m = qkv.shape[0]
     assert k_cache.shape[0] == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(1) == 1
     if out is None:
         out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
-    pf, has_pf = prefetch_args(prefetch, out)
     _rope_kv_kernel[(m, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
-        k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps, *pf,
-        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), PREFETCH=has_pf, num_warps=1, **launch())
+        k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps,
+        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), num_warps=1, **launch())
     return out
 
 

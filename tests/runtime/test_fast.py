@@ -164,24 +164,21 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_kernel_schedule_changes_no_bits_of_a_step_on_the_gpu(tokens, monkeypatch):
-    """kernels.SCHEDULE (L2 prefetches, evict-first weights, early PDL trigger) is scheduling only: a
-    bf16 target step and an EAGLE3 step give the same logits, hidden and KV bits with every switch on."""
+    """kernels.SCHEDULE (evict-first weights, early PDL trigger) is scheduling only: a bf16 target step and
+    an EAGLE3 step give the same logits, hidden and KV bits with every switch on as with every one off."""
     from xcompile.runtime import kernels
     tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
     target, (e3, _) = fast_target(tiny), fast_eagle3(tiny)
     inputs = step_inputs(torch.arange(3, 3 + tokens, device="cuda")[None], 40)
-
-    def step():
+    hidden = {"hidden_states": torch.ones(1, tokens, tiny.eagle3.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)}
+    results = []
+    for on in (False, True):
+        for key in ("evict_first", "early_trigger_verify", "early_trigger_decode"):
+            monkeypatch.setitem(kernels.SCHEDULE, key, on)
         outs = []
-        for engine in (target, e3):
+        for engine, extra in ((target, {}), (e3, hidden)):
             kv = engine.reference.new_kv()
             engine.bind_kv(kv)
-            extra = {"hidden_states": torch.ones(1, tokens, tiny.eagle3.cfg.hidden_size, device="cuda",
-                                                 dtype=torch.bfloat16)} if engine is e3 else {}
             outs += list(engine.run(**inputs, **extra).values()) + list(kv)
-        return outs
-
-    want = step()
-    for key, value in {"prefetch_o": 1.0, "prefetch_next_mb": 4.0, "evict_first": True, "early_trigger": True}.items():
-        monkeypatch.setitem(kernels.SCHEDULE, key, value)
-    assert all(torch.equal(a, b) for a, b in zip(step(), want))
+        results.append(outs)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

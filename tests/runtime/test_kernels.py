@@ -278,67 +278,74 @@ def test_embed_norms_matches_reference():
     assert rel(got, embed_norms_reference(ids, emb, w1, hidden, w2, 1e-6)) < 1e-2
 
 
-ALL_ON = {"prefetch_o": 1.0, "prefetch_next_mb": 4.0, "evict_first": True, "early_trigger": True}
+ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False}
 
 
-def test_prefetch_box_follows_the_reading_order(monkeypatch):
-    """A one-row GEMV reads W row block after row block: its box is W's first bytes in 16 KiB segments;
-    the tile kernel's programs start together at the first K step of their rows (of each split): its box
-    is each row's (split's) first bytes. Capped by the weight, None when nothing is left to fetch."""
-    w = torch.zeros(64, 256, dtype=torch.bfloat16)                          # rows of 512 bytes, 32 KiB
-    monkeypatch.setitem(G.GEMV_TILES, (64, 256), G.Gemv(4, 128, 4))
-    monkeypatch.setitem(L.TILES, (64, 256), L.Tile(32, 64, 4, 3, 2))
-    assert L.prefetch_box(w, 20000, 1) == C.Prefetch(w, 1, 16384, 16384)
-    assert L.prefetch_box(w, 1e9, 1) == C.Prefetch(w, 2, 16384, 16384)      # the whole weight, no more
-    assert L.prefetch_box(w, 8192, 7) == C.Prefetch(w, 128, 64, 256)        # 2 splits x 64 rows x 64 bytes
-    assert L.prefetch_box(w, 1e9, 7) == C.Prefetch(w, 128, 256, 256)        # every split segment, whole
-    assert L.prefetch_box(w, 8, 1) is None and L.prefetch_box(w, 1000, 7) is None
-    gate_up = torch.zeros(2 * 32, 256, dtype=torch.bfloat16)                # gated: 32 outputs, 64 rows
-    monkeypatch.setitem(L.TILES, (32, 256), L.Tile(32, 64, 4, 3))
-    assert L.prefetch_box(gate_up, 64 * 128, 7, gated=True) == C.Prefetch(gate_up, 64, 128, 512)
+def schedule(monkeypatch, on: bool) -> None:
+    for key in ALL_OFF:
+        monkeypatch.setitem(kernels.SCHEDULE, key, on)
 
 
 def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
-    """Evict-first weight loads (the one switch the interpreter runs: PDL and L2 prefetches are GPU-only)
-    leave every projection's result as it was."""
+    """Evict-first weight loads (the one switch the interpreter runs: PDL is GPU-only) leave every
+    projection's result as it was, on both kernels."""
     torch.manual_seed(3)
     w, x, g = randn(192, 256, dtype=torch.float32), randn(5, 256, dtype=torch.float32), randn(256, dtype=torch.float32)
-    want = [linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)]
-    for key, value in ALL_ON.items():
-        monkeypatch.setitem(kernels.SCHEDULE, key, value)
-    got = [linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    monkeypatch.setitem(G.GEMV_TILES, (192, 256), G.Gemv(4, 128, 4))
+    monkeypatch.setitem(G.GEMV_TILES, (96, 256), G.Gemv(4, 128, 4, per_sm=1))
+    results = []
+    for on in (False, True):
+        schedule(monkeypatch, on)
+        results.append([linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("late", [False, True])
+def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
+    """The RMSNorm prologue with its 1/rms applied at the end (norm_late) or before the weights stream:
+    the tile kernel (one and several row tiles), its streaming form and the one-row GEMVs (per block and
+    streaming) all match the reference; each streaming kernel gives the bits of its per-block tile."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_late", late)
+    torch.manual_seed(4)
+    n, k = 96, 256
+    g = randn(k, dtype=dtype) + 1
+    for gated in (False, True):
+        w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
+        for rows in (1, 5, 33):
+            x = 3 * randn(rows, k, dtype=dtype)
+            ref = linear_reference(x, w, norm=g, gated=gated)
+            for table, plain, stream in ((L.TILES, L.Tile(32, 64, 4, 3), L.Tile(32, 64, 4, 3, per_sm=1)),
+                                         (G.GEMV_TILES, G.Gemv(4, 64, 4), G.Gemv(4, 64, 4, per_sm=1, ahead=2))):
+                if table is G.GEMV_TILES and rows > 1:
+                    continue
+                monkeypatch.setitem(table, (n, k), plain)
+                want = linear(x, w, norm=g, gated=gated)
+                assert rel(want, ref) < TOL[dtype], (table is L.TILES, gated, rows)
+                monkeypatch.setitem(table, (n, k), stream)
+                assert torch.equal(linear(x, w, norm=g, gated=gated), want), (table is L.TILES, gated, rows)
+                monkeypatch.delitem(table, (n, k))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
-    """L2 prefetches (of another weight), evict-first loads and the early PDL trigger are scheduling
-    only: every projection shape of an 8B layer, and rope_kv, give the same bits with all of them on."""
+    """Evict-first loads and the early PDL trigger are scheduling only: every projection shape of an 8B
+    layer and attention give the same bits with all of them on as with all off."""
     torch.manual_seed(rows)
     shapes = [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False)]
     ws = [randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5) for n, k, gated in shapes]
     xs = [randn(rows, k, dtype=torch.bfloat16) for _, k, _ in shapes]
     g = randn(4096, dtype=torch.bfloat16) + 1
-
-    def run(prefetch_mb):
-        outs = []
-        for i, ((n, k, gated), w, x) in enumerate(zip(shapes, ws, xs)):
-            box = L.prefetch_box(ws[(i + 1) % len(ws)], prefetch_mb * 2 ** 20, rows)
-            outs.append(linear(x, w, norm=g if k == 4096 else None, gated=gated, residual=None, prefetch=box))
-        return outs
-
-    want = run(0)
-    for key, value in ALL_ON.items():
-        monkeypatch.setitem(kernels.SCHEDULE, key, value)
-    assert all(torch.equal(a, b) for a, b in zip(run(8), want))
-    cos, sin = (t.to(DEV) for t in rope_tables(128, 4352, 1e6))
-    qkv = randn(rows, 48 * 128, dtype=torch.bfloat16)
-    pos, wi = torch.arange(rows, device=DEV) + 100, torch.tensor([100], device=DEV)
-    caches = [randn(1, 8, 4352, 128, dtype=torch.bfloat16) for _ in range(2)]
-    q0 = rope_kv(qkv, pos, wi, cos, sin, *caches, 32, 8, 128)
-    q1 = rope_kv(qkv, pos, wi, cos, sin, *caches, 32, 8, 128, prefetch=L.prefetch_box(ws[1], 2 ** 25, rows))
-    assert torch.equal(q0, q1)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q, wi = randn(rows, 32 * 128, dtype=torch.bfloat16), torch.tensor([300], device=DEV)
+    tm = torch.ones(rows, rows, dtype=torch.bool, device=DEV).tril()
+    results = []
+    for on in (False, True):
+        schedule(monkeypatch, on)
+        results.append([linear(x, w, norm=g if k == 4096 else None, gated=gated)
+                        for (n, k, gated), w, x in zip(shapes, ws, xs)] + [attention(q, kc, vc, wi, tm, 32)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.gpu
