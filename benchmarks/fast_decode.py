@@ -10,7 +10,8 @@ dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) to
 head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
 logit error, argmax agreement) over a few decode steps. ``--variants`` instead times the decode and
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
-``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run.
+``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
+``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones).
 """
 
 from __future__ import annotations
@@ -65,23 +66,35 @@ def parse_variants(spec: str) -> list[dict]:
     for v in spec.split(";"):
         if v.strip():
             pairs = [kv.split("=") for kv in v.split(",")]
-            unknown = [k for k, _ in pairs if k not in kernels.SCHEDULE]
+            unknown = [k for k, _ in pairs if k not in kernels.SCHEDULE and k != "tiles"]
             if unknown:
                 raise SystemExit(f"--variants: unknown schedule key(s) {unknown}; known: {list(kernels.SCHEDULE)}")
             out.append({k.strip(): bool(float(x)) for k, x in pairs})
     return out
 
 
-def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg) -> list[dict]:
+def use_tiles(tables: dict) -> None:
+    """Put kernels.json-style tables {"tiles": {...}, "gemv_tiles": {...}} (or the built-in copies) in place."""
+    for table, key in ((L.TILES, "tiles"), (G.GEMV_TILES, "gemv_tiles")):
+        for shape, tile in tables.get(key, {}).items():
+            table[tuple(map(int, shape.split(","))) if isinstance(shape, str) else shape] = tuple(tile)
+
+
+def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg, tiles: dict | None) -> list[dict]:
     """Graphed step ms of the fast target (1 / 7 / 32 tokens) and the EAGLE3 step (1 token) per variant."""
     builtin = dict(kernels.SCHEDULE)
+    builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES)}
     rows = []
     print(f"built-in schedule {builtin}\n{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
     for ctx in contexts:
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for v in variants:
             kernels.SCHEDULE.clear()
-            kernels.SCHEDULE.update(builtin | v)
+            kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "tiles"})
+            G.GEMV_TILES.clear()
+            use_tiles(builtin_tiles)
+            if v.get("tiles") and tiles:
+                use_tiles(tiles)
             row = {"variant": v, "ctx": ctx}
             for tokens in (1, 7, 32):
                 row[f"fast_ms_{tokens}"] = graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))
@@ -94,6 +107,8 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
                   f"{row['eagle3_ms']:>8.3f}")
     kernels.SCHEDULE.clear()
     kernels.SCHEDULE.update(builtin)
+    G.GEMV_TILES.clear()
+    use_tiles(builtin_tiles)
     return rows
 
 
@@ -108,12 +123,12 @@ def main() -> None:
     args = ap.parse_args()
     variants = parse_variants(args.variants) if args.variants is not None else None
     builtin_gemv = dict(G.GEMV_TILES)
-    if args.tiles:
-        chosen = json.load(open(args.tiles))
-        for table, key in ((L.TILES, "tiles"), (G.GEMV_TILES, "gemv_tiles")):
-            for shape, tile in chosen.get(key, {}).items():
-                table[tuple(map(int, shape.split(",")))] = tuple(tile)
+    chosen = json.load(open(args.tiles)) if args.tiles else None
+    if chosen and variants is None:
+        use_tiles(chosen)
         print("tiles:", L.TILES, "\none-row gemv tiles:", G.GEMV_TILES)
+    elif chosen:
+        print("tiles=1 variants take:", chosen.get("tiles"), chosen.get("gemv_tiles"))
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))
@@ -131,7 +146,7 @@ def main() -> None:
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
     if variants is not None:
-        out["variants"] = time_variants(variants, list(map(int, args.contexts.split(","))), fast, fe3, ref, cfg)
+        out["variants"] = time_variants(variants, list(map(int, args.contexts.split(","))), fast, fe3, ref, cfg, chosen)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

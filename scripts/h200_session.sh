@@ -15,8 +15,8 @@
 #   PART=3  a quick re-check after a kernel change: `xrun bench --synthetic qwen3-8b` greedy, the gpu tests of
 #           kernels, fast engines and round graphs, benchmarks/fast_decode.py at contexts 128,4096
 #   PART=4  the kernel schedule (kernels.SCHEDULE: evict-first weights, early PDL trigger, norm_late): its
-#           tests, benchmarks/fast_decode.py --variants "$VARIANTS" at contexts 128,4096, then the one-row
-#           GEMV sweep of CALLS (8b qkv, gate/up) with norm_late off and on
+#           tests, benchmarks/kernels.py --gemv on CALLS (8b qkv, gate/up) under SCHED (norm_late on), then
+#           benchmarks/fast_decode.py --variants "$VARIANTS" (tiles=1: the sweep's tiles) at contexts 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -106,15 +106,14 @@ if [ "$PART" = 4 ]; then
   gpu_tests 150 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k schedule
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py -k norm_late 2>&1 | tail -1 \
     | tee -a "$OUT/summary.log"
-  V=${VARIANTS:-"norm_late=1;early_trigger_verify=0;evict_first=0;norm_late=1,early_trigger_decode=1"}
-  step "benchmarks/fast_decode.py --variants $V"
-  fast_decode 300 30 --variants "$V" --json "$OUT/variants.json"
-  for NL in 0 1; do
-    step "benchmarks/kernels.py --gemv --no-verify --calls ${CALLS:-8b qkv,8b gate/up} --schedule norm_late=$NL"
-    timeout 150 python3 benchmarks/kernels.py --gemv --no-verify --calls "${CALLS:-8b qkv,8b gate/up}" \
-      --schedule norm_late=$NL --json "$OUT/gemv_nl$NL.json" > "$OUT/gemv_nl$NL.log" 2>&1
-    echo "   exit $?" | tee -a "$OUT/summary.log"
-    grep -vE "^device" "$OUT/gemv_nl$NL.log" | tail -16
-  done
+  SCHED=${SCHED:-norm_late=1,norm_late_tile=1}
+  step "benchmarks/kernels.py --gemv --calls ${CALLS:-8b qkv,8b gate/up} --schedule $SCHED"
+  timeout 240 python3 benchmarks/kernels.py --gemv --calls "${CALLS:-8b qkv,8b gate/up}" --schedule "$SCHED" \
+    --json "$OUT/gemv_late.json" > "$OUT/gemv_late.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^device" "$OUT/gemv_late.log" | tail -40
+  V=${VARIANTS:-"tiles=1,norm_late=1;tiles=1,norm_late=1,norm_late_tile=1;norm_late_tile=1;norm_late=1"}
+  step "benchmarks/fast_decode.py --tiles gemv_late.json --variants $V"
+  fast_decode 300 30 --tiles "$OUT/gemv_late.json" --variants "$V" --json "$OUT/variants.json"
 fi
 step "done"

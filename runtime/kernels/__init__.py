@@ -56,10 +56,12 @@ def _pdl_capable() -> bool:
 #   early_trigger_decode  the same for one-row calls: slower (4.578 -> 4.618), off
 # (L2 prefetches of the next projection's weights, from rope_kv or a projection's tail, measured slower in
 # every amount tried, 0.5-33 MB: 4.61-4.85 ms; not kept.) None of those changes a result. One that does:
-#   norm_late             a projection's RMSNorm prologue multiplies x by its weight only (rounded) and the
-#                         1/rms scales the fp32 sums at the end, its sum of squares gathered in the main loop:
-#                         no pass over x before the weights stream (not with split K: those keep the pass)
-SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": False}
+#   norm_late             a one-row GEMV's RMSNorm prologue multiplies x by its weight only (rounded) and the
+#                         1/rms scales the fp32 sums at the end, x^2 gathered per lane in the main loop: no
+#                         pass over x before the weights stream (not with split K: those keep the pass)
+#   norm_late_tile        the same in the tile kernel
+SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": False,
+            "norm_late_tile": False}
 
 
 def pdl() -> bool:

@@ -29,7 +29,7 @@ def _load_x(X, stride_xm, rows, M, ks, K, rstd, G, NORM: tl.constexpr, EVEN_K: t
 @triton.jit
 def _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K: tl.constexpr):
     """The RMSNorm prologue with 1/rms left for the epilogue (norm_late): a [ROWS, BLOCK_K] tile of x * g
-    (rounded to x's dtype) and the per-row sum of x^2 over these columns (fp32)."""
+    (rounded to x's dtype) and x^2 (fp32), for the caller to add up per lane and reduce once at the end."""
     if EVEN_K:
         x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=rows[:, None] < M, other=0.0)
     else:
@@ -37,7 +37,7 @@ def _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K: tl.constexpr):
                     other=0.0)
     xf = x.to(tl.float32)
     g = tl.load(G + ks, mask=ks < K, other=0.0).to(tl.float32)
-    return (xf * g[None, :]).to(X.dtype.element_ty), tl.sum(xf * xf, axis=1)
+    return (xf * g[None, :]).to(X.dtype.element_ty), xf * xf
 
 
 @triton.jit
@@ -92,10 +92,10 @@ def _load_w(w_ptr, u_ptr, ks, K, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVIC
     return w, wu
 
 
-def norm_late(norm: bool, split: int) -> bool:
-    """Whether a call's RMSNorm takes its 1/rms in the epilogue (SCHEDULE's norm_late; not with split K,
-    whose programs each see part of the row)."""
-    return norm and split == 1 and bool(SCHEDULE["norm_late"])
+def norm_late(norm: bool, split: int, gemv: bool) -> bool:
+    """Whether a call's RMSNorm takes its 1/rms in the epilogue (SCHEDULE's norm_late for the one-row
+    GEMVs, norm_late_tile for the tile kernel; not with split K, whose programs each see part of the row)."""
+    return norm and split == 1 and bool(SCHEDULE["norm_late" if gemv else "norm_late_tile"])
 
 
 def schedule_flags(rows: int) -> dict:

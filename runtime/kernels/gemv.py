@@ -51,7 +51,7 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM and not LATE:
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
-    ss = tl.zeros([1], dtype=tl.float32)
+    ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)             # LATE: x^2 per lane
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -74,7 +74,8 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     y = tl.sum(acc, axis=1)
     yu = tl.sum(accu, axis=1)
     if LATE:
-        y, yu = y * tl.rsqrt(ss / K + eps), yu * tl.rsqrt(ss / K + eps)
+        r = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+        y, yu = y * r, yu * r
     if SPLIT > 1:
         # as the tile kernel's split K: partial sums [SPLIT, 2, N_OUT] in WS, the column block's last
         # program (counter CNT[pid_n]) adds them in split order and runs the epilogue
@@ -138,7 +139,7 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM and not LATE:
         rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
-    ss = tl.zeros([1], dtype=tl.float32)
+    ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)             # LATE: x^2 per lane, the first row block's
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for it in range(0, n_it):
@@ -151,7 +152,8 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
             w1, wu1 = _stream_w(W, pid, P, nxt, KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
         if LATE:
             x, d = _load_xg(X, 0, tl.arange(0, 1), 1, (it % KT) * BLOCK_K + ks, K, G, True)
-            ss += tl.where(it < KT, d, 0.0)                 # the first row block's pass: all of K once
+            if it < KT:                                     # the first row block's pass: all of K once
+                ss += d
         else:
             x = _load_x(X, 0, tl.arange(0, 1), 1, (it % KT) * BLOCK_K + ks, K, rstd, G, NORM, True)
         x = x.to(tl.float32)
@@ -163,7 +165,8 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
             y = tl.sum(acc, axis=1)
             yu = tl.sum(accu, axis=1)
             if LATE:
-                y, yu = y * tl.rsqrt(ss / K + eps), yu * tl.rsqrt(ss / K + eps)
+                r = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+                y, yu = y * r, yu * r
             _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, tl.arange(0, 1), cols, 1, N_OUT, GATED, RESIDUAL,
                       EXTRA)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -229,12 +232,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))
-        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, AHEAD=tile.ahead, LATE=norm_late(norm is not None, 1),
+        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, AHEAD=tile.ahead, LATE=norm_late(norm is not None, 1, True),
                                          **flags)
         return out
     split = tile.split
     ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
     cnt = _counters(x.device, blocks) if split > 1 else dummy
     _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, SPLIT=split,
-                                  LATE=norm_late(norm is not None, split), **flags)
+                                  LATE=norm_late(norm is not None, split, True), **flags)
     return out

@@ -39,12 +39,14 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _row_tile(X, stride_xm, G, M, K, ks, rows, s, NORM: tl.constexpr, EVEN_K: tl.constexpr, LATE: tl.constexpr):
-    """One row tile of x at columns ks and its statistic s: LATE, x * g and s + these columns' sum of x^2
-    per row; else x RMS-normalised with the 1/rms s (when NORM)."""
+    """One row tile of x at columns ks and its statistic s: LATE, x * g and s + x^2 (per lane, [BLOCK_M,
+    BLOCK_K]); else x RMS-normalised with the 1/rms s (when NORM)."""
     if LATE:
         x, ss = _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K)
-        return x, s + ss
-    return _load_x(X, stride_xm, rows, M, ks, K, s, G, NORM, EVEN_K), s
+        s = s + ss
+    else:
+        x = _load_x(X, stride_xm, rows, M, ks, K, s, G, NORM, EVEN_K)
+    return x, s
 
 
 @triton.jit
@@ -96,6 +98,12 @@ def _tile_rstds(X, stride_xm, r0, M, K, eps, NORM: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def _late_rstd(s, K, eps):
+    """norm_late: the rows' 1/rms from their x^2 per lane over all of K, s [BLOCK_M, BLOCK_K]."""
+    return tl.rsqrt(tl.sum(s, axis=1) / K + eps)
+
+
+@triton.jit
 def _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, r0, r1, r2, r3, TILES: tl.constexpr):
     """norm_late: each row tile's accumulators times its rows' 1/rms r*."""
     a0, u0 = a0 * r0[:, None], u0 * r0[:, None]
@@ -139,8 +147,8 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    if LATE:
-        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, False, BLOCK_M, BLOCK_K, TILES)   # zeros
+    if LATE:                                                # x^2 per lane of each row tile
+        s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
     else:
         s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
@@ -155,10 +163,10 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
                                                               IEEE, EVEN_K, TILES, LATE)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()               # the next kernel may launch (and wait) now
-    if LATE:                                                # s*: the rows' sums of x^2 over all of K
-        a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, tl.rsqrt(s0 / K + eps),
-                                                     tl.rsqrt(s1 / K + eps), tl.rsqrt(s2 / K + eps),
-                                                     tl.rsqrt(s3 / K + eps), TILES)
+    if LATE:
+        a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, _late_rstd(s0, K, eps),
+                                                     _late_rstd(s1, K, eps), _late_rstd(s2, K, eps),
+                                                     _late_rstd(s3, K, eps), TILES)
     if SPLIT == 1:
         _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT,
                    GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
@@ -203,11 +211,12 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    if LATE:
-        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, False, BLOCK_M, BLOCK_K, TILES)   # zeros
+    q0 = tl.zeros([BLOCK_M], dtype=tl.float32)              # LATE: the rows' 1/rms, from the first block
+    q1, q2, q3 = q0, q0, q0
+    if LATE:                                                # x^2 per lane of each row tile
+        s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
     else:
         s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
-    q0, q1, q2, q3 = s0, s1, s2, s3
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     for it in range(0, n_it):
         cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,11 +228,9 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
                                                               IEEE, True, TILES, LATE)
         if it % KT == KT - 1:                               # the column block is done
             if LATE:
-                first = it < KT
-                q0 = tl.where(first, tl.rsqrt(s0 / K + eps), q0)
-                q1 = tl.where(first, tl.rsqrt(s1 / K + eps), q1)
-                q2 = tl.where(first, tl.rsqrt(s2 / K + eps), q2)
-                q3 = tl.where(first, tl.rsqrt(s3 / K + eps), q3)
+                if it < KT:
+                    q0, q1 = _late_rstd(s0, K, eps), _late_rstd(s1, K, eps)
+                    q2, q3 = _late_rstd(s2, K, eps), _late_rstd(s3, K, eps)
                 a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
             _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
                        N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
@@ -365,14 +372,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                  BLOCK_K=t.block_k, **schedule_flags(m), num_warps=t.warps, num_stages=t.stages, **launch())
     if t.per_sm > 0:
         programs = min(blocks, t.per_sm * sms(x.device))
-        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, LATE=norm_late(norm is not None, 1),
+        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, LATE=norm_late(norm is not None, 1, False),
                                            **flags)
         return out
     ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
         else dummy
     cnt = _counters(x.device, blocks) if t.split > 1 else dummy
     _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, m, n_out, k, k // t.split, *strides, eps,
-                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=norm_late(norm is not None, t.split),
+                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=norm_late(norm is not None, t.split, False),
                                       **flags)
     return out
 

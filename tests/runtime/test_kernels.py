@@ -307,6 +307,7 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
     the tile kernel (one and several row tiles), its streaming form and the one-row GEMVs (per block and
     streaming) all match the reference; each streaming kernel gives the bits of its per-block tile."""
     monkeypatch.setitem(kernels.SCHEDULE, "norm_late", late)
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_late_tile", late)
     torch.manual_seed(4)
     n, k = 96, 256
     g = randn(k, dtype=dtype) + 1
