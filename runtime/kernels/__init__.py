@@ -58,9 +58,11 @@ def _pdl_capable() -> bool:
 # every amount tried, 0.5-33 MB: 4.61-4.85 ms; not kept.) None of those changes a result. One that does:
 #   norm_late             a one-row GEMV's RMSNorm prologue multiplies x by its weight only (rounded) and the
 #                         1/rms scales the fp32 sums at the end, x^2 gathered per lane in the main loop: no
-#                         pass over x before the weights stream (not with split K: those keep the pass)
-#   norm_late_tile        the same in the tile kernel
-SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": False,
+#                         pass over x before the weights stream (not with split K: those keep the pass).
+#                         With the GEMV tiles chosen under it (gemv.GEMV_TILES): decode 4.525 -> 4.468 ms
+#   norm_late_tile        the same in the tile kernel: slower (gate/up 55.2 -> 67.8 us; 7 tokens 4.821 ->
+#                         5.374 ms), off
+SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
             "norm_late_tile": False}
 
 

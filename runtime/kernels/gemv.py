@@ -188,11 +188,14 @@ class Gemv(NamedTuple):
 
 
 # One-row tiles per weight shape (N_OUT, K); shapes not listed run one-row calls on the tile kernel.
-# Chosen by `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01, third and fourth sessions: each
-# shape called as the engines call it; split K never won; the streaming kernel won for qkv only; every
-# GEMV lost to the tile kernel for gate/up), us against the tile kernel in the same run (fourth session):
+# Chosen by `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01, third to fifth sessions: each
+# shape called as the engines call it; split K never won), us against the tile kernel in the same run.
+# The shapes with an RMSNorm prologue are from the fifth session with norm_late (kernels.SCHEDULE: 1/rms
+# in the epilogue), under which per-block 4/256 GEMVs beat the streaming one (qkv, 16.7 us) and, for
+# gate/up, the tile kernel (55.2 us in the run before, its pre-pass kept); o and down from the fourth:
 GEMV_TILES: dict[tuple[int, int], Gemv] = {
-    (6144, 4096): Gemv(4, 1024, 4, per_sm=4, ahead=2),  # Qwen3-8B qkv (+ RMSNorm): 18.5 / 21.8 (4/1024 per block: 20.5)
+    (6144, 4096): Gemv(4, 256, 4),          # Qwen3-8B qkv (+ RMSNorm): 15.3 / 21.3
+    (12288, 4096): Gemv(4, 256, 4),         # Qwen3-8B gate/up (+ RMSNorm, SiLU*mul): 53.8 / 55.2
     (4096, 4096): Gemv(4, 512, 4),          # Qwen3-8B o_proj (+ residual): 10.4 / 11.6
     (4096, 12288): Gemv(4, 512, 4),         # Qwen3-8B down_proj (+ residual), EAGLE3 fc: 27.0 / 28.0
     (6144, 8192): Gemv(16, 512, 4),         # EAGLE3 qkv: 27.5 / 28.5
