@@ -3,7 +3,7 @@ trained model (the demo pair).
 
     xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024
     python benchmarks/fast_agreement.py /tmp/demo-bf16 [--prompts data/corpus.heldout.txt] [--num-prompts 16]
-        [--against fast|ort]
+        [--against fast|ort] [--gemv-all 4,64,4]
 
 1. Teacher-forced: the reference's greedy tokens are fed one decode step at a time into both the torch
    backend and the other backend; at every position the two argmaxes are compared. Each disagreement is
@@ -11,6 +11,10 @@ trained model (the demo pair).
 2. Free-running on the other backend: plain greedy against the EAGLE3 chain (gamma 4, 6) and tree
    (10/6/32), with whole-round CUDA graphs where the backend allows them: identical outputs, or the first
    divergence with its gap. The measured tau of each is printed too.
+
+``--gemv-all BN,BK,WARPS`` runs every one-row projection of the fast engines on a per-block GEMV of that
+tile (where BK divides K), with the built-in schedule (norm_late: 1/rms in the epilogue): the numerics the
+Qwen3-8B shapes get from gemv.GEMV_TILES, tried on the demo's trained weights, whose own shapes have none.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 
 from xcompile.runtime.drafters import NoDrafter, causal, prompt_inputs
+from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
 from xcompile.runtime.text import Text
@@ -55,7 +60,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu for a dry run of the flow (--against ort only)")
     ap.add_argument("--max-gap", type=float, help="exit 1 unless every disagreement and divergence is at a near tie: "
                     "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
+    ap.add_argument("--gemv-all", help="BN,BK,WARPS: every one-row projection on this GEMV tile (docstring)")
     args = ap.parse_args()
+    if args.gemv_all:
+        tile = G.Gemv(*map(int, args.gemv_all.split(",")))
+
+        class EveryShape(dict):
+            def get(self, key, default=None):
+                return tile
+
+        G.GEMV_TILES = EveryShape()
+        print(f"every one-row projection on GEMV {tuple(tile)} (where {tile.block_k} divides K)")
     # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
     with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
             open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:

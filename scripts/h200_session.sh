@@ -17,6 +17,8 @@
 #   PART=4  the kernel schedule (kernels.SCHEDULE: evict-first weights, early PDL trigger, norm_late): its
 #           tests, benchmarks/kernels.py --gemv on CALLS (8b qkv, gate/up) under SCHED (norm_late on), then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" (tiles=1: the sweep's tiles) at contexts 128,4096
+#   PART=5  the norm_late test on the GPU, then benchmarks/fast_agreement.py on the demo with every one-row
+#           projection on a GEMV (--gemv-all GEMV_ALL: the 8B shapes' numerics on trained weights)
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -115,5 +117,16 @@ if [ "$PART" = 4 ]; then
   V=${VARIANTS:-"tiles=1,norm_late=1;tiles=1,norm_late=1,norm_late_tile=1;norm_late_tile=1;norm_late=1"}
   step "benchmarks/fast_decode.py --tiles gemv_late.json --variants $V"
   fast_decode 300 30 --tiles "$OUT/gemv_late.json" --variants "$V" --json "$OUT/variants.json"
+fi
+if [ "$PART" = 5 ]; then
+  step "the small-shape norm_late test on the GPU"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py -k norm_late 2>&1 | tail -1 \
+    | tee -a "$OUT/summary.log"
+  xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
+  step "benchmarks/fast_agreement.py on the demo, every one-row projection on GEMV ${GEMV_ALL:-4,64,4} (norm_late)"
+  timeout 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
+    --gemv-all "${GEMV_ALL:-4,64,4}" > "$OUT/agreement_gemv.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  tail -14 "$OUT/agreement_gemv.log"
 fi
 step "done"
