@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from xcompile.runtime.drafters import NoDrafter, causal, prompt_inputs
+from xcompile.runtime import kernels
 from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
@@ -61,7 +62,9 @@ def main() -> None:
     ap.add_argument("--max-gap", type=float, help="exit 1 unless every disagreement and divergence is at a near tie: "
                     "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
     ap.add_argument("--gemv-all", help="BN,BK,WARPS: every one-row projection on this GEMV tile (docstring)")
+    ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=0|1,...")
     args = ap.parse_args()
+    kernels.set_schedule(args.schedule)
     if args.gemv_all:
         tile = G.Gemv(*map(int, args.gemv_all.split(",")))
 
@@ -70,7 +73,8 @@ def main() -> None:
                 return tile
 
         G.GEMV_TILES = EveryShape()
-        print(f"every one-row projection on GEMV {tuple(tile)} (where {tile.block_k} divides K)")
+        print(f"every one-row projection on GEMV {tuple(tile)} (where {tile.block_k} divides K); schedule "
+              f"{kernels.SCHEDULE}")
     # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
     with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
             open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:

@@ -246,11 +246,7 @@ def main() -> None:
     ap.add_argument("--no-verify", action="store_true", help="--gemv: leave the tile kernel's verify sweep out")
     ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=value,...")
     args = ap.parse_args()
-    for kv in filter(None, args.schedule.split(",")):
-        key, value = kv.split("=")
-        if key not in kernels.SCHEDULE:
-            raise SystemExit(f"--schedule: unknown key {key!r}; known: {list(kernels.SCHEDULE)}")
-        kernels.SCHEDULE[key] = bool(float(value))
+    kernels.set_schedule(args.schedule)
     if args.calls:
         names = args.calls.split(",")
         GEMV_CALLS[:] = [c for c in GEMV_CALLS if c[0] in names]

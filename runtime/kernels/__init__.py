@@ -66,6 +66,15 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
             "norm_late_tile": False}
 
 
+def set_schedule(spec: str) -> None:
+    """Set SCHEDULE entries from 'key=0|1,...' (the benchmarks' --schedule); SystemExit on an unknown key."""
+    for kv in filter(None, spec.split(",")):
+        key, _, value = kv.partition("=")
+        if key not in SCHEDULE:
+            raise SystemExit(f"--schedule: unknown key {key!r}; known: {list(SCHEDULE)}")
+        SCHEDULE[key] = bool(float(value or 1))
+
+
 def pdl() -> bool:
     """Whether kernels are launched with programmatic dependent launch (their PDL constexpr)."""
     return PDL["enabled"] and not interpreted() and _pdl_capable()
