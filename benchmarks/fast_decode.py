@@ -85,7 +85,8 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     builtin = dict(kernels.SCHEDULE)
     builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES)}
     rows = []
-    print(f"built-in schedule {builtin}\n{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
+    print(f"built-in schedule {builtin}")
+    print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
     for ctx in contexts:
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for v in variants:

@@ -11,9 +11,10 @@ The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, d
 passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does
 not depend on how many rows the call carries (fixed tiles of 16 rows, tiles chosen by the weight
 shape only, attention chunks at absolute key positions). One-row calls of the shapes in
-``gemv.GEMV_TILES`` take a faster CUDA-core GEMV instead, whose order differs: a token decoded alone
-and the same token verified in a block then round differently, and in bf16 speculative and plain
-greedy decoding may part at a near tie (benchmarks/fast_agreement.py counts them).
+``gemv.GEMV_TILES`` take a faster CUDA-core GEMV instead, whose order (and, with SCHEDULE's norm_late,
+the RMSNorm's rounding) differs: a token decoded alone and the same token verified in a block then round
+differently, and in bf16 speculative and plain greedy decoding may part at a near tie
+(benchmarks/fast_agreement.py counts them).
 
 On a machine without a CUDA device the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set before triton is imported), which is how CI checks their logic against the references.

@@ -7,7 +7,8 @@ Same operands and epilogues as linear.py's tile kernel (its docstring), for M = 
     _gemv_stream_kernel  a few programs per SM, each streaming many column blocks in one loop
 
 A shape runs here when ``GEMV_TILES`` lists it; a row decoded alone then rounds differently from the
-same row inside a verify block (another reduction order), so speculative and plain greedy may part at
+same row inside a verify block (another reduction order and, with SCHEDULE's norm_late, the RMSNorm's
+1/rms applied after the sums instead of to x before them), so speculative and plain greedy may part at
 near ties (benchmarks/fast_agreement.py counts them).
 """
 
@@ -235,8 +236,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))
-        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, AHEAD=tile.ahead, LATE=norm_late(norm is not None, 1, True),
-                                         **flags)
+        late = norm_late(norm is not None, 1, True)
+        _gemv_stream_kernel[(programs,)](*ptrs, n_out, k, eps, AHEAD=tile.ahead, LATE=late, **flags)
         return out
     split = tile.split
     ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy

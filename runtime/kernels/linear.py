@@ -1,7 +1,8 @@
 """y = epilogue(prologue(x) @ W^T): every projection of a decode/verify step in one kernel.
 
     x [M, K] (M <= MAX_ROWS), W [N, K] row-major (K contiguous), y [M, N] (or [M, N/2] when gated)
-    prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm)
+    prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm; with SCHEDULE's
+              norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead)
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
@@ -372,15 +373,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                  BLOCK_K=t.block_k, **schedule_flags(m), num_warps=t.warps, num_stages=t.stages, **launch())
     if t.per_sm > 0:
         programs = min(blocks, t.per_sm * sms(x.device))
-        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, LATE=norm_late(norm is not None, 1, False),
-                                           **flags)
+        late = norm_late(norm is not None, 1, False)
+        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, LATE=late, **flags)
         return out
     ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
         else dummy
     cnt = _counters(x.device, blocks) if t.split > 1 else dummy
+    late = norm_late(norm is not None, t.split, False)
     _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, m, n_out, k, k // t.split, *strides, eps,
-                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=norm_late(norm is not None, t.split, False),
-                                      **flags)
+                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=late, **flags)
     return out
 
 
