@@ -50,10 +50,13 @@ def _pdl_capable() -> bool:
 
 # How the projection and attention kernels overlap, measured with `benchmarks/fast_decode.py --variants` on
 # the H200 (2026-12-01, fifth session, docs/BENCHMARKS.md), each a switch:
-#   evict_first           weights (read once per step) load evict-first in L2: 4.578 -> 4.551 ms a decode step
+#   evict_first           weights (read once per step) load evict-first in L2: within run-to-run noise (a decode
+#                         step 4.578 -> 4.551 ms in one run, 4.510 -> 4.495 in another; at context 4096 the
+#                         second run had it 4.725 -> 4.749), kept on
 #   early_trigger_verify  calls of several rows let the next kernel launch right after their own wait, not
 #                         at the end of their loop (its weight loads before its wait overlap this kernel):
-#                         7-token verify 4.943 -> 4.843 ms, 32-token 5.974 -> 5.930
+#                         7-token verify 4.943 -> 4.843 ms, 32-token 5.974 -> 5.930 (4.897 -> 4.795 and
+#                         5.951 -> 5.885 in a second run)
 #   early_trigger_decode  the same for one-row calls: slower (4.578 -> 4.618), off
 # (L2 prefetches of the next projection's weights, from rope_kv or a projection's tail, measured slower in
 # every amount tried, 0.5-33 MB: 4.61-4.85 ms; not kept.) None of those changes a result. One that does:
