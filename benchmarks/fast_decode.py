@@ -1,7 +1,7 @@
 """One Qwen3-8B-shaped decode step on the fast backend vs the reference path, on a GPU, in one run.
 
     python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--tiles FILE] [--chunks 64,128] [--json FILE]
-    python benchmarks/fast_decode.py --variants "prefetch_o=1;evict_first=1;prefetch_o=1,evict_first=1"
+    python benchmarks/fast_decode.py --variants "norm_late=0;early_trigger_verify=0;evict_first=0,norm_late=0"
 
 Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
@@ -61,7 +61,7 @@ def timed_ms(fn, reps: int = 5) -> float:
 
 
 def parse_variants(spec: str) -> list[dict]:
-    """'a=1,b=0;c=2' -> [{}, {'a': 1.0, 'b': 0.0}, {'c': 2.0}] (the built-in schedule first)."""
+    """'a=1,b=0;c=1' -> [{}, {'a': True, 'b': False}, {'c': True}] (the built-in schedule first)."""
     out = [{}]
     for v in spec.split(";"):
         if v.strip():

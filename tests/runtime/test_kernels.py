@@ -288,7 +288,7 @@ def schedule(monkeypatch, on: bool) -> None:
 
 def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
     """Evict-first weight loads (the one switch the interpreter runs: PDL is GPU-only) leave every
-    projection's result as it was, on both kernels."""
+    projection's result as it was, on the tile kernel and both GEMVs."""
     torch.manual_seed(3)
     w, x, g = randn(192, 256, dtype=torch.float32), randn(5, 256, dtype=torch.float32), randn(256, dtype=torch.float32)
     monkeypatch.setitem(G.GEMV_TILES, (192, 256), G.Gemv(4, 128, 4))
