@@ -27,6 +27,24 @@ from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _loa
 
 
 @triton.jit
+def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What both GEMVs do once their first weight tiles are in flight: wait for the previous kernel (PDL;
+    EARLY: and let the next one launch), x's 1/rms (NORM without LATE, else 1), the zeroed x^2 lanes (LATE)
+    and accumulators (gate, up)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    rstd = tl.zeros([1], dtype=tl.float32) + 1.0
+    if NORM and not LATE:
+        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
+    ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return rstd, ss, acc, acc
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
@@ -45,16 +63,7 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     u_ptr = W + (wrows[:, None] + N_OUT) * K
     ks = tl.arange(0, BLOCK_K)
     w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True, EVICT)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    rstd = tl.zeros([1], dtype=tl.float32) + 1.0
-    if NORM and not LATE:
-        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
-    ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)             # LATE: x^2 per lane
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         w, wu = w_next, wu_next
         nk = k0 + BLOCK_K + ks
@@ -133,16 +142,7 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
     w2, wu2 = w1, wu1
     if AHEAD > 1:
         w2, wu2 = _stream_w(W, pid, P, tl.minimum(1, n_it - 1), KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    rstd = tl.zeros([1], dtype=tl.float32) + 1.0
-    if NORM and not LATE:
-        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
-    ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)             # LATE: x^2 per lane, the first row block's
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K)
     for it in range(0, n_it):
         w, wu = w1, wu1
         nxt = tl.minimum(it + AHEAD, n_it - 1)            # past the end: the last tile again (an L2 hit)
