@@ -74,9 +74,8 @@ def parse_variants(spec: str) -> list[dict]:
 
 
 def use_tiles(tables: dict) -> None:
-    """Put kernels.json-style tables {"tiles": {...}, "gemv_tiles": {...}, "rows_tiles": {...}} (or the
-    built-in copies) in place."""
-    for table, key in ((L.TILES, "tiles"), (G.GEMV_TILES, "gemv_tiles"), (G.ROWS_TILES, "rows_tiles")):
+    """Put kernels.json-style tables {"tiles": {...}, "gemv_tiles": {...}} (or the built-in copies) in place."""
+    for table, key in ((L.TILES, "tiles"), (G.GEMV_TILES, "gemv_tiles")):
         for shape, tile in tables.get(key, {}).items():
             table[tuple(map(int, shape.split(","))) if isinstance(shape, str) else shape] = tuple(tile)
 
@@ -84,7 +83,7 @@ def use_tiles(tables: dict) -> None:
 def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg, tiles: dict | None) -> list[dict]:
     """Graphed step ms of the fast target (1 / 7 / 32 tokens) and the EAGLE3 step (1 token) per variant."""
     builtin = dict(kernels.SCHEDULE)
-    builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES), "rows_tiles": dict(G.ROWS_TILES)}
+    builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES)}
     rows = []
     print(f"built-in schedule {builtin}")
     print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
@@ -94,7 +93,6 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             kernels.SCHEDULE.clear()
             kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "tiles"})
             G.GEMV_TILES.clear()
-            G.ROWS_TILES.clear()
             use_tiles(builtin_tiles)
             if v.get("tiles") and tiles:
                 use_tiles(tiles)
@@ -111,7 +109,6 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     kernels.SCHEDULE.clear()
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
-    G.ROWS_TILES.clear()
     use_tiles(builtin_tiles)
     return rows
 
@@ -132,7 +129,7 @@ def main() -> None:
         use_tiles(chosen)
         print("tiles:", L.TILES, "\none-row gemv tiles:", G.GEMV_TILES)
     elif chosen:
-        print("tiles=1 variants take:", chosen.get("tiles"), chosen.get("gemv_tiles"), chosen.get("rows_tiles"))
+        print("tiles=1 variants take:", chosen.get("tiles"), chosen.get("gemv_tiles"))
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))

@@ -3,7 +3,6 @@
     python benchmarks/kernels.py [--sweep] [--json FILE]
     python benchmarks/kernels.py --gemv [--json FILE]     # the one-row GEMVs' tiles, then the verify tiles
     python benchmarks/kernels.py --gemv --no-verify --calls "8b qkv,8b gate/up" --schedule norm_late=1
-    python benchmarks/kernels.py --rows [--json FILE]     # the multi-row GEMVs' tiles (chain verify)
 
 For every projection shape: error against the torch reference at 1, 7 and 33 rows, row invariance
 (row 0 of a 7-row call equals the 1-row call bit for bit), and the time of one launch inside a CUDA
@@ -15,9 +14,7 @@ one-row GEMVs' candidates (GEMV_SPLIT: split K included; GEMV_STREAM: the stream
 decode shapes, each called as the fast engines call it (qkv and gate/up with their norm, o/down adding
 the residual in place), against the tile kernel and cuBLAS; before that, for the same shapes, the tile
 kernel's candidates (TILE_STREAM: the streaming kernel) at 1, 7 and 32 rows, chosen at 7 + 32 (verify).
-``--rows`` times the multi-row GEMV's candidates (ROWS_CANDIDATES) at 7, 5 and 2 rows against the tile
-kernel, chosen at 7 (the gamma-6 chain verify). Its JSON's tiles, gemv_tiles and rows_tiles feed
-``fast_decode.py --tiles``. ``--calls`` keeps those GEMV shapes only,
+Its JSON's tiles and gemv_tiles feed ``fast_decode.py --tiles``. ``--calls`` keeps those GEMV shapes only,
 ``--no-verify`` leaves the tile kernel's sweep out, ``--schedule`` sets kernels.SCHEDULE entries first.
 """
 
@@ -116,59 +113,6 @@ def gemv_sweep(out: dict) -> None:
                             "tile_kernel_us": tile_us, "cublas_us": cublas_us})
         if results and results[0][0] < tile_us:
             out["gemv_tiles"][f"{n},{k}"] = list(results[0][1])
-
-
-# --rows: the multi-row GEMV's candidates (BLOCK_N, BLOCK_K, warps, ahead): 8 rows x 8 values of K per thread
-ROWS_CANDIDATES = [G.Gemv(bn, 64, w, ahead=a) for bn, w in ((4, 1), (8, 2), (16, 4), (32, 8)) for a in (1, 2)]
-
-
-def rows_sweep(out: dict, rows: tuple = (7, 5, 2)) -> None:
-    """Multi-row GEMV candidates per shape, called as the engines call them, timed at ``rows`` (the first:
-    the chain verify the choice is made at) against the tile kernel; each checked against the reference and
-    for row invariance (row 0 of a 2-row call is the bits of row 0 of the 7-row one). The fastest at
-    rows[0] -> out["rows_tiles"] when it beats the tile kernel."""
-    print(f"\n{'multi-row GEMV':<14}{'N':>7}{'K':>7}  {'(bn, bk, warps, ahead)':<24}"
-          + "".join(f"{f'm={m} us':>10}" for m in rows) + f"{'GB/s':>7}  invariant")
-    for name, n, k, norm, residual, gated in GEMV_CALLS:
-        ws = weights(2 * n if gated else n, k)
-        g = torch.rand(k, device="cuda", dtype=DT) + 0.5 if norm else None
-        xs = {m: torch.randn(m, k, device="cuda", dtype=DT) for m in rows}
-        rs = {m: [torch.randn(m, n, device="cuda", dtype=DT) for _ in ws] for m in rows}
-        x7, r7 = torch.randn(7, k, device="cuda", dtype=DT), torch.randn(7, n, device="cuda", dtype=DT)
-        ref = L.linear_reference(x7, ws[0], norm=g, gated=gated, residual=r7 if residual else None)
-
-        def call(x, w, r):
-            return L.linear(x, w, norm=g, gated=gated, residual=r if residual else None, out=r)
-
-        def times() -> list[float]:
-            return [graph_time([lambda w=w, r=r, m=m: call(xs[m], w, r) for w, r in zip(ws, rs[m])]) for m in rows]
-
-        saved = G.ROWS_TILES.pop((n, k), None)
-        tile_us = times()                                     # the tile kernel
-        results = []
-        for tile in [t for t in ROWS_CANDIDATES if k % t.block_k == 0]:
-            G.ROWS_TILES[(n, k)] = tile
-            try:
-                got = call(x7, ws[0], r7.clone())
-                assert rel(got, ref) < 1e-2, rel(got, ref)
-                two = call(x7[:2], ws[0], r7[:2].clone())
-                results.append((times(), tile, bool(torch.equal(two[0], got[0]))))
-            except Exception as e:                           # noqa: BLE001 - out of registers etc.
-                print(f"  {tuple(tile)}: {type(e).__name__} {str(e)[:80]}")
-        G.ROWS_TILES.pop((n, k), None)
-        if saved is not None:
-            G.ROWS_TILES[(n, k)] = saved
-        results.sort(key=lambda r: r[0][0])
-        nbytes = (2 if gated else 1) * n * k * 2
-        for ts, tile, inv in results[:5]:
-            print(f"{name:<14}{n:>7}{k:>7}  {str((tile.block_n, tile.block_k, tile.warps, tile.ahead)):<24}"
-                  + "".join(f"{t:>10.1f}" for t in ts) + f"{nbytes / ts[0] / 1e3:>7.0f}  {inv}"
-                  + ("   <- current" if saved is not None and tuple(tile) == tuple(G.Gemv(*saved)) else ""))
-        print(f"{'':<28}tile kernel " + " / ".join(f"{t:.1f}" for t in tile_us) + " us")
-        out.setdefault("rows", []).append({"name": name, "n": n, "k": k, "rows": list(rows), "tile_kernel_us": tile_us,
-                                           "sweep": [(ts, list(tile), inv) for ts, tile, inv in results]})
-        if results and results[0][0][0] < tile_us[0]:
-            out.setdefault("rows_tiles", {})[f"{n},{k}"] = list(results[0][1])
 
 
 def verify_sweep(out: dict, rows=(1, 7, 32)) -> None:
@@ -298,9 +242,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="only the one-row GEMV's tiles (split K included)")
     ap.add_argument("--json")
-    ap.add_argument("--calls", help="--gemv, --rows: only these GEMV_CALLS names (comma-separated)")
+    ap.add_argument("--calls", help="--gemv: only these GEMV_CALLS names (comma-separated)")
     ap.add_argument("--no-verify", action="store_true", help="--gemv: leave the tile kernel's verify sweep out")
-    ap.add_argument("--rows", action="store_true", help="only the multi-row GEMV's tiles (2..8 rows: chain verify)")
     ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=value,...")
     args = ap.parse_args()
     kernels.set_schedule(args.schedule)
@@ -313,13 +256,6 @@ def main() -> None:
     bw = copy_bandwidth(torch.device("cuda"))                # xrun bench's measurement
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  triton {triton.__version__}"
           f"  schedule {kernels.SCHEDULE}")
-    if args.rows:
-        out = {"copy_bandwidth": bw, "rows_tiles": {}}
-        rows_sweep(out)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-        return
     if args.gemv:
         out = {"copy_bandwidth": bw, "gemv": [], "gemv_tiles": {}}
         if not args.no_verify:

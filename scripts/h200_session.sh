@@ -20,8 +20,6 @@
 #   PART=5  the norm_late test on the GPU, then benchmarks/fast_agreement.py on the demo with every one-row
 #           projection on a GEMV (--gemv-all GEMV_ALL: the 8B shapes' numerics on trained weights) under
 #           SCHED (--schedule, e.g. norm_late=0); SKIP_TEST=1 leaves the test out
-#   PART=6  the multi-row GEMV (chain verify): its gpu tests, benchmarks/kernels.py --rows -> $OUT/rows.json,
-#           then benchmarks/fast_decode.py --variants "$VARIANTS" (tiles=1: rows.json's tiles) at 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -131,16 +129,5 @@ if [ "$PART" = 5 ]; then
     --gemv-all "${GEMV_ALL:-4,64,4}" --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -14 "$OUT/agreement_gemv.log"
-fi
-if [ "$PART" = 6 ]; then
-  step "gpu tests of the multi-row GEMV"
-  gpu_tests 200 tests/runtime/test_kernels.py -k "multi_row or schedule"
-  step "benchmarks/kernels.py --rows (multi-row GEMV tiles at 7 / 5 / 2 rows)"
-  timeout 240 python3 benchmarks/kernels.py --rows --json "$OUT/rows.json" > "$OUT/rows_sweep.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^device" "$OUT/rows_sweep.log" | tail -40
-  V=${VARIANTS:-"tiles=1;tiles=1,early_trigger_verify=0"}
-  step "benchmarks/fast_decode.py --tiles rows.json --variants $V"
-  fast_decode 200 12 --tiles "$OUT/rows.json" --variants "$V" --json "$OUT/variants.json"
 fi
 step "done"

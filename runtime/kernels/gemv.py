@@ -176,92 +176,6 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def _rows_x(X, stride_xm, rows, M, ks, rstd, G, NORM: tl.constexpr, LATE: tl.constexpr, SHAPE: tl.constexpr):
-    """_gemv_rows_kernel's x at columns ks (rows [ROWS, 1, 1], ks [1, 1, BLOCK_K]), fp32, loaded as SHAPE
-    [ROWS, BLOCK_N, BLOCK_K] (each row's x repeated along N: the weights' layout, so nothing is shuffled
-    between layouts in the main loop): RMS-normalised with rstd (NORM), or x * g (LATE), and x^2 [ROWS, 1,
-    BLOCK_K] (LATE, from a second load of x in its own layout; else 0)."""
-    ptr = X + rows * stride_xm + ks
-    x = tl.load(tl.broadcast_to(ptr, SHAPE), mask=tl.broadcast_to(rows < M, SHAPE), other=0.0).to(tl.float32)
-    sq = tl.zeros_like(ks + rows).to(tl.float32)
-    if NORM:
-        g = tl.load(G + ks).to(tl.float32)
-        if LATE:
-            xs = tl.load(ptr, mask=rows < M, other=0.0).to(tl.float32)
-            sq = xs * xs
-            x = (x * g).to(X.dtype.element_ty).to(tl.float32)
-        else:
-            x = (x * rstd * g).to(X.dtype.element_ty).to(tl.float32)
-    return x, sq
-
-
-@triton.jit
-def _rows_w(w_ptr, u_ptr, ks, K, GATED: tl.constexpr, EVICT: tl.constexpr):
-    """_gemv_rows_kernel's weight tile [1, BLOCK_N, BLOCK_K] at columns ks (zeros past K), and its up tile."""
-    w = _load_weight(w_ptr + ks, ks < K, False, EVICT)
-    wu = w
-    if GATED:
-        wu = _load_weight(u_ptr + ks, ks < K, False, EVICT)
-    return w, wu
-
-
-@triton.jit
-def _gemv_rows_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
-                      NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
-                      PDL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr, AHEAD: tl.constexpr):
-    # up to ROWS rows (chain verify) as _gemv_kernel does one: each weight tile, loaded once, multiplies
-    # every row's x on the CUDA cores, fp32 products accumulated per lane ([ROWS, BLOCK_N, BLOCK_K]) and
-    # reduced once at the end. The tiles are 3-D from the loads on ([1, BLOCK_N, BLOCK_K] weights,
-    # [ROWS, 1, BLOCK_K] x), so the weights multiply in the layout they were loaded in. Rows past M load
-    # zeros and store nothing; ROWS is fixed (GEMV_ROWS), not per call, so a row's reduction does not depend
-    # on how many rows the call carries. The weight tiles AHEAD (1 or 2) steps ahead are in flight (the
-    # accumulators leave few registers, so few programs share an SM). K % BLOCK_K == 0.
-    pid_n = tl.program_id(0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrows = tl.where(cols < N_OUT, cols, 0)[None, :, None]
-    w_ptr = W + wrows * K
-    u_ptr = W + (wrows + N_OUT) * K
-    ks = tl.arange(0, BLOCK_K)[None, None, :]
-    rows = tl.arange(0, ROWS)[:, None, None]
-    w1, wu1 = _rows_w(w_ptr, u_ptr, ks, K, GATED, EVICT)
-    w2, wu2 = w1, wu1
-    if AHEAD > 1:
-        w2, wu2 = _rows_w(w_ptr, u_ptr, BLOCK_K + ks, K, GATED, EVICT)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    rstd = tl.zeros([ROWS, 1, 1], dtype=tl.float32) + 1.0
-    if NORM and not LATE:
-        rstd = _rstd(X, stride_xm, tl.arange(0, ROWS), M, K, eps, ROWS, BLOCK_K)[:, None, None]
-    ss = tl.zeros([ROWS, 1, BLOCK_K], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    accu = acc
-    for k0 in range(0, K, BLOCK_K):
-        w, wu = w1, wu1
-        if AHEAD > 1:                                   # the tiles AHEAD steps ahead are in flight
-            w1, wu1 = w2, wu2
-            w2, wu2 = _rows_w(w_ptr, u_ptr, k0 + 2 * BLOCK_K + ks, K, GATED, EVICT)
-        else:
-            w1, wu1 = _rows_w(w_ptr, u_ptr, k0 + BLOCK_K + ks, K, GATED, EVICT)
-        x, sq = _rows_x(X, stride_xm, rows, M, k0 + ks, rstd, G, NORM, LATE, (ROWS, BLOCK_N, BLOCK_K))
-        ss += sq
-        acc += w.to(tl.float32) * x
-        if GATED:
-            accu += wu.to(tl.float32) * x
-    if PDL and not EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-    y = tl.sum(acc, axis=2)                                                         # [ROWS, BLOCK_N]
-    yu = tl.sum(accu, axis=2)
-    if LATE:
-        r = tl.rsqrt(tl.sum(ss, axis=2) / K + eps)                                  # [ROWS, 1]
-        y, yu = y * r, yu * r
-    _epilogue(y, yu, Y, stride_ym, Y2, stride_y2m, R, stride_rm, tl.arange(0, ROWS), cols, M, N_OUT, GATED,
-              RESIDUAL, EXTRA)
-
-
 class Gemv(NamedTuple):
     """A one-row GEMV's tile: BLOCK_N output columns x BLOCK_K of K per step, num_warps, the split of K
     (_gemv_kernel), or per_sm > 0: _gemv_stream_kernel with per_sm programs per SM, its weight tiles
@@ -303,23 +217,6 @@ def gemv_tile(n_out: int, k: int) -> Gemv | None:
     return tile
 
 
-GEMV_ROWS = 8       # rows of a multi-row GEMV call (_gemv_rows_kernel): fewer are padded with zeros
-
-# Multi-row tiles (2..GEMV_ROWS rows: chain verify, short draft blocks) per weight shape, (BLOCK_N, BLOCK_K,
-# warps) of _gemv_rows_kernel; shapes not listed run those calls on the tile kernel.
-ROWS_TILES: dict[tuple[int, int], Gemv] = {}
-
-
-def rows_tile(n_out: int, k: int) -> Gemv | None:
-    """The multi-row GEMV's tile for this shape (as gemv_tile; split and per_sm do not apply, ahead does),
-    or None."""
-    tile = ROWS_TILES.get((n_out, k))
-    if tile is None:
-        return None
-    tile = Gemv(*tile)._replace(split=1, per_sm=0)
-    return None if k % tile.block_k else tile
-
-
 @functools.cache
 def sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (the interpreter: 2, so tests exercise the grid stride)."""
@@ -328,23 +225,15 @@ def sms(device: torch.device) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, norm: torch.Tensor | None, eps: float,
          gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None) -> torch.Tensor:
-    """linear() (its docstring) of up to GEMV_ROWS rows with ``tile``: x [M, K] -> out [M, N]; one row on
-    _gemv_kernel or the streaming kernel, several on _gemv_rows_kernel."""
-    m, n_out, k = x.shape[0], out.shape[1], x.shape[1]
-    assert m <= GEMV_ROWS, m
+    """linear() of one row (its docstring) with ``tile``: x [1, K] -> out [1, N]."""
+    n_out, k = out.shape[1], x.shape[1]
     dummy = out
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **schedule_flags(m), num_warps=tile.warps,
+                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **schedule_flags(1), num_warps=tile.warps,
                  num_stages=1, **launch())
     blocks = triton.cdiv(n_out, tile.block_n)
-    if m > 1:
-        strides = (x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-                   extra_out.stride(0) if extra_out is not None else 0)
-        _gemv_rows_kernel[(blocks,)](*ptrs, m, n_out, k, *strides, eps, ROWS=GEMV_ROWS, AHEAD=tile.ahead,
-                                     LATE=norm_late(norm is not None, 1, True), **flags)
-        return out
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))
         late = norm_late(norm is not None, 1, True)

@@ -26,7 +26,7 @@ import triton.language as tl
 from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _rstd, norm_late,
                                              schedule_flags)
-from xcompile.runtime.kernels.gemv import GEMV_ROWS, gemv, gemv_tile, rows_tile, sms
+from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
 
 
 @triton.jit
@@ -359,7 +359,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
-    tile = gemv_tile(n_out, k) if m == 1 else rows_tile(n_out, k) if m <= GEMV_ROWS else None
+    tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
     t = tile_for(n_out, k)

@@ -160,53 +160,6 @@ def test_streaming_gemv_gives_the_bits_of_its_tile(ahead, monkeypatch):
     assert torch.equal(linear(x, w, norm=g, gated=True), want)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("ahead", [1, 2])
-@pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated", "residual in place"])
-def test_multi_row_gemv_matches_reference(kind, ahead, late, dtype, monkeypatch):
-    """The multi-row GEMV (2..GEMV_ROWS rows, chain verify): against the reference at 2, 5 and 8 rows, with
-    the RMSNorm's 1/rms before the weights stream or at the end (norm_late), rows read from a strided x;
-    a row gets the same bits whatever the call's row count (2..8); 9 rows (the tile kernel) are accurate too."""
-    monkeypatch.setitem(kernels.SCHEDULE, "norm_late", late)
-    n, k = 40, 512
-    monkeypatch.setitem(G.ROWS_TILES, (n, k), G.Gemv(8, 64, 2, ahead=ahead))
-    torch.manual_seed(ahead)
-    gated = kind == "gated"
-    w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
-    xs, g = 3 * randn(8, 2 * k, dtype=dtype), randn(k, dtype=dtype) + 1
-    rs = randn(9, n, dtype=dtype)
-    norm = g if kind in ("norm+residual+extra", "gated") else None
-    first = {}
-    for rows in (2, 5, 8, 9):
-        x = torch.cat([xs, xs[:1]])[:rows, :k] if rows > 8 else xs[:rows, :k]     # row stride 2k (up to 8)
-        r = rs[:rows] if kind != "gated" else None
-        taps = torch.zeros(rows, 3 * n, dtype=dtype, device=DEV)
-        want = linear_reference(x, w, norm=norm, gated=gated, residual=r)
-        if kind == "residual in place":
-            got = r.clone()
-            linear(x, w, residual=got, out=got)
-        else:
-            got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=taps[:, n:2 * n])
-        assert rel(got, want) < TOL[dtype], rows
-        if kind == "norm+residual+extra":
-            assert torch.equal(taps[:, n:2 * n], got)
-        first[rows] = got[0]
-    assert torch.equal(first[2], first[5]) and torch.equal(first[2], first[8])
-    assert G.rows_tile(n, k) is not None and G.rows_tile(n, 500) is None
-
-
-def test_rows_tile_reads_json_rows():
-    """ROWS_TILES from JSON hold lists; split and per_sm do not apply; a BLOCK_K not dividing K: tile kernel."""
-    G.ROWS_TILES[(8, 192)] = [4, 64, 1, 2, 3, 2]
-    try:
-        assert G.rows_tile(8, 192) == G.Gemv(4, 64, 1, split=1, per_sm=0, ahead=2)
-        G.ROWS_TILES[(8, 192)] = [4, 128, 1]
-        assert G.rows_tile(8, 192) is None
-    finally:
-        del G.ROWS_TILES[(8, 192)]
-
-
 def test_gemv_tile_reads_json_rows_and_falls_back():
     """Tables from JSON hold lists; a BLOCK_K that does not divide K means the tile kernel; a split that
     does not cover whole K blocks, or a streaming tile, means no split."""
@@ -420,25 +373,6 @@ def test_linear_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
     monkeypatch.delitem(G.GEMV_TILES, (n, k), raising=False)                       # the tile kernel for one row
     block = linear(x, w, norm=g, gated=gated)
     assert torch.equal(linear(x[:1], w, norm=g, gated=gated)[0], block[0])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True),
-                                       (4096, 12288, False), (6144, 8192, False)])
-@pytest.mark.parametrize("tile", [G.Gemv(16, 64, 4), G.Gemv(8, 64, 2, ahead=2), G.Gemv(32, 64, 8)])
-def test_multi_row_gemv_at_qwen3_8b_shapes(n, k, gated, tile, monkeypatch):
-    """The compiled multi-row GEMV at the 8B / EAGLE3 shapes, both norm_late settings: accurate at 2, 7 and
-    8 rows, and row 0 the same bits at every row count."""
-    torch.manual_seed(n)
-    w = randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5)
-    x, g = randn(8, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16) + 1
-    monkeypatch.setitem(G.ROWS_TILES, (n, k), tile)
-    for late in (False, True):
-        monkeypatch.setitem(kernels.SCHEDULE, "norm_late", late)
-        outs = [linear(x[:m], w, norm=g, gated=gated) for m in (2, 7, 8)]
-        for out in outs:
-            assert rel(out, linear_reference(x[:out.shape[0]], w, norm=g, gated=gated)) < 1e-2
-        assert all(torch.equal(out[0], outs[0][0]) for out in outs)
 
 
 @pytest.mark.gpu
