@@ -20,6 +20,9 @@
 #   PART=5  the norm_late test on the GPU, then benchmarks/fast_agreement.py on the demo with every one-row
 #           projection on a GEMV (--gemv-all GEMV_ALL: the 8B shapes' numerics on trained weights) under
 #           SCHED (--schedule, e.g. norm_late=0); SKIP_TEST=1 leaves the test out
+#   PART=6  the RMSNorm pre-pass span (kernels.SCHEDULE rstd_span): the schedule tests on the GPU, the verify
+#           tiles of CALLS (8b qkv, gate/up) swept under rstd_span=SPAN (2048) -> $OUT/span.json, then
+#           benchmarks/fast_decode.py --variants "$VARIANTS" (spans 512..4096; tiles=1: span.json's) at 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -129,5 +132,18 @@ if [ "$PART" = 5 ]; then
     --gemv-all "${GEMV_ALL:-4,64,4}" --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -14 "$OUT/agreement_gemv.log"
+fi
+if [ "$PART" = 6 ]; then
+  step "schedule and norm_late tests on the GPU (rstd_span among the switches)"
+  gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k "schedule or norm_late or rstd"
+  SPAN=${SPAN:-2048}
+  step "benchmarks/kernels.py --gemv --calls ${CALLS:-8b qkv,8b gate/up} --schedule rstd_span=$SPAN"
+  timeout 240 python3 benchmarks/kernels.py --gemv --calls "${CALLS:-8b qkv,8b gate/up}" --schedule "rstd_span=$SPAN" \
+    --json "$OUT/span.json" > "$OUT/span_sweep.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^device" "$OUT/span_sweep.log" | tail -40
+  V=${VARIANTS:-"rstd_span=512;rstd_span=1024;rstd_span=2048;rstd_span=4096;tiles=1,rstd_span=$SPAN"}
+  step "benchmarks/fast_decode.py --tiles span.json --variants $V"
+  fast_decode 240 16 --tiles "$OUT/span.json" --variants "$V" --json "$OUT/variants.json"
 fi
 step "done"

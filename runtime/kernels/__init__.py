@@ -66,17 +66,27 @@ def _pdl_capable() -> bool:
 #                         With the GEMV tiles chosen under it (gemv.GEMV_TILES): decode 4.525 -> 4.468 ms
 #   norm_late_tile        the same in the tile kernel: slower (gate/up 55.2 -> 67.8 us; 7 tokens 4.821 ->
 #                         5.374 ms), off
+# And one that changes no result (the same sums in the same order):
+#   rstd_span             columns of x whose loads the RMSNorm pre-pass (tile kernel, split-K GEMVs) has in
+#                         flight at once, over all row tiles: that many / BLOCK_K steps per loop iteration
+#                         (0: one step, a round trip to L2 per BLOCK_K columns)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
-            "norm_late_tile": False}
+            "norm_late_tile": False, "rstd_span": 0}
+
+
+def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
+    """A SCHEDULE entry's value from its text ('0' / '1' for the switches, a count for rstd_span);
+    SystemExit on an unknown key."""
+    if key not in SCHEDULE:
+        raise SystemExit(f"{flag}: unknown key {key!r}; known: {list(SCHEDULE)}")
+    return type(SCHEDULE[key])(float(text or 1))
 
 
 def set_schedule(spec: str) -> None:
-    """Set SCHEDULE entries from 'key=0|1,...' (the benchmarks' --schedule); SystemExit on an unknown key."""
+    """Set SCHEDULE entries from 'key=value,...' (the benchmarks' --schedule)."""
     for kv in filter(None, spec.split(",")):
         key, _, value = kv.partition("=")
-        if key not in SCHEDULE:
-            raise SystemExit(f"--schedule: unknown key {key!r}; known: {list(SCHEDULE)}")
-        SCHEDULE[key] = bool(float(value or 1))
+        SCHEDULE[key] = schedule_value(key, value)
 
 
 def pdl() -> bool:

@@ -41,13 +41,21 @@ def _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _rstd(X, stride_xm, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sq(X, stride_xm, rows, M, ks, K):
+    """The sum of x^2 over columns ks of each row (fp32, [ROWS])."""
+    x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                other=0.0).to(tl.float32)
+    return tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _rstd(X, stride_xm, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+    """Each row's 1/rms, in one pass over x: the sums of BLOCK_K columns added in column order, UNROLL steps
+    per loop iteration (their loads in flight together; the same sums, in the same order, at any UNROLL)."""
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
+    for k0 in range(0, K, UNROLL * BLOCK_K):
+        for u in tl.static_range(UNROLL):
+            ss += _sq(X, stride_xm, rows, M, k0 + u * BLOCK_K + tl.arange(0, BLOCK_K), K)
     return tl.rsqrt(ss / K + eps)
 
 
@@ -96,6 +104,12 @@ def norm_late(norm: bool, split: int, gemv: bool) -> bool:
     """Whether a call's RMSNorm takes its 1/rms in the epilogue (SCHEDULE's norm_late for the one-row
     GEMVs, norm_late_tile for the tile kernel; not with split K, whose programs each see part of the row)."""
     return norm and split == 1 and bool(SCHEDULE["norm_late" if gemv else "norm_late_tile"])
+
+
+def rstd_unroll(block_k: int, tiles: int = 1) -> int:
+    """Steps of the RMSNorm pre-pass per loop iteration (the UNROLL constexpr): SCHEDULE's rstd_span columns
+    of every row tile in flight at once (at least one step)."""
+    return max(1, int(SCHEDULE["rstd_span"]) // (block_k * tiles))
 
 
 def schedule_flags(rows: int) -> dict:

@@ -23,12 +23,12 @@ import triton.language as tl
 
 from xcompile.runtime.kernels import interpreted, launch, pdl
 from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_weight, _load_x, _load_xg, _rstd,
-                                             norm_late, schedule_flags)
+                                             norm_late, rstd_unroll, schedule_flags)
 
 
 @triton.jit
 def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
     """What both GEMVs do once their first weight tiles are in flight: wait for the previous kernel (PDL;
     EARLY: and let the next one launch), x's 1/rms (NORM without LATE, else 1), the zeroed x^2 lanes (LATE)
     and accumulators (gate, up)."""
@@ -38,7 +38,7 @@ def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.cons
             tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.zeros([1], dtype=tl.float32) + 1.0
     if NORM and not LATE:
-        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K)
+        rstd = _rstd(X, 0, tl.arange(0, 1), 1, K, eps, 1, BLOCK_K, UNROLL)
     ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     return rstd, ss, acc, acc
@@ -48,7 +48,7 @@ def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.cons
 def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
-                 LATE: tl.constexpr):
+                 LATE: tl.constexpr, UNROLL: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
     # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
     # the next weight tile is requested before the current one is used (software double buffering),
@@ -63,7 +63,7 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     u_ptr = W + (wrows[:, None] + N_OUT) * K
     ks = tl.arange(0, BLOCK_K)
     w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True, EVICT)
-    rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K)
+    rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K, UNROLL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         w, wu = w_next, wu_next
         nk = k0 + BLOCK_K + ks
@@ -126,7 +126,7 @@ def _stream_w(W, pid, P, it, KT, N_OUT, K, ks, GATED: tl.constexpr, BLOCK_N: tl.
 def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                         RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
-                        LATE: tl.constexpr):
+                        LATE: tl.constexpr, UNROLL: tl.constexpr):
     # one row, a fixed number of programs (a few per SM) each streaming the row blocks pid, pid + P, ...
     # as one loop over (row block, K block): the weight tiles AHEAD iterations ahead are in flight across
     # row-block boundaries, and the program's fixed costs (the first tile's latency, the RMSNorm pass)
@@ -142,7 +142,7 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
     w2, wu2 = w1, wu1
     if AHEAD > 1:
         w2, wu2 = _stream_w(W, pid, P, tl.minimum(1, n_it - 1), KT, N_OUT, K, ks, GATED, BLOCK_N, BLOCK_K, EVICT)
-    rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K)
+    rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K, UNROLL)
     for it in range(0, n_it):
         w, wu = w1, wu1
         nxt = tl.minimum(it + AHEAD, n_it - 1)            # past the end: the last tile again (an L2 hit)
@@ -231,8 +231,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **schedule_flags(1), num_warps=tile.warps,
-                 num_stages=1, **launch())
+                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UNROLL=rstd_unroll(tile.block_k),
+                 **schedule_flags(1), num_warps=tile.warps, num_stages=1, **launch())
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:
         programs = min(blocks, tile.per_sm * sms(x.device))

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
-from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _rstd, norm_late,
-                                             schedule_flags)
+from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _sq, norm_late,
+                                             rstd_unroll, schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
 
 
@@ -81,20 +81,26 @@ def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u
 
 @triton.jit
 def _tile_rstds(X, stride_xm, r0, M, K, eps, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                TILES: tl.constexpr):
-    """Per-row 1/rms of each of the TILES row tiles (zeros, unused, without NORM)."""
+                TILES: tl.constexpr, UNROLL: tl.constexpr):
+    """Per-row 1/rms of each of the TILES row tiles (zeros, unused, without NORM), in one pass over x: every
+    tile's loads of UNROLL steps in flight together; each row's sums in column order (as _rstd's)."""
     s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
     s1 = s0
     s2 = s0
     s3 = s0
     if NORM:
-        s0 = _rstd(X, stride_xm, r0, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 1:
-            s1 = _rstd(X, stride_xm, r0 + BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 2:
-            s2 = _rstd(X, stride_xm, r0 + 2 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
-        if TILES > 3:
-            s3 = _rstd(X, stride_xm, r0 + 3 * BLOCK_M, M, K, eps, BLOCK_M, BLOCK_K)
+        for k0 in range(0, K, UNROLL * BLOCK_K):
+            for u in tl.static_range(UNROLL):
+                ks = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
+                s0 += _sq(X, stride_xm, r0, M, ks, K)
+                if TILES > 1:
+                    s1 += _sq(X, stride_xm, r0 + BLOCK_M, M, ks, K)
+                if TILES > 2:
+                    s2 += _sq(X, stride_xm, r0 + 2 * BLOCK_M, M, ks, K)
+                if TILES > 3:
+                    s3 += _sq(X, stride_xm, r0 + 3 * BLOCK_M, M, ks, K)
+        s0, s1 = tl.rsqrt(s0 / K + eps), tl.rsqrt(s1 / K + eps)
+        s2, s3 = tl.rsqrt(s2 / K + eps), tl.rsqrt(s3 / K + eps)
     return s0, s1, s2, s3
 
 
@@ -129,7 +135,7 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
                    eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                    IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr):
+                   EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr, UNROLL: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
     # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split). LATE (no
     # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way
@@ -151,7 +157,7 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
     if LATE:                                                # x^2 per lane of each row tile
         s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
     else:
-        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES, UNROLL)
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1,
                                                           a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE,
@@ -197,7 +203,7 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
                           NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                           IEEE: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
-                          LATE: tl.constexpr):
+                          LATE: tl.constexpr, UNROLL: tl.constexpr):
     # a fixed number of programs (a few per SM), each over the column blocks pid, pid + P, ... in one
     # loop of (column block, K block) steps, so the software pipeline streams weight tiles across column
     # blocks and a program's fixed costs (the RMSNorm pass, the pipeline's fill) are paid once; each
@@ -217,7 +223,7 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
     if LATE:                                                # x^2 per lane of each row tile
         s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
     else:
-        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES)
+        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES, UNROLL)
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     for it in range(0, n_it):
         cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -370,7 +376,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                extra_out.stride(0) if extra_out is not None else 0)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
                  IEEE=ieee_dot(x.dtype), TILES=tiles, PDL=pdl(), BLOCK_M=ROW_TILE, BLOCK_N=t.block_n,
-                 BLOCK_K=t.block_k, **schedule_flags(m), num_warps=t.warps, num_stages=t.stages, **launch())
+                 BLOCK_K=t.block_k, UNROLL=rstd_unroll(t.block_k, tiles), **schedule_flags(m), num_warps=t.warps,
+                 num_stages=t.stages, **launch())
     if t.per_sm > 0:
         programs = min(blocks, t.per_sm * sms(x.device))
         late = norm_late(norm is not None, 1, False)

@@ -278,12 +278,13 @@ def test_embed_norms_matches_reference():
     assert rel(got, embed_norms_reference(ids, emb, w1, hidden, w2, 1e-6)) < 1e-2
 
 
-ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False}
+ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0}
+ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048}
 
 
 def schedule(monkeypatch, on: bool) -> None:
-    for key in ALL_OFF:
-        monkeypatch.setitem(kernels.SCHEDULE, key, on)
+    for key, value in (ALL_ON if on else ALL_OFF).items():
+        monkeypatch.setitem(kernels.SCHEDULE, key, value)
 
 
 def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
@@ -298,6 +299,30 @@ def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
         schedule(monkeypatch, on)
         results.append([linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_rstd_span_changes_no_bits(gated, monkeypatch):
+    """The RMSNorm pre-pass with several steps' loads in flight (SCHEDULE's rstd_span; remainders of K
+    included) gives each row the sums of one step at a time, in the same order: the same bits on the tile
+    kernel (1 to 4 row tiles, streaming too) and the GEMVs that keep the pre-pass (split K, norm_late off)."""
+    torch.manual_seed(5)
+    n, k = 48, 576                                                        # 9 steps of 64
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_late", False)
+    w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
+    x = randn(64, k, dtype=torch.float32)
+    results = []
+    for span in (0, 128, 256, 1024):
+        monkeypatch.setitem(kernels.SCHEDULE, "rstd_span", span)
+        got = []
+        for tile in (L.Tile(16, 64, 4, 2), L.Tile(16, 64, 4, 2, per_sm=1)):
+            monkeypatch.setitem(L.TILES, (n, k), tile)
+            got += [linear(x[:m], w, norm=g, gated=gated) for m in (1, 5, 33, 64)]
+        monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 64, 4, split=3))
+        got.append(linear(x[:1], w, norm=g, gated=gated))
+        monkeypatch.delitem(G.GEMV_TILES, (n, k))
+        results.append(got)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -337,10 +362,12 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
-    """Evict-first loads and the early PDL trigger are scheduling only: every projection shape of an 8B
-    layer and attention give the same bits with all of them on as with all off."""
+    """Evict-first loads, the early PDL trigger and the RMSNorm pre-pass's span are scheduling only: every
+    projection shape of an 8B layer, lm_head (with the final norm) and attention give the same bits with all
+    of them on as with all off."""
     torch.manual_seed(rows)
-    shapes = [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False)]
+    shapes = [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False),
+              (151936, 4096, False)]
     ws = [randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5) for n, k, gated in shapes]
     xs = [randn(rows, k, dtype=torch.bfloat16) for _, k, _ in shapes]
     g = randn(4096, dtype=torch.bfloat16) + 1
