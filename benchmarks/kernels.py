@@ -68,7 +68,8 @@ TILE_STREAM = [L.Tile(bn, bk, 4, st, 1, per_sm) for bn, bk, st in ((16, 256, 4),
 # the GEMV shapes as the fast engines call them: (name, N, K, norm prologue, residual epilogue, gated)
 GEMV_CALLS = [("8b qkv", 6144, 4096, True, False, False), ("8b o", 4096, 4096, False, True, False),
               ("8b gate/up", 12288, 4096, True, False, True), ("8b down", 4096, 12288, False, True, False),
-              ("eagle3 qkv", 6144, 8192, False, False, False)]
+              ("eagle3 qkv", 6144, 8192, False, False, False), ("8b lm_head", 151936, 4096, True, False, False),
+              ("eagle3 lm_head", 32000, 4096, True, False, False)]
 
 
 def gemv_sweep(out: dict) -> None:
@@ -121,13 +122,14 @@ def verify_sweep(out: dict, rows=(1, 7, 32)) -> None:
     the lowest time at 7 + 32 rows (chain and tree verify) -> out["tiles"] and L.TILES."""
     print(f"\n{'tile kernel':<14}{'N':>7}{'K':>7}  {'(bn, bk, w, s, split, per_sm)':<30}"
           + "".join(f"{f'm={m} us':>10}" for m in rows))
-    for name, n, k, _, _, gated in GEMV_CALLS:
+    for name, n, k, norm, residual, gated in GEMV_CALLS:
         current = tuple(L.tile_for(n, k))
         gemv = G.GEMV_TILES.pop((n, k), None)                # one row on the tile kernel here
         results = []
         for tile in candidates(name, n, k, gated) + [t for t in TILE_STREAM if k % t.block_k == 0]:
             try:
-                results.append(([time_linear(n, k, gated, tile, m) for m in rows], tuple(L.Tile(*tile))))
+                results.append(([time_linear(n, k, gated, tile, m, norm=norm, residual=residual) for m in rows],
+                                 tuple(L.Tile(*tile))))
             except Exception as e:                           # noqa: BLE001 - out of shared memory etc.
                 print(f"  {tuple(tile)}: {type(e).__name__} {str(e)[:80]}")
         results.sort(key=lambda r: sum(r[0][1:]))
@@ -211,19 +213,24 @@ def check_linear(name, n, k, gated, report):
     report["rel_err"] = errs
 
 
-def time_linear(n, k, gated, tile, m=1, table=None) -> float:
-    """µs of one launch with ``tile`` in ``table`` (L.TILES, or G.GEMV_TILES for the one-row kernel)."""
+def time_linear(n, k, gated, tile, m=1, table=None, norm=True, residual=False) -> float:
+    """µs of one launch with ``tile`` in ``table`` (L.TILES, or G.GEMV_TILES for the one-row kernel), with
+    an RMSNorm prologue (norm) and / or adding the output into itself (residual, as o / down are called)."""
     table = L.TILES if table is None else table
     ws = weights(2 * n if gated else n, k)
     x = torch.randn(m, k, device="cuda", dtype=DT)
-    g = torch.rand(k, device="cuda", dtype=DT) + 0.5
+    g = torch.rand(k, device="cuda", dtype=DT) + 0.5 if norm else None
     outs = [torch.empty(m, n, device="cuda", dtype=DT) for _ in ws]
     saved = table.get((n, k))
     table[(n, k)] = tuple(tile)
+
+    def call(w, o):
+        return L.linear(x, w, norm=g, gated=gated, residual=o if residual else None, out=o)
+
     try:
         if table is L.TILES:                                  # the tile must also fit 4 row tiles (64 rows)
             L.linear(torch.randn(64, k, device="cuda", dtype=DT), ws[0], norm=g, gated=gated)
-        return graph_time([lambda w=w, o=o: L.linear(x, w, norm=g, gated=gated, out=o) for w, o in zip(ws, outs)])
+        return graph_time([lambda w=w, o=o: call(w, o) for w, o in zip(ws, outs)])
     finally:
         if saved is None:
             table.pop((n, k), None)

@@ -23,6 +23,9 @@
 #   PART=6  the RMSNorm pre-pass span (kernels.SCHEDULE rstd_span): the schedule tests on the GPU, the verify
 #           tiles of CALLS (8b qkv, gate/up) swept under rstd_span=SPAN (2048) -> $OUT/span.json, then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" (spans 512..4096; tiles=1: span.json's) at 128,4096
+#   PART=7  the verify and one-row tiles of every decode shape (lm_heads included) swept as the engines call
+#           them (benchmarks/kernels.py --gemv) -> $OUT/gemv.json, then benchmarks/fast_decode.py --variants
+#           "$VARIANTS" (tiles=1: gemv.json's) at 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -145,5 +148,13 @@ if [ "$PART" = 6 ]; then
   V=${VARIANTS:-"rstd_span=512;rstd_span=1024;rstd_span=2048;rstd_span=4096;tiles=1,rstd_span=$SPAN"}
   step "benchmarks/fast_decode.py --tiles span.json --variants $V"
   fast_decode 240 16 --tiles "$OUT/span.json" --variants "$V" --json "$OUT/variants.json"
+fi
+if [ "$PART" = 7 ]; then
+  step "benchmarks/kernels.py --gemv (verify tiles at 1 / 7 / 32 rows, then one-row GEMVs, every decode shape)"
+  timeout 330 python3 benchmarks/kernels.py --gemv --json "$OUT/gemv.json" > "$OUT/gemv_sweep.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^device" "$OUT/gemv_sweep.log" | tail -80
+  step "benchmarks/fast_decode.py --tiles gemv.json --variants ${VARIANTS:-tiles=1}"
+  fast_decode 200 8 --tiles "$OUT/gemv.json" --variants "${VARIANTS:-tiles=1}" --json "$OUT/variants.json"
 fi
 step "done"

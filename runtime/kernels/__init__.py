@@ -66,12 +66,15 @@ def _pdl_capable() -> bool:
 #                         With the GEMV tiles chosen under it (gemv.GEMV_TILES): decode 4.525 -> 4.468 ms
 #   norm_late_tile        the same in the tile kernel: slower (gate/up 55.2 -> 67.8 us; 7 tokens 4.821 ->
 #                         5.374 ms), off
-# And one that changes no result (the same sums in the same order):
+# And one that changes no result (the same sums in the same order), measured in the sixth session:
 #   rstd_span             columns of x whose loads the RMSNorm pre-pass (tile kernel, split-K GEMVs) has in
 #                         flight at once, over all row tiles: that many / BLOCK_K steps per loop iteration
-#                         (0: one step, a round trip to L2 per BLOCK_K columns)
+#                         (0: one step, a round trip to L2 per BLOCK_K columns, 16-32 in a row before the
+#                         weights of a verify call stream). 7 / 32 tokens at context 128: 4.839 / 5.949 ms
+#                         at 0, 4.766 / 5.755 at 512, 4.730 / 5.633 at 1024, 4.667 / 5.601 at 2048, 4.702 /
+#                         5.618 at 4096; decode 4.439 -> 4.463 (its only pre-pass is lm_head's, noise level)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
-            "norm_late_tile": False, "rstd_span": 0}
+            "norm_late_tile": False, "rstd_span": 2048}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -1,8 +1,9 @@
 """y = epilogue(prologue(x) @ W^T): every projection of a decode/verify step in one kernel.
 
     x [M, K] (M <= MAX_ROWS), W [N, K] row-major (K contiguous), y [M, N] (or [M, N/2] when gated)
-    prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm; with SCHEDULE's
-              norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead)
+    prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm): 1/rms from a pass
+              over x before the weights stream, SCHEDULE's rstd_span columns of it in flight at a time (or,
+              with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead)
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
