@@ -26,6 +26,8 @@
 #   PART=7  the verify and one-row tiles of every decode shape (lm_heads included) swept as the engines call
 #           them (benchmarks/kernels.py --gemv) -> $OUT/gemv.json, then benchmarks/fast_decode.py --variants
 #           "$VARIANTS" (tiles=1: gemv.json's) at 128,4096
+#   PART=8  norm_apart and hand-picked tiles (TILES, a kernels.json-style file): its gpu tests, then
+#           benchmarks/fast_decode.py --tiles TILES --variants "$VARIANTS" at 128,4096
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -156,5 +158,13 @@ if [ "$PART" = 7 ]; then
   grep -vE "^device" "$OUT/gemv_sweep.log" | tail -80
   step "benchmarks/fast_decode.py --tiles gemv.json --variants ${VARIANTS:-tiles=1}"
   fast_decode 200 8 --tiles "$OUT/gemv.json" --variants "${VARIANTS:-tiles=1}" --json "$OUT/variants.json"
+fi
+if [ "$PART" = 8 ]; then
+  step "gpu tests of norm_apart and the schedule"
+  gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k "norm_apart or schedule"
+  V=${VARIANTS:-"tiles=1;norm_apart=1;tiles=1,norm_apart=1"}
+  step "benchmarks/fast_decode.py --tiles ${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json} --variants $V"
+  fast_decode 200 12 --tiles "${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json}" --variants "$V" \
+    --json "$OUT/variants.json"
 fi
 step "done"

@@ -73,8 +73,11 @@ def _pdl_capable() -> bool:
 #                         weights of a verify call stream). 7 / 32 tokens at context 128: 4.839 / 5.949 ms
 #                         at 0, 4.766 / 5.755 at 512, 4.730 / 5.633 at 1024, 4.667 / 5.601 at 2048, 4.702 /
 #                         5.618 at 4096; decode 4.439 -> 4.463 (its only pre-pass is lm_head's, noise level)
+# And, not yet measured:
+#   norm_apart            calls of several rows with an RMSNorm prologue normalise x in a launch of their own
+#                         (kernels/norm.py rms_norm), not in every column block's pre-pass and main loop
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
-            "norm_late_tile": False, "rstd_span": 2048}
+            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": False}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -3,7 +3,8 @@
     x [M, K] (M <= MAX_ROWS), W [N, K] row-major (K contiguous), y [M, N] (or [M, N/2] when gated)
     prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm): 1/rms from a pass
               over x before the weights stream, SCHEDULE's rstd_span columns of it in flight at a time (or,
-              with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead)
+              with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead; with
+              norm_apart, calls of several rows normalise x in a launch of their own, kernels/norm.py)
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
@@ -24,10 +25,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _sq, norm_late,
                                              rstd_unroll, schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
+from xcompile.runtime.kernels.norm import rms_norm
 
 
 @triton.jit
@@ -369,6 +371,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
+    if norm is not None and m > 1 and SCHEDULE["norm_apart"]:
+        x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
     t = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,

@@ -1,8 +1,11 @@
-"""The EAGLE3 step's input in one launch: u = [RMSNorm(embed[ids]), RMSNorm(hidden)] (embedding first).
+"""RMSNorm launches of their own (the projections otherwise take theirs as a prologue, linear.py):
 
-    ids [M] int64, embed [V, H], hidden [M, H] (rows may be strided) -> u [M, 2H]
+    embed_norms  the EAGLE3 step's input: u = [RMSNorm(embed[ids]), RMSNorm(hidden)] (embedding first)
+                 ids [M] int64, embed [V, H], hidden [M, H] (rows may be strided) -> u [M, 2H]
+    rms_norm     x [M, K] (rows may be strided) -> RMSNorm(x) [M, K], for the projections of several rows
+                 under SCHEDULE's norm_apart
 
-One program per (row, half); each half is normalised on its own, in fp32, and rounded once (F.rms_norm).
+One program per row (and half); each is normalised on its own, in fp32, and rounded once (F.rms_norm).
 """
 
 from __future__ import annotations
@@ -51,3 +54,27 @@ def embed_norms_reference(ids, embed, w_embed, hidden, w_hidden, eps):
     h = hidden.shape[-1]
     return torch.cat((F.rms_norm(F.embedding(ids, embed), (h,), w_embed, eps), F.rms_norm(hidden, (h,), w_hidden, eps)),
                      dim=-1)
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, stride_x, eps, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    m = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    x = tl.load(X + m * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    y = x * rstd * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + m * K + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, (K,), w, eps) of each row of x [M, K] -> a new [M, K]."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and w.shape == (k,)
+    y = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(m,)](x, w, y, x.stride(0), eps, K=k, BLOCK=triton.next_power_of_2(k), PDL=pdl(),
+                           num_warps=4, **launch())
+    return y

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
@@ -21,7 +22,7 @@ from xcompile.runtime.kernels import common as C  # noqa: E402
 from xcompile.runtime.kernels import gemv as G  # noqa: E402
 from xcompile.runtime.kernels import linear as L  # noqa: E402
 from xcompile.runtime.kernels.linear import linear, linear_reference  # noqa: E402
-from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference  # noqa: E402
+from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference, rms_norm  # noqa: E402
 from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -301,6 +302,24 @@ def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_apart_matches_reference(gated, dtype, monkeypatch):
+    """Calls of several rows with the RMSNorm in a launch of its own (SCHEDULE's norm_apart): the norm
+    kernel against F.rms_norm, each projection against the reference (rows from a strided x), and a row
+    the same bits at every row count above one."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", True)
+    torch.manual_seed(6)
+    n, k = 48, 320
+    w, g = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5), randn(k, dtype=dtype) + 1
+    xs = 3 * randn(40, 2 * k, dtype=dtype)
+    assert rel(rms_norm(xs[:, :k], g, 1e-6), F.rms_norm(xs[:, :k], (k,), g, 1e-6)) < TOL[dtype]
+    full = linear(xs[:, :k], w, norm=g, gated=gated)
+    assert rel(full, linear_reference(xs[:, :k], w, norm=g, gated=gated)) < TOL[dtype]
+    for m in (2, 7, 17):
+        assert torch.equal(linear(xs[:m, :k], w, norm=g, gated=gated), full[:m])
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_rstd_span_changes_no_bits(gated, monkeypatch):
     """The RMSNorm pre-pass with several steps' loads in flight (SCHEDULE's rstd_span; remainders of K
@@ -400,6 +419,21 @@ def test_linear_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
     monkeypatch.delitem(G.GEMV_TILES, (n, k), raising=False)                       # the tile kernel for one row
     block = linear(x, w, norm=g, gated=gated)
     assert torch.equal(linear(x[:1], w, norm=g, gated=gated)[0], block[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (151936, 4096, False)])
+def test_norm_apart_at_qwen3_8b_shapes(n, k, gated, monkeypatch):
+    """The RMSNorm in a launch of its own (norm_apart) before the 8B projections with a norm: accurate at 7
+    and 33 rows, row 0 the same bits in both."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", True)
+    torch.manual_seed(n)
+    w = randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5)
+    x, g = randn(33, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16) + 1
+    outs = [linear(x[:m], w, norm=g, gated=gated) for m in (7, 33)]
+    for out in outs:
+        assert rel(out, linear_reference(x[:out.shape[0]], w, norm=g, gated=gated)) < 1e-2
+    assert torch.equal(outs[0][0], outs[1][0])
 
 
 @pytest.mark.gpu
