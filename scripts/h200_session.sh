@@ -28,6 +28,8 @@
 #           "$VARIANTS" (tiles=1: gemv.json's) at 128,4096
 #   PART=8  norm_apart and hand-picked tiles (TILES, a kernels.json-style file): its gpu tests, then
 #           benchmarks/fast_decode.py --tiles TILES --variants "$VARIANTS" at 128,4096
+#   PART=9  the final check: PART=3 (bench, gpu tests, fast_decode), then benchmarks/fast_agreement.py on the
+#           demo pair in bf16 (fast vs reference, speculative vs plain greedy; AGREE_PROMPTS=16)
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -104,7 +106,7 @@ if [ "$PART" = 2 ]; then
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -12 "$OUT/agreement.log"
 fi
-if [ "$PART" = 3 ]; then
+if [ "$PART" = 3 ] || [ "$PART" = 9 ]; then
   bench_greedy
   grep -hE "$SHOW" "$OUT/bench_greedy.log"
   step "gpu tests (kernels, fast engines, round graphs)"
@@ -166,5 +168,13 @@ if [ "$PART" = 8 ]; then
   step "benchmarks/fast_decode.py --tiles ${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json} --variants $V"
   fast_decode 200 12 --tiles "${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json}" --variants "$V" \
     --json "$OUT/variants.json"
+fi
+if [ "$PART" = 9 ]; then
+  xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
+  step "benchmarks/fast_agreement.py on the demo (${AGREE_PROMPTS:-16} prompts)"
+  timeout 150 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
+    > "$OUT/agreement.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  tail -12 "$OUT/agreement.log"
 fi
 step "done"

@@ -73,11 +73,15 @@ def _pdl_capable() -> bool:
 #                         weights of a verify call stream). 7 / 32 tokens at context 128: 4.839 / 5.949 ms
 #                         at 0, 4.766 / 5.755 at 512, 4.730 / 5.633 at 1024, 4.667 / 5.601 at 2048, 4.702 /
 #                         5.618 at 4096; decode 4.439 -> 4.463 (its only pre-pass is lm_head's, noise level)
-# And, not yet measured:
-#   norm_apart            calls of several rows with an RMSNorm prologue normalise x in a launch of their own
-#                         (kernels/norm.py rms_norm), not in every column block's pre-pass and main loop
+# And one that changes the rounding of the tile kernel's calls with a norm (a 1/rms summed in another order):
+#   norm_apart            those calls normalise x in a launch of their own (kernels/norm.py rms_norm), not in
+#                         every column block's pre-pass and main loop (the one-row GEMVs keep their prologue):
+#                         32 tokens 5.624 -> 5.314 ms at context 128 and 7.568 -> 7.271 at 4096, 7 tokens
+#                         4.703 -> 4.684 and 5.220 -> 5.155 (measured with several rows only; one-row
+#                         calls on the tile kernel, lm_head's, take it too so a row's bits stay those of
+#                         a block's row)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
-            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": False}
+            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

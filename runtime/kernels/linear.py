@@ -3,8 +3,9 @@
     x [M, K] (M <= MAX_ROWS), W [N, K] row-major (K contiguous), y [M, N] (or [M, N/2] when gated)
     prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm): 1/rms from a pass
               over x before the weights stream, SCHEDULE's rstd_span columns of it in flight at a time (or,
-              with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead; with
-              norm_apart, calls of several rows normalise x in a launch of their own, kernels/norm.py)
+              with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead). With
+              SCHEDULE's norm_apart (on) the tile kernel's calls normalise x in a launch of their own first
+              (kernels/norm.py), the same rounding, so the prologue serves the GEMVs only
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
@@ -371,7 +372,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
-    if norm is not None and m > 1 and SCHEDULE["norm_apart"]:
+    if norm is not None and SCHEDULE["norm_apart"]:
         x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
     t = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)

@@ -72,6 +72,7 @@ def test_linear_split_k_matches_reference(split, gated, monkeypatch):
     second call reuses the arrival counters (each launch resets them)."""
 
     n, k, rows = 48, 512, 21
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)               # the tile kernel's own prologue
     monkeypatch.setitem(L.TILES, (n, k), (16, 64, 4, 2, split))
     w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
     x, r = randn(rows, k, dtype=torch.float32), randn(rows, n, dtype=torch.float32)
@@ -90,6 +91,7 @@ def test_streaming_tile_kernel_matches_reference_and_its_tile(rows, gated, monke
     the interpreter's 2 "SMs") against the reference, and bit for bit against _linear_kernel with the
     same tile; one row here is the tile kernel too (no GEMV tile for this shape)."""
     n, k = 112, 256
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)               # the tile kernel's own prologue
     w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
     x, r = randn(rows, k, dtype=torch.float32), randn(rows, n, dtype=torch.float32)
     residual = None if gated else r
@@ -279,8 +281,11 @@ def test_embed_norms_matches_reference():
     assert rel(got, embed_norms_reference(ids, emb, w1, hidden, w2, 1e-6)) < 1e-2
 
 
-ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0}
-ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048}
+# norm_apart (which changes the rounding) off in both, so rstd_span acts on the tile kernel's own RMSNorm pre-pass
+ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0,
+           "norm_apart": False}
+ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048,
+          "norm_apart": False}
 
 
 def schedule(monkeypatch, on: bool) -> None:
@@ -326,6 +331,7 @@ def test_rstd_span_changes_no_bits(gated, monkeypatch):
     included) gives each row the sums of one step at a time, in the same order: the same bits on the tile
     kernel (1 to 4 row tiles, streaming too) and the GEMVs that keep the pre-pass (split K, norm_late off)."""
     torch.manual_seed(5)
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)               # the tile kernel's own prologue
     n, k = 48, 576                                                        # 9 steps of 64
     monkeypatch.setitem(kernels.SCHEDULE, "norm_late", False)
     w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
@@ -353,6 +359,7 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
     the gated streaming GEMV on a GPU (seen on the H200 with triton 3.6: the compiled kernels round
     differently there, cause not found; it serves no shape), checked to 1e-3 instead."""
     monkeypatch.setitem(kernels.SCHEDULE, "norm_late", late)
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)               # the tile kernel's own prologue
     monkeypatch.setitem(kernels.SCHEDULE, "norm_late_tile", late)
     torch.manual_seed(4)
     n, k = 96, 256
