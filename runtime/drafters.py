@@ -32,7 +32,8 @@ from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.sampling import Sampler
-from xcompile.runtime.speculative import Accepted, Block, chain_block, select_tree, to_target, topk_children
+from xcompile.runtime.speculative import (Accepted, Block, chain_block, select_tree, target_table, to_target,
+                                         topk_children)
 
 Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its fixed-shape steps) -> engine
 
@@ -101,12 +102,13 @@ class Drafter(ABC):
     def use_graphs(self, wrap: Wrap) -> None:
         """Replace each engine by ``wrap(engine, token counts of its fixed-shape steps)``."""
 
-    def _pick(self, block: Block, i: int, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
-        """Draft token i of ``block`` (target ids [B]) from draft logits [B, Vq]: the argmax when greedy,
-        else a draw from the warped q, with q's row and q(token) written into the block."""
+    def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft token i of ``block`` (target ids [B], ``targets`` the draft->target lookup of
+        speculative.target_table) from draft logits [B, Vq]: the argmax when greedy, else a draw from the
+        warped q, with q's row and q(token) written into the block."""
         s = self.sampler
         if s.greedy:
-            return to_target(logits.argmax(-1), d2t)
+            return to_target(logits.argmax(-1), targets)
         w = s.warp(logits)
         col = s.draw(w)                                                         # [B] column of q
         q = w.probs()
@@ -114,10 +116,10 @@ class Drafter(ABC):
             b, n = block.tokens.shape
             block.q = q.new_zeros(b, n, q.shape[-1])
             block.q_tok = q.new_ones(b, n)
-            block.q_ids = None if d2t is None else to_target(torch.arange(q.shape[-1], device=q.device), d2t)
+            block.q_ids = targets
         block.q[:, i] = q
         block.q_tok[:, i] = q.gather(1, col[:, None])[:, 0]
-        return to_target(col, d2t)
+        return to_target(col, targets)
 
 
 class NoDrafter(Drafter):
@@ -211,6 +213,7 @@ class _Eagle3(Drafter):
         super().__init__(max_depth, block_size, lookahead, engines=(eagle3, fc))
         self.eagle3, self.fc = eagle3, fc
         self.d2t = None if d2t is None else check_d2t(d2t).to(eagle3.device)
+        self.targets = target_table(self.d2t)                 # draft id -> target id, one lookup
 
     def _alloc(self, device, batch):
         d = self.max_depth
@@ -283,7 +286,7 @@ class Eagle3ChainDrafter(_Eagle3):
     def propose(self, root, length):
         t = self.block.tokens
         t[:, 0] = root
-        t[:, 1] = self._pick(self.block, 1, self.logits[:, 0], self.d2t)
+        t[:, 1] = self._pick(self.block, 1, self.logits[:, 0], self.targets)
         hidden = self.hidden
         pos = length[:, None] + self.offsets                                    # [B, k-1]
         for i in range(1, self.k):
@@ -291,7 +294,7 @@ class Eagle3ChainDrafter(_Eagle3):
             # the entry is temporary (past the persistent length)
             out = self.eagle3.run(input_ids=t[:, i:i + 1], hidden_states=hidden, position_ids=pos[:, i - 1:i],
                                   write_index=pos[:, i - 1], tree_mask=self.one_mask, logit_rows=self.row0)
-            t[:, i + 1] = self._pick(self.block, i + 1, out["logits"][:, 0], self.d2t)
+            t[:, i + 1] = self._pick(self.block, i + 1, out["logits"][:, 0], self.targets)
             hidden = out["hidden_out"]
         return self.block
 
@@ -342,12 +345,14 @@ class Eagle3TreeDrafter(_Eagle3):
         # a level-j node (j = 1..depth-1) sits at target position length+j and is expanded at draft
         # position length+j-1 (pairing §3.1), its K/V written at slot length + k*(j-1) + its index
         self.ex_offsets = torch.arange(n, device=device) // k
+        self.ex_slots = k * torch.arange(max(self.depth - 1, 1), device=device)   # each level's first slot - length
         self.ex_rows = torch.arange(k, device=device).expand(batch, k)
         self.expand_index = torch.arange(k, device=device).expand(batch, k)   # pool index of the expanded level 1
 
     def propose(self, root, length):
         k = self.topk
-        logp, tok = topk_children(self.logits, self.d2t, k)                   # [B, 1, k]: the root's children
+        b = root.shape[0]
+        logp, tok = topk_children(self.logits, self.targets, k)               # [B, 1, k]: the root's children
         self.scores[:, :k], self.tokens[:, :k] = logp[:, 0], tok[:, 0]
         if self.depth > 1:
             if self.ex_hidden is None:
@@ -357,28 +362,32 @@ class Eagle3TreeDrafter(_Eagle3):
             self.ex_hidden[:, :k] = self.hidden
         ex_score, ex_pool = logp[:, 0], self.expand_index
         base = k
+        # every level's positions and first KV slot at once (each level takes its slice: no kernel per level)
+        pos, slots = length[:, None] + self.ex_offsets, length[:, None] + self.ex_slots
         for level in range(1, self.depth):
             s = k * level                                                        # nodes expanded after this step
             new = slice(s - k, s)                                                # this level's nodes
             out = self.eagle3.run(input_ids=self.ex_tokens[:, new], hidden_states=self.ex_hidden[:, new],
-                                  position_ids=length[:, None] + self.ex_offsets[new], write_index=length + s - k,
+                                  position_ids=pos[:, new], write_index=slots[:, level - 1],
                                   tree_mask=self.ex_mask[:, new, :s], logit_rows=self.ex_rows)
-            logp, tok = topk_children(out["logits"], self.d2t, k)               # [B, k, k]
-            # cumulative score of a child = its log-prob + its parent's score
-            cu = (logp + ex_score[:, :, None]).flatten(1)                        # [B, k*k]
-            tok = tok.flatten(1)
-            self.scores[:, base:base + k * k], self.tokens[:, base:base + k * k] = cu, tok
-            self.parents[:, base:base + k * k] = ex_pool.repeat_interleave(k, dim=1)
+            logp, tok = topk_children(out["logits"], self.targets, k)           # [B, k, k]
+            # cumulative score of a child = its log-prob + its parent's score (written into the pool as
+            # made; the gathers below write their slices in place too)
+            pool = slice(base, base + k * k)
+            cu = torch.add(logp, ex_score[:, :, None], out=self.scores[:, pool].view(b, k, k)).flatten(1)
+            self.tokens[:, pool] = tok = tok.flatten(1)
+            self.parents[:, pool].view(b, k, k).copy_(ex_pool[:, :, None].expand(-1, -1, k))
             if level < self.depth - 1:
                 # expand the k best children of this level next (scores over all k*k)
                 ex_score, top = cu.topk(k, dim=-1)
                 parent = top // k                                                # which expanded node [B, k]
                 hidden = out["hidden_out"]                                       # outputs of this level's nodes
-                self.ex_tokens[:, s:s + k] = tok.gather(1, top)
-                self.ex_hidden[:, s:s + k] = hidden.gather(1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]))
+                torch.gather(tok, 1, top, out=self.ex_tokens[:, s:s + k])
+                torch.gather(hidden, 1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]),
+                             out=self.ex_hidden[:, s:s + k])
                 # each new node sees its parent's ancestors (columns < s) and itself (the diagonal, preset)
                 rows = self.ex_mask[:, s - k:s, :s]
-                self.ex_mask[:, s:s + k, :s] = rows.gather(1, parent[:, :, None].expand(-1, -1, s))
+                torch.gather(rows, 1, parent[:, :, None].expand(-1, -1, s), out=self.ex_mask[:, s:s + k, :s])
                 ex_pool = base + top
             base += k * k
         return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)

@@ -278,15 +278,22 @@ def for_host(acc: Accepted) -> torch.Tensor:
     return torch.cat((acc.count[:, None], acc.tokens), dim=1)
 
 
-def to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
-    """EAGLE3 draft-vocab ids -> target ids by offsets: draft + d2t[draft] (eagle3_semantics.md §2)."""
-    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+def target_table(d2t: torch.Tensor | None) -> torch.Tensor | None:
+    """EAGLE3's d2t offsets [Vd] -> the target id of every draft id, draft + d2t[draft] (eagle3_semantics.md
+    §2), so that mapping ids is one lookup; None (draft and target share the vocabulary) stays None."""
+    return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
-def topk_children(logits: torch.Tensor, d2t: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft logits [B, R, Vd] -> (log-probs [B, R, k], target ids [B, R, k]) of each row's top k."""
-    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return top.values, to_target(top.indices, d2t)
+def to_target(draft_ids: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """EAGLE3 draft-vocab ids -> target ids: targets[draft] (targets = target_table(d2t))."""
+    return draft_ids if targets is None else targets[draft_ids]
+
+
+def topk_children(logits: torch.Tensor, targets: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits [B, R, Vd] -> (log-probs [B, R, k], target ids [B, R, k]) of each row's top k
+    (targets: target_table's lookup)."""
+    top = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
+    return top.values, to_target(top.indices, targets)
 
 
 def select_tree(root: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,

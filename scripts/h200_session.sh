@@ -30,6 +30,7 @@
 #           benchmarks/fast_decode.py --tiles TILES --variants "$VARIANTS" at 128,4096
 #   PART=9  the final check: PART=3 (bench, gpu tests, fast_decode), then benchmarks/fast_agreement.py on the
 #           demo pair in bf16 (fast vs reference, speculative vs plain greedy; AGREE_PROMPTS=16)
+#   PART=10 the greedy `xrun bench` alone (a round-only change)
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -176,5 +177,9 @@ if [ "$PART" = 9 ]; then
     > "$OUT/agreement.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -12 "$OUT/agreement.log"
+fi
+if [ "$PART" = 10 ]; then
+  bench_greedy
+  grep -hE "$SHOW" "$OUT/bench_greedy.log"
 fi
 step "done"

@@ -5,7 +5,7 @@
               over x before the weights stream, SCHEDULE's rstd_span columns of it in flight at a time (or,
               with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead). With
               SCHEDULE's norm_apart (on) the tile kernel's calls normalise x in a launch of their own first
-              (kernels/norm.py), the same rounding, so the prologue serves the GEMVs only
+              (kernels/norm.py; its 1/rms summed in another order), so the prologue serves the GEMVs only
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from xcompile.runtime.engine import KVShape, new_kv
 from xcompile.runtime.speculative import (Block, _stacked, accept_chain, accept_tree, ancestors, bonus, chain_block,
-                                          compact_kv, for_host, select_tree, topk_children)
+                                          compact_kv, for_host, select_tree, target_table, topk_children)
 
 V = 100
 
@@ -144,7 +144,7 @@ def test_compact_kv_moves_the_path_rows():
 def test_topk_children_maps_draft_ids():
     logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0]]])
     d2t = torch.tensor([0, 10, 20, 30])
-    logp, ids = topk_children(logits, d2t, 2)
+    logp, ids = topk_children(logits, target_table(d2t), 2)
     assert ids.tolist() == [[[11, 33]]]
     assert torch.allclose(logp, torch.log_softmax(logits, -1)[..., [1, 3]])
     assert topk_children(logits, None, 2)[1].tolist() == [[[1, 3]]]
