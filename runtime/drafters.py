@@ -345,7 +345,7 @@ class Eagle3TreeDrafter(_Eagle3):
         # a level-j node (j = 1..depth-1) sits at target position length+j and is expanded at draft
         # position length+j-1 (pairing §3.1), its K/V written at slot length + k*(j-1) + its index
         self.ex_offsets = torch.arange(n, device=device) // k
-        self.ex_slots = k * torch.arange(max(self.depth - 1, 1), device=device)   # each level's first slot - length
+        self.ex_slots = k * torch.arange(max(self.depth - 1, 1), device=device)   # level's first KV slot past length
         self.ex_rows = torch.arange(k, device=device).expand(batch, k)
         self.expand_index = torch.arange(k, device=device).expand(batch, k)   # pool index of the expanded level 1
 
@@ -400,7 +400,7 @@ def check_d2t(d2t: torch.Tensor) -> torch.Tensor:
     """d2t [draft_vocab] int64 offsets: target = draft + d2t[draft] must be injective and >= 0."""
     if d2t.dim() != 1 or d2t.dtype != torch.int64:
         raise EngineError(f"d2t must be a 1-D int64 tensor of offsets, got {tuple(d2t.shape)} {d2t.dtype}")
-    target = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    target = target_table(d2t)
     if bool((target < 0).any()) or target.unique().numel() != target.numel():
         raise EngineError("d2t maps draft ids to negative or repeated target ids; re-export the EAGLE3 head")
     return d2t
