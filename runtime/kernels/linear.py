@@ -324,19 +324,22 @@ class Tile(NamedTuple):
 # Tiles per weight shape (N_OUT, K); never per row count, so a row's reduction order is the same at every
 # row count the tile kernel serves. For shapes whose one row runs on a GEMV (gemv.GEMV_TILES), the fastest
 # at 7 + 32 rows (chain and tree verify) of `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01,
-# fourth session; us at 7 / 32 rows against the previous tile in the same run); for the others the fastest
-# at one row of `--sweep` (first session, docs/BENCHMARKS.md); DEFAULT_TILE elsewhere. The streaming
-# kernel was fastest alone for qkv (23.4 / 34.6) but slower inside the step (6.249 against 6.092 ms for
-# a 32-token verify): it cannot fetch weights before the PDL wait (its pipelined loop also loads x).
+# fourth session); for the others the fastest at one row of `--sweep` (first session, docs/BENCHMARKS.md);
+# DEFAULT_TILE elsewhere. The figures: us at 1 / 7 / 32 rows in the sixth session's sweep, which calls each
+# shape as the engines do (its RMSNorm still as a prologue, rstd_span 2048; the fourth session timed every
+# shape with one, hence its slower o / down figures), against the best other tile of that run; the lm_head
+# and EAGLE3 qkv tiles faster alone there changed nothing in the step, so they stay. The streaming kernel
+# was fastest alone for qkv and lm_head but slower inside the step (32 tokens 5.600 -> 5.997 ms): it cannot
+# fetch weights before the PDL wait (its pipelined loop also loads x).
 DEFAULT_TILE = Tile(32, 512, 4, 3)
 TILES: dict[tuple[int, int], Tile] = {
-    (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 23.8 / 35.4 (32/256 split 2: 24.0 / 37.6)
-    (4096, 4096): Tile(64, 256, 4, 3, 4),           # Qwen3-8B o_proj: 18.2 / 28.0
-    (12288, 4096): Tile(128, 128, 8, 3),            # Qwen3-8B gate/up (gated: 2 x 12288 rows): 57.6 / 65.2
-    (4096, 12288): Tile(64, 256, 4, 3, 4),          # Qwen3-8B down_proj, EAGLE3 fc: 51.7 / 82.7 (32/512: 52.9 / 86.6)
-    (151936, 4096): Tile(128, 128, 8, 3),           # Qwen3-8B lm_head
-    (6144, 8192): Tile(64, 256, 4, 3, 2),           # EAGLE3 qkv ([embedding, hidden]): 43.9 / 68.8 (32/256: 72.9)
-    (32000, 4096): Tile(128, 128, 8, 3),            # EAGLE3 lm_head (draft vocabulary)
+    (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 17.6 / 21.0 / 28.0 (64/256: 18.3 / 21.3 / 27.8)
+    (4096, 4096): Tile(64, 256, 4, 3, 4),           # Qwen3-8B o_proj: 11.5 / 11.4 / 14.3 (split 2: 12.5 / 11.9 / 13.9)
+    (12288, 4096): Tile(128, 128, 8, 3),            # Qwen3-8B gate/up (2 x 12288 rows): 54.6 / 58.2 / 60.9
+    (4096, 12288): Tile(64, 256, 4, 3, 4),          # Qwen3-8B down_proj, EAGLE3 fc: 27.3 / 27.7 / 31.6
+    (151936, 4096): Tile(128, 128, 8, 3),           # Qwen3-8B lm_head: 298.4 / 301.3 / 327.7 (256/128: 293.4 / ..)
+    (6144, 8192): Tile(64, 256, 4, 3, 2),           # EAGLE3 qkv ([embedding, hidden]): 28.5 / 31.0 / 34.7
+    (32000, 4096): Tile(128, 128, 8, 3),            # EAGLE3 lm_head (draft vocabulary): 76.2 / 68.7 / 72.8
     (4096, 1024): Tile(32, 256, 4, 3),              # Qwen3-0.6B qkv
     (1024, 2048): Tile(32, 256, 4, 3, 2),           # Qwen3-0.6B o_proj
     (3072, 1024): Tile(64, 256, 4, 3, 2),           # Qwen3-0.6B gate/up
