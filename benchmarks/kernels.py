@@ -11,9 +11,11 @@ bytes against the device's copy bandwidth; cuBLAS (F.linear) beside it. ``--swee
 candidate tile per shape and prints the best, which is what ``kernels/linear.py``'s TILES table
 holds. Then attention at several live lengths and row counts, and rope_kv. ``--gemv`` times only the
 one-row GEMVs' candidates (GEMV_SPLIT: split K included; GEMV_STREAM: the streaming kernel) at the
-decode shapes, each called as the fast engines call it (qkv and gate/up with their norm, o/down adding
-the residual in place), against the tile kernel and cuBLAS; before that, for the same shapes, the tile
-kernel's candidates (TILE_STREAM: the streaming kernel) at 1, 7 and 32 rows, chosen at 7 + 32 (verify).
+decode shapes (GEMV_CALLS, the lm_heads included), each called as the fast engines call it (qkv, gate/up
+and the lm_heads with their norm, o/down adding the residual in place), against the tile kernel and
+cuBLAS; before that, for the same shapes called the same way (a norm under SCHEDULE's norm_apart is a
+launch of its own, timed with the call), the tile kernel's candidates (TILE_STREAM: the streaming kernel)
+at 1, 7 and 32 rows, chosen at 7 + 32 (verify).
 Its JSON's tiles and gemv_tiles feed ``fast_decode.py --tiles``. ``--calls`` keeps those GEMV shapes only,
 ``--no-verify`` leaves the tile kernel's sweep out, ``--schedule`` sets kernels.SCHEDULE entries first.
 """
