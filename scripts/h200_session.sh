@@ -71,6 +71,18 @@ fast_decode() {
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -"$lines"
 }
+# sweep_variants SCHED NAME LINES VARIANTS: benchmarks/kernels.py --gemv on CALLS (8b qkv, gate/up) under
+# --schedule SCHED -> $OUT/NAME.json, then benchmarks/fast_decode.py --variants VARIANTS (tiles=1: its tiles)
+sweep_variants() {
+  local sched=$1 name=$2 lines=$3 v=$4
+  step "benchmarks/kernels.py --gemv --calls ${CALLS:-8b qkv,8b gate/up} --schedule $sched"
+  timeout 240 python3 benchmarks/kernels.py --gemv --calls "${CALLS:-8b qkv,8b gate/up}" --schedule "$sched" \
+    --json "$OUT/$name.json" > "$OUT/${name}_sweep.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -vE "^device" "$OUT/${name}_sweep.log" | tail -40
+  step "benchmarks/fast_decode.py --tiles $name.json --variants $v"
+  fast_decode 300 "$lines" --tiles "$OUT/$name.json" --variants "$v" --json "$OUT/variants.json"
+}
 KERNEL_TESTS=(tests/runtime/test_kernels.py tests/runtime/test_fast.py tests/runtime/test_graphs.py)
 
 if [ "$PART" = 0 ]; then
@@ -120,15 +132,8 @@ if [ "$PART" = 4 ]; then
   gpu_tests 150 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k schedule
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py -k norm_late 2>&1 | tail -1 \
     | tee -a "$OUT/summary.log"
-  SCHED=${SCHED:-norm_late=1,norm_late_tile=1}
-  step "benchmarks/kernels.py --gemv --calls ${CALLS:-8b qkv,8b gate/up} --schedule $SCHED"
-  timeout 240 python3 benchmarks/kernels.py --gemv --calls "${CALLS:-8b qkv,8b gate/up}" --schedule "$SCHED" \
-    --json "$OUT/gemv_late.json" > "$OUT/gemv_late.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^device" "$OUT/gemv_late.log" | tail -40
-  V=${VARIANTS:-"tiles=1,norm_late=1;tiles=1,norm_late=1,norm_late_tile=1;norm_late_tile=1;norm_late=1"}
-  step "benchmarks/fast_decode.py --tiles gemv_late.json --variants $V"
-  fast_decode 300 30 --tiles "$OUT/gemv_late.json" --variants "$V" --json "$OUT/variants.json"
+  sweep_variants "${SCHED:-norm_late=1,norm_late_tile=1}" gemv_late 30 \
+    "${VARIANTS:-"tiles=1,norm_late=1;tiles=1,norm_late=1,norm_late_tile=1;norm_late_tile=1;norm_late=1"}"
 fi
 if [ "$PART" = 5 ]; then
   [ "${SKIP_TEST:-0}" = 1 ] || step "the small-shape norm_late test on the GPU"
@@ -145,14 +150,8 @@ if [ "$PART" = 6 ]; then
   step "schedule and norm_late tests on the GPU (rstd_span among the switches)"
   gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k "schedule or norm_late or rstd"
   SPAN=${SPAN:-2048}
-  step "benchmarks/kernels.py --gemv --calls ${CALLS:-8b qkv,8b gate/up} --schedule rstd_span=$SPAN"
-  timeout 240 python3 benchmarks/kernels.py --gemv --calls "${CALLS:-8b qkv,8b gate/up}" --schedule "rstd_span=$SPAN" \
-    --json "$OUT/span.json" > "$OUT/span_sweep.log" 2>&1
-  echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^device" "$OUT/span_sweep.log" | tail -40
-  V=${VARIANTS:-"rstd_span=512;rstd_span=1024;rstd_span=2048;rstd_span=4096;tiles=1,rstd_span=$SPAN"}
-  step "benchmarks/fast_decode.py --tiles span.json --variants $V"
-  fast_decode 240 16 --tiles "$OUT/span.json" --variants "$V" --json "$OUT/variants.json"
+  sweep_variants "rstd_span=$SPAN" span 16 \
+    "${VARIANTS:-"rstd_span=512;rstd_span=1024;rstd_span=2048;rstd_span=4096;tiles=1,rstd_span=$SPAN"}"
 fi
 if [ "$PART" = 7 ]; then
   step "benchmarks/kernels.py --gemv (verify tiles at 1 / 7 / 32 rows, then one-row GEMVs, every decode shape)"
