@@ -67,7 +67,9 @@ GEMV_STREAM = [G.Gemv(4, 1024, 4, 1, 4, 2), G.Gemv(4, 1024, 4, 1, 8, 1), G.Gemv(
 # --gemv: the streaming tile kernel's candidates (BLOCK_N, BLOCK_K, warps, stages, split, per_sm)
 TILE_STREAM = [L.Tile(bn, bk, 4, st, 1, per_sm) for bn, bk, st in ((16, 256, 4), (32, 256, 3), (64, 128, 4),
                                                                     (64, 256, 3)) for per_sm in (1, 2)]
-# the GEMV shapes as the fast engines call them: (name, N, K, norm prologue, residual epilogue, gated)
+# the GEMV shapes as the fast engines call them: (name, N, K, norm prologue, residual epilogue, gated); a
+# GEMV tile taken for an lm_head would round its lone row differently from a verify block's rows, as for
+# the other GEMV shapes (kernels/__init__.py)
 GEMV_CALLS = [("8b qkv", 6144, 4096, True, False, False), ("8b o", 4096, 4096, False, True, False),
               ("8b gate/up", 12288, 4096, True, False, True), ("8b down", 4096, 12288, False, True, False),
               ("eagle3 qkv", 6144, 8192, False, False, False), ("8b lm_head", 151936, 4096, True, False, False),

@@ -292,7 +292,7 @@ def to_target(draft_ids: torch.Tensor, targets: torch.Tensor | None) -> torch.Te
 def topk_children(logits: torch.Tensor, targets: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft logits [B, R, Vd] -> (log-probs [B, R, k], target ids [B, R, k]) of each row's top k
     (targets: target_table's lookup)."""
-    top = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return top.values, to_target(top.indices, targets)
 
 

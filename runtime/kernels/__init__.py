@@ -73,7 +73,9 @@ def _pdl_capable() -> bool:
 #                         (0: one step, a round trip to L2 per BLOCK_K columns, 16-32 in a row before the
 #                         weights of a verify call stream). 7 / 32 tokens at context 128: 4.839 / 5.949 ms
 #                         at 0, 4.766 / 5.755 at 512, 4.730 / 5.633 at 1024, 4.667 / 5.601 at 2048, 4.702 /
-#                         5.618 at 4096; decode 4.439 -> 4.463 (its only pre-pass is lm_head's, noise level)
+#                         5.618 at 4096; decode 4.439 -> 4.463 (its only pre-pass is lm_head's, noise level).
+#                         Measured before norm_apart (below), which takes the norm out of the tile kernel's
+#                         calls: with it on, no engine call runs this pre-pass; it serves norm_apart off
 # And one that changes the rounding of the tile kernel's calls with a norm (a 1/rms summed in another order):
 #   norm_apart            those calls normalise x in a launch of their own (kernels/norm.py rms_norm), not in
 #                         every column block's pre-pass and main loop (the one-row GEMVs keep their prologue):

@@ -106,10 +106,10 @@ def norm_late(norm: bool, split: int, gemv: bool) -> bool:
     return norm and split == 1 and bool(SCHEDULE["norm_late" if gemv else "norm_late_tile"])
 
 
-def rstd_unroll(block_k: int, tiles: int = 1) -> int:
+def rstd_unroll(k: int, block_k: int, tiles: int = 1) -> int:
     """Steps of the RMSNorm pre-pass per loop iteration (the UNROLL constexpr): SCHEDULE's rstd_span columns
-    of every row tile in flight at once (at least one step)."""
-    return max(1, int(SCHEDULE["rstd_span"]) // (block_k * tiles))
+    of every row tile in flight at once, at least one step and at most K's."""
+    return max(1, min(triton.cdiv(k, block_k), int(SCHEDULE["rstd_span"]) // (block_k * tiles)))
 
 
 def schedule_flags(rows: int) -> dict:

@@ -231,7 +231,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UNROLL=rstd_unroll(tile.block_k),
+                 PDL=pdl(), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UNROLL=rstd_unroll(k, tile.block_k),
                  **schedule_flags(1), num_warps=tile.warps, num_stages=1, **launch())
     blocks = triton.cdiv(n_out, tile.block_n)
     if tile.per_sm > 0:

@@ -385,7 +385,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                extra_out.stride(0) if extra_out is not None else 0)
     flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
                  IEEE=ieee_dot(x.dtype), TILES=tiles, PDL=pdl(), BLOCK_M=ROW_TILE, BLOCK_N=t.block_n,
-                 BLOCK_K=t.block_k, UNROLL=rstd_unroll(t.block_k, tiles), **schedule_flags(m), num_warps=t.warps,
+                 BLOCK_K=t.block_k, UNROLL=rstd_unroll(k, t.block_k, tiles), **schedule_flags(m), num_warps=t.warps,
                  num_stages=t.stages, **launch())
     if t.per_sm > 0:
         programs = min(blocks, t.per_sm * sms(x.device))

@@ -73,7 +73,7 @@ def _rms_norm_kernel(X, W, Y, stride_x, eps, K: tl.constexpr, BLOCK: tl.constexp
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm(x, (K,), w, eps) of each row of x [M, K] -> a new [M, K]."""
     m, k = x.shape
-    assert x.stride(1) == 1 and w.shape == (k,)
+    assert x.stride(1) == 1 and w.shape == (k,) and w.is_contiguous()
     y = torch.empty(m, k, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(m,)](x, w, y, x.stride(0), eps, K=k, BLOCK=triton.next_power_of_2(k), PDL=pdl(),
                            num_warps=4, **launch())

@@ -180,8 +180,11 @@ def test_gemv_tile_reads_json_rows_and_falls_back():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_rows_do_not_depend_on_the_row_count(dtype):
-    """A row's output is the same bits alone and inside a block (speculative == plain greedy)."""
+@pytest.mark.parametrize("apart", [False, True])
+def test_linear_rows_do_not_depend_on_the_row_count(apart, dtype, monkeypatch):
+    """A row's output is the same bits alone and inside a block (speculative == plain greedy), with the
+    RMSNorm as the tile kernel's prologue and in a launch of its own (norm_apart)."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", apart)
     torch.manual_seed(0)
     w, g = randn(96, 256, dtype=dtype, scale=1 / 16), randn(256, dtype=dtype) + 1
     x = randn(40, 256, dtype=dtype)
@@ -329,7 +332,7 @@ def test_norm_apart_matches_reference(gated, dtype, monkeypatch):
 def test_rstd_span_changes_no_bits(gated, monkeypatch):
     """The RMSNorm pre-pass with several steps' loads in flight (SCHEDULE's rstd_span; remainders of K
     included) gives each row the sums of one step at a time, in the same order: the same bits on the tile
-    kernel (1 to 4 row tiles, streaming too) and the GEMVs that keep the pre-pass (split K, norm_late off)."""
+    kernel (1, 3 and 4 row tiles, streaming too) and the GEMVs that keep the pre-pass (split K, norm_late off)."""
     torch.manual_seed(5)
     monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)               # the tile kernel's own prologue
     n, k = 48, 576                                                        # 9 steps of 64
@@ -447,7 +450,8 @@ def test_norm_apart_at_qwen3_8b_shapes(n, k, gated, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 7, 33])
 def test_streaming_kernels_give_their_tiles_bits_at_qwen3_8b_qkv(rows, monkeypatch):
     """The compiled streaming GEMV / tile kernel against the per-block kernels with the same tiles, at the
-    8B qkv shape (RMSNorm prologue): the same bits."""
+    8B qkv shape (RMSNorm prologue, so norm_apart off): the same bits."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)
     n, k = 6144, 4096
     torch.manual_seed(rows)
     w, g = randn(n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(k, dtype=torch.bfloat16) + 1
