@@ -26,8 +26,8 @@
 #   PART=7  the verify and one-row tiles of every decode shape (lm_heads included) swept as the engines call
 #           them (benchmarks/kernels.py --gemv) -> $OUT/gemv.json, then benchmarks/fast_decode.py --variants
 #           "$VARIANTS" (tiles=1: gemv.json's) at 128,4096
-#   PART=8  norm_apart and hand-picked tiles (TILES, a kernels.json-style file): its gpu tests, then
-#           benchmarks/fast_decode.py --tiles TILES --variants "$VARIANTS" at 128,4096
+#   PART=8  norm_apart and hand-picked tiles (TILES, a kernels.json-style file): its gpu tests (or those
+#           -k TESTS picks), then benchmarks/fast_decode.py --tiles TILES --variants "$VARIANTS" at 128,4096
 #   PART=9  the final check: PART=3 (bench, gpu tests, fast_decode), then benchmarks/fast_agreement.py on the
 #           demo pair in bf16 (fast vs reference, speculative vs plain greedy; AGREE_PROMPTS=16)
 #   PART=10 the greedy `xrun bench` alone (a round-only change)
@@ -162,8 +162,8 @@ if [ "$PART" = 7 ]; then
   fast_decode 200 8 --tiles "$OUT/gemv.json" --variants "${VARIANTS:-tiles=1}" --json "$OUT/variants.json"
 fi
 if [ "$PART" = 8 ]; then
-  step "gpu tests of norm_apart and the schedule"
-  gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k "norm_apart or schedule"
+  step "gpu tests: ${TESTS:-norm_apart or schedule}"
+  gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py -k "${TESTS:-norm_apart or schedule}"
   V=${VARIANTS:-"tiles=1;norm_apart=1;tiles=1,norm_apart=1"}
   step "benchmarks/fast_decode.py --tiles ${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json} --variants $V"
   fast_decode 200 12 --tiles "${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json}" --variants "$V" \

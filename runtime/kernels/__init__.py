@@ -83,8 +83,12 @@ def _pdl_capable() -> bool:
 #                         4.703 -> 4.684 and 5.220 -> 5.155 (measured with several rows only; one-row
 #                         calls on the tile kernel, lm_head's, take it too so a row's bits stay those of
 #                         a block's row)
+# And one that changes no result, measured in the seventh session:
+#   attn_early            rope_kv, the split-KV attention and its reduction let their dependents launch before
+#                         their own wait, so the o projection's programs are resident (and, with a one-row
+#                         tile's ``ahead``, its first weight tiles in flight) while attention runs
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
-            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True}
+            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": False}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

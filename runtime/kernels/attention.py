@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
-from xcompile.runtime.kernels.common import schedule_flags
+from xcompile.runtime.kernels.common import attn_early, schedule_flags
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
@@ -64,7 +64,10 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 @triton.jit
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                  FIRST: tl.constexpr):
+    if PDL and FIRST:
+        tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -88,7 +91,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-            if EARLY:
+            if EARLY and not FIRST:
                 tl.extra.cuda.gdc_launch_dependents()
         new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
         k = tl.where(new[:, None], tl.load(KC + offs, mask=new[:, None], other=0.0), k)
@@ -106,7 +109,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
             v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
                                           l_i, acc, IEEE)
-        if PDL and not EARLY:
+        if PDL and not EARLY and not FIRST:
             tl.extra.cuda.gdc_launch_dependents()
         # partials [splits, M, HQ, (D | m, l)]; the combine reads the live splits only
         slot = (split * M + tok) * HQ + head
@@ -117,10 +120,13 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
 
 @triton.jit
 def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, HQ: tl.constexpr, D: tl.constexpr,
-                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr, FIRST: tl.constexpr):
     if PDL:
+        if FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -159,12 +165,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], num_warps=4, num_stages=2, **launch())
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(), num_warps=4,
+        num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
     _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, HQ=heads, D=d,
-                                SPLITS_P2=p2, PDL=pdl(), num_warps=min(8, max(1, p2 // 16)), **launch())
+                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(), num_warps=min(8, max(1, p2 // 16)),
+                                **launch())
     return out
 
 

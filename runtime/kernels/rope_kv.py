@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import launch, pdl
+from xcompile.runtime.kernels.common import attn_early
 
 
 @triton.jit
@@ -32,10 +33,14 @@ def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.c
 
 @triton.jit
 def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, stride_q, stride_ch, eps,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                    FIRST: tl.constexpr):
     if PDL:
+        if FIRST:
+            tl.extra.cuda.gdc_launch_dependents()           # attn_early: attention may launch before the wait
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
     h = tl.program_id(1)                    # 0..HQ-1: q heads; HQ..HQ+HKV-1: kv heads
     dt = Q.dtype.element_ty
@@ -79,7 +84,7 @@ def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Te
     _rope_kv_kernel[(m, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
         k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps,
-        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), num_warps=1, **launch())
+        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), FIRST=attn_early(), num_warps=1, **launch())
     return out
 
 
