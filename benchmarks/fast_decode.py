@@ -11,9 +11,7 @@ head's draft step and fc; and the fast path's teacher-forced agreement with the 
 logit error, argmax agreement) over a few decode steps. ``--variants`` instead times the decode and
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
 ``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
-``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones);
-``ahead=N`` sets every one-row GEMV tile's weight tiles in flight, ``ahead@NxK=N`` that of one shape
-(e.g. ``ahead@4096x4096=4``: the o projection's, the call after attention).
+``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones).
 """
 
 from __future__ import annotations
@@ -69,19 +67,9 @@ def parse_variants(spec: str) -> list[dict]:
     for v in spec.split(";"):
         if v.strip():
             pairs = [[t.strip() for t in kv.split("=")] for kv in v.split(",")]
-            out.append({k: bool(float(x)) if k == "tiles" else int(x) if k.startswith("ahead")
-                        else kernels.schedule_value(k, x, "--variants") for k, x in pairs})
+            out.append({k: bool(float(x)) if k == "tiles" else kernels.schedule_value(k, x, "--variants")
+                        for k, x in pairs})
     return out
-
-
-def use_ahead(variant: dict) -> None:
-    """A variant's ahead / ahead@NxK keys onto G.GEMV_TILES."""
-    for key, n in variant.items():
-        if key.startswith("ahead"):
-            shape = tuple(map(int, key.partition("@")[2].split("x"))) if "@" in key else None
-            for s, tile in list(G.GEMV_TILES.items()):
-                if shape is None or s == shape:
-                    G.GEMV_TILES[s] = G.Gemv(*tile)._replace(ahead=n)
 
 
 def use_tiles(tables: dict) -> None:
@@ -102,12 +90,11 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for v in variants:
             kernels.SCHEDULE.clear()
-            kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "tiles" and not k.startswith("ahead")})
+            kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "tiles"})
             G.GEMV_TILES.clear()
             use_tiles(builtin_tiles)
             if v.get("tiles") and tiles:
                 use_tiles(tiles)
-            use_ahead(v)
             row = {"variant": v, "ctx": ctx}
             for tokens in (1, 7, 32):
                 row[f"fast_ms_{tokens}"] = graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))

@@ -58,7 +58,8 @@ def _pdl_capable() -> bool:
 #                         at the end of their loop (its weight loads before its wait overlap this kernel):
 #                         7-token verify 4.943 -> 4.843 ms, 32-token 5.974 -> 5.930 (4.897 -> 4.795 and
 #                         5.951 -> 5.885 in a second run)
-#   early_trigger_decode  the same for one-row calls: slower (4.578 -> 4.618), off
+#   early_trigger_decode  the same for one-row calls: slower in the fifth session (4.578 -> 4.618); faster with
+#                         the seventh session's kernels in three runs out of three (below), on
 # (L2 prefetches of the next projection's weights, from rope_kv or a projection's tail, measured slower in
 # every amount tried, 0.5-33 MB: 4.61-4.85 ms; not kept.) None of those changes a result. One that does:
 #   norm_late             a one-row GEMV's RMSNorm prologue multiplies x by its weight only (rounded) and the
@@ -83,12 +84,18 @@ def _pdl_capable() -> bool:
 #                         4.703 -> 4.684 and 5.220 -> 5.155 (measured with several rows only; one-row
 #                         calls on the tile kernel, lm_head's, take it too so a row's bits stay those of
 #                         a block's row)
-# And one that changes no result, measured in the seventh session:
+# Seventh session (graphed step ms, 1 / 7 / 32 tokens at context 128 | 4096, each against the built-in
+# schedule of its run, benchmarks/fast_decode.py --variants, four runs on one machine):
+#   early_trigger_decode  4.401 -> 4.337, 4.384 -> 4.336, 4.373 -> 4.358 at one token, context 128; 4.635 ->
+#                         4.558, 4.634 -> 4.568, 4.646 -> 4.578 at 4096; verify unchanged
 #   attn_early            rope_kv, the split-KV attention and its reduction let their dependents launch before
-#                         their own wait, so the o projection's programs are resident (and, with a one-row
-#                         tile's ``ahead``, its first weight tiles in flight) while attention runs
-SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": False, "norm_late": True,
-            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": False}
+#                         their own wait (the o projection's programs resident while attention runs), for
+#                         calls of several rows: 7 / 32 tokens 4.638 / 5.276 -> 4.604 / 5.181, 4.634 / 5.252
+#                         -> 4.578 / 5.151, 4.620 / 5.274 -> 4.600 / 5.170 (context 4096: 7.224 -> 7.127,
+#                         7.226 -> 7.124, 7.219 -> 7.144 at 32); one-row calls slower at context 128 (4.375
+#                         -> 4.425, 4.401 -> 4.432, 4.384 -> 4.405), so not for them
+SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
+            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -165,13 +165,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(), num_warps=4,
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(m), num_warps=4,
         num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
     _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, HQ=heads, D=d,
-                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(), num_warps=min(8, max(1, p2 // 16)),
+                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m), num_warps=min(8, max(1, p2 // 16)),
                                 **launch())
     return out
 

@@ -118,10 +118,10 @@ def schedule_flags(rows: int) -> dict:
     return dict(EVICT=bool(SCHEDULE["evict_first"]), EARLY=bool(early))
 
 
-def attn_early() -> bool:
-    """The FIRST constexpr of rope_kv and the attention kernels: trigger their dependents before waiting
-    (SCHEDULE's attn_early)."""
-    return bool(SCHEDULE["attn_early"])
+def attn_early(rows: int) -> bool:
+    """The FIRST constexpr of rope_kv and the attention kernels in a call of ``rows`` rows: trigger their
+    dependents before waiting (SCHEDULE's attn_early, calls of several rows)."""
+    return rows > 1 and bool(SCHEDULE["attn_early"])
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -45,28 +45,15 @@ def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.cons
 
 
 @triton.jit
-def _step_w(w_ptr, u_ptr, kk, k_end, GATED: tl.constexpr, EVICT: tl.constexpr):
-    """The weight tile(s) at columns kk of a program's K range ending at k_end (0 past it: no load)."""
-    w = _load_weight(w_ptr + kk[None, :], kk[None, :] < k_end, False, EVICT)
-    wu = w
-    if GATED:
-        wu = _load_weight(u_ptr + kk[None, :], kk[None, :] < k_end, False, EVICT)
-    return w, wu
-
-
-@triton.jit
 def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
-                 LATE: tl.constexpr, UNROLL: tl.constexpr, AHEAD: tl.constexpr):
+                 LATE: tl.constexpr, UNROLL: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
     # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
     # the next weight tile is requested before the current one is used (software double buffering),
     # and the first before waiting for the previous kernel (PDL). K_SPLIT is a multiple of BLOCK_K.
     # LATE (no split): the RMSNorm's 1/rms scales the reduced sums, its sum of squares gathered on the way.
-    # AHEAD (1-4): weight tiles in flight, a queue w1..w4; all AHEAD are requested before the PDL wait, so a
-    # call after a short kernel (the o projection after attention) streams its first AHEAD steps while
-    # that kernel runs. The products are added in the same order at any AHEAD (the same bits).
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     k_end = k_begin + K_SPLIT
@@ -75,26 +62,14 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     w_ptr = W + wrows[:, None] * K
     u_ptr = W + (wrows[:, None] + N_OUT) * K
     ks = tl.arange(0, BLOCK_K)
-    w1, u1 = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True, EVICT)
-    w2, u2, w3, u3, w4, u4 = w1, u1, w1, u1, w1, u1
-    if AHEAD > 1:
-        w2, u2 = _step_w(w_ptr, u_ptr, k_begin + BLOCK_K + ks, k_end, GATED, EVICT)
-    if AHEAD > 2:
-        w3, u3 = _step_w(w_ptr, u_ptr, k_begin + 2 * BLOCK_K + ks, k_end, GATED, EVICT)
-    if AHEAD > 3:
-        w4, u4 = _step_w(w_ptr, u_ptr, k_begin + 3 * BLOCK_K + ks, k_end, GATED, EVICT)
+    w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True, EVICT)
     rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K, UNROLL)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        w, wu = w1, u1
-        nw, nu = _step_w(w_ptr, u_ptr, k0 + AHEAD * BLOCK_K + ks, k_end, GATED, EVICT)
-        if AHEAD == 1:
-            w1, u1 = nw, nu
-        elif AHEAD == 2:
-            w1, u1, w2, u2 = w2, u2, nw, nu
-        elif AHEAD == 3:
-            w1, u1, w2, u2, w3, u3 = w2, u2, w3, u3, nw, nu
-        else:
-            w1, u1, w2, u2, w3, u3, w4, u4 = w2, u2, w3, u3, w4, u4, nw, nu
+        w, wu = w_next, wu_next
+        nk = k0 + BLOCK_K + ks
+        w_next = _load_weight(w_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
+        if GATED:
+            wu_next = _load_weight(u_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
         if LATE:
             x, d = _load_xg(X, 0, tl.arange(0, 1), 1, k0 + ks, K, G, True)
             ss += d
@@ -203,8 +178,8 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
 
 class Gemv(NamedTuple):
     """A one-row GEMV's tile: BLOCK_N output columns x BLOCK_K of K per step, num_warps, the split of K
-    (_gemv_kernel), or per_sm > 0: _gemv_stream_kernel with per_sm programs per SM; ``ahead``: weight
-    tiles in flight (_gemv_kernel 1-4, all requested before its PDL wait; the streaming kernel 1-2)."""
+    (_gemv_kernel), or per_sm > 0: _gemv_stream_kernel with per_sm programs per SM, its weight tiles
+    ``ahead`` steps ahead."""
     block_n: int
     block_k: int
     warps: int
@@ -239,7 +214,7 @@ def gemv_tile(n_out: int, k: int) -> Gemv | None:
         return None
     if tile.per_sm > 0 or k % (tile.split * tile.block_k):
         tile = tile._replace(split=1)
-    return tile._replace(ahead=max(1, min(tile.ahead, 2 if tile.per_sm > 0 else 4)))
+    return tile
 
 
 @functools.cache
@@ -268,5 +243,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
     cnt = _counters(x.device, blocks) if split > 1 else dummy
     _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, SPLIT=split,
-                                  LATE=norm_late(norm is not None, split, True), AHEAD=tile.ahead, **flags)
+                                  LATE=norm_late(norm is not None, split, True), **flags)
     return out

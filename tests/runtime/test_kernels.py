@@ -163,27 +163,6 @@ def test_streaming_gemv_gives_the_bits_of_its_tile(ahead, monkeypatch):
     assert torch.equal(linear(x, w, norm=g, gated=True), want)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("late", [False, True])
-def test_gemv_ahead_gives_the_same_bits(late, split, monkeypatch):
-    """_gemv_kernel with 1-4 weight tiles in flight (all requested before the PDL wait) adds the same
-    products in the same order: the same bits, with the norm's 1/rms before or after the sums, whole K or
-    split, and with fewer K steps than tiles ahead (masked, never loaded)."""
-    monkeypatch.setitem(kernels.SCHEDULE, "norm_late", late)
-    n, k = 24, 768
-    w, x, g = randn(2 * n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(1, k, dtype=torch.bfloat16), \
-        randn(k, dtype=torch.bfloat16) + 1
-    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 128, 4, split=split))
-    want = linear(x, w, norm=g, gated=True)
-    for ahead in (2, 3, 4):
-        monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 128, 4, split=split, ahead=ahead))
-        assert torch.equal(linear(x, w, norm=g, gated=True), want), ahead
-    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 256, 4, split=split))      # 3 K steps (split 2: whole K)
-    want = linear(x, w, norm=g, gated=True)
-    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 256, 4, split=split, ahead=4))
-    assert torch.equal(linear(x, w, norm=g, gated=True), want)
-
-
 def test_gemv_tile_reads_json_rows_and_falls_back():
     """Tables from JSON hold lists; a BLOCK_K that does not divide K means the tile kernel; a split that
     does not cover whole K blocks, or a streaming tile, means no split."""
@@ -195,11 +174,8 @@ def test_gemv_tile_reads_json_rows_and_falls_back():
         assert G.gemv_tile(8, 192) == G.Gemv(4, 64, 4, split=1)
         assert G.gemv_tile(9, 256) == G.Gemv(4, 64, 4, split=1, per_sm=3, ahead=2)
         assert G.gemv_tile(10, 256) is None
-        G.GEMV_TILES[(11, 256)] = [4, 64, 4, 1, 0, 9]           # tiles ahead: 1-4 per block, 1-2 streaming
-        G.GEMV_TILES[(12, 256)] = [4, 64, 4, 1, 2, 9]
-        assert G.gemv_tile(11, 256).ahead == 4 and G.gemv_tile(12, 256).ahead == 2
     finally:
-        for shape in ((7, 96), (8, 192), (9, 256), (11, 256), (12, 256)):
+        for shape in ((7, 96), (8, 192), (9, 256)):
             del G.GEMV_TILES[shape]
 
 
@@ -316,11 +292,9 @@ ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_deco
 
 
 def schedule(monkeypatch, on: bool) -> None:
-    """Every switch that changes no result off, or on with every one-row GEMV tile 4 tiles ahead."""
+    """Every switch that changes no result off, or on."""
     for key, value in (ALL_ON if on else ALL_OFF).items():
         monkeypatch.setitem(kernels.SCHEDULE, key, value)
-    for shape, tile in list(G.GEMV_TILES.items()):
-        monkeypatch.setitem(G.GEMV_TILES, shape, G.Gemv(*tile)._replace(ahead=4 if on else 1))
 
 
 def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
@@ -418,9 +392,9 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
-    """Evict-first loads, the early PDL triggers (attn_early's too), the RMSNorm pre-pass's span and the
-    one-row GEMVs' tiles ahead are scheduling only: every projection shape of an 8B layer, lm_head (with the
-    final norm) and attention give the same bits with all of them on as with all off."""
+    """Evict-first loads, the early PDL triggers (attn_early's too) and the RMSNorm pre-pass's span are
+    scheduling only: every projection shape of an 8B layer, lm_head (with the final norm) and attention give
+    the same bits with all of them on as with all off."""
     torch.manual_seed(rows)
     shapes = [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False),
               (151936, 4096, False)]
