@@ -28,12 +28,13 @@ from collections.abc import Callable
 
 import torch
 
+from xcompile.runtime import kernels
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.sampling import Sampler
-from xcompile.runtime.speculative import (Accepted, Block, chain_block, select_tree, target_table, to_target,
-                                         topk_children)
+from xcompile.runtime.speculative import (Accepted, Block, chain_block, expand_level, select_tree, target_table,
+                                         to_target, topk_children)
 
 Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its fixed-shape steps) -> engine
 
@@ -319,7 +320,7 @@ class Eagle3TreeDrafter(_Eagle3):
     name = "eagle3-tree"
 
     def __init__(self, eagle3_engine: Engine, fc_engine: Engine, d2t: torch.Tensor | None, topk: int, depth: int,
-                 total_tokens: int):
+                 total_tokens: int, fused: bool | None = None):
         pool = topk + (depth - 1) * topk * topk
         if topk < 1 or depth < 1 or not 2 <= total_tokens <= pool + 1:
             raise EngineError(f"EAGLE3 tree: need topk >= 1, depth >= 1 and 2 <= total_tokens <= {pool + 1} "
@@ -330,6 +331,7 @@ class Eagle3TreeDrafter(_Eagle3):
         if self.d2t is not None and topk > self.d2t.numel():
             raise EngineError(f"EAGLE3 tree: topk {topk} exceeds the draft vocabulary ({self.d2t.numel()})")
         self.topk, self.depth, self.total_tokens, self.pool = topk, depth, total_tokens, pool
+        self.fused = fused          # the tree kernels (None: on a CUDA device with triton; True: also interpreted)
 
     def _alloc(self, device, batch):
         super()._alloc(device, batch)
@@ -348,11 +350,26 @@ class Eagle3TreeDrafter(_Eagle3):
         self.ex_slots = k * torch.arange(max(self.depth - 1, 1), device=device)   # level's first KV slot past length
         self.ex_rows = torch.arange(k, device=device).expand(batch, k)
         self.expand_index = torch.arange(k, device=device).expand(batch, k)   # pool index of the expanded level 1
+        # With the tree kernels (kernels/topk.py, tree.py: by default on a CUDA device with triton), each
+        # level's top-k and pool update and the selection are a few launches, not torch's small ops; the next
+        # level's scores and pool indices alternate between two buffers
+        self.tree = None
+        runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
+        if self.fused is not False and runs and (self.fused or device.type == "cuda"):
+            from xcompile.runtime.kernels.tree import TreeBuffers
+            self.tree = TreeBuffers(batch, self.total_tokens - 1, device)
+            self.ex_state = [(torch.zeros(batch, k, device=device), torch.zeros(batch, k, **i64)) for _ in range(2)]
+            self.ex_pool0 = torch.arange(k, device=device).repeat(batch, 1)
 
     def propose(self, root, length):
         k = self.topk
-        b = root.shape[0]
-        logp, tok = topk_children(self.logits, self.targets, k)               # [B, 1, k]: the root's children
+        fused = self.tree is not None
+        if fused:
+            from xcompile.runtime.kernels import topk as K
+            children, expand = K.topk_children, K.expand_level
+        else:
+            children, expand = topk_children, expand_level
+        logp, tok = children(self.logits, self.targets, k)                     # [B, 1, k]: the root's children
         self.scores[:, :k], self.tokens[:, :k] = logp[:, 0], tok[:, 0]
         if self.depth > 1:
             if self.ex_hidden is None:
@@ -360,7 +377,7 @@ class Eagle3TreeDrafter(_Eagle3):
                                                        self.hidden.shape[-1])
             self.ex_tokens[:, :k] = tok[:, 0]
             self.ex_hidden[:, :k] = self.hidden
-        ex_score, ex_pool = logp[:, 0], self.expand_index
+        ex_score, ex_pool = logp[:, 0], self.ex_pool0 if fused else self.expand_index
         base = k
         # every level's positions and first KV slot at once (each level takes its slice: no kernel per level)
         pos, slots = length[:, None] + self.ex_offsets, length[:, None] + self.ex_slots
@@ -370,27 +387,18 @@ class Eagle3TreeDrafter(_Eagle3):
             out = self.eagle3.run(input_ids=self.ex_tokens[:, new], hidden_states=self.ex_hidden[:, new],
                                   position_ids=pos[:, new], write_index=slots[:, level - 1],
                                   tree_mask=self.ex_mask[:, new, :s], logit_rows=self.ex_rows)
-            logp, tok = topk_children(out["logits"], self.targets, k)           # [B, k, k]
-            # cumulative score of a child = its log-prob + its parent's score (written into the pool as
-            # made; the gathers below write their slices in place too)
-            pool = slice(base, base + k * k)
-            cu = torch.add(logp, ex_score[:, :, None], out=self.scores[:, pool].view(b, k, k)).flatten(1)
-            self.tokens[:, pool] = tok = tok.flatten(1)
-            self.parents[:, pool].view(b, k, k).copy_(ex_pool[:, :, None].expand(-1, -1, k))
-            if level < self.depth - 1:
-                # expand the k best children of this level next (scores over all k*k)
-                ex_score, top = cu.topk(k, dim=-1)
-                parent = top // k                                                # which expanded node [B, k]
-                hidden = out["hidden_out"]                                       # outputs of this level's nodes
-                torch.gather(tok, 1, top, out=self.ex_tokens[:, s:s + k])
-                torch.gather(hidden, 1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]),
-                             out=self.ex_hidden[:, s:s + k])
-                # each new node sees its parent's ancestors (columns < s) and itself (the diagonal, preset)
-                rows = self.ex_mask[:, s - k:s, :s]
-                torch.gather(rows, 1, parent[:, :, None].expand(-1, -1, s), out=self.ex_mask[:, s:s + k, :s])
-                ex_pool = base + top
+            logp, tok = children(out["logits"], self.targets, k)                # [B, k, k]
+            # the children into the pool; the k best of them (but after the last level) are expanded next
+            ex_score, ex_pool = expand(logp, tok, ex_score, ex_pool, out["hidden_out"], self.scores, self.tokens,
+                                       self.parents, self.ex_tokens, self.ex_hidden, self.ex_mask, base, s,
+                                       last=level == self.depth - 1, out=self.ex_state[level % 2] if fused else None)
             base += k * k
-        return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)
+        if not fused:
+            return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)
+        from xcompile.runtime.kernels.tree import select_tree_into
+        t = self.tree
+        select_tree_into(t, root, self.scores, self.tokens, self.parents, self.depth)
+        return Block(t.tokens, t.parents, t.mask, t.depth, self.depth, chain=False)
 
     def use_graphs(self, wrap):
         self._wrap(wrap, {self.topk})

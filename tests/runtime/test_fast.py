@@ -121,6 +121,7 @@ DRAFTERS = {
     "none": lambda t: NoDrafter(),
     "eagle3": lambda t: Eagle3ChainDrafter(*fast_eagle3(t), t.d2t, 3),
     "eagle3-tree": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6),
+    "eagle3-tree-kernels": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6, fused=True),
     "draft-model": lambda t: DraftModelDrafter(fast.FastQwen3Engine(T.Tiny.draft_engine(t), cfg(t.draft)), 3),
     "self-draft": lambda t: DraftModelDrafter(fast.FastQwen3Engine(t.self_draft_engine(), cfg(t.target)), 3),
 }

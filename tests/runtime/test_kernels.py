@@ -491,3 +491,104 @@ def test_attention_tree_level_mask_at_qwen3_8b_head_shape(ctx):
     tm[torch.arange(10), 40 + torch.arange(10)] = True
     wi = torch.tensor([ctx + 40], device=DEV)
     assert rel(attention(q, kc, vc, wi, tm, 32), attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
+
+
+def random_pool(batch: int, topk: int, depth: int, seed: int, ties: bool):
+    """A draft pool as the tree drafter makes one: the root's topk children, then per level topk^2 children of
+    topk earlier candidates, each child's score its parent's plus a log-prob <= 0 (quantized: many ties, and
+    log-probs of exactly 0, i.e. children tied with their parent; a -0.0 among them)."""
+    g = torch.Generator().manual_seed(seed)
+    m = topk + (depth - 1) * topk * topk
+    scores, parents = torch.zeros(batch, m), torch.full((batch, m), -1, dtype=torch.int64)
+    for b in range(batch):
+        logp = -torch.rand(m, generator=g) * 3
+        if ties:
+            logp = (logp * 2).round() / 2
+        scores[b, :topk] = logp[:topk]
+        base = topk
+        for _ in range(depth - 1):
+            expanded = torch.randperm(base, generator=g)[:topk]                    # earlier candidates
+            for j in range(topk * topk):
+                parent = int(expanded[j // topk])
+                parents[b, base + j], scores[b, base + j] = parent, scores[b, parent] + logp[base + j]
+            base += topk * topk
+    if ties:
+        scores[0, 1] = -0.0
+    tokens = torch.randint(0, 1000, (batch, m), generator=g)
+    return scores.to(DEV), tokens.to(DEV), parents.to(DEV), torch.randint(0, 1000, (batch,), generator=g).to(DEV)
+
+
+@pytest.mark.parametrize("topk,depth,nodes", [(10, 6, 31), (4, 4, 20), (2, 3, 5), (1, 5, 4), (8, 8, 63)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_tree_kernel_equals_select_tree(topk, depth, nodes, ties):
+    """kernels/tree.py's one-launch selection gives select_tree's tokens, parents, mask and depth exactly
+    (ties ranked as the stable sort ranks them), batch 2."""
+    from xcompile.runtime.kernels.tree import TreeBuffers, select_tree_into
+    from xcompile.runtime.speculative import select_tree
+    scores, tokens, parents, root = random_pool(2, topk, depth, topk * 10 + depth, ties)
+    want = select_tree(root, scores, tokens, parents, nodes, depth)
+    out = TreeBuffers(2, nodes, scores.device)
+    for _ in range(2):                                      # rewritten in place: the second call sees the first's
+        select_tree_into(out, root, scores, tokens, parents, depth)
+        for name in ("tokens", "parents", "mask", "depth"):
+            assert torch.equal(getattr(out, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab,k", [(1, 1000, 10), (10, 10000, 10), (3, 8200, 1), (4, 5000, 16)])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_topk_children_kernel_matches_torch(rows, vocab, k, mapped, dtype):
+    """kernels/topk.py's two-launch top-k of the draft log-probs: speculative.topk_children's ids and its
+    log-probs to 1e-6 (the log-sum-exp summed in block order), over several column blocks (4096 columns
+    each), batch 2, with and without the draft -> target table. Ties (many in bf16) go to the lower column,
+    so the reference is a stable sort (torch.topk leaves their order open; in fp32 there are none)."""
+    from xcompile.runtime.kernels import topk as K
+    from xcompile.runtime.speculative import target_table, to_target, topk_children
+    torch.manual_seed(rows + vocab)
+    logits = (3 * torch.randn(2, rows, vocab, device=DEV)).to(dtype)
+    targets = target_table(torch.randperm(3 * vocab, device=DEV)[:vocab].sort().values - torch.arange(vocab, device=DEV)) \
+        if mapped else None
+    want_logp, want_ids = topk_children(logits, targets, k)
+    if dtype == torch.bfloat16:
+        ranked = torch.log_softmax(logits.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
+        want_logp, want_ids = ranked.values[..., :k], to_target(ranked.indices[..., :k], targets)
+    for _ in range(2):                                      # the block partials are reused
+        logp, ids = K.topk_children(logits, targets, k)
+        assert torch.equal(ids, want_ids)
+        assert (logp - want_logp).abs().max().item() < 1e-6 * max(1.0, want_logp.abs().max().item())
+
+
+@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("k,level", [(10, 1), (10, 4), (3, 2), (1, 3)])
+def test_expand_level_kernel_equals_the_drafter_ops(k, level, last, h=96):
+    """kernels/topk.py's one-launch pool update: the same scores, tokens, parents, expanded tokens,
+    hidden, masks and next level's scores / pool indices as speculative.expand_level, batch 2."""
+    from xcompile.runtime.kernels import topk as K
+    from xcompile.runtime.speculative import expand_level
+    torch.manual_seed(k * 10 + level)
+    b, depth = 2, 6
+    n, m = k * (depth - 1), k + (depth - 1) * k * k
+    s, base = k * level, k + (level - 1) * k * k
+    logp, tok = -torch.rand(b, k, k, device=DEV) * 4, torch.randint(0, 500, (b, k, k), device=DEV)
+    hidden = torch.randn(b, k, h, device=DEV).to(torch.bfloat16)
+    ex_score, ex_pool = -torch.rand(b, k, device=DEV) * 4, torch.randint(0, base, (b, k), device=DEV)
+    mask = torch.rand(b, n, n, device=DEV) < 0.5
+    state = [torch.zeros(b, m, device=DEV), torch.zeros(b, m, dtype=torch.int64, device=DEV),
+             torch.full((b, m), -1, dtype=torch.int64, device=DEV), torch.zeros(b, n, dtype=torch.int64, device=DEV),
+             torch.zeros(b, n, h, dtype=torch.bfloat16, device=DEV), mask]
+    want = [ex_score.clone(), ex_pool.clone()] + [t.clone() for t in state]
+    got = [ex_score.clone(), ex_pool.clone()] + [t.clone() for t in state]
+    next_want = expand_level(logp, tok, want[0], want[1], hidden, *want[2:], base, s, last)
+    nxt = (torch.full_like(ex_score, float("nan")), torch.full_like(ex_pool, -7))
+    next_got = K.expand_level(logp, tok, got[0], got[1], hidden, *got[2:], base, s, last, out=nxt)
+    for a, w in zip(got + list(next_got if not last else ()), want + list(next_want if not last else ())):
+        assert torch.equal(a, w)
+
+
+@pytest.mark.gpu
+def test_tree_kernels_at_the_qwen3_8b_tree_on_the_gpu():
+    """The tree kernels at the benchmark's shapes (10/6/32 tree, the 32000-token draft vocabulary in bf16,
+    hidden 4096): the same results as their references."""
+    test_topk_children_kernel_matches_torch(10, 32000, 10, True, torch.bfloat16)
+    test_expand_level_kernel_equals_the_drafter_ops(10, 3, False, h=4096)
+    test_select_tree_kernel_equals_select_tree(10, 6, 31, True)
