@@ -132,7 +132,8 @@ class Generator:
 
     def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
-                 round_graphs: bool = True, capture: Capture | None = None, debug: bool = False):
+                 round_graphs: bool = True, capture: Capture | None = None, debug: bool = False,
+                 pipeline: bool = False):
         """target: the ``target`` graph engine; drafter: what proposes blocks (``NoDrafter()`` for plain
         greedy); max_seq_len: KV capacity used (the engines may hold more); detokenize: ids -> text,
         needed for stop strings; cuda_graphs: record CUDA graphs. When every engine's steps are
@@ -143,7 +144,8 @@ class Generator:
         graphed one by one (``GraphedEngine``, with ``capture`` defaulting to one ``CudaGraphCapture``
         shared by all) and the others, e.g. TensorRT engines with graphs of their own, run as they are.
         Either falls back to eager where capture is unavailable. debug: check KV lengths and poison
-        stale rows every round."""
+        stale rows every round. pipeline (not with debug): launch each round before reading the previous
+        one's outcome (``generate``); off by default until its speed is measured on the GPU."""
         if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
             raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
@@ -156,6 +158,8 @@ class Generator:
         self.device = target.device
         self.max_seq_len, self.eos_ids, self.detokenize, self.debug = max_seq_len, frozenset(eos_ids), detokenize, debug
         self.drafter = drafter
+        self.pipeline = pipeline and not debug
+        self._host: dict[tuple[int, ...], list[torch.Tensor]] = {}      # pinned copies of for_host, two per shape
         self.plain = NoDrafter()        # takes over when the drafter's lookahead no longer fits the cache
         self.sampler = Sampler(self.device)     # one for every request: its tensors keep their addresses
         for d in (drafter, self.plain):
@@ -248,17 +252,29 @@ class Generator:
 
         n = len(prompt_ids)                                                     # KV length, on the host
         self.length.fill_(n)                                                    # and on the device
+        ahead = None                # the next round, launched before this one's outcome was read
         while not stops.reason:
             if cancel is not None and cancel.is_set():      # once per round: a server frees the engine promptly
                 stops.reason = "cancelled"
                 break
-            if n + drafter.lookahead > self.max_seq_len:
-                if n + 1 > self.max_seq_len:
-                    stops.reason = "max_seq_len"
-                    break
-                drafter = self.plain        # for good: the room only shrinks, and the output law is unchanged
-            drafted, back = self._advance(drafter)
-            host = back[0].tolist()                                            # the one copy back per round
+            if ahead is None:
+                if n + drafter.lookahead > self.max_seq_len:
+                    if n + 1 > self.max_seq_len:
+                        stops.reason = "max_seq_len"
+                        break
+                    drafter = self.plain    # for good: the room only shrinks, and the output law is unchanged
+                current = self._launch(drafter)
+            else:
+                current, ahead = ahead, None
+            # Pipelining: the next round reads (root, length) on the device, so it can be queued now, while
+            # the host waits for this one, if it fits in the cache and runs the same drafter whatever this
+            # round accepts, and this round cannot reach max_new_tokens. Only a stop the host cannot foresee
+            # (EOS, a stop string, a cancel) leaves it running unread; the next request starts afresh.
+            most = drafter.max_depth + 1                                        # tokens a round can emit
+            if (self.pipeline and n + most + drafter.lookahead <= self.max_seq_len
+                    and len(stops.tokens) + most < max_new_tokens):
+                ahead = self._launch(drafter)
+            drafted, host = current[0], current[1]()                           # the one copy back per round
             a = host[0]
             n += a + 1
             stats.add_round(drafted, a)
@@ -269,6 +285,25 @@ class Generator:
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.new_tokens = len(stops.tokens)
         return Result(stops.tokens, stats, stops.reason, seed, index)
+
+    def _launch(self, drafter: Drafter) -> tuple[int, Callable[[], list[int]]]:
+        """Queue one round (``_advance``): (drafted tokens, a function that waits for it and returns its
+        ``for_host`` row as a list). On a CUDA device the row is copied into one of two pinned buffers as
+        the round's last work, so a round queued after it may overwrite the graph's output meanwhile."""
+        drafted, back = self._advance(drafter)
+        if back.device.type != "cuda":
+            row = back[0].tolist()
+            return drafted, lambda: row
+        slots = self._host.get(tuple(back.shape))
+        if slots is None:
+            slots = self._host[tuple(back.shape)] = [torch.empty(back.shape, dtype=back.dtype).pin_memory()
+                                                      for _ in range(2)]
+        slots.append(slots.pop(0))
+        host = slots[-1]
+        host.copy_(back, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return drafted, lambda: (done.synchronize(), host[0].tolist())[1]
 
     def _advance(self, drafter: Drafter) -> tuple[int, torch.Tensor]:
         """One round from the device state (root, length), which it updates in place: (drafted tokens,

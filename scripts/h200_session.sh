@@ -31,6 +31,8 @@
 #   PART=9  the final check: PART=3 (bench, gpu tests, fast_decode), then benchmarks/fast_agreement.py on the
 #           demo pair in bf16 (fast vs reference, speculative vs plain greedy; AGREE_PROMPTS=16)
 #   PART=10 the greedy `xrun bench` alone (a round-only change)
+#   PART=11 the gpu tests -k TESTS (the tree kernels and round graphs) picks, then the greedy `xrun bench`
+#   PART=12 benchmarks/host_loop.py: plain and chain rounds through Generator, pipelined or not
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -46,13 +48,13 @@ BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas
 SHOW="^ +128 +yes|^target|^eagle3|^sampl|^accept|floor"     # the bench lines echoed back
 bench_greedy() {
   step "xrun bench ${BENCH[*]} (greedy)"
-  timeout 150 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
+  timeout 240 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
 }
 bench_8b() {
   bench_greedy
   step "xrun bench ${BENCH[*]} --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0"
-  timeout 150 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
+  timeout 240 xrun bench "${BENCH[@]}" --temperature 0.6 --top-k 20 --top-p 0.95 --seed 0 \
     > "$OUT/bench_sampled.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -hE "$SHOW" "$OUT/bench_greedy.log" "$OUT/bench_sampled.log"
@@ -123,7 +125,7 @@ if [ "$PART" = 3 ] || [ "$PART" = 9 ]; then
   bench_greedy
   grep -hE "$SHOW" "$OUT/bench_greedy.log"
   step "gpu tests (kernels, fast engines, round graphs)"
-  gpu_tests 200 "${KERNEL_TESTS[@]}"
+  gpu_tests 300 "${KERNEL_TESTS[@]}"
   step "benchmarks/fast_decode.py --contexts 128,4096"
   fast_decode 100 16
 fi
@@ -178,6 +180,19 @@ if [ "$PART" = 9 ]; then
   tail -12 "$OUT/agreement.log"
 fi
 if [ "$PART" = 10 ]; then
+  bench_greedy
+  grep -hE "$SHOW" "$OUT/bench_greedy.log"
+fi
+if [ "$PART" = 12 ]; then
+  step "benchmarks/host_loop.py (Generator rounds with and without pipelining)"
+  (cd benchmarks && timeout 200 python3 host_loop.py > "$OUT/host_loop.log" 2>&1)
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  tail -6 "$OUT/host_loop.log"
+fi
+if [ "$PART" = 11 ]; then
+  step "gpu tests: ${TESTS:-tree or round_graphs}"
+  gpu_tests 240 tests/runtime/test_kernels.py tests/runtime/test_fast.py tests/runtime/test_graphs.py \
+    -k "${TESTS:-tree or round_graphs}"
   bench_greedy
   grep -hE "$SHOW" "$OUT/bench_greedy.log"
 fi

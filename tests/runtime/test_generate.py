@@ -450,6 +450,38 @@ def test_cache_full_ends_like_plain_decoding(name, tiny, prompts, reference):
     assert r.tokens == reference[tuple(p)][:limit - len(p) + 1]
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 6), (4, 4, 16), (8, 2, 24), (1, 1, 2)])
+def test_tree_kernels_give_the_same_generation(shape, tiny, prompts, reference):
+    """The tree drafter on its kernels (kernels/topk.py, tree.py: the default on a GPU, here in the
+    interpreter) drafts the same trees as on torch's ops: the same tokens, rounds and acceptances."""
+    p = prompts[2]
+    runs = [Generator(tiny.target_engine(), Eagle3TreeDrafter(*tiny.eagle3_engines(), tiny.d2t, *shape, fused=fused),
+                      [], MAX_SEQ_LEN).generate(p, 24) for fused in (False, True)]
+    assert runs[1].tokens == runs[0].tokens == reference[tuple(p)][:24]
+    assert (runs[1].stats.rounds, runs[1].stats.accepted) == (runs[0].stats.rounds, runs[0].stats.accepted)
+
+
+@pytest.mark.parametrize("name", ["none", "eagle3-k4", "tree-4x4x16"])
+def test_pipelined_rounds_give_the_same_generation(name, tiny, prompts, reference):
+    """Rounds launched before the previous outcome is read (Generator(pipeline=True); off by default)
+    give the same tokens, finish reasons and round counts: at max_new_tokens, at an EOS the host cannot
+    foresee (a round ran past it, unread; the next request on the same generator is unaffected), and
+    where the cache fills up (the drafter hands over to plain steps)."""
+    p = prompts[2]
+    ref = reference[tuple(p)]
+    eos = [next(t for j, t in enumerate(ref) if j >= 9 and t not in ref[:j])]      # first seen at 10 or later
+    for kwargs, limit, n in (({}, MAX_SEQ_LEN, NEW), ({"eos_ids": eos}, MAX_SEQ_LEN, NEW), ({}, 48, 200)):
+        runs = []
+        for pipeline in (False, True):
+            g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), kwargs.get("eos_ids", []), limit,
+                          pipeline=pipeline)
+            runs.append([(r.tokens, r.finish_reason, r.stats.rounds, r.stats.accepted)
+                         for r in (g.generate(p, n), g.generate(prompts[1], 7))])
+        assert runs[0] == runs[1], (kwargs, limit)
+        assert runs[1][0][0] == ref[:len(runs[1][0][0])] and runs[1][0][1] == ("eos" if kwargs else
+                                                                             "max_tokens" if limit > 48 else "max_seq_len")
+
+
 # errors ------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,64 @@
+"""The generation loop's host side on a GPU: plain decode and a gamma-6 EAGLE3 chain through ``Generator``,
+round graphs on, with and without pipelining (each round launched before the previous outcome is read).
+
+    python benchmarks/host_loop.py [--layers 36] [--tokens 256] [--repeats 3]
+
+Weights are random, drawn on the GPU as in benchmarks/fast_decode.py (the Qwen3-8B shape; speed does not
+depend on their values), so acceptance is whatever the random head gets: the figures are ms per round.
+Prints ms/round of each mode and, for comparison, the graphed target decode step alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from fast_decode import DEV, graphed_ms, random_, step_inputs
+
+from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
+from xcompile.compile.models.eagle3 import Eagle3
+from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.compile.reference import eagle3_engines, qwen3_engine
+from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
+from xcompile.runtime.drafters import Eagle3ChainDrafter, NoDrafter
+from xcompile.runtime.generate import Generator
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    max_seq_len = 1024
+    cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
+    taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))
+    with torch.device(DEV):
+        target = random_(Qwen3(cfg, max_seq_len, taps).to(torch.bfloat16))
+        head = Eagle3(synthetic_eagle3_config(cfg), max_seq_len).to(torch.bfloat16)
+    head.embed_tokens.weight = target.model.embed_tokens.weight
+    random_(head)
+    fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
+    fast.new_kv()
+    e3, fc = eagle3_engines(head, max_seq_len)
+    fe3, ffc = FastEagle3Engine(e3, dataclasses.asdict(head.cfg)), FastFCEngine(fc, {})
+    fe3.new_kv()
+    print(f"graphed target decode step: {graphed_ms(fast.run, step_inputs(1, 128, cfg.vocab_size)):.3f} ms")
+    prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
+    drafters = {"plain": NoDrafter(), "eagle3 chain g=6": Eagle3ChainDrafter(fe3, ffc, None, 6)}
+    for name, drafter in drafters.items():
+        for pipeline in (False, True):
+            gen = Generator(fast, drafter, [], max_seq_len, cuda_graphs=True, pipeline=pipeline)
+            gen.generate(prompt, 16)                                            # warm-up, round graph capture
+            best = float("inf")
+            for _ in range(args.repeats):
+                s = gen.generate(prompt, args.tokens).stats
+                best = min(best, 1e3 * s.decode_s / s.rounds)
+            print(f"{name:<18} pipeline={int(pipeline)}  {best:.3f} ms/round (best of {args.repeats}, "
+                  f"{args.tokens} tokens)")
+
+
+if __name__ == "__main__":
+    main()
