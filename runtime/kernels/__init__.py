@@ -7,6 +7,8 @@ One module per fused step, each with the plain-torch reference it is tested agai
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
     norm.py       RMSNorm launches of their own: the EAGLE3 step's input, the tile kernel's norms (norm_apart)
+    topk.py       the tree drafter's per level work: the draft's top-k log-probs, the candidate pool update
+    tree.py       the EAGLE-2 tree's selection from the pool (sorts, parent ranks, ancestor mask)
 
 The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); longer
 passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does
