@@ -355,7 +355,7 @@ class Eagle3TreeDrafter(_Eagle3):
         # level's scores and pool indices alternate between two buffers
         self.tree = None
         runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
-        fits = k <= 32 and self.pool <= 8192                # the kernels' top-k and pool in registers
+        fits = k <= 32 and self.pool <= 2048 and self.total_tokens <= 64     # the kernels' tiles in registers
         if self.fused is not False and runs and fits and (self.fused or device.type == "cuda"):
             from xcompile.runtime.kernels.tree import TreeBuffers
             self.tree = TreeBuffers(batch, self.total_tokens - 1, device)

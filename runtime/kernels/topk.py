@@ -27,6 +27,30 @@ BLOCK_V = 4096      # vocabulary columns per program of the first launch (at mos
 MAX_K = 32          # larger k: the torch ops
 
 
+_BIG: tl.constexpr = 2147483647
+
+
+@triton.jit
+def _top(x, key, K: tl.constexpr, KP2: tl.constexpr):
+    """The K largest of x (any shape, no NaN) by value, ties and -inf to the lower ``key`` (unique where it
+    counts; _BIG: not a candidate), as ([KP2] values, [KP2] keys), largest first. Each pick is marked taken,
+    so a key is never picked twice, even among -inf values; were no candidate to match (NaN), the lowest key
+    left is taken, so a key is always in bounds."""
+    j = tl.arange(0, KP2)
+    vals = tl.full([KP2], float("-inf"), dtype=tl.float32)
+    keys = tl.full([KP2], 0, dtype=tl.int32)
+    taken = key == _BIG
+    for t in tl.static_range(K):
+        xv = tl.where(taken, float("-inf"), x)
+        v = tl.max(tl.reshape(xv, [xv.numel]), axis=0)
+        c = tl.min(tl.reshape(tl.where((xv == v) & ~taken, key, _BIG), [xv.numel]), axis=0)
+        c = tl.where(c == _BIG, tl.min(tl.reshape(tl.where(taken, _BIG, key), [xv.numel]), axis=0), c)
+        vals = tl.where(j == t, v, vals)
+        keys = tl.where(j == t, c, keys)
+        taken = taken | (key == c)
+    return vals, keys
+
+
 @triton.jit
 def _topk_block_kernel(X, PV, PI, PM, PS, V, NB, stride_x, K: tl.constexpr, KP2: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -37,18 +61,13 @@ def _topk_block_kernel(X, PV, PI, PM, PS, V, NB, stride_x, K: tl.constexpr, KP2:
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))                  # NaN as -inf: ids in range, values meaningless
     m = tl.max(x, axis=0)
     tl.store(PM + row * NB + blk, m)
-    tl.store(PS + row * NB + blk, tl.sum(tl.exp(x - m), axis=0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)         # a block of -inf only: its sum is 0, not NaN
+    tl.store(PS + row * NB + blk, tl.sum(tl.exp(x - m_safe), axis=0))
+    vals, idx = _top(x, cols, K, KP2)                        # the block's k largest (padding columns last)
     j = tl.arange(0, KP2)
-    vals = tl.full([KP2], float("-inf"), dtype=tl.float32)
-    idx = tl.full([KP2], 0, dtype=tl.int32)
-    for t in tl.static_range(K):                            # the block's k largest, largest first
-        v = tl.max(x, axis=0)
-        c = tl.min(tl.where(x == v, cols, 2147483647), axis=0)
-        vals = tl.where(j == t, v, vals)
-        idx = tl.where(j == t, c, idx)
-        x = tl.where(cols == c, float("-inf"), x)
     out = (row * NB + blk) * KP2 + j
     tl.store(PV + out, vals)
     tl.store(PI + out, idx)
@@ -65,20 +84,13 @@ def _topk_merge_kernel(PV, PI, PM, PS, T, LOGP, IDS, NB, TARGETS: tl.constexpr, 
     m = tl.load(PM + row * NB + b, mask=b < NB, other=float("-inf"))
     s = tl.load(PS + row * NB + b, mask=b < NB, other=0.0)
     top = tl.max(m, axis=0)
-    lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+    lse = top + tl.log(tl.sum(s * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), axis=0))
     j = tl.arange(0, KP2)
     cand = (row * NB + b[:, None]) * KP2 + j[None, :]                     # [NBP2, KP2]
     ok = (b[:, None] < NB) & (j[None, :] < K)
     x = tl.load(PV + cand, mask=ok, other=float("-inf"))
-    col = tl.load(PI + cand, mask=ok, other=2147483647)
-    vals = tl.full([KP2], float("-inf"), dtype=tl.float32)
-    idx = tl.full([KP2], 0, dtype=tl.int32)
-    for t in tl.static_range(K):
-        v = tl.max(tl.max(x, axis=1), axis=0)
-        c = tl.min(tl.min(tl.where(x == v, col, 2147483647), axis=1), axis=0)
-        vals = tl.where(j == t, v, vals)
-        idx = tl.where(j == t, c, idx)
-        x = tl.where(col == c, float("-inf"), x)
+    col = tl.load(PI + cand, mask=ok, other=_BIG)
+    vals, idx = _top(x, col, K, KP2)
     ids = idx.to(tl.int64)
     if TARGETS:
         ids = tl.load(T + idx, mask=j < K, other=0)
@@ -87,7 +99,8 @@ def _topk_merge_kernel(PV, PI, PM, PS, T, LOGP, IDS, NB, TARGETS: tl.constexpr, 
 
 
 class TopkScratch:
-    """The block partials of topk_children for [rows, V] logits and k, allocated once per shape."""
+    """The block partials of topk_children for [rows, V] logits and k, allocated once per shape and shared
+    by every call of that shape (one request at a time on one stream, as the runtime runs them)."""
 
     def __init__(self):
         self.bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -148,16 +161,8 @@ def _expand_kernel(LOGP, TOK, EX_SCORE, EX_POOL, HIDDEN, SCORES, TOKENS, PARENTS
     tl.store(PARENTS + pool, ex_pool[:, None] + 0 * flat.to(tl.int64), mask=ok)
     if not LAST:
         # the k best children (ties: the lower flat index first) are the next level's expanded nodes
-        x = tl.where(ok, cu, float("-inf"))
         j = tl.arange(0, KP2)
-        best = tl.full([KP2], float("-inf"), dtype=tl.float32)
-        top = tl.full([KP2], 0, dtype=tl.int32)
-        for t in tl.static_range(K):
-            v = tl.max(tl.max(x, axis=1), axis=0)
-            f = tl.min(tl.min(tl.where(x == v, flat, 2147483647), axis=1), axis=0)
-            best = tl.where(j == t, v, best)
-            top = tl.where(j == t, f, top)
-            x = tl.where(flat == f, float("-inf"), x)
+        best, top = _top(tl.where(ok & (cu == cu), cu, float("-inf")), tl.where(ok, flat, _BIG), K, KP2)
         parent = top // K
         tl.store(NEXT_SCORE + bb * K + j, best, mask=j < K)
         tl.store(NEXT_POOL + bb * K + j, (base + top).to(tl.int64), mask=j < K)

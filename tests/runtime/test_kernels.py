@@ -592,3 +592,38 @@ def test_tree_kernels_at_the_qwen3_8b_tree_on_the_gpu():
     test_topk_children_kernel_matches_torch(10, 32000, 10, True, torch.bfloat16)
     test_expand_level_kernel_equals_the_drafter_ops(10, 3, False, h=4096)
     test_select_tree_kernel_equals_select_tree(10, 6, 31, True)
+
+
+def test_topk_kernels_with_masked_logits():
+    """-inf logits (a whole column block of them, or all but two columns) give torch's finite log-probs and
+    the stable order's ids, each id once; the pool update never expands a node twice when fewer than k
+    children are finite; NaN logits give ids in range (meaningless values, no fault)."""
+    from xcompile.runtime.kernels import topk as K
+    from xcompile.runtime.speculative import expand_level
+    torch.manual_seed(9)
+    x = torch.randn(1, 2, 10000, device=DEV)
+    x[..., 4096:8192] = float("-inf")                       # the second column block: every entry masked
+    x[0, 1, 2:] = float("-inf")
+    x[0, 1, 40], x[0, 1, 5] = 3.0, 1.0                      # row 1: columns 5 and 40 only (and 0, 1)
+    ranked = torch.log_softmax(x, dim=-1).sort(dim=-1, descending=True, stable=True)
+    logp, ids = K.topk_children(x, None, 6)
+    assert torch.equal(ids, ranked.indices[..., :6]) and ids[0, 1, :4].tolist() == [40, 5, 0, 1]
+    assert torch.equal(logp.isfinite(), ranked.values[..., :6].isfinite())
+    fin = logp.isfinite()
+    assert (logp[fin] - ranked.values[..., :6][fin]).abs().max() < 1e-5
+    k, b, h = 3, 1, 16
+    logp = torch.full((b, k, k), float("-inf"), device=DEV)
+    logp[0, 1, 2] = -1.0                                    # one finite child
+    tok = torch.arange(k * k, device=DEV).view(b, k, k)
+    state = [torch.zeros(b, 30, device=DEV), torch.zeros(b, 30, dtype=torch.int64, device=DEV),
+             torch.zeros(b, 30, dtype=torch.int64, device=DEV), torch.zeros(b, 6, dtype=torch.int64, device=DEV),
+             torch.zeros(b, 6, h, device=DEV), torch.eye(6, dtype=torch.bool, device=DEV)[None].clone()]
+    nxt = (torch.zeros(b, k, device=DEV), torch.zeros(b, k, dtype=torch.int64, device=DEV))
+    args = (torch.zeros(b, k, device=DEV), torch.arange(k, device=DEV)[None].clone(), torch.randn(b, k, h, device=DEV))
+    want = [t.clone() for t in state]
+    _, pool = K.expand_level(logp, tok, *args, *state, base=3, s=3, last=False, out=nxt)
+    assert pool[0].tolist() == [3 + 5, 3 + 0, 3 + 1]        # the finite child, then the rest in flat order
+    expand_level(logp, tok, *args, *want, base=3, s=3, last=False)
+    assert torch.equal(state[0], want[0]) and torch.equal(state[1], want[1])    # scores and tokens of the pool
+    ids = K.topk_children(torch.full((1, 2, 5000), float("nan"), device=DEV), None, 4)[1]
+    assert ((ids >= 0) & (ids < 5000)).all()
