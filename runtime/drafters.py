@@ -349,28 +349,24 @@ class Eagle3TreeDrafter(_Eagle3):
         self.ex_offsets = torch.arange(n, device=device) // k
         self.ex_slots = k * torch.arange(max(self.depth - 1, 1), device=device)   # level's first KV slot past length
         self.ex_rows = torch.arange(k, device=device).expand(batch, k)
-        self.expand_index = torch.arange(k, device=device).expand(batch, k)   # pool index of the expanded level 1
+        self.expand_index = torch.arange(k, device=device).repeat(batch, 1)   # pool index of the expanded level 1
         # With the tree kernels (kernels/topk.py, tree.py: by default on a CUDA device with triton), each
         # level's top-k and pool update and the selection are a few launches, not torch's small ops; the next
         # level's scores and pool indices alternate between two buffers
-        self.tree = None
+        self.tree, self.children, self.expand = None, topk_children, expand_level
         runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
         fits = k <= 32 and self.pool <= 2048 and self.total_tokens <= 64     # the kernels' tiles in registers
         if self.fused is not False and runs and fits and (self.fused or device.type == "cuda"):
+            from xcompile.runtime.kernels import topk
             from xcompile.runtime.kernels.tree import TreeBuffers
-            self.tree = TreeBuffers(batch, self.total_tokens - 1, device)
+            self.tree, self.children, self.expand = TreeBuffers(batch, self.total_tokens - 1, device), \
+                topk.topk_children, topk.expand_level
             self.ex_state = [(torch.zeros(batch, k, device=device), torch.zeros(batch, k, **i64)) for _ in range(2)]
-            self.ex_pool0 = torch.arange(k, device=device).repeat(batch, 1)
 
     def propose(self, root, length):
         k = self.topk
         fused = self.tree is not None
-        if fused:
-            from xcompile.runtime.kernels import topk as K
-            children, expand = K.topk_children, K.expand_level
-        else:
-            children, expand = topk_children, expand_level
-        logp, tok = children(self.logits, self.targets, k)                     # [B, 1, k]: the root's children
+        logp, tok = self.children(self.logits, self.targets, k)                # [B, 1, k]: the root's children
         self.scores[:, :k], self.tokens[:, :k] = logp[:, 0], tok[:, 0]
         if self.depth > 1:
             if self.ex_hidden is None:
@@ -378,7 +374,7 @@ class Eagle3TreeDrafter(_Eagle3):
                                                        self.hidden.shape[-1])
             self.ex_tokens[:, :k] = tok[:, 0]
             self.ex_hidden[:, :k] = self.hidden
-        ex_score, ex_pool = logp[:, 0], self.ex_pool0 if fused else self.expand_index
+        ex_score, ex_pool = logp[:, 0], self.expand_index
         base = k
         # every level's positions and first KV slot at once (each level takes its slice: no kernel per level)
         pos, slots = length[:, None] + self.ex_offsets, length[:, None] + self.ex_slots
@@ -388,11 +384,12 @@ class Eagle3TreeDrafter(_Eagle3):
             out = self.eagle3.run(input_ids=self.ex_tokens[:, new], hidden_states=self.ex_hidden[:, new],
                                   position_ids=pos[:, new], write_index=slots[:, level - 1],
                                   tree_mask=self.ex_mask[:, new, :s], logit_rows=self.ex_rows)
-            logp, tok = children(out["logits"], self.targets, k)                # [B, k, k]
+            logp, tok = self.children(out["logits"], self.targets, k)           # [B, k, k]
             # the children into the pool; the k best of them (but after the last level) are expanded next
-            ex_score, ex_pool = expand(logp, tok, ex_score, ex_pool, out["hidden_out"], self.scores, self.tokens,
-                                       self.parents, self.ex_tokens, self.ex_hidden, self.ex_mask, base, s,
-                                       last=level == self.depth - 1, out=self.ex_state[level % 2] if fused else None)
+            ex_score, ex_pool = self.expand(logp, tok, ex_score, ex_pool, out["hidden_out"], self.scores,
+                                            self.tokens, self.parents, self.ex_tokens, self.ex_hidden, self.ex_mask,
+                                            base, s, last=level == self.depth - 1,
+                                            out=self.ex_state[level % 2] if fused else None)
             base += k * k
         if not fused:
             return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)
