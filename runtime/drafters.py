@@ -386,10 +386,10 @@ class Eagle3TreeDrafter(_Eagle3):
                                   tree_mask=self.ex_mask[:, new, :s], logit_rows=self.ex_rows)
             logp, tok = self.children(out["logits"], self.targets, k)           # [B, k, k]
             # the children into the pool; the k best of them (but after the last level) are expanded next
+            into = {"out": self.ex_state[level % 2]} if fused else {}       # the kernel's next-level buffers
             ex_score, ex_pool = self.expand(logp, tok, ex_score, ex_pool, out["hidden_out"], self.scores,
                                             self.tokens, self.parents, self.ex_tokens, self.ex_hidden, self.ex_mask,
-                                            base, s, last=level == self.depth - 1,
-                                            out=self.ex_state[level % 2] if fused else None)
+                                            base, s, last=level == self.depth - 1, **into)
             base += k * k
         if not fused:
             return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)

@@ -299,14 +299,14 @@ def topk_children(logits: torch.Tensor, targets: torch.Tensor | None, k: int) ->
 def expand_level(logp: torch.Tensor, tok: torch.Tensor, ex_score: torch.Tensor, ex_pool: torch.Tensor,
                  hidden: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                  ex_tokens: torch.Tensor, ex_hidden: torch.Tensor, ex_mask: torch.Tensor, base: int, s: int,
-                 last: bool, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 last: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree level's children into the draft pool, in place: logp / tok [B, k, k] the top-k children of
     the k expanded nodes (ex_score [B, k] their cumulative scores, ex_pool their pool indices, hidden
     [B, k, H] their draft outputs) go to scores / tokens / parents[:, base:base + k*k] (a child's score is
     its log-prob plus its parent's). But for the last level, the k best children become the next expanded
     nodes s..s+k-1: their token, input hidden (the parent's output) and ancestor mask row (the parent's,
-    columns < s; the diagonal is preset). Returns their (scores, pool indices) [B, k] (into ``out`` if
-    given); after the last level, ex_score / ex_pool."""
+    columns < s; the diagonal is preset). Returns their (scores, pool indices) [B, k]; after the last
+    level, ex_score / ex_pool."""
     b, k, _ = logp.shape
     pool = slice(base, base + k * k)
     cu = torch.add(logp, ex_score[:, :, None], out=scores[:, pool].view(b, k, k)).flatten(1)
@@ -320,11 +320,7 @@ def expand_level(logp: torch.Tensor, tok: torch.Tensor, ex_score: torch.Tensor, 
     torch.gather(hidden, 1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]), out=ex_hidden[:, s:s + k])
     rows = ex_mask[:, s - k:s, :s]
     torch.gather(rows, 1, parent[:, :, None].expand(-1, -1, s), out=ex_mask[:, s:s + k, :s])
-    if out is None:
-        return score, base + top
-    out[0].copy_(score)
-    out[1].copy_(base + top)
-    return out
+    return score, base + top
 
 
 def select_tree(root: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
