@@ -25,15 +25,20 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from xcompile.runtime import kernels
 from xcompile.runtime.drafters import Drafter, NoDrafter, prompt_inputs
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.graphs import Capture, CudaGraphCapture, GraphedEngine, GraphUnavailable
 from xcompile.runtime.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.speculative import Accepted, Block, accept_chain, accept_tree, bonus, compact_kv, for_host
+
+if TYPE_CHECKING:
+    from xcompile.runtime.kernels.accept import ChainAccept
 
 # debug mode: stale KV rows are filled with this between rounds. Finite on purpose: attention kernels
 # multiply masked rows by a zero weight, and 0 * NaN would leak a NaN the mask did exclude. (fp32/bf16:
@@ -133,7 +138,7 @@ class Generator:
     def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
                  round_graphs: bool = True, capture: Capture | None = None, debug: bool = False,
-                 pipeline: bool = False):
+                 pipeline: bool = False, fused: bool | None = None):
         """target: the ``target`` graph engine; drafter: what proposes blocks (``NoDrafter()`` for plain
         greedy); max_seq_len: KV capacity used (the engines may hold more); detokenize: ids -> text,
         needed for stop strings; cuda_graphs: record CUDA graphs. When every engine's steps are
@@ -145,7 +150,9 @@ class Generator:
         shared by all) and the others, e.g. TensorRT engines with graphs of their own, run as they are.
         Either falls back to eager where capture is unavailable. debug: check KV lengths and poison
         stale rows every round. pipeline (not with debug): launch each round before reading the previous
-        one's outcome (``generate``); off by default until its speed is measured on the GPU."""
+        one's outcome (``generate``); off by default until its speed is measured on the GPU. fused: greedy
+        chain verification and the state update in two launches (kernels/accept.py) instead of torch's
+        small ops; None: on a CUDA device with triton, True: also in Triton's interpreter."""
         if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
             raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
@@ -188,6 +195,10 @@ class Generator:
             drafter.use_graphs(graphed)
         # logit_rows of a verify pass: every block node
         self.rows = {s: torch.arange(s, device=self.device)[None] for s in {drafter.block_size, 1}}
+        # the fused greedy chain verification per block size (made by its first round, which runs eagerly)
+        runs = kernels.available() and (self.device.type == "cuda" or kernels.interpreted())
+        on = fused is not False and runs and (fused or self.device.type == "cuda")
+        self.accepts: dict[int, ChainAccept] | None = {} if on else None
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """EngineError unless the prompt is non-empty, in-range and leaves room for one drafter round."""
@@ -319,7 +330,7 @@ class Generator:
         if graph is None:
             graph = self.rounds[key] = _RoundGraph()
             graph.drafted, back = self._round_in_place(drafter)
-            graph.back = back.clone()
+            graph.back = back if self._owned(back) else back.clone()
             return graph.drafted, graph.back
         if graph.kv is not None and any(a is not b for a, b in zip(graph.kv, self._kv_lists(drafter))):
             # an engine's KV was re-bound (Engine.bind_kv) since the capture: its graphs write the old buffers
@@ -347,12 +358,34 @@ class Generator:
     def _round_in_place(self, drafter: Drafter, back: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """A round that advances (root, length) in place and writes its ``for_host`` into ``back``."""
         block, acc = self._round(drafter, self.root, self.length)
-        self.length.add_(acc.count + 1)
-        self.root.copy_(bonus(acc))
-        out = for_host(acc)
-        if back is not None:
+        fused = self.accepts.get(block.tokens.shape[1]) if self.accepts is not None else None
+        if fused is not None and acc is fused.acc:
+            fused.advance(self.root, self.length)
+            out = fused.host
+        else:
+            self.length.add_(acc.count + 1)
+            self.root.copy_(bonus(acc))
+            out = for_host(acc)
+        if back is not None and back is not out:
             back.copy_(out)
         return block.tokens.shape[1] - 1, out
+
+    def _owned(self, back: torch.Tensor) -> bool:
+        """Whether ``back`` is a buffer of the fused verification, rewritten in place by every round."""
+        return self.accepts is not None and any(back is a.host for a in self.accepts.values())
+
+    def _accept(self, block: Block, logits: torch.Tensor) -> Accepted:
+        """Verification of ``block``: the fused kernels for a greedy chain (when on and in their limits),
+        else speculative.accept_chain / accept_tree."""
+        s, v = block.tokens.shape[1], logits.shape[-1]
+        if (self.accepts is not None and block.chain and self.sampler.greedy and block.tokens.shape[0] == 1
+                and s <= kernels.MAX_ROWS and v <= 1 << 20 and logits.stride(-1) == 1):
+            fused = self.accepts.get(s)
+            if fused is None or fused.vocab != v:
+                from xcompile.runtime.kernels.accept import ChainAccept
+                fused = self.accepts[s] = ChainAccept(s, v, self.device)
+            return fused(block.tokens, logits)
+        return (accept_chain if block.chain else accept_tree)(block, logits, self.sampler)
 
     def _round(self, drafter: Drafter, root: torch.Tensor, length: torch.Tensor) -> tuple[Block, Accepted]:
         """One round, device work only: propose -> verify -> accept -> compact -> commit.
@@ -360,7 +393,7 @@ class Generator:
         block = drafter.propose(root, length)
         out = self.target.run(input_ids=block.tokens, position_ids=length[:, None] + block.depth,
                               write_index=length, tree_mask=block.mask, logit_rows=self.rows[block.tokens.shape[1]])
-        acc = (accept_chain if block.chain else accept_tree)(block, out["logits"], self.sampler)
+        acc = self._accept(block, out["logits"])
         if not block.chain:
             compact_kv(self.target.kv, length, acc.path)
         drafter.commit(block, acc, out.get("hidden_taps"), length)

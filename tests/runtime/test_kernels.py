@@ -627,3 +627,57 @@ def test_topk_kernels_with_masked_logits():
     assert torch.equal(state[0], want[0]) and torch.equal(state[1], want[1])    # scores and tokens of the pool
     ids = K.topk_children(torch.full((1, 2, 5000), float("nan"), device=DEV), None, 4)[1]
     assert ((ids >= 0) & (ids < 5000)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,vocab", [(1, 1000), (1, 9000), (7, 8192), (5, 4097), (64, 300)])
+def test_chain_accept_kernel_equals_accept_chain(s, vocab, dtype):
+    """kernels/accept.py: one launch gives accept_chain's count, path and tokens and for_host's row
+    exactly, over several column blocks, for every accepted count 0..s-1 (the drafts are the target's
+    argmax up to a chosen node), with ties (bf16 logits of few values: the lower column wins, as in
+    torch.argmax); the state update then gives bonus() and the advanced length. Twice per count: the
+    arrival counter resets itself."""
+    from xcompile.runtime.kernels.accept import ChainAccept
+    from xcompile.runtime.speculative import accept_chain, bonus, chain_block, for_host
+    torch.manual_seed(s * vocab)
+    logits = (torch.randn(1, s, vocab, device=DEV) * 2).round().to(dtype)     # few values: many ties
+    pred = logits.argmax(-1)
+    fused = ChainAccept(s, vocab, DEV)
+    for a in range(s):
+        tokens = torch.cat((torch.tensor([[3]], device=DEV), pred[:, :s - 1]), dim=1)
+        if a < s - 1:
+            tokens[0, a + 1] = (pred[0, a] + 1) % vocab                         # draft a+1 misses
+        block = chain_block(tokens)
+        want = accept_chain(block, logits)
+        for _ in range(2):
+            root, length = torch.tensor([5], device=DEV), torch.tensor([40], device=DEV)
+            got = fused(tokens, logits)
+            assert got.count.tolist() == want.count.tolist() == [a]
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.path, want.path)
+            assert torch.equal(fused.host, for_host(want))
+            fused.advance(root, length)
+            assert root.tolist() == bonus(want).tolist() and length.tolist() == [40 + a + 1]
+
+
+def test_chain_accept_kernel_with_special_logits():
+    """-inf everywhere gives column 0 (torch.argmax's pick); a whole column block of -inf, a +inf and a NaN
+    logit are each found in whichever block holds them (a NaN counts as +inf, the first of them wins)."""
+    from xcompile.runtime.kernels.accept import ChainAccept
+    from xcompile.runtime.speculative import accept_chain, chain_block
+    x = torch.randn(1, 4, 9000, device=DEV)
+    x[0, 0] = float("-inf")
+    x[0, 1, :4096] = float("-inf")
+    x[0, 2, 7000] = float("inf")
+    x[0, 3, 8999], x[0, 3, 8000] = float("nan"), float("inf")
+    tokens = torch.zeros(1, 4, dtype=torch.int64, device=DEV)
+    got = ChainAccept(4, 9000, DEV)(tokens, x).tokens[0].tolist()
+    assert got[:3] == accept_chain(chain_block(tokens), x).tokens[0, :3].tolist() == [0, x[0, 1].argmax().item(), 7000]
+    assert got[3] == 8000
+
+
+@pytest.mark.gpu
+def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
+    """The fused chain verification at Qwen3's 151936-token vocabulary in bf16: plain decode (1 node), a
+    gamma-6 chain (7) and a 32-node chain, every accepted count."""
+    for s in (1, 7, 32):
+        test_chain_accept_kernel_equals_accept_chain(s, 151936, torch.bfloat16)
