@@ -7,6 +7,8 @@ One module per fused step, each with the plain-torch reference it is tested agai
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
     norm.py       RMSNorm launches of their own: the EAGLE3 step's input, the tile kernel's norms (norm_apart)
+    accept.py     greedy verification of a chain (argmax, accepted count, the host row) and the round's
+                  state update, for the generation loop (runtime/generate.py)
     topk.py       the tree drafter's per level work: the draft's top-k log-probs, the candidate pool update
     tree.py       the EAGLE-2 tree's selection from the pool (sorts, parent ranks, ancestor mask)
 
@@ -96,8 +98,13 @@ def _pdl_capable() -> bool:
 #                         -> 4.578 / 5.151, 4.620 / 5.274 -> 4.600 / 5.170 (context 4096: 7.224 -> 7.127,
 #                         7.226 -> 7.124, 7.219 -> 7.144 at 32); one-row calls slower at context 128 (4.375
 #                         -> 4.425, 4.401 -> 4.432, 4.384 -> 4.405), so not for them
+# Eighth session:
+#   attn_preload          each attention split requests its second block of cached keys and values before its
+#                         wait too, not only the first (chunks of 128 keys: the whole split's cache reads in
+#                         flight while rope_kv runs); the same sums in the same order
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
-            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True}
+            "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
+            "attn_preload": False}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
