@@ -1,11 +1,12 @@
 """The generation loop's host side on a GPU: plain decode and a gamma-6 EAGLE3 chain through ``Generator``,
-round graphs on, with and without pipelining (each round launched before the previous outcome is read).
+round graphs on, with and without pipelining (each round launched before the previous outcome is read)
+and with the fused greedy verification (kernels/accept.py) or torch's small ops.
 
     python benchmarks/host_loop.py [--layers 36] [--tokens 256] [--repeats 3]
 
 Weights are random, drawn on the GPU as in benchmarks/fast_decode.py (the Qwen3-8B shape; speed does not
 depend on their values), so acceptance is whatever the random head gets: the figures are ms per round.
-Prints ms/round of each mode and, for comparison, the graphed target decode step alone.
+Prints ms/round of each mode and, for comparison, the graphed target decode step alone (the same weights).
 """
 
 from __future__ import annotations
@@ -49,14 +50,14 @@ def main() -> None:
     prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
     drafters = {"plain": NoDrafter(), "eagle3 chain g=6": Eagle3ChainDrafter(fe3, ffc, None, 6)}
     for name, drafter in drafters.items():
-        for pipeline in (False, True):
-            gen = Generator(fast, drafter, [], max_seq_len, cuda_graphs=True, pipeline=pipeline)
+        for fused, pipeline in ((False, False), (True, False), (False, True), (True, True)):
+            gen = Generator(fast, drafter, [], max_seq_len, cuda_graphs=True, pipeline=pipeline, fused=fused)
             gen.generate(prompt, 16)                                            # warm-up, round graph capture
             best = float("inf")
             for _ in range(args.repeats):
                 s = gen.generate(prompt, args.tokens).stats
                 best = min(best, 1e3 * s.decode_s / s.rounds)
-            print(f"{name:<18} pipeline={int(pipeline)}  {best:.3f} ms/round (best of {args.repeats}, "
+            print(f"{name:<18} fused={int(fused)} pipeline={int(pipeline)}  {best:.3f} ms/round (best of {args.repeats}, "
                   f"{args.tokens} tokens)")
 
 

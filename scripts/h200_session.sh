@@ -33,6 +33,9 @@
 #   PART=10 the greedy `xrun bench` alone (a round-only change)
 #   PART=11 the gpu tests -k TESTS (the tree kernels and round graphs) picks, then the greedy `xrun bench`
 #   PART=12 benchmarks/host_loop.py: plain and chain rounds through Generator, pipelined or not
+#   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py, then benchmarks/fast_decode.py --variants
+#           "$VARIANTS" at 128,4096
+# CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both).
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -44,8 +47,8 @@ install || { sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }
 step() { echo "== [$(date +%T)] $*" | tee -a "$OUT/summary.log"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.log"
 
-BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts 128 --gammas 6 --tree 10,6,32 --num-prompts 1)
-SHOW="^ +128 +yes|^target|^eagle3|^sampl|^accept|floor"     # the bench lines echoed back
+BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts "${CONTEXTS:-128}" --gammas 6 --tree 10,6,32 --num-prompts 1)
+SHOW="^ +(128|4096) +yes|^target|^eagle3|^sampl|^accept|floor"     # the bench lines echoed back
 bench_greedy() {
   step "xrun bench ${BENCH[*]} (greedy)"
   timeout 240 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
@@ -183,11 +186,20 @@ if [ "$PART" = 10 ]; then
   bench_greedy
   grep -hE "$SHOW" "$OUT/bench_greedy.log"
 fi
-if [ "$PART" = 12 ]; then
+if [ "$PART" = 13 ]; then
+  step "gpu tests: ${TESTS:-chain_accept or schedule or round_graphs}"
+  gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py tests/runtime/test_graphs.py \
+    -k "${TESTS:-chain_accept or schedule or round_graphs}"
+fi
+if [ "$PART" = 12 ] || [ "$PART" = 13 ]; then
   step "benchmarks/host_loop.py (Generator rounds with and without pipelining)"
   (cd benchmarks && timeout 200 python3 host_loop.py > "$OUT/host_loop.log" 2>&1)
   echo "   exit $?" | tee -a "$OUT/summary.log"
-  tail -6 "$OUT/host_loop.log"
+  tail -9 "$OUT/host_loop.log"
+fi
+if [ "$PART" = 13 ]; then
+  step "benchmarks/fast_decode.py --contexts 128,4096 --variants ${VARIANTS:-attn_preload=1}"
+  fast_decode 200 12 --variants "${VARIANTS:-attn_preload=1}" --json "$OUT/variants.json"
 fi
 if [ "$PART" = 11 ]; then
   step "gpu tests: ${TESTS:-tree or round_graphs}"
