@@ -138,7 +138,7 @@ class Generator:
     def __init__(self, target: Engine, drafter: Drafter, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
                  round_graphs: bool = True, capture: Capture | None = None, debug: bool = False,
-                 pipeline: bool = False, fused: bool | None = None):
+                 pipeline: bool | None = None, fused: bool | None = None):
         """target: the ``target`` graph engine; drafter: what proposes blocks (``NoDrafter()`` for plain
         greedy); max_seq_len: KV capacity used (the engines may hold more); detokenize: ids -> text,
         needed for stop strings; cuda_graphs: record CUDA graphs. When every engine's steps are
@@ -150,7 +150,8 @@ class Generator:
         shared by all) and the others, e.g. TensorRT engines with graphs of their own, run as they are.
         Either falls back to eager where capture is unavailable. debug: check KV lengths and poison
         stale rows every round. pipeline (not with debug): launch each round before reading the previous
-        one's outcome (``generate``); off by default until its speed is measured on the GPU. fused: greedy
+        one's outcome (``generate``); None: on a CUDA device (on the CPU a round computes as it is
+        launched, so there is nothing to overlap and a round past an EOS would be wasted). fused: greedy
         chain verification and the state update in two launches (kernels/accept.py) instead of torch's
         small ops; None: on a CUDA device with triton, True: also in Triton's interpreter."""
         if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
@@ -165,7 +166,7 @@ class Generator:
         self.device = target.device
         self.max_seq_len, self.eos_ids, self.detokenize, self.debug = max_seq_len, frozenset(eos_ids), detokenize, debug
         self.drafter = drafter
-        self.pipeline = pipeline and not debug
+        self.pipeline = (self.device.type == "cuda" if pipeline is None else pipeline) and not debug
         self._host: dict[tuple[int, ...], list[torch.Tensor]] = {}      # pinned copies of for_host, two per shape
         self.plain = NoDrafter()        # takes over when the drafter's lookahead no longer fits the cache
         self.sampler = Sampler(self.device)     # one for every request: its tensors keep their addresses

@@ -33,9 +33,11 @@
 #   PART=10 the greedy `xrun bench` alone (a round-only change)
 #   PART=11 the gpu tests -k TESTS (the tree kernels and round graphs) picks, then the greedy `xrun bench`
 #   PART=12 benchmarks/host_loop.py: plain and chain rounds through Generator, pipelined or not
-#   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py, then benchmarks/fast_decode.py --variants
-#           "$VARIANTS" at 128,4096
-# CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both).
+#   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py (HOST_LOOP=0: not), then
+#           benchmarks/fast_decode.py --variants "$VARIANTS" at 128,4096
+#   PART=14 benchmarks/fast_agreement.py on the demo pair in bf16 alone (PART=9's last step)
+# CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
+# its time limit in seconds (240).
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -51,7 +53,7 @@ BENCH=(--synthetic qwen3-8b --backend fast --device cuda --contexts "${CONTEXTS:
 SHOW="^ +(128|4096) +yes|^target|^eagle3|^sampl|^accept|floor"     # the bench lines echoed back
 bench_greedy() {
   step "xrun bench ${BENCH[*]} (greedy)"
-  timeout 240 xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
+  timeout "${BENCH_LIMIT:-240}" xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
 }
 bench_8b() {
@@ -174,7 +176,7 @@ if [ "$PART" = 8 ]; then
   fast_decode 200 12 --tiles "${TILES:-docs/runs/2026-12-01-h200-s6-tiles.json}" --variants "$V" \
     --json "$OUT/variants.json"
 fi
-if [ "$PART" = 9 ]; then
+if [ "$PART" = 9 ] || [ "$PART" = 14 ]; then
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   step "benchmarks/fast_agreement.py on the demo (${AGREE_PROMPTS:-16} prompts)"
   timeout 150 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
@@ -191,7 +193,7 @@ if [ "$PART" = 13 ]; then
   gpu_tests 200 tests/runtime/test_kernels.py tests/runtime/test_fast.py tests/runtime/test_graphs.py \
     -k "${TESTS:-chain_accept or schedule or round_graphs}"
 fi
-if [ "$PART" = 12 ] || [ "$PART" = 13 ]; then
+if [ "$PART" = 12 ] || { [ "$PART" = 13 ] && [ "${HOST_LOOP:-1}" = 1 ]; }; then
   step "benchmarks/host_loop.py (Generator rounds with and without pipelining)"
   (cd benchmarks && timeout 200 python3 host_loop.py > "$OUT/host_loop.log" 2>&1)
   echo "   exit $?" | tee -a "$OUT/summary.log"

@@ -99,12 +99,16 @@ def _pdl_capable() -> bool:
 #                         7.226 -> 7.124, 7.219 -> 7.144 at 32); one-row calls slower at context 128 (4.375
 #                         -> 4.425, 4.401 -> 4.432, 4.384 -> 4.405), so not for them
 # Eighth session:
-#   attn_preload          each attention split requests its second block of cached keys and values before its
-#                         wait too, not only the first (chunks of 128 keys: the whole split's cache reads in
-#                         flight while rope_kv runs); the same sums in the same order
+#   attn_early_decode     attn_early for one-row calls, by how many of attention's launches take it (0: none,
+#                         1: rope_kv, 2: and the split kernel, 3: and the reduction too; 3 was attn_early for
+#                         every call in the seventh session's runs: slower at context 128, faster at 4096)
+# (And each attention split requesting its second block of cached keys before its wait too, not
+# only the first, was slower at every shape in one run: 4.357 / 4.574 / 5.171 -> 4.371 / 4.606 / 5.231 ms at
+# context 128, 4.566 / 5.080 / 7.123 -> 4.623 / 5.183 / 7.409 at 4096, its registers at the 255 limit with a
+# spill; not kept.)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
-            "attn_preload": False}
+            "attn_early_decode": 0}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import attn_early, schedule_flags
 
 BLOCK_S = 64        # keys per inner step
@@ -65,7 +65,7 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                  FIRST: tl.constexpr, PRELOAD: tl.constexpr):
+                  FIRST: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
@@ -89,12 +89,6 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         offs = base + keys[:, None] * D + d[None, :]
         k = tl.load(KC + offs, mask=cached[:, None], other=0.0)
         v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
-        keys2 = keys + BLOCK_S
-        offs2 = offs + BLOCK_S * D
-        if PRELOAD:                                     # the second block's cached keys too
-            cached2 = keys2 < tl.minimum(end, wi)
-            k2 = tl.load(KC + offs2, mask=cached2[:, None], other=0.0)
-            v2 = tl.load(VC + offs2, mask=cached2[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             if EARLY and not FIRST:
@@ -108,14 +102,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
         m_i, l_i, acc = _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i, l_i,
                                       acc, IEEE)
-        if PRELOAD:
-            if start + BLOCK_S < end:
-                new2 = (keys2 >= wi) & (keys2 < end)
-                k2 = tl.where(new2[:, None], tl.load(KC + offs2, mask=new2[:, None], other=0.0), k2)
-                v2 = tl.where(new2[:, None], tl.load(VC + offs2, mask=new2[:, None], other=0.0), v2)
-                m_i, l_i, acc = _attend_block(q, k2, v2, keys2, end, tok, live, TM, stride_tm, wi, M, W, sm_scale,
-                                              m_i, l_i, acc, IEEE)
-        for s0 in range(start + (1 + PRELOAD) * BLOCK_S, end, BLOCK_S):
+        for s0 in range(start + BLOCK_S, end, BLOCK_S):
             ks = s0 + tl.arange(0, BLOCK_S)
             kv_offs = base + ks[:, None] * D + d[None, :]
             k = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0.0)
@@ -178,14 +165,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(m), num_warps=4,
-        num_stages=2, PRELOAD=int(bool(SCHEDULE["attn_preload"]) and chunk > BLOCK_S), **launch())
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(m, "split"),
+        num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
     _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, HQ=heads, D=d,
-                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m), num_warps=min(8, max(1, p2 // 16)),
-                                **launch())
+                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m, "combine"),
+                                num_warps=min(8, max(1, p2 // 16)), **launch())
     return out
 
 

@@ -118,10 +118,17 @@ def schedule_flags(rows: int) -> dict:
     return dict(EVICT=bool(SCHEDULE["evict_first"]), EARLY=bool(early))
 
 
-def attn_early(rows: int) -> bool:
-    """The FIRST constexpr of rope_kv and the attention kernels in a call of ``rows`` rows: trigger their
-    dependents before waiting (SCHEDULE's attn_early, calls of several rows)."""
-    return rows > 1 and bool(SCHEDULE["attn_early"])
+ATTN_CHAIN = ("rope_kv", "split", "combine")     # attention's launches, in order
+
+
+def attn_early(rows: int, kernel: str) -> bool:
+    """The FIRST constexpr of ``kernel`` (one of ATTN_CHAIN) in a call of ``rows`` rows: trigger its
+    dependents before waiting. SCHEDULE's attn_early for calls of several rows; for one row,
+    attn_early_decode: how many of the chain's launches do (0: none, 1: rope_kv, 2: and the split kernel,
+    3: all three)."""
+    if rows > 1:
+        return bool(SCHEDULE["attn_early"])
+    return ATTN_CHAIN.index(kernel) < int(SCHEDULE["attn_early_decode"])
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -84,7 +84,8 @@ def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Te
     _rope_kv_kernel[(m, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
         k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps,
-        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), FIRST=attn_early(m), num_warps=1, **launch())
+        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), FIRST=attn_early(m, "rope_kv"), num_warps=1,
+        **launch())
     return out
 
 

@@ -27,7 +27,7 @@ BLOCK_V = 4096      # vocabulary columns per program of the first launch (at mos
 MAX_K = 32          # larger k: the torch ops
 
 
-_BIG: tl.constexpr = 2147483647
+_BIG = tl.constexpr(2147483647)
 
 
 @triton.jit

@@ -165,9 +165,10 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_kernel_schedule_changes_no_bits_of_a_step_on_the_gpu(tokens, monkeypatch):
-    """kernels.SCHEDULE (evict-first weights, early PDL triggers, attn_early, attn_preload, rstd_span, the last with
-    norm_apart off so that the tile kernel runs its own RMSNorm pre-pass) is scheduling only: a bf16 target step and
-    an EAGLE3 step give the same logits, hidden and KV bits with every switch on as with every one off."""
+    """kernels.SCHEDULE (evict-first weights, early PDL triggers, attn_early and attn_early_decode, rstd_span,
+    the last with norm_apart off so that the tile kernel runs its own RMSNorm pre-pass) is scheduling only: a
+    bf16 target step and an EAGLE3 step give the same logits, hidden and KV bits with every switch on as with
+    every one off."""
     from xcompile.runtime import kernels
     tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
     target, (e3, _) = fast_target(tiny), fast_eagle3(tiny)
@@ -176,9 +177,10 @@ def test_kernel_schedule_changes_no_bits_of_a_step_on_the_gpu(tokens, monkeypatc
     monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)
     results = []
     for on in (False, True):
-        for key in ("evict_first", "early_trigger_verify", "early_trigger_decode", "attn_early", "attn_preload"):
+        for key in ("evict_first", "early_trigger_verify", "early_trigger_decode", "attn_early"):
             monkeypatch.setitem(kernels.SCHEDULE, key, on)
         monkeypatch.setitem(kernels.SCHEDULE, "rstd_span", 2048 if on else 0)
+        monkeypatch.setitem(kernels.SCHEDULE, "attn_early_decode", 3 if on else 0)
         outs = []
         for engine, extra in ((target, {}), (e3, hidden)):
             kv = engine.reference.new_kv()

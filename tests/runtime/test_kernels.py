@@ -211,26 +211,6 @@ def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, 
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
 
 
-
-@pytest.mark.parametrize("write_index,rows,chunk", [(90, 1, None), (100, 7, None), (517, 1, None), (60, 33, 256),
-                                                    (200, 1, 64)])
-def test_attention_preload_changes_no_result(write_index, rows, chunk, monkeypatch):
-    """SCHEDULE's attn_preload (a split's second key block read before the wait too) gives the same bits,
-    where that block holds cached keys only, cached and new ones (write_index 90, 100: the step's keys in
-    the second block), is past the live length, or is followed by more (chunk 256); chunk 64 has none."""
-    torch.manual_seed(write_index)
-    d, heads = 32, 4
-    kc, vc = randn(1, 2, 640, d, dtype=torch.bfloat16), randn(1, 2, 640, d, dtype=torch.bfloat16)
-    q = randn(rows, heads * d, dtype=torch.bfloat16)
-    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
-    wi = torch.tensor([write_index], device=DEV)
-    got = []
-    for on in (False, True):
-        monkeypatch.setitem(kernels.SCHEDULE, "attn_preload", on)
-        got.append(attention(q, kc, vc, wi, tm, heads, chunk=chunk))
-    assert torch.equal(got[0], got[1])
-    assert rel(got[1], attention_reference(q, kc, vc, wi, tm, heads)) < TOL[torch.bfloat16]
-
 def test_attention_reads_nothing_past_the_live_length():
     """Stale rows past write_index + rows (NaN here) change nothing: the loop stops at the live length."""
     d, heads = 32, 4
@@ -306,9 +286,9 @@ def test_embed_norms_matches_reference():
 
 # norm_apart (which changes the rounding) off in both, so rstd_span acts on the tile kernel's own RMSNorm pre-pass
 ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0,
-           "norm_apart": False, "attn_early": False, "attn_preload": False}
+           "norm_apart": False, "attn_early": False, "attn_early_decode": 0}
 ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048,
-          "norm_apart": False, "attn_early": True, "attn_preload": True}
+          "norm_apart": False, "attn_early": True, "attn_early_decode": 3}
 
 
 def schedule(monkeypatch, on: bool) -> None:
@@ -412,7 +392,7 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
-    """Evict-first loads, the early PDL triggers (attn_early's too), attn_preload and the RMSNorm pre-pass's
+    """Evict-first loads, the early PDL triggers (attn_early's, for one row too) and the RMSNorm pre-pass's
     span are scheduling only: every projection shape of an 8B layer, lm_head (with the final norm) and
     attention (the step's keys in a split's first block, its second, near the end of the cache) give the
     same bits with all of them on as with all off."""
@@ -703,3 +683,13 @@ def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
     gamma-6 chain (7) and a 32-node chain, every accepted count."""
     for s in (1, 7, 32):
         test_chain_accept_kernel_equals_accept_chain(s, 151936, torch.bfloat16)
+
+
+def test_attn_early_decode_levels(monkeypatch):
+    """SCHEDULE's attn_early_decode picks how many of attention's one-row launches trigger early (in chain
+    order); calls of several rows follow attn_early alone."""
+    monkeypatch.setitem(kernels.SCHEDULE, "attn_early", True)
+    for level in range(4):
+        monkeypatch.setitem(kernels.SCHEDULE, "attn_early_decode", level)
+        assert [C.attn_early(1, k) for k in C.ATTN_CHAIN] == [i < level for i in range(3)]
+        assert all(C.attn_early(7, k) for k in C.ATTN_CHAIN)
