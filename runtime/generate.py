@@ -199,7 +199,7 @@ class Generator:
         # the fused greedy chain verification per block size (made by its first round, which runs eagerly)
         runs = kernels.available() and (self.device.type == "cuda" or kernels.interpreted())
         on = fused is not False and runs and (fused or self.device.type == "cuda")
-        self.accepts: dict[int, ChainAccept] | None = {} if on else None
+        self.accepts: dict[tuple[int, int], ChainAccept] | None = {} if on else None
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """EngineError unless the prompt is non-empty, in-range and leaves room for one drafter round."""
@@ -359,8 +359,8 @@ class Generator:
     def _round_in_place(self, drafter: Drafter, back: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """A round that advances (root, length) in place and writes its ``for_host`` into ``back``."""
         block, acc = self._round(drafter, self.root, self.length)
-        fused = self.accepts.get(block.tokens.shape[1]) if self.accepts is not None else None
-        if fused is not None and acc is fused.acc:
+        fused = next((a for a in self.accepts.values() if acc is a.acc), None) if self.accepts else None
+        if fused is not None:
             fused.advance(self.root, self.length)
             out = fused.host
         else:
@@ -380,11 +380,13 @@ class Generator:
         else speculative.accept_chain / accept_tree."""
         s, v = block.tokens.shape[1], logits.shape[-1]
         if (self.accepts is not None and block.chain and self.sampler.greedy and block.tokens.shape[0] == 1
-                and s <= kernels.MAX_ROWS and v <= 1 << 20 and logits.stride(-1) == 1):
-            fused = self.accepts.get(s)
-            if fused is None or fused.vocab != v:
+                and s <= kernels.MAX_ROWS and v <= 1 << 20 and logits.stride(-1) == 1
+                and block.tokens.is_contiguous()):
+            # one per (block size, vocabulary), kept for good: a captured round graph writes its buffers
+            fused = self.accepts.get((s, v))
+            if fused is None:
                 from xcompile.runtime.kernels.accept import ChainAccept
-                fused = self.accepts[s] = ChainAccept(s, v, self.device)
+                fused = self.accepts[s, v] = ChainAccept(s, v, self.device)
             return fused(block.tokens, logits)
         return (accept_chain if block.chain else accept_tree)(block, logits, self.sampler)
 

@@ -11,6 +11,9 @@ for the next launch) reduces the blocks of every node (ties: the lower column, a
 the leading drafts equal to the target's greedy token after their predecessor and writes the outputs:
 one launch where torch takes ten small ones (argmax, the comparison, cumprod, sum, gather, cat, ...).
 A NaN logit counts as +inf (torch.argmax picks a NaN; here a +inf before it would win instead).
+
+Both kernels let their successor launch at once (PDL): whatever follows them must wait (gdc_wait, or be
+no PDL launch: the advance kernel, torch ops, the copy of the host row) before it reads their outputs.
 """
 
 from __future__ import annotations

@@ -486,23 +486,31 @@ def test_pipelined_rounds_give_the_same_generation(name, tiny, prompts, referenc
 @pytest.mark.parametrize("name", ["none", "draft-k4", "eagle3-k4", "tree-4x4x16"])
 def test_fused_accept_gives_the_same_generation(name, tiny, prompts, reference):
     """Greedy chain verification on kernels/accept.py (Generator(fused=True): the default on a GPU, here
-    in the interpreter) gives the torch ops' tokens, rounds and acceptances, pipelined or not, and where the
-    cache fills up (the drafter hands over to plain steps, a second block size); the tree keeps accept_tree.
-    A sampled request on the same generator takes the torch ops (the kernels are greedy only)."""
+    in the interpreter) gives the torch ops' tokens, rounds and acceptances, pipelined or not, through
+    whole-round graphs (recorded and replayed, its host row the graph's output buffer) or not, and where
+    the cache fills up (the drafter hands over to plain steps: both block sizes on the kernels); the tree
+    keeps accept_tree. A sampled request on the same generator takes the torch ops (the kernels are greedy
+    only): the same draws as on a generator without the kernels."""
+    from test_graphs import RoundRecorder
+
     from xcompile.runtime import kernels
     if not kernels.interpreted():
         pytest.skip("the tiny engines are on the CPU: the fused kernels run there in Triton's interpreter only")
     p = prompts[2]
+    sampled = SamplingParams(temperature=0.8, seed=1)
     for limit, n in ((MAX_SEQ_LEN, 40), (48, 200)):
         runs = []
-        for fused, pipeline in ((False, False), (True, False), (True, True)):
-            g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit, fused=fused, pipeline=pipeline)
+        for fused, pipeline, graphs in ((False, False, False), (True, False, False), (True, True, False),
+                                        (True, True, True)):
+            g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit, fused=fused, pipeline=pipeline,
+                          cuda_graphs=graphs, capture=RoundRecorder() if graphs else None)
             r = g.generate(p, n)
-            runs.append((r.tokens, r.finish_reason, r.stats.rounds, r.stats.accepted))
+            s = g.generate(p, 8, sampling=sampled)
+            runs.append((r.tokens, r.finish_reason, r.stats.rounds, r.stats.accepted, s.tokens, s.stats.accepted))
             if fused:
-                assert bool(g.accepts) == (not name.startswith("tree") or limit == 48)    # chains ran on it
-                assert g.generate(p, 8, sampling=SamplingParams(temperature=0.8, seed=1)).finish_reason == "max_tokens"
-        assert runs[0] == runs[1] == runs[2], limit
+                chain = set() if name.startswith("tree") else {g.drafter.block_size}
+                assert {s for s, _ in g.accepts} == (chain | {1} if limit == 48 else chain)
+        assert all(run == runs[0] for run in runs), limit
         assert runs[0][0] == reference[tuple(p)][:len(runs[0][0])]
 
 # errors ------------------------------------------------------------------------------------------

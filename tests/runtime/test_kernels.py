@@ -662,19 +662,22 @@ def test_chain_accept_kernel_equals_accept_chain(s, vocab, dtype):
 
 
 def test_chain_accept_kernel_with_special_logits():
-    """-inf everywhere gives column 0 (torch.argmax's pick); a whole column block of -inf, a +inf and a NaN
-    logit are each found in whichever block holds them (a NaN counts as +inf, the first of them wins)."""
+    """-inf everywhere gives column 0 (torch.argmax's pick); a whole column block of -inf, a +inf and a lone
+    NaN are each found in whichever block holds them, as torch.argmax finds them; a NaN counts as +inf, so
+    a +inf before it wins (torch would pick the NaN)."""
     from xcompile.runtime.kernels.accept import ChainAccept
     from xcompile.runtime.speculative import accept_chain, chain_block
-    x = torch.randn(1, 4, 9000, device=DEV)
+    x = torch.randn(1, 5, 9000, device=DEV)
     x[0, 0] = float("-inf")
     x[0, 1, :4096] = float("-inf")
     x[0, 2, 7000] = float("inf")
-    x[0, 3, 8999], x[0, 3, 8000] = float("nan"), float("inf")
-    tokens = torch.zeros(1, 4, dtype=torch.int64, device=DEV)
-    got = ChainAccept(4, 9000, DEV)(tokens, x).tokens[0].tolist()
-    assert got[:3] == accept_chain(chain_block(tokens), x).tokens[0, :3].tolist() == [0, x[0, 1].argmax().item(), 7000]
-    assert got[3] == 8000
+    x[0, 3, 5000] = float("nan")
+    x[0, 4, 8999], x[0, 4, 8000] = float("nan"), float("inf")
+    tokens = torch.zeros(1, 5, dtype=torch.int64, device=DEV)
+    got = ChainAccept(5, 9000, DEV)(tokens, x).tokens[0].tolist()
+    assert got[:4] == accept_chain(chain_block(tokens), x).tokens[0, :4].tolist() == \
+        [0, x[0, 1].argmax().item(), 7000, 5000]
+    assert got[4] == 8000
 
 
 @pytest.mark.gpu
@@ -683,6 +686,23 @@ def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
     gamma-6 chain (7) and a 32-node chain, every accepted count."""
     for s in (1, 7, 32):
         test_chain_accept_kernel_equals_accept_chain(s, 151936, torch.bfloat16)
+    # rounds back to back (programmatic dependent launch between them, no sync): each verifies a chain whose
+    # first drafts match the argmax, the state update chained through root and length
+    from xcompile.runtime.kernels.accept import ChainAccept
+    logits = torch.randn(1, 7, 151936, device=DEV).to(torch.bfloat16)
+    pred = logits.argmax(-1)
+    fused = ChainAccept(7, 151936, DEV)
+    chains = [torch.cat((torch.tensor([[3]], device=DEV), pred[:, :6]), dim=1) for _ in range(6)]
+    for a, t in enumerate(chains[:-1]):
+        t[0, a + 1] += 1                                                         # accept a drafts (0..4)
+    root, length, hosts = torch.tensor([5], device=DEV), torch.tensor([40], device=DEV), []
+    for t in chains * 5:
+        fused(t, logits)
+        fused.advance(root, length)
+        hosts.append(fused.host.clone())
+    counts = [0, 1, 2, 3, 4, 6]                                                  # the last chain: every draft
+    assert [h[0, 0].item() for h in hosts] == counts * 5
+    assert length.item() == 40 + 5 * sum(a + 1 for a in counts) and root.item() == pred[0, 6].item()
 
 
 def test_attn_early_decode_levels(monkeypatch):
