@@ -36,7 +36,8 @@
 #   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py (HOST_LOOP=0: not), then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" at 128,4096
 #   PART=14 benchmarks/fast_agreement.py on the demo pair in bf16 alone (PART=9's last step)
-# CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
+# DRAFT_MODEL (e.g. qwen3-0.6b): the greedy bench is followed by one with that synthetic draft model (its step
+# and chain round; logged in bench_draft.log). CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
 # its time limit in seconds (240).
 # ONNX Runtime on CUDA is scripts/h200_ort.sh. Usage (device tool): PART=1 bash scripts/h200_session.sh
 set -uo pipefail
@@ -54,6 +55,11 @@ SHOW="^ +(128|4096) +yes|^target|^eagle3|^sampl|^accept|floor"     # the bench l
 bench_greedy() {
   step "xrun bench ${BENCH[*]} (greedy)"
   timeout "${BENCH_LIMIT:-240}" xrun bench "${BENCH[@]}" > "$OUT/bench_greedy.log" 2>&1
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  [ -z "${DRAFT_MODEL:-}" ] && return
+  step "xrun bench --synthetic qwen3-8b --draft-model $DRAFT_MODEL --contexts 128 --gammas 6 (greedy)"
+  timeout 240 xrun bench --synthetic qwen3-8b --draft-model "$DRAFT_MODEL" --backend fast --device cuda \
+    --contexts 128 --gammas 6 --num-prompts 1 > "$OUT/bench_draft.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
 }
 bench_8b() {

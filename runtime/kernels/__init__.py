@@ -101,14 +101,17 @@ def _pdl_capable() -> bool:
 # Eighth session:
 #   attn_early_decode     attn_early for one-row calls, by how many of attention's launches take it (0: none,
 #                         1: rope_kv, 2: and the split kernel, 3: and the reduction too; 3 was attn_early for
-#                         every call in the seventh session's runs: slower at context 128, faster at 4096)
+#                         every call in the seventh session's runs: slower at context 128, faster at 4096).
+#                         One run: decode 4.412 -> 4.376 / 4.483 / 4.450 ms at context 128 (levels 1 / 2 / 3),
+#                         4.639 -> 4.600 / 4.604 / 4.586 at 4096; verify unchanged. 1: only rope_kv lets the
+#                         split kernel launch (and request its cached keys) before rope_kv's own wait
 # (And each attention split requesting its second block of cached keys before its wait too, not
 # only the first, was slower at every shape in one run: 4.357 / 4.574 / 5.171 -> 4.371 / 4.606 / 5.231 ms at
 # context 128, 4.566 / 5.080 / 7.123 -> 4.623 / 5.183 / 7.409 at 4096, its registers at the 255 limit with a
 # spill; not kept.)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
-            "attn_early_decode": 0}
+            "attn_early_decode": 1}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
