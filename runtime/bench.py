@@ -425,7 +425,7 @@ def format_report(report: dict) -> str:
     lines += ["", head + "".join(f"{'x@tau=' + t:>12}" for t in taus)]
     for r in report["generation"]:
         extra = "".join(f"{r.get('speedup_at_tau', {}).get(t, float('nan')):>12.2f}" for t in taus)
-        note = f"  ({100 * r['fraction_of_floor']:.0f}% of floor)" if "fraction_of_floor" in r else ""
+        note = f"  ({100 * r['fraction_of_floor']:.1f}% of floor)" if "fraction_of_floor" in r else ""
         lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
                      f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
                      f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
