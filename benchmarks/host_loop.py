@@ -1,8 +1,9 @@
 """The generation loop's host side on a GPU: plain decode and a gamma-6 EAGLE3 chain through ``Generator``,
 round graphs on, with and without pipelining (each round launched before the previous outcome is read)
-and with the fused greedy verification (kernels/accept.py) or torch's small ops.
+and with the fused greedy verification and draft picks (kernels/accept.py) or torch's small ops.
 
-    python benchmarks/host_loop.py [--layers 36] [--tokens 256] [--repeats 7]
+    python benchmarks/host_loop.py [--layers 36] [--tokens 256] [--repeats 7] [--drafters plain,chain]
+        [--modes 00,10,01,11]
 
 Weights are random, drawn on the GPU as in benchmarks/fast_decode.py (the Qwen3-8B shape; speed does not
 depend on their values), so acceptance is whatever the random head gets: the figures are ms per round.
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--drafters", default="plain,chain", help="which of plain, chain")
+    ap.add_argument("--modes", default="00,10,01,11", help="fused / pipeline bits of each mode, e.g. 01,11")
     args = ap.parse_args()
     torch.manual_seed(0)
     max_seq_len = 1024
@@ -50,13 +53,16 @@ def main() -> None:
     fe3.new_kv()
     print(f"graphed target decode step: {graphed_ms(fast.run, step_inputs(1, 128, cfg.vocab_size)):.3f} ms")
     prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
-    drafters = {"plain": NoDrafter, "eagle3 chain g=6": lambda: Eagle3ChainDrafter(fe3, ffc, None, 6)}
+    drafters = {"plain": NoDrafter, "chain": lambda: Eagle3ChainDrafter(fe3, ffc, None, 6)}
+    modes = [(m[0] == "1", m[1] == "1") for m in args.modes.split(",")]
     gens = {}
-    for name, make in drafters.items():
-        for fused, pipeline in ((False, False), (True, False), (False, True), (True, True)):
+    for name in args.drafters.split(","):
+        make = drafters[name]
+        for fused, pipeline in modes:
             gen = Generator(fast, make(), [], max_seq_len, cuda_graphs=True, pipeline=pipeline, fused=fused)
             gen.generate(prompt, 16)                                            # warm-up, round graph capture
-            gens[f"{name:<18} fused={int(fused)} pipeline={int(pipeline)}"] = gen
+            label = "eagle3 chain g=6" if name == "chain" else name
+            gens[f"{label:<18} fused={int(fused)} pipeline={int(pipeline)}"] = gen
     times: dict[str, list[float]] = {key: [] for key in gens}
     for _ in range(args.repeats):                   # the modes interleaved: a drift of the clocks hits them all
         for key, gen in gens.items():
@@ -65,6 +71,7 @@ def main() -> None:
     for key, ts in times.items():
         print(f"{key}  best {min(ts):.3f}  median {statistics.median(ts):.3f} ms/round "
               f"({args.repeats} runs of {args.tokens} tokens, interleaved)")
+
 
 if __name__ == "__main__":
     main()

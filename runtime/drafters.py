@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from xcompile.runtime.errors import EngineError
 from xcompile.runtime.sampling import Sampler
 from xcompile.runtime.speculative import (Accepted, Block, chain_block, expand_level, select_tree, target_table,
                                          to_target, topk_children)
+
+if TYPE_CHECKING:
+    from xcompile.runtime.kernels.accept import GreedyPick
 
 Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its fixed-shape steps) -> engine
 
@@ -66,10 +70,15 @@ class Drafter(ABC):
         self.engines = engines
         self.sampler = Sampler()
 
-    def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None) -> None:
+    def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
+             fused: bool | None = None) -> None:
         """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
-        (the generator's) picks the drafted tokens (default: greedy)."""
+        (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
+        each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter)."""
         self.sampler = sampler or Sampler(device, batch)
+        runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
+        self.picks: dict[int, GreedyPick] | None = \
+            {} if fused is not False and runs and batch == 1 and (fused or device.type == "cuda") else None
         for e in self.engines:
             if e.device != device:
                 raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
@@ -103,13 +112,22 @@ class Drafter(ABC):
     def use_graphs(self, wrap: Wrap) -> None:
         """Replace each engine by ``wrap(engine, token counts of its fixed-shape steps)``."""
 
-    def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Draft token i of ``block`` (target ids [B], ``targets`` the draft->target lookup of
-        speculative.target_table) from draft logits [B, Vq]: the argmax when greedy, else a draw from the
-        warped q, with q's row and q(token) written into the block."""
+    def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """Draft token i of ``block`` (target ids, ``targets`` the draft->target lookup of
+        speculative.target_table) from draft logits [B, Vq], written into block.tokens[:, i]: the argmax
+        when greedy (one launch where ``bind`` put the kernels), else a draw from the warped q, with q's
+        row and q(token) written into the block."""
         s = self.sampler
         if s.greedy:
-            return to_target(logits.argmax(-1), targets)
+            if self.picks is not None and logits.stride(-1) == 1:
+                pick = self.picks.get(logits.shape[-1])
+                if pick is None:            # made by the first round, which runs eagerly
+                    from xcompile.runtime.kernels.accept import GreedyPick
+                    pick = self.picks[logits.shape[-1]] = GreedyPick(logits.shape[-1], logits.device)
+                pick(logits, targets, block.tokens[:, i])
+            else:
+                block.tokens[:, i] = to_target(logits.argmax(-1), targets)
+            return
         w = s.warp(logits)
         col = s.draw(w)                                                         # [B] column of q
         q = w.probs()
@@ -120,7 +138,7 @@ class Drafter(ABC):
             block.q_ids = targets
         block.q[:, i] = q
         block.q_tok[:, i] = q.gather(1, col[:, None])[:, 0]
-        return to_target(col, targets)
+        block.tokens[:, i] = to_target(col, targets)
 
 
 class NoDrafter(Drafter):
@@ -179,12 +197,12 @@ class DraftModelDrafter(Drafter):
         pos = length[:, None] + self.offsets                                    # [B, k+1]
         out = self.engine.run(input_ids=self.pair, position_ids=pos[:, :2], write_index=pos[:, 0],
                               tree_mask=self.pair_mask, logit_rows=self.row1)
-        t[:, 1] = self._pick(self.block, 1, out["logits"][:, 0])
+        self._pick(self.block, 1, out["logits"][:, 0])
         for i in range(1, self.k):
             # draft token i at position length+i predicts draft token i+1
             out = self.engine.run(input_ids=t[:, i:i + 1], position_ids=pos[:, i + 1:i + 2],
                                   write_index=pos[:, i + 1], tree_mask=self.one_mask, logit_rows=self.row0)
-            t[:, i + 1] = self._pick(self.block, i + 1, out["logits"][:, 0])
+            self._pick(self.block, i + 1, out["logits"][:, 0])
         return self.block
 
     def commit(self, block, acc, taps, length):
@@ -287,7 +305,7 @@ class Eagle3ChainDrafter(_Eagle3):
     def propose(self, root, length):
         t = self.block.tokens
         t[:, 0] = root
-        t[:, 1] = self._pick(self.block, 1, self.logits[:, 0], self.targets)
+        self._pick(self.block, 1, self.logits[:, 0], self.targets)
         hidden = self.hidden
         pos = length[:, None] + self.offsets                                    # [B, k-1]
         for i in range(1, self.k):
@@ -295,7 +313,7 @@ class Eagle3ChainDrafter(_Eagle3):
             # the entry is temporary (past the persistent length)
             out = self.eagle3.run(input_ids=t[:, i:i + 1], hidden_states=hidden, position_ids=pos[:, i - 1:i],
                                   write_index=pos[:, i - 1], tree_mask=self.one_mask, logit_rows=self.row0)
-            t[:, i + 1] = self._pick(self.block, i + 1, out["logits"][:, 0], self.targets)
+            self._pick(self.block, i + 1, out["logits"][:, 0], self.targets)
             hidden = out["hidden_out"]
         return self.block
 

@@ -152,8 +152,9 @@ class Generator:
         stale rows every round. pipeline (not with debug): launch each round before reading the previous
         one's outcome (``generate``); None: on a CUDA device (on the CPU a round computes as it is
         launched, so there is nothing to overlap and a round past an EOS would be wasted). fused: greedy
-        chain verification and the state update in two launches (kernels/accept.py) instead of torch's
-        small ops; None: on a CUDA device with triton, True: also in Triton's interpreter."""
+        chain verification and the state update in two launches, and each greedy draft pick in one
+        (kernels/accept.py), instead of torch's small ops; None: on a CUDA device with triton, True: also
+        in Triton's interpreter."""
         if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
             raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
@@ -171,7 +172,7 @@ class Generator:
         self.plain = NoDrafter()        # takes over when the drafter's lookahead no longer fits the cache
         self.sampler = Sampler(self.device)     # one for every request: its tensors keep their addresses
         for d in (drafter, self.plain):
-            d.bind(max_seq_len, self.device, sampler=self.sampler)
+            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=fused)
         self.target = target
         # the round's state on the device: the root (last committed token, not yet in the KV) and the
         # target's KV length; every round updates both in place

@@ -485,8 +485,9 @@ def test_pipelined_rounds_give_the_same_generation(name, tiny, prompts, referenc
 
 @pytest.mark.parametrize("name", ["none", "draft-k4", "eagle3-k4", "tree-4x4x16"])
 def test_fused_accept_gives_the_same_generation(name, tiny, prompts, reference):
-    """Greedy chain verification on kernels/accept.py (Generator(fused=True): the default on a GPU, here
-    in the interpreter) gives the torch ops' tokens, rounds and acceptances, pipelined or not, through
+    """Greedy chain verification and the chain drafters' greedy picks on kernels/accept.py
+    (Generator(fused=True): the default on a GPU, here in the interpreter) give the torch ops' tokens,
+    rounds and acceptances, pipelined or not, through
     whole-round graphs (recorded and replayed, its host row the graph's output buffer) or not, and where
     the cache fills up (the drafter hands over to plain steps: both block sizes on the kernels); the tree
     keeps accept_tree. A sampled request on the same generator takes the torch ops (the kernels are greedy
@@ -510,6 +511,7 @@ def test_fused_accept_gives_the_same_generation(name, tiny, prompts, reference):
             if fused:
                 chain = set() if name.startswith("tree") else {g.drafter.block_size}
                 assert {s for s, _ in g.accepts} == (chain | {1} if limit == 48 else chain)
+                assert bool(g.drafter.picks) == (name in ("draft-k4", "eagle3-k4"))     # the drafts' picks
         assert all(run == runs[0] for run in runs), limit
         assert runs[0][0] == reference[tuple(p)][:len(runs[0][0])]
 

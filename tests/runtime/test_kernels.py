@@ -680,12 +680,35 @@ def test_chain_accept_kernel_with_special_logits():
     assert got[4] == 8000
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [300, 4096, 9000, 32000])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_greedy_pick_kernel_equals_argmax_then_lookup(vocab, mapped, dtype):
+    """kernels/accept.py's pick: to_target(logits.argmax(-1), targets) written into a column of a block's
+    tokens (the others untouched), with ties (the lower column), several times in a row (the counter
+    resets itself)."""
+    from xcompile.runtime.kernels.accept import GreedyPick
+    from xcompile.runtime.speculative import target_table, to_target
+    torch.manual_seed(vocab)
+    targets = target_table(torch.randperm(3 * vocab, device=DEV)[:vocab].sort().values - torch.arange(vocab, device=DEV)) \
+        if mapped else None
+    pick = GreedyPick(vocab, DEV)
+    tokens = torch.full((1, 5), -7, dtype=torch.int64, device=DEV)
+    for i in range(1, 5):
+        logits = (torch.randn(1, vocab, device=DEV) * 2).round().to(dtype)          # few values: ties
+        pick(logits, targets, tokens[:, i])
+        assert tokens[0, i].item() == to_target(logits.argmax(-1), targets).item()
+    assert tokens[0, 0].item() == -7
+
 @pytest.mark.gpu
 def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
     """The fused chain verification at Qwen3's 151936-token vocabulary in bf16: plain decode (1 node), a
-    gamma-6 chain (7) and a 32-node chain, every accepted count."""
+    gamma-6 chain (7) and a 32-node chain, every accepted count; the greedy pick at the EAGLE3 head's 32000
+    and Qwen3's vocabulary."""
     for s in (1, 7, 32):
         test_chain_accept_kernel_equals_accept_chain(s, 151936, torch.bfloat16)
+    for vocab in (32000, 151936):
+        test_greedy_pick_kernel_equals_argmax_then_lookup(vocab, vocab == 32000, torch.bfloat16)
     # rounds back to back (programmatic dependent launch between them, no sync): each verifies a chain whose
     # first drafts match the argmax, the state update chained through root and length
     from xcompile.runtime.kernels.accept import ChainAccept
