@@ -69,6 +69,7 @@ class Drafter(ABC):
         self.lookahead = lookahead          # KV slots past `length` that one round writes (target included)
         self.engines = engines
         self.sampler = Sampler()
+        self.picks: dict[int, GreedyPick] | None = None     # the fused greedy picks (bind)
 
     def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
              fused: bool | None = None) -> None:
@@ -77,8 +78,7 @@ class Drafter(ABC):
         each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter)."""
         self.sampler = sampler or Sampler(device, batch)
         runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
-        self.picks: dict[int, GreedyPick] | None = \
-            {} if fused is not False and runs and batch == 1 and (fused or device.type == "cuda") else None
+        self.picks = {} if fused is not False and runs and batch == 1 and (fused or device.type == "cuda") else None
         for e in self.engines:
             if e.device != device:
                 raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
@@ -119,7 +119,8 @@ class Drafter(ABC):
         row and q(token) written into the block."""
         s = self.sampler
         if s.greedy:
-            if self.picks is not None and logits.stride(-1) == 1:
+            if (self.picks is not None and logits.stride(-1) == 1 and logits.dtype != torch.float64
+                    and (targets is None or (targets.is_contiguous() and targets.dtype == torch.int64))):
                 pick = self.picks.get(logits.shape[-1])
                 if pick is None:            # made by the first round, which runs eagerly
                     from xcompile.runtime.kernels.accept import GreedyPick

@@ -217,9 +217,14 @@ def eagle3_reference_children(tiny: T.Tiny, seq: list[int], path: list[int], k: 
     return set(tiny.eagle3.to_target_ids(logits.topk(k).indices).tolist())
 
 
-def test_eagle3_chain_follows_the_pairing_rule(tiny, prompts):
+@pytest.mark.parametrize("fused", [False, True])
+def test_eagle3_chain_follows_the_pairing_rule(fused, tiny, prompts):
     """Every round's drafts equal a from-scratch EAGLE3 computation over the committed tokens: the
-    prompt pass, the per-round update (features of the accepted path + the next tokens) and positions."""
+    prompt pass, the per-round update (features of the accepted path + the next tokens) and positions;
+    fused: the greedy picks (argmax and the d2t lookup) on kernels/accept.py, in the interpreter."""
+    from xcompile.runtime import kernels
+    if fused and not kernels.interpreted():
+        pytest.skip("the tiny engines are on the CPU: the fused kernels run there in Triton's interpreter only")
     k, p = 3, prompts[2]
     proposed = []
 
@@ -229,7 +234,9 @@ def test_eagle3_chain_follows_the_pairing_rule(tiny, prompts):
             proposed.append((int(length), block.tokens[0, 1:].tolist()))
             return block
 
-    r = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN).generate(p, 24)
+    g = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN, fused=fused)
+    r = g.generate(p, 24)
+    assert bool(g.drafter.picks) == fused
     seq = p + r.tokens
     with torch.inference_mode():
         for length, drafts in proposed[:10]:

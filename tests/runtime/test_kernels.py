@@ -696,9 +696,14 @@ def test_greedy_pick_kernel_equals_argmax_then_lookup(vocab, mapped, dtype):
     tokens = torch.full((1, 5), -7, dtype=torch.int64, device=DEV)
     for i in range(1, 5):
         logits = (torch.randn(1, vocab, device=DEV) * 2).round().to(dtype)          # few values: ties
+        if i == 4 and vocab > 4096:
+            logits[0, [vocab - 1, 4096, 4100]] = 20.0                                # tied across column blocks
         pick(logits, targets, tokens[:, i])
-        assert tokens[0, i].item() == to_target(logits.argmax(-1), targets).item()
-    assert tokens[0, 0].item() == -7
+        want = to_target(logits.argmax(-1), targets)
+        assert tokens[0, i].item() == want.item()
+        assert tokens[0, 0].item() == -7 and (tokens[0, i + 1:] == -7).all()        # only column i written
+    if vocab > 4096:
+        assert tokens[0, 4].item() == to_target(torch.tensor([4096], device=DEV), targets).item()
 
 @pytest.mark.gpu
 def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
