@@ -77,8 +77,7 @@ class Drafter(ABC):
         (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
         each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter)."""
         self.sampler = sampler or Sampler(device, batch)
-        runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
-        self.picks = {} if fused is not False and runs and batch == 1 and (fused or device.type == "cuda") else None
+        self.picks = {} if batch == 1 and kernels.use_fused(fused, device) else None
         for e in self.engines:
             if e.device != device:
                 raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
@@ -373,9 +372,8 @@ class Eagle3TreeDrafter(_Eagle3):
         # level's top-k and pool update and the selection are a few launches, not torch's small ops; the next
         # level's scores and pool indices alternate between two buffers
         self.tree, self.children, self.expand = None, topk_children, expand_level
-        runs = kernels.available() and (device.type == "cuda" or kernels.interpreted())
         fits = k <= 32 and self.pool <= 2048 and self.total_tokens <= 64     # the kernels' tiles in registers
-        if self.fused is not False and runs and fits and (self.fused or device.type == "cuda"):
+        if fits and kernels.use_fused(self.fused, device):
             from xcompile.runtime.kernels import topk
             from xcompile.runtime.kernels.tree import TreeBuffers
             self.tree, self.children, self.expand = TreeBuffers(batch, self.total_tokens - 1, device), \

@@ -198,9 +198,7 @@ class Generator:
         # logit_rows of a verify pass: every block node
         self.rows = {s: torch.arange(s, device=self.device)[None] for s in {drafter.block_size, 1}}
         # the fused greedy chain verification per block size (made by its first round, which runs eagerly)
-        runs = kernels.available() and (self.device.type == "cuda" or kernels.interpreted())
-        on = fused is not False and runs and (fused or self.device.type == "cuda")
-        self.accepts: dict[tuple[int, int], ChainAccept] | None = {} if on else None
+        self.accepts: dict[tuple[int, int], ChainAccept] | None = {} if kernels.use_fused(fused, self.device) else None
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """EngineError unless the prompt is non-empty, in-range and leaves room for one drafter round."""

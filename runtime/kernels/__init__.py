@@ -139,6 +139,13 @@ def launch() -> dict:
     return {"launch_pdl": True} if pdl() else {}
 
 
+def use_fused(fused: bool | None, device: torch.device) -> bool:
+    """Whether the generation loop's and drafters' kernels run (accept.py, topk.py, tree.py), from their
+    ``fused`` option: None on a CUDA device with triton, True also in Triton's interpreter, False never."""
+    runs = available() and (device.type == "cuda" or interpreted())
+    return fused is not False and runs and (bool(fused) or device.type == "cuda")
+
+
 def interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET") == "1"
