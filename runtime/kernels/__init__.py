@@ -115,7 +115,7 @@ def _pdl_capable() -> bool:
 #                         The same reduction code and order either way (no bit changes)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
-            "attn_early_decode": 1, "combine_in_split": 0, "combine_tail": 1}
+            "attn_early_decode": 1, "combine_in_split": 0}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

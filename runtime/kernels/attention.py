@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import _counters, attn_early, combine_in_split, schedule_flags
 
 BLOCK_S = 64        # keys per inner step
@@ -65,8 +65,8 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, M, W, stride_q, stride_ch, stride_tm, stride_o, sm_scale,
                   CHUNK, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                  FIRST: tl.constexpr, FUSE: tl.constexpr, TAIL: tl.constexpr, GP2: tl.constexpr,
-                  SC: tl.constexpr, SPLITS_P2: tl.constexpr):
+                  FIRST: tl.constexpr, FUSE: tl.constexpr, GP2: tl.constexpr, SC: tl.constexpr,
+                  SPLITS_P2: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
@@ -127,31 +127,9 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, M, W, stride_q, stride_c
                 lo = tile * BLOCK_Q
                 hi = tl.minimum(lo + BLOCK_Q, M * G)
                 for t in range(lo // G, (hi - 1) // G + 1):
-                    if TAIL:                            # head by head, each one [splits, D] tile
-                        for j in tl.static_range(G):
-                            if (t * G + j >= lo) & (t * G + j < hi):
-                                _combine_head(OP, MLP, OUT, t, kvh * G + j, n_live, M, stride_o, HQ, D, SPLITS_P2)
-                    else:
-                        _combine_token(OP, MLP, OUT, t, kvh, lo, hi, n_live, M, stride_o, G, HQ, D, GP2, SC,
-                                       SPLITS_P2)
+                    _combine_token(OP, MLP, OUT, t, kvh, lo, hi, n_live, M, stride_o, G, HQ, D, GP2, SC,
+                                   SPLITS_P2)
                 tl.store(cnt, 0)
-
-
-@triton.jit
-def _combine_head(OP, MLP, OUT, tok, head, n_live, M, stride_o, HQ: tl.constexpr, D: tl.constexpr,
-                  SPLITS_P2: tl.constexpr):
-    """Query head ``head`` of token tok: the n_live splits' partials combined ([SPLITS_P2, D] at once)."""
-    s = tl.arange(0, SPLITS_P2)
-    ok = s < n_live
-    slot = (s * M + tok) * HQ + head
-    m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    top = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))                 # empty splits weigh nothing
-    d = tl.arange(0, D)
-    acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-    y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -188,9 +166,8 @@ def _combine_token(OP, MLP, OUT, tok, kvh, lo, hi, n_live, M, stride_o, G: tl.co
 
 @triton.jit
 def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-                    TAIL: tl.constexpr, GP2: tl.constexpr, SC: tl.constexpr, SPLITS_P2: tl.constexpr,
-                    PDL: tl.constexpr, FIRST: tl.constexpr):
-    """The reduction's launch: one program per (token, query head) when TAIL, else per (token, KV head)."""
+                    GP2: tl.constexpr, SC: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
+                    FIRST: tl.constexpr):
     if PDL:
         if FIRST:
             tl.extra.cuda.gdc_launch_dependents()
@@ -198,11 +175,8 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, G: tl.constexpr, HQ: t
         if not FIRST:
             tl.extra.cuda.gdc_launch_dependents()
     n_live = tl.cdiv(tl.load(WI) + M, CHUNK)                                  # the splits that hold live keys
-    if TAIL:
-        _combine_head(OP, MLP, OUT, tl.program_id(0), tl.program_id(1), n_live, M, stride_o, HQ, D, SPLITS_P2)
-    else:
-        _combine_token(OP, MLP, OUT, tl.program_id(0), tl.program_id(1), 0, M * G, n_live, M, stride_o, G, HQ, D,
-                       GP2, SC, SPLITS_P2)
+    _combine_token(OP, MLP, OUT, tl.program_id(0), tl.program_id(1), 0, M * G, n_live, M, stride_o, G, HQ, D, GP2,
+                   SC, SPLITS_P2)
 
 
 def chunk_for(max_seq_len: int) -> int:
@@ -229,7 +203,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     tiles = triton.cdiv(g * m, ROW_TILE)
     fuse = combine_in_split(m)
-    tail = bool(SCHEDULE["combine_tail"])
     cnt = _counters(q.device, kv_heads * tiles, "attention") if fuse else stats
     gp2 = triton.next_power_of_2(g)
     p2 = triton.next_power_of_2(splits)
@@ -238,12 +211,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, cnt, out, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), out.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d,
         BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
-        FIRST=attn_early(m, "split"), FUSE=fuse, TAIL=tail, GP2=gp2, SC=sc, SPLITS_P2=p2, num_warps=4,
-        num_stages=2, **launch())
+        FIRST=attn_early(m, "split"), FUSE=fuse, GP2=gp2, SC=sc, SPLITS_P2=p2, num_warps=4, num_stages=2,
+        **launch())
     if not fuse:
-        _combine_kernel[(m, heads if tail else kv_heads)](
-            partial, stats, out, write_index, m, out.stride(0), chunk, G=g, HQ=heads, D=d, TAIL=tail, GP2=gp2, SC=sc,
-            SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m, "combine"), num_warps=4, **launch())
+        _combine_kernel[(m, kv_heads)](partial, stats, out, write_index, m, out.stride(0), chunk, G=g, HQ=heads,
+                                       D=d, GP2=gp2, SC=sc, SPLITS_P2=p2, PDL=pdl(),
+                                       FIRST=attn_early(m, "combine"), num_warps=4, **launch())
     return out
 
 
