@@ -109,13 +109,9 @@ def _pdl_capable() -> bool:
 # only the first, was slower at every shape in one run: 4.357 / 4.574 / 5.171 -> 4.371 / 4.606 / 5.231 ms at
 # context 128, 4.566 / 5.080 / 7.123 -> 4.623 / 5.183 / 7.409 at 4096, its registers at the 255 limit with a
 # spill; not kept.)
-# Ninth session:
-#   combine_in_split      the split-KV attention's reduction done by each row tile's last live split program (an
-#                         arrival counter), not in a launch of its own: 0 never, 1 one-row calls, 2 every call.
-#                         The same reduction code and order either way (no bit changes)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
-            "attn_early_decode": 1, "combine_in_split": 0}
+            "attn_early_decode": 1}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
-from xcompile.runtime.kernels.common import _counters, attn_early, combine_in_split, schedule_flags
+from xcompile.runtime.kernels.common import attn_early, schedule_flags
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
@@ -62,11 +62,10 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 
 
 @triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, M, W, stride_q, stride_ch, stride_tm, stride_o, sm_scale,
-                  CHUNK, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
+                  G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                  FIRST: tl.constexpr, FUSE: tl.constexpr, GP2: tl.constexpr, SC: tl.constexpr,
-                  SPLITS_P2: tl.constexpr):
+                  FIRST: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
@@ -117,66 +116,30 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, CNT, OUT, M, W, stride_q, stride_c
         tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
         tl.store(MLP + slot * 2, m_i, mask=live)
         tl.store(MLP + slot * 2 + 1, l_i, mask=live)
-        if FUSE:                                        # combine_in_split: the tile's last live split reduces
-            tile = tl.program_id(2)
-            n_live = tl.cdiv(wi + M, CHUNK)
-            cnt = CNT + kvh * tl.num_programs(2) + tile
-            tl.debug_barrier()
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == n_live - 1:
-                tl.debug_barrier()
-                lo = tile * BLOCK_Q
-                hi = tl.minimum(lo + BLOCK_Q, M * G)
-                for t in range(lo // G, (hi - 1) // G + 1):
-                    _combine_token(OP, MLP, OUT, t, kvh, lo, hi, n_live, M, stride_o, G, HQ, D, GP2, SC,
-                                   SPLITS_P2)
-                tl.store(cnt, 0)
 
 
 @triton.jit
-def _combine_token(OP, MLP, OUT, tok, kvh, lo, hi, n_live, M, stride_o, G: tl.constexpr, HQ: tl.constexpr,
-                   D: tl.constexpr, GP2: tl.constexpr, SC: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """Token tok's query heads on KV head kvh whose rows tok*G + j lie in [lo, hi): the n_live splits'
-    partials combined, the largest split maximum first, then the splits SC at a time in order."""
-    j = tl.arange(0, GP2)
-    rows = tok * G + j
-    ok = (j < G) & (rows >= lo) & (rows < hi)
-    head = kvh * G + j
-    s = tl.arange(0, SPLITS_P2)
-    m = tl.load(MLP + ((s[None, :] * M + tok) * HQ + head[:, None]) * 2, mask=ok[:, None] & (s < n_live)[None, :],
-                other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(m, axis=1)                                                 # [GP2]
-    top = tl.where(ok, top, 0.0)                                            # rows not combined here
-    d = tl.arange(0, D)
-    den = tl.zeros([GP2], dtype=tl.float32)
-    acc = tl.zeros([GP2, D], dtype=tl.float32)
-    for c in range(0, n_live, SC):
-        sc = c + tl.arange(0, SC)
-        okc = ok[:, None] & (sc < n_live)[None, :]
-        slot = (sc[None, :] * M + tok) * HQ + head[:, None]                   # [GP2, SC]
-        mc = tl.load(MLP + slot * 2, mask=okc, other=float("-inf"), cache_modifier=".cg")
-        lc = tl.load(MLP + slot * 2 + 1, mask=okc, other=0.0, cache_modifier=".cg")
-        w = tl.where(mc == float("-inf"), 0.0, tl.exp(mc - top[:, None]))   # empty splits weigh nothing
-        den += tl.sum(lc * w, axis=1)
-        o = tl.load(OP + slot[:, :, None] * D + d[None, None, :], mask=okc[:, :, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += tl.sum(o * w[:, :, None], axis=1)
-    y = acc / tl.where(ok, den, 1.0)[:, None]
-    tl.store(OUT + tok * stride_o + head[:, None] * D + d[None, :], y.to(OUT.dtype.element_ty), mask=ok[:, None])
-
-
-@triton.jit
-def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-                    GP2: tl.constexpr, SC: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
-                    FIRST: tl.constexpr):
+def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, HQ: tl.constexpr, D: tl.constexpr,
+                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr, FIRST: tl.constexpr):
     if PDL:
         if FIRST:
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         if not FIRST:
             tl.extra.cuda.gdc_launch_dependents()
-    n_live = tl.cdiv(tl.load(WI) + M, CHUNK)                                  # the splits that hold live keys
-    _combine_token(OP, MLP, OUT, tl.program_id(0), tl.program_id(1), 0, M * G, n_live, M, stride_o, G, HQ, D, GP2,
-                   SC, SPLITS_P2)
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    ok = s < tl.cdiv(tl.load(WI) + M, CHUNK)                                # the splits that hold live keys
+    slot = (s * M + tok) * HQ + head
+    m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
+    l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))                 # empty splits weigh nothing
+    d = tl.arange(0, D)
+    acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
 def chunk_for(max_seq_len: int) -> int:
@@ -199,24 +162,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
+    _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
+        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
+        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
+        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(m, "split"),
+        num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
-    tiles = triton.cdiv(g * m, ROW_TILE)
-    fuse = combine_in_split(m)
-    cnt = _counters(q.device, kv_heads * tiles, "attention") if fuse else stats
-    gp2 = triton.next_power_of_2(g)
     p2 = triton.next_power_of_2(splits)
-    sc = min(p2, max(1, 64 // gp2))                 # splits per step of the reduction: [GP2, SC, D] fp32 at once
-    _split_kernel[(kv_heads, splits, tiles)](
-        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, cnt, out, m, w, q.stride(0),
-        k_cache.stride(1), tree_mask.stride(0), out.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d,
-        BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
-        FIRST=attn_early(m, "split"), FUSE=fuse, GP2=gp2, SC=sc, SPLITS_P2=p2, num_warps=4, num_stages=2,
-        **launch())
-    if not fuse:
-        _combine_kernel[(m, kv_heads)](partial, stats, out, write_index, m, out.stride(0), chunk, G=g, HQ=heads,
-                                       D=d, GP2=gp2, SC=sc, SPLITS_P2=p2, PDL=pdl(),
-                                       FIRST=attn_early(m, "combine"), num_warps=4, **launch())
+    _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, HQ=heads, D=d,
+                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m, "combine"),
+                                num_warps=min(8, max(1, p2 // 16)), **launch())
     return out
 
 

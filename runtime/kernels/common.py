@@ -131,25 +131,13 @@ def attn_early(rows: int, kernel: str) -> bool:
     return ATTN_CHAIN.index(kernel) < int(SCHEDULE["attn_early_decode"])
 
 
-def combine_in_split(rows: int) -> bool:
-    """Whether the split-KV attention of a ``rows``-row call reduces its splits itself (the FUSE constexpr:
-    each row tile's last live split program, no launch of the reduction), from SCHEDULE's combine_in_split:
-    0 never, 1 for one-row calls, 2 for every call."""
-    return int(SCHEDULE["combine_in_split"]) >= (1 if rows == 1 else 2)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int, kind: str = "split_k") -> torch.Tensor:
-    """Arrival counters, zero between launches (each launch resets those it used): the split-K column
-    blocks' ("split_k") or the attention splits' ("attention", kernels/attention.py combine_in_split). One
-    buffer per kind and device, allocated on first use, which must come before any graph capture records
-    it (a buffer from a graph's pool could be handed to another graph once that one is freed)."""
-    buf = _COUNTERS.get((kind, device))
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the split-K column blocks, zero between launches (each launch resets those it
+    used); one buffer per device, allocated on first use (before any graph capture records it)."""
+    buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"kernels: the {kind} arrival counters were first needed inside a CUDA graph "
-                               "capture; call the kernel once before capturing it")
-        buf = _COUNTERS[(kind, device)] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf

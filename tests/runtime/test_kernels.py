@@ -256,38 +256,6 @@ def test_attention_mask_columns_may_reach_before_write_index(rows, keys, write_i
     assert torch.equal(attention(q, kc, vc, wi, ones, heads, chunk=64), square)
 
 
-@pytest.mark.parametrize("heads,kv_heads,write_index,rows,chunk", [(8, 2, 1500, 1, 64), (12, 4, 300, 7, 64),
-                                                                    (4, 1, 200, 33, None), (4, 4, 63, 64, 64)])
-def test_combine_in_split_gives_the_reductions_bits(heads, kv_heads, write_index, rows, chunk, monkeypatch):
-    """SCHEDULE's combine_in_split: each row tile's last live split reduces the splits (no launch of its own)
-    with the same code and order as the reduction's launch, so the same bits; again on a second call (the
-    arrival counters reset). 12/4 heads: three query heads per KV head, so a 16-row tile splits a token's
-    heads across tiles; 33 / 64 rows: several tiles; chunk 64 at 1501 keys: 24 live splits, two steps of
-    the reduction (16 splits each, SC), the second partial."""
-    torch.manual_seed(rows)
-    d = 64
-    kc, vc = randn(1, kv_heads, 2048, d, dtype=torch.float32), randn(1, kv_heads, 2048, d, dtype=torch.float32)
-    q = randn(rows, heads * d, dtype=torch.float32)
-    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
-    wi = torch.tensor([write_index], device=DEV)
-    monkeypatch.setitem(kernels.SCHEDULE, "combine_in_split", 0)
-    apart = attention(q, kc, vc, wi, tm, heads, chunk=chunk)
-    assert rel(apart, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
-    monkeypatch.setitem(kernels.SCHEDULE, "combine_in_split", 2)
-    for _ in range(2):
-        out = torch.full_like(apart, float("nan"))
-        attention(q, kc, vc, wi, tm, heads, chunk=chunk, out=out)
-        assert torch.equal(out, apart)
-    assert not C._counters(torch.device(DEV), 1, "attention").any()
-
-
-def test_combine_in_split_levels(monkeypatch):
-    """combine_in_split 1 is for one-row calls only, 2 for every call, 0 for none."""
-    for level, want in ((0, [False, False]), (1, [True, False]), (2, [True, True])):
-        monkeypatch.setitem(kernels.SCHEDULE, "combine_in_split", level)
-        assert [C.combine_in_split(m) for m in (1, 7)] == want
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_rope_kv_matches_reference(qk_norm, dtype):
@@ -318,9 +286,9 @@ def test_embed_norms_matches_reference():
 
 # norm_apart (which changes the rounding) off in both, so rstd_span acts on the tile kernel's own RMSNorm pre-pass
 ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0,
-           "norm_apart": False, "attn_early": False, "attn_early_decode": 0, "combine_in_split": 0}
+           "norm_apart": False, "attn_early": False, "attn_early_decode": 0}
 ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048,
-          "norm_apart": False, "attn_early": True, "attn_early_decode": 3, "combine_in_split": 2}
+          "norm_apart": False, "attn_early": True, "attn_early_decode": 3}
 
 
 def schedule(monkeypatch, on: bool) -> None:
@@ -512,23 +480,6 @@ def test_attention_at_qwen3_8b_shapes(ctx, rows):
     assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
     if rows > 1:
         assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], 32)[0], got[0])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ctx", [1, 128, 4095])
-@pytest.mark.parametrize("rows", [1, 7, 32])
-def test_combine_in_split_at_qwen3_8b_shapes(ctx, rows, monkeypatch):
-    """The reduction inside the split launch gives the reduction launch's bits at the 8B shapes (a
-    4352-slot cache: up to 35 live splits, three steps of the reduction), call after call."""
-    torch.manual_seed(ctx + rows)
-    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
-    q = randn(rows, 32 * 128, dtype=torch.bfloat16)
-    tm = ((torch.rand(rows, rows, device=DEV) < 0.3) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
-    wi = torch.tensor([ctx], device=DEV)
-    monkeypatch.setitem(kernels.SCHEDULE, "combine_in_split", 0)
-    apart = attention(q, kc, vc, wi, tm, 32)
-    monkeypatch.setitem(kernels.SCHEDULE, "combine_in_split", 2)
-    assert all(torch.equal(attention(q, kc, vc, wi, tm, 32), apart) for _ in range(20))
 
 
 @pytest.mark.gpu
