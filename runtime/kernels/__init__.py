@@ -109,9 +109,22 @@ def _pdl_capable() -> bool:
 # only the first, was slower at every shape in one run: 4.357 / 4.574 / 5.171 -> 4.371 / 4.606 / 5.231 ms at
 # context 128, 4.566 / 5.080 / 7.123 -> 4.623 / 5.183 / 7.409 at 4096, its registers at the 255 limit with a
 # spill; not kept.)
+# Ninth session (2026-12-02, docs/BENCHMARKS.md):
+#   short_chunk           keys per attention split while write_index + MAX_ROWS keys fit the launch's splits at
+#                         that size (0: the cache's chunk always). 64: every split one BLOCK_S step, all of its
+#                         cached keys requested before the PDL wait. Changes bits (another split of the keys);
+#                         chosen from write_index alone, so the same for a row alone and in a block. Graphed ms,
+#                         1 / 7 / 32 tokens, 4352-slot cache, context 128: 4.323 / 4.614 / 5.203 (0) -> 4.257 /
+#                         4.564 / 5.142 (64) -> 4.336 / 4.618 / 5.208 (0); context 4096 (past the switch), one
+#                         token: 4.546 (0) / 4.550 (64) / 4.546 (0). (A fixed 64-key chunk for one row: 4096
+#                         slower, 4.529 -> 4.762; a 256-key one slower at both, 4.330 -> 4.378, 4.529 -> 4.607.)
+# (Tried and removed in the ninth session: the split reduction done by each row tile's last live split program,
+# an arrival counter instead of its launch: at one row 4.327 -> 4.337 / 4.545 -> 4.542 ms at context 128 / 4096
+# with the reduction in steps of 16 splits, 4.509 / 4.692 with it head by head; for calls of several rows
+# slower by 0.15-0.3 ms (steps) and 0.9-1.8 ms (head by head). PDL hides the launch it saves.)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
-            "attn_early_decode": 1}
+            "attn_early_decode": 1, "short_chunk": 64}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -8,11 +8,14 @@ token m sees every key j < origin and key origin + i iff tree_mask[m, i] (W = M:
 and the new ones the mask allows). Only keys below write_index + M are read: the live length
 lives on the device, so the same launch serves every context length inside one CUDA graph.
 
-Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split,
+Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions (chunk: the cache's, or SCHEDULE's
+short_chunk while write_index + MAX_ROWS keys fit the launch's splits at that size: more splits of one
+BLOCK_S step each, all of whose cached keys load before the PDL wait), one program per (kv head, split,
 tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g,
 head r%g), so each KV tile is read once per head group. Splits past the live length return at once;
-the reduction combines the live ones in a fixed order. Chunks at absolute positions and fixed
-row tiles make a row's result independent of how many rows the call carries (kernels/__init__.py).
+the reduction combines the live ones in a fixed order. Chunks at absolute positions chosen from
+write_index alone, and fixed row tiles, make a row's result independent of how many rows the call
+carries (kernels/__init__.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import ROW_TILE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import attn_early, schedule_flags
 
 BLOCK_S = 64        # keys per inner step
@@ -62,10 +65,20 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 
 
 @triton.jit
+def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
+    """Keys per split: SMALL while write_index + MAX_M keys fit the launch's splits at that size (SCHEDULE's
+    short_chunk; the same for every row count, so a row's bits stay those of a block's row), else CHUNK."""
+    chunk = CHUNK + 0 * wi
+    if SMALL > 0:
+        chunk = tl.where(wi + MAX_M <= SMALL * splits, SMALL, chunk)
+    return chunk
+
+
+@triton.jit
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
-                  G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                  FIRST: tl.constexpr):
+                  SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                  EARLY: tl.constexpr, FIRST: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
@@ -80,8 +93,9 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
     # splits past the live length return at once, and the first block's cached keys and values are in
     # flight before the wait (programmatic dependent launch).
     wi = tl.load(WI)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, wi + M)
+    chunk = _chunk(wi, CHUNK, tl.num_programs(1), SMALL, MAX_M)
+    start = split * chunk
+    end = tl.minimum(start + chunk, wi + M)
     if start < end:
         base = kvh * stride_ch
         keys = start + tl.arange(0, BLOCK_S)
@@ -119,8 +133,9 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
 
 
 @triton.jit
-def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, HQ: tl.constexpr, D: tl.constexpr,
-                    SPLITS_P2: tl.constexpr, PDL: tl.constexpr, FIRST: tl.constexpr):
+def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.constexpr, MAX_M: tl.constexpr,
+                    HQ: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
+                    FIRST: tl.constexpr):
     if PDL:
         if FIRST:
             tl.extra.cuda.gdc_launch_dependents()
@@ -130,7 +145,8 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, HQ: tl.constexpr, D: t
     tok = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
-    ok = s < tl.cdiv(tl.load(WI) + M, CHUNK)                                # the splits that hold live keys
+    wi = tl.load(WI)
+    ok = s < tl.cdiv(wi + M, _chunk(wi, CHUNK, SPLITS, SMALL, MAX_M))       # the splits that hold live keys
     slot = (s * M + tok) * HQ + head
     m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
     l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
@@ -158,20 +174,23 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     g = heads // kv_heads
     chunk = chunk or chunk_for(max_seq_len)
     splits = math.ceil(max_seq_len / chunk)
+    small = int(SCHEDULE["short_chunk"])
+    assert small % BLOCK_S == 0 and m <= MAX_ROWS
+    small = small if small < chunk else 0                   # a chunk no shorter than the cache's: nothing to switch
     w = tree_mask.shape[1]
     assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
-        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S,
-        IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"], FIRST=attn_early(m, "split"),
-        num_warps=4, num_stages=2, **launch())
+        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads, D=d,
+        BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
+        FIRST=attn_early(m, "split"), num_warps=4, num_stages=2, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
-    _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, HQ=heads, D=d,
-                                SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m, "combine"),
+    _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, splits, SMALL=small,
+                                MAX_M=MAX_ROWS, HQ=heads, D=d, SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m, "combine"),
                                 num_warps=min(8, max(1, p2 // 16)), **launch())
     return out
 

@@ -211,6 +211,24 @@ def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, 
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("write_index,rows", [(100, 1), (100, 7), (256, 64), (256, 1), (257, 7), (500, 33)])
+def test_attention_short_chunk(write_index, rows, monkeypatch):
+    """SCHEDULE's short_chunk (64 keys per split while write_index + MAX_ROWS keys fit the launch's splits at
+    that size; here five splits of the 640-slot cache, so up to write_index 256, which with 64 rows fills
+    all five): accurate on both sides of the switch, and a row alone gets a block row's bits (the choice
+    does not depend on the row count)."""
+    monkeypatch.setitem(kernels.SCHEDULE, "short_chunk", 64)
+    torch.manual_seed(write_index + rows)
+    d, heads = 64, 8
+    kc, vc = randn(1, 2, 640, d, dtype=torch.float32), randn(1, 2, 640, d, dtype=torch.float32)
+    q = randn(rows, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=128)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+    assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128)[0], got[0])
+
+
 def test_attention_reads_nothing_past_the_live_length():
     """Stale rows past write_index + rows (NaN here) change nothing: the loop stops at the live length."""
     d, heads = 32, 4
@@ -471,6 +489,7 @@ def test_streaming_kernels_give_their_tiles_bits_at_qwen3_8b_qkv(rows, monkeypat
 @pytest.mark.parametrize("ctx", [1, 128, 4095])
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_attention_at_qwen3_8b_shapes(ctx, rows):
+    """Accurate; a row alone gets a block row's bits (short_chunk picks the chunk from write_index alone)."""
     torch.manual_seed(ctx + rows)
     kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
     q = randn(rows, 32 * 128, dtype=torch.bfloat16)
