@@ -113,7 +113,10 @@ def _pdl_capable() -> bool:
 #   short_chunk           keys per attention split while write_index + MAX_ROWS keys fit the launch's splits at
 #                         that size (0: the cache's chunk always). 64: every split one BLOCK_S step, all of its
 #                         cached keys requested before the PDL wait. Changes bits (another split of the keys);
-#                         chosen from write_index alone, so the same for a row alone and in a block. Graphed ms,
+#                         chosen from write_index alone, so the same for a row alone and in a block at one
+#                         write_index (not for a token decoded alone at wi + r against row r of a block at wi
+#                         when the two straddle the switch: 63 positions a cache, e.g. 2049-2112 of 4352,
+#                         where speculative and plain greedy may part at a near tie). Graphed ms,
 #                         1 / 7 / 32 tokens, 4352-slot cache, context 128: 4.323 / 4.614 / 5.203 (0) -> 4.257 /
 #                         4.564 / 5.142 (64) -> 4.336 / 4.618 / 5.208 (0); context 4096 (past the switch), one
 #                         token: 4.546 (0) / 4.550 (64) / 4.546 (0). (A fixed 64-key chunk for one row: 4096
@@ -132,7 +135,10 @@ def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
     SystemExit on an unknown key."""
     if key not in SCHEDULE:
         raise SystemExit(f"{flag}: unknown key {key!r}; known: {list(SCHEDULE)}")
-    return type(SCHEDULE[key])(float(text or 1))
+    value = type(SCHEDULE[key])(float(text or 1))
+    if key == "short_chunk" and value % 64:
+        raise SystemExit(f"{flag}: short_chunk={text} must be 0 or a multiple of 64 (attention's key step)")
+    return value
 
 
 def set_schedule(spec: str) -> None:

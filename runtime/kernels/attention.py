@@ -15,7 +15,8 @@ tile of 16 query rows); the g query heads sharing a KV head ride along the rows 
 head r%g), so each KV tile is read once per head group. Splits past the live length return at once;
 the reduction combines the live ones in a fixed order. Chunks at absolute positions chosen from
 write_index alone, and fixed row tiles, make a row's result independent of how many rows the call
-carries (kernels/__init__.py).
+carries (kernels/__init__.py); a token decoded alone and verified as row r of a block at write_index
+wi share the split layout except where wi and wi + r straddle the short_chunk switch.
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, 
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("write_index,rows", [(100, 1), (100, 7), (256, 64), (256, 1), (257, 7), (500, 33)])
+@pytest.mark.parametrize("write_index,rows", [(100, 1), (100, 7), (256, 64), (256, 1), (257, 7), (500, 33),
+                                             (300, 33), (290, 64)])
 def test_attention_short_chunk(write_index, rows, monkeypatch):
     """SCHEDULE's short_chunk (64 keys per split while write_index + MAX_ROWS keys fit the launch's splits at
     that size; here five splits of the 640-slot cache, so up to write_index 256, which with 64 rows fills
@@ -227,6 +228,10 @@ def test_attention_short_chunk(write_index, rows, monkeypatch):
     got = attention(q, kc, vc, wi, tm, heads, chunk=128)
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
     assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128)[0], got[0])
+    # the switch itself: short splits up to write_index 256 (fp32 sums in another order: other bits), the
+    # cache's chunk past it (the same bits as with short_chunk off)
+    monkeypatch.setitem(kernels.SCHEDULE, "short_chunk", 0)
+    assert torch.equal(attention(q, kc, vc, wi, tm, heads, chunk=128), got) == (write_index > 256)
 
 
 def test_attention_reads_nothing_past_the_live_length():
@@ -253,10 +258,12 @@ def test_attention_tree_mask_rows_may_be_strided():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,keys,write_index", [(4, 12, 30), (8, 40, 70), (1, 5, 4), (16, 64, 200)])
-def test_attention_mask_columns_may_reach_before_write_index(rows, keys, write_index, dtype):
+@pytest.mark.parametrize("chunk", [64, None])
+def test_attention_mask_columns_may_reach_before_write_index(rows, keys, write_index, dtype, chunk):
     """tree_mask [M, W > M] (the eagle3 contract's mask_keys): its columns start at write_index + M - W,
     so keys of earlier temporary entries are visible only where the mask says (a tree level appended
-    after the levels before it)."""
+    after the levels before it). chunk None: the 384-slot cache's 128 keys, and short_chunk's 64 at
+    write_index <= 128 (all but 200)."""
     torch.manual_seed(rows + keys)
     d, heads = 64, 4
     kc, vc = randn(1, 2, 384, d, dtype=dtype), randn(1, 2, 384, d, dtype=dtype)
@@ -265,13 +272,13 @@ def test_attention_mask_columns_may_reach_before_write_index(rows, keys, write_i
     big[torch.arange(rows), keys - rows + torch.arange(rows)] = True             # each new token sees itself
     tm = big[:rows]                                                              # strided rows
     wi = torch.tensor([write_index], device=DEV)
-    got = attention(q, kc, vc, wi, tm, heads, chunk=64)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=chunk)
     assert rel(got, attention_reference(q, kc, vc, wi, tm.contiguous(), heads)) < TOL[dtype]
     # hidden earlier keys are as good as absent: the same as a cache where they carry no weight
     ones = torch.ones(rows, keys, dtype=torch.bool, device=DEV)
     ones[:, keys - rows:] = tm[:, keys - rows:]
-    square = attention(q, kc, vc, wi, tm[:, keys - rows:].contiguous(), heads, chunk=64)
-    assert torch.equal(attention(q, kc, vc, wi, ones, heads, chunk=64), square)
+    square = attention(q, kc, vc, wi, tm[:, keys - rows:].contiguous(), heads, chunk=chunk)
+    assert torch.equal(attention(q, kc, vc, wi, ones, heads, chunk=chunk), square)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -750,6 +757,12 @@ def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
     counts = [0, 1, 2, 3, 4, 6]                                                  # the last chain: every draft
     assert [h[0, 0].item() for h in hosts] == counts * 5
     assert length.item() == 40 + 5 * sum(a + 1 for a in counts) and root.item() == pred[0, 6].item()
+
+
+def test_short_chunk_option_takes_multiples_of_the_key_step():
+    assert kernels.schedule_value("short_chunk", "128") == 128 and kernels.schedule_value("short_chunk", "0") == 0
+    with pytest.raises(SystemExit, match="short_chunk=96 must be 0 or a multiple of 64"):
+        kernels.schedule_value("short_chunk", "96", "--variants")
 
 
 def test_attn_early_decode_levels(monkeypatch):
