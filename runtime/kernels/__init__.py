@@ -136,8 +136,10 @@ def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
     if key not in SCHEDULE:
         raise SystemExit(f"{flag}: unknown key {key!r}; known: {list(SCHEDULE)}")
     value = type(SCHEDULE[key])(float(text or 1))
-    if key == "short_chunk" and value % 64:
-        raise SystemExit(f"{flag}: short_chunk={text} must be 0 or a multiple of 64 (attention's key step)")
+    if key == "short_chunk":
+        from xcompile.runtime.kernels.attention import BLOCK_S     # here: attention.py imports this module
+        if value % BLOCK_S:
+            raise SystemExit(f"{flag}: short_chunk={text} must be 0 or a multiple of {BLOCK_S} (attention's key step)")
     return value
 
 
