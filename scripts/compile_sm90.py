@@ -1,14 +1,19 @@
 """Compile every fused kernel the tests launch for sm_90 (the H200) with the installed triton, no GPU needed.
 
-    python scripts/compile_sm90.py [--tests-python PY] [PYTEST ARGS]   # default: tests/runtime/test_kernels.py
+    python scripts/compile_sm90.py [--tests-python PY] [--resources NAME] [PYTEST ARGS]
+                                              # default: tests/runtime/test_kernels.py
 
 The interpreter (how CI runs the kernels) and a newer triton accept code that the GPU image's triton
 refuses; twice such a kernel first failed on the device (docs/BENCHMARKS.md, eighth and ninth sessions).
 This runs the tests in Triton's interpreter in a subprocess, records each launch (the kernel, its
 arguments' types, its constexprs, num_warps / num_stages), then compiles every distinct launch for
 GPUTarget("cuda", 90, 32) as the GPU would run it: programmatic dependent launch on (PDL=True) and, for
-kernels with an IEEE switch, tl.dot in the inputs' precision (IEEE=False) as well as in fp32. Integer
-arguments equal to 1 are compiled as constants, as triton's launcher specialises them. Prints one line per
+kernels with an IEEE switch, tl.dot in the inputs' precision (IEEE=False) as well as in fp32. Arguments
+are specialised as triton's launcher does (integers equal to 1 as constants; 16-byte-aligned tensors and
+integers divisible by 16 marked so, which sets the loads' vector width). --resources NAME prints, for
+each compiled launch of a kernel whose name contains NAME, ptxas's registers and spills, its shared
+memory and how many of its programs fit an SM by registers (the occupancy that decides whether a grid
+runs in one wave). Prints one line per
 kernel and every failure; exit status 1 if one failed. To check against the GPU image's triton, run it
 with a python holding that version, and the tests with the project's (--tests-python .venv/bin/python:
 an older triton's interpreter may not run with this machine's numpy); DEVELOPERS.md, "Before a device call".
@@ -40,7 +45,7 @@ _run = interpreter.InterpretedFunction.run
 
 def _kind(v):
     if isinstance(v, torch.Tensor):
-        return ["tensor", str(v.dtype)]
+        return ["tensor", str(v.dtype), v.data_ptr() % 16 == 0]
     if isinstance(v, bool) or v is None:
         return ["const", v]
     if isinstance(v, int):
@@ -53,7 +58,7 @@ def run(self, *args, grid, warmup, **kwargs):
     fn = self.fn
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args))
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     kwargs.pop("launch_pdl", None)
     bound.update(kwargs)
     for p in params:
@@ -86,20 +91,26 @@ def record(python: str, pytest_args: list[str], path: Path) -> int:
         return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
-def signature_of(rec: dict, fn) -> tuple[dict, dict]:
-    """ASTSource's signature and constexprs for one recorded launch."""
-    sig, consts = {}, {}
-    for name in fn.arg_names:
-        kind, value = rec["kinds"][name]
+def signature_of(rec: dict, fn) -> tuple[dict, dict, dict]:
+    """ASTSource's signature, constexprs and attributes for one recorded launch: as triton's launcher
+    specialises, integers equal to 1 become constants and 16-byte-aligned tensors and integers divisible
+    by 16 are marked so (which decides the loads' vector width, hence the registers)."""
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        kind, value, *more = rec["kinds"][name]
         if rec["args"][name]:                                          # a constexpr parameter
             consts[name] = value if kind in ("int", "float", "const") else rec["args"][name]
         elif kind == "tensor":
             sig[name] = "*" + DTYPES[value]
+            if more and more[0]:
+                attrs[(i,)] = [["tt.divisibility", 16]]
             continue
-        elif kind == "int" and value == 1:                             # triton's launcher specialises 1
+        elif kind == "int" and value == 1:
             consts[name] = 1
         elif kind == "int":
             sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         elif kind == "float":
             sig[name] = "fp32"
@@ -107,7 +118,7 @@ def signature_of(rec: dict, fn) -> tuple[dict, dict]:
         else:
             consts[name] = value
         sig[name] = "constexpr"
-    return sig, consts
+    return sig, consts, attrs
 
 
 def gpu_forms(consts: dict) -> list[dict]:
@@ -120,7 +131,25 @@ def gpu_forms(consts: dict) -> list[dict]:
     return forms
 
 
-def compile_all(path: Path) -> int:
+def resources(kernel, warps: int) -> str:
+    """ptxas -v's registers and spills for a compiled kernel, its shared memory, and how many of its
+    programs one SM holds by registers (65536 a SM, allocated per warp in units of 256)."""
+    import re
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
+        out = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name", "sm_90a", f"{tmp}/k.ptx", "-o",
+                              f"{tmp}/k.o"], capture_output=True, text=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out))
+    per_sm = 65536 // (-(-regs * 32 // 256) * 256 * warps)
+    return f"{regs} registers, {spill} bytes spilled, {kernel.metadata.shared} bytes shared, {per_sm} a SM"
+
+
+def compile_all(path: Path, show: str | None = None) -> int:
     import importlib
 
     import triton
@@ -132,15 +161,18 @@ def compile_all(path: Path) -> int:
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-        sig, consts = signature_of(rec, fn)
+        sig, consts, attrs = signature_of(rec, fn)
         for form in gpu_forms(consts):
             key = json.dumps([rec["module"], rec["name"], sig, form, rec["options"]], sort_keys=True, default=str)
             if key in done:
                 continue
             done.add(key)
             try:
-                triton.compile(ASTSource(fn, sig, form), target=target, options=dict(rec["options"]))
+                kernel = triton.compile(ASTSource(fn, sig, form, attrs), target=target, options=dict(rec["options"]))
                 counts[rec["name"]] += 1
+                if show and show in rec["name"]:
+                    told = {k: v for k, v in form.items() if k.isupper()}
+                    print(f"{rec['name']} {rec['options']} {told}: {resources(kernel, rec['options'].get('num_warps', 4))}")
             except Exception as e:                                     # noqa: BLE001 (report every failure)
                 where = str(e).strip().splitlines()[-2:]
                 cause = f" ({e.__cause__!r})" if e.__cause__ is not None else ""
@@ -156,9 +188,13 @@ def compile_all(path: Path) -> int:
 
 def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)        # this process compiles: the kernels must be JIT functions
-    args, python = sys.argv[1:], sys.executable
-    if args[:1] == ["--tests-python"]:
-        python, args = args[1], args[2:]
+    args, python, show = sys.argv[1:], sys.executable, None
+    while args[:1] in (["--tests-python"], ["--resources"]):
+        if args[0] == "--tests-python":
+            python = args[1]
+        else:
+            show = args[1]
+        args = args[2:]
     args = args or ["tests/runtime/test_kernels.py"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "launches.jsonl"
@@ -166,7 +202,7 @@ def main() -> None:
         rc = record(python, args, path)
         if rc not in (0, 5):
             print(f"compile_sm90: the tests failed (pytest exit {rc}); compiling what they launched")
-        sys.exit(max(compile_all(path), 1 if rc not in (0, 5) else 0))
+        sys.exit(max(compile_all(path, show), 1 if rc not in (0, 5) else 0))
 
 
 if __name__ == "__main__":

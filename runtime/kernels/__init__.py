@@ -125,9 +125,26 @@ def _pdl_capable() -> bool:
 # an arrival counter instead of its launch: at one row 4.327 -> 4.337 / 4.545 -> 4.542 ms at context 128 / 4096
 # with the reduction in steps of 16 splits, 4.509 / 4.692 with it head by head; for calls of several rows
 # slower by 0.15-0.3 ms (steps) and 0.9-1.8 ms (head by head). PDL hides the launch it saves.)
+# Tenth session (2026-12-02; the split kernel's registers from scripts/compile_sm90.py --resources _split_kernel:
+# ~180 a thread at 4 warps once the step's new keys load in place, 210 before, i.e. two programs a SM).
+# Attention's launch options, none of which changes a result (GPU-tested), graphed ms at 1 / 7 / 32 tokens:
+#   attn_maxnreg          the split kernel's register cap (ptxas .maxnreg; 128: four programs a SM, a few bytes
+#                         spilled) for launches of more than four programs a SM at the cache's full length
+#                         (attention.many: on a 4352-slot cache the 7- and 32-row calls, not one row, nor
+#                         32 rows on a 512-slot cache). Interleaved 0 / 128 / 0 / 128 / 0, 4352-slot cache:
+#                         32 tokens at context 4096 7.060 / 6.732 / 7.062 / 6.719 / 7.071, 7 tokens 5.042 /
+#                         5.021 / 5.043 / 5.024 / 5.045; at context 128 32 tokens 5.079 / 5.122 / 5.060 /
+#                         5.115 / 5.062 (the cost), 7 tokens unchanged. On, at 128
+#   attn_stages           its num_stages: 1 (smaller shared memory, 161 registers: three programs a SM)
+#                         within noise of 2 at every shape (4096, one token: 4.594-4.612 against 4.566-4.597)
+#   attn_prefetch         a bulk L2 prefetch of each split's later cached keys before its PDL wait: slower at
+#                         4096 (4.617-4.633 against 4.566-4.597 at one token; 7.524 against 7.08 at 32)
+#   attn_warps            8 warps: within noise at one token (4.580 at 4096), slower at 32 (7.170)
+# The one-row step at context 4096 moved with none of them: its limit is not the split kernel's occupancy.
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
-            "attn_early_decode": 1, "short_chunk": 64}
+            "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
+            "attn_maxnreg": 128}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
@@ -140,6 +157,10 @@ def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
         from xcompile.runtime.kernels.attention import BLOCK_S     # here: attention.py imports this module
         if value % BLOCK_S:
             raise SystemExit(f"{flag}: short_chunk={text} must be 0 or a multiple of {BLOCK_S} (attention's key step)")
+    if key == "attn_warps" and value not in (1, 2, 4, 8):
+        raise SystemExit(f"{flag}: attn_warps={text} must be 1, 2, 4 or 8")
+    if key == "attn_stages" and value < 1:
+        raise SystemExit(f"{flag}: attn_stages={text} must be at least 1")
     return value
 
 

@@ -17,10 +17,16 @@ the reduction combines the live ones in a fixed order. Chunks at absolute positi
 write_index alone, and fixed row tiles, make a row's result independent of how many rows the call
 carries (kernels/__init__.py); a token decoded alone and verified as row r of a block at write_index
 wi share the split layout except where wi and wi + r straddle the short_chunk switch.
+
+Launch options (SCHEDULE, none changes a result): attn_maxnreg caps the split kernel's registers for
+grids of more than four programs a SM at the cache's full length (``many``: ~180 registers uncapped, two
+programs a SM; 128, four); attn_stages, attn_warps and attn_prefetch (a bulk L2 prefetch of a split's later
+cached keys before the PDL wait) were measured without gain and stay at 2 / 4 / off.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -66,6 +72,20 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 
 
 @triton.jit
+def _prefetch_l2(P, first, last, ROW_BYTES: tl.constexpr, THREADS: tl.constexpr):
+    """Ask L2 for rows first..last-1 of P (ROW_BYTES apart, contiguous), one bulk prefetch
+    (cp.async.bulk.prefetch.L2, sm_90+) per row and thread: no result, nothing waits for it."""
+    base = P.to(tl.pointer_type(tl.int8))
+    for r0 in range(first, last, THREADS):
+        r = (r0 + tl.arange(0, THREADS)).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], $4; }\n"
+            "mov.u32 $0, 0;", "=r,l,r,r,r",
+            [base + r.to(tl.int64) * ROW_BYTES, r, tl.zeros_like(r) + last.to(tl.int32), tl.zeros_like(r) + ROW_BYTES],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
     """Keys per split: SMALL while write_index + MAX_M keys fit the launch's splits at that size (SCHEDULE's
     short_chunk; the same for every row count, so a row's bits stay those of a block's row), else CHUNK."""
@@ -79,7 +99,8 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                  EARLY: tl.constexpr, FIRST: tl.constexpr):
+                  EARLY: tl.constexpr, FIRST: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
+                  THREADS: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
@@ -105,12 +126,16 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         k = tl.load(KC + offs, mask=cached[:, None], other=0.0)
         v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
         if PDL:
+            if PREFETCH:                                # the later steps' cached keys, into L2 before the wait
+                last = tl.minimum(end, wi)
+                _prefetch_l2(KC + base, start + BLOCK_S, last, ROW_BYTES, THREADS)
+                _prefetch_l2(VC + base, start + BLOCK_S, last, ROW_BYTES, THREADS)
             tl.extra.cuda.gdc_wait()
             if EARLY and not FIRST:
                 tl.extra.cuda.gdc_launch_dependents()
         new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
-        k = tl.where(new[:, None], tl.load(KC + offs, mask=new[:, None], other=0.0), k)
-        v = tl.where(new[:, None], tl.load(VC + offs, mask=new[:, None], other=0.0), v)
+        k = tl.load(KC + offs, mask=new[:, None], other=k)                  # in place: no second tile live
+        v = tl.load(VC + offs, mask=new[:, None], other=v)
         q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
         m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
@@ -159,6 +184,18 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
     tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def many(programs: int, device: torch.device) -> bool:
+    """Whether a split launch of ``programs`` programs (at the cache's full length) takes SCHEDULE's
+    attn_maxnreg: more than 4 a SM. Uncapped the split kernel holds ~180 registers a thread at 4 warps,
+    two programs a SM; capped at 128, four (scripts/compile_sm90.py --resources _split_kernel)."""
+    return programs > 4 * _sms(device)
+
+
 def chunk_for(max_seq_len: int) -> int:
     """Keys per split for a cache of ``max_seq_len`` slots: CHUNK, or whole BLOCK_S steps such that at
     most MAX_SPLITS splits cover the cache."""
@@ -180,13 +217,19 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     small = small if small < chunk else 0                   # a chunk no shorter than the cache's: nothing to switch
     w = tree_mask.shape[1]
     assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
+    warps = int(SCHEDULE["attn_warps"])
+    row_bytes = d * k_cache.element_size()
+    prefetch = bool(SCHEDULE["attn_prefetch"]) and row_bytes % 16 == 0      # a bulk prefetch's size: 16-byte units
+    programs = kv_heads * splits * triton.cdiv(g * m, ROW_TILE)
+    regs = {"maxnreg": int(SCHEDULE["attn_maxnreg"])} if SCHEDULE["attn_maxnreg"] and many(programs, q.device) else {}
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads, D=d,
         BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
-        FIRST=attn_early(m, "split"), num_warps=4, num_stages=2, **launch())
+        FIRST=attn_early(m, "split"), PREFETCH=prefetch, ROW_BYTES=row_bytes,
+        THREADS=32 * warps, num_warps=warps, num_stages=int(SCHEDULE["attn_stages"]), **regs, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)

@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
 from xcompile.runtime import kernels  # noqa: E402
+from xcompile.runtime.kernels import attention as A  # noqa: E402
 from xcompile.runtime.kernels.attention import attention, attention_reference  # noqa: E402
 from xcompile.runtime.kernels import common as C  # noqa: E402
 from xcompile.runtime.kernels import gemv as G  # noqa: E402
@@ -234,6 +235,47 @@ def test_attention_short_chunk(write_index, rows, monkeypatch):
     assert torch.equal(attention(q, kc, vc, wi, tm, heads, chunk=128), got) == (write_index > 256)
 
 
+ATTN_BASE = {"attn_stages": 2, "attn_prefetch": False, "attn_maxnreg": 0, "attn_warps": 4}
+ATTN_LAUNCHES = [{"attn_stages": 1}, {"attn_prefetch": True}, {"attn_stages": 1, "attn_prefetch": True},
+                 {"attn_maxnreg": 128}, {"attn_warps": 8}, {"attn_warps": 8, "attn_stages": 1}]
+
+
+@pytest.mark.parametrize("launch", ATTN_LAUNCHES)
+@pytest.mark.parametrize("write_index,rows", [(200, 1), (200, 7), (300, 33)])
+def test_attention_launch_options(launch, write_index, rows, monkeypatch):
+    """SCHEDULE's attention launch options (the split kernel's num_stages, warps, register cap, L2 prefetch
+    of a split's later cached keys before the PDL wait): accurate, and a row alone keeps a block row's
+    bits. The interpreter runs no prefetch (PDL is GPU-only) and no register cap; this runs their code
+    paths' logic and records the launches for scripts/compile_sm90.py; the GPU tests check the bits."""
+    for key, value in (ATTN_BASE | launch).items():
+        monkeypatch.setitem(kernels.SCHEDULE, key, value)
+    monkeypatch.setattr(A, "_sms", lambda device: 1)                        # the register cap at these grids too
+    torch.manual_seed(write_index + rows)
+    d, heads = 64, 8
+    kc, vc = randn(1, 2, 640, d, dtype=torch.float32), randn(1, 2, 640, d, dtype=torch.float32)
+    q = randn(rows, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=128)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+    assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128)[0], got[0])
+
+
+def test_attention_register_cap_takes_grids_of_more_than_four_programs_a_sm(monkeypatch):
+    monkeypatch.setattr(A, "_sms", lambda device: 132)
+    assert not A.many(8 * 34 * 1, torch.device("cuda"))     # the 8B decode step on a 4352-slot cache
+    assert A.many(8 * 34 * 2, torch.device("cuda"))         # its 7-token verify
+    assert not A.many(8 * 4 * 8, torch.device("cuda"))      # 32 rows on a 512-slot cache
+
+
+def test_attention_launch_option_values():
+    assert kernels.schedule_value("attn_warps", "8") == 8 and kernels.schedule_value("attn_stages", "1") == 1
+    with pytest.raises(SystemExit, match="attn_warps=3 must be 1, 2, 4 or 8"):
+        kernels.schedule_value("attn_warps", "3", "--variants")
+    with pytest.raises(SystemExit, match="attn_stages=0 must be at least 1"):
+        kernels.schedule_value("attn_stages", "0", "--variants")
+
+
 def test_attention_reads_nothing_past_the_live_length():
     """Stale rows past write_index + rows (NaN here) change nothing: the loop stops at the live length."""
     d, heads = 32, 4
@@ -311,9 +353,11 @@ def test_embed_norms_matches_reference():
 
 # norm_apart (which changes the rounding) off in both, so rstd_span acts on the tile kernel's own RMSNorm pre-pass
 ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0,
-           "norm_apart": False, "attn_early": False, "attn_early_decode": 0}
+           "norm_apart": False, "attn_early": False, "attn_early_decode": 0, "attn_prefetch": False, "attn_stages": 2,
+           "attn_maxnreg": 0}
 ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048,
-          "norm_apart": False, "attn_early": True, "attn_early_decode": 3}
+          "norm_apart": False, "attn_early": True, "attn_early_decode": 3, "attn_prefetch": True, "attn_stages": 1,
+          "attn_maxnreg": 128}
 
 
 def schedule(monkeypatch, on: bool) -> None:
@@ -417,8 +461,8 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
-    """Evict-first loads, the early PDL triggers (attn_early's, for one row too) and the RMSNorm pre-pass's
-    span are scheduling only: every projection shape of an 8B layer, lm_head (with the final norm) and
+    """Evict-first loads, the early PDL triggers (attn_early's, for one row too), the RMSNorm pre-pass's
+    span and attention's launch options (L2 prefetch, stages, register cap) are scheduling only: every projection shape of an 8B layer, lm_head (with the final norm) and
     attention (the step's keys in a split's first block, its second, near the end of the cache) give the
     same bits with all of them on as with all off."""
     torch.manual_seed(rows)
@@ -506,6 +550,33 @@ def test_attention_at_qwen3_8b_shapes(ctx, rows):
     assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
     if rows > 1:
         assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], 32)[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ATTN_LAUNCHES)
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_attention_launch_options_at_qwen3_8b_shapes(launch, rows, monkeypatch):
+    """Each attention launch option at the 8B shapes (the 4352-slot cache: the register cap applies to the
+    7- and 32-row grids), context 4000 (two key steps a split) and 300 (short chunks): accurate, a row
+    alone keeps a block row's bits; all but the warp count give the bits of every option off (the same
+    arithmetic, only scheduled or register-allocated otherwise)."""
+    torch.manual_seed(rows)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q = randn(rows, 32 * 128, dtype=torch.bfloat16)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.3) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    for ctx in (300, 4000):
+        wi = torch.tensor([ctx], device=DEV)
+        for key, value in ATTN_BASE.items():
+            monkeypatch.setitem(kernels.SCHEDULE, key, value)
+        base = attention(q, kc, vc, wi, tm, 32)
+        for key, value in launch.items():
+            monkeypatch.setitem(kernels.SCHEDULE, key, value)
+        got = attention(q, kc, vc, wi, tm, 32)
+        assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
+        assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], 32)[0], got[0])
+        if "attn_warps" not in launch:
+            assert torch.equal(got, base), (launch, ctx)
+        monkeypatch.undo()
 
 
 @pytest.mark.gpu
