@@ -144,9 +144,11 @@ def resources(kernel, warps: int) -> str:
         out = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name", "sm_90a", f"{tmp}/k.ptx", "-o",
                               f"{tmp}/k.o"], capture_output=True, text=True).stderr
     regs = int(re.search(r"Used (\d+) registers", out).group(1))
-    spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out))
+    stores = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out))
+    loads = sum(int(n) for n in re.findall(r"(\d+) bytes spill loads", out))
     per_sm = 65536 // (-(-regs * 32 // 256) * 256 * warps)
-    return f"{regs} registers, {spill} bytes spilled, {kernel.metadata.shared} bytes shared, {per_sm} a SM"
+    return (f"{regs} registers, spills {stores} B stored / {loads} B loaded, {kernel.metadata.shared} bytes shared, "
+            f"{per_sm} a SM")
 
 
 def compile_all(path: Path, show: str | None = None) -> int:
@@ -163,7 +165,8 @@ def compile_all(path: Path, show: str | None = None) -> int:
         fn = getattr(importlib.import_module(rec["module"]), rec["name"])
         sig, consts, attrs = signature_of(rec, fn)
         for form in gpu_forms(consts):
-            key = json.dumps([rec["module"], rec["name"], sig, form, rec["options"]], sort_keys=True, default=str)
+            key = json.dumps([rec["module"], rec["name"], sig, form, rec["options"], sorted(map(str, attrs))],
+                             sort_keys=True, default=str)
             if key in done:
                 continue
             done.add(key)
@@ -172,7 +175,9 @@ def compile_all(path: Path, show: str | None = None) -> int:
                 counts[rec["name"]] += 1
                 if show and show in rec["name"]:
                     told = {k: v for k, v in form.items() if k.isupper()}
-                    print(f"{rec['name']} {rec['options']} {told}: {resources(kernel, rec['options'].get('num_warps', 4))}")
+                    marked = [n for i, n in enumerate(fn.arg_names) if (i,) in attrs]
+                    print(f"{rec['name']} {rec['options']} {told} aligned {marked}: "
+                          f"{resources(kernel, rec['options'].get('num_warps', 4))}")
             except Exception as e:                                     # noqa: BLE001 (report every failure)
                 where = str(e).strip().splitlines()[-2:]
                 cause = f" ({e.__cause__!r})" if e.__cause__ is not None else ""

@@ -134,7 +134,7 @@ def _pdl_capable() -> bool:
 #                         32 rows on a 512-slot cache). Interleaved 0 / 128 / 0 / 128 / 0, 4352-slot cache:
 #                         32 tokens at context 4096 7.060 / 6.732 / 7.062 / 6.719 / 7.071, 7 tokens 5.042 /
 #                         5.021 / 5.043 / 5.024 / 5.045; at context 128 32 tokens 5.079 / 5.122 / 5.060 /
-#                         5.115 / 5.062 (the cost), 7 tokens unchanged. On, at 128
+#                         5.115 / 5.062 (the cost), 7 tokens unchanged. Shipped: 128
 #   attn_stages           its num_stages: 1 (smaller shared memory, 161 registers: three programs a SM)
 #                         within noise of 2 at every shape (4096, one token: 4.594-4.612 against 4.566-4.597)
 #   attn_prefetch         a bulk L2 prefetch of each split's later cached keys before its PDL wait: slower at
@@ -148,7 +148,8 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
-    """A SCHEDULE entry's value from its text ('0' / '1' for the switches, a count for rstd_span);
+    """A SCHEDULE entry's value from its text ('0' / '1' for the switches, a count for rstd_span, short_chunk
+    and attention's launch options);
     SystemExit on an unknown key."""
     if key not in SCHEDULE:
         raise SystemExit(f"{flag}: unknown key {key!r}; known: {list(SCHEDULE)}")
@@ -161,6 +162,8 @@ def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
         raise SystemExit(f"{flag}: attn_warps={text} must be 1, 2, 4 or 8")
     if key == "attn_stages" and value < 1:
         raise SystemExit(f"{flag}: attn_stages={text} must be at least 1")
+    if key == "attn_maxnreg" and value and not 24 <= value <= 255:
+        raise SystemExit(f"{flag}: attn_maxnreg={text} must be 0 (no cap) or 24-255 registers")
     return value
 
 

@@ -219,7 +219,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
     warps = int(SCHEDULE["attn_warps"])
     row_bytes = d * k_cache.element_size()
-    prefetch = bool(SCHEDULE["attn_prefetch"]) and row_bytes % 16 == 0      # a bulk prefetch's size: 16-byte units
+    prefetch = (bool(SCHEDULE["attn_prefetch"]) and row_bytes % 16 == 0 and k_cache.stride() == v_cache.stride()
+                and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)    # a bulk prefetch: 16-byte units
     programs = kv_heads * splits * triton.cdiv(g * m, ROW_TILE)
     regs = {"maxnreg": int(SCHEDULE["attn_maxnreg"])} if SCHEDULE["attn_maxnreg"] and many(programs, q.device) else {}
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)

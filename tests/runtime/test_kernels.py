@@ -245,8 +245,10 @@ ATTN_LAUNCHES = [{"attn_stages": 1}, {"attn_prefetch": True}, {"attn_stages": 1,
 def test_attention_launch_options(launch, write_index, rows, monkeypatch):
     """SCHEDULE's attention launch options (the split kernel's num_stages, warps, register cap, L2 prefetch
     of a split's later cached keys before the PDL wait): accurate, and a row alone keeps a block row's
-    bits. The interpreter runs no prefetch (PDL is GPU-only) and no register cap; this runs their code
-    paths' logic and records the launches for scripts/compile_sm90.py; the GPU tests check the bits."""
+    bits. The interpreter traces no prefetch (its block sits under PDL, GPU-only) and takes no register cap:
+    here only the host's choices run, and the launches are recorded for scripts/compile_sm90.py, which
+    compiles the prefetch; the GPU tests check the bits (a wrong prefetch address would not show there
+    unless it faulted)."""
     for key, value in (ATTN_BASE | launch).items():
         monkeypatch.setitem(kernels.SCHEDULE, key, value)
     monkeypatch.setattr(A, "_sms", lambda device: 1)                        # the register cap at these grids too
@@ -274,6 +276,9 @@ def test_attention_launch_option_values():
         kernels.schedule_value("attn_warps", "3", "--variants")
     with pytest.raises(SystemExit, match="attn_stages=0 must be at least 1"):
         kernels.schedule_value("attn_stages", "0", "--variants")
+    assert kernels.schedule_value("attn_maxnreg", "0") == 0 and kernels.schedule_value("attn_maxnreg", "128") == 128
+    with pytest.raises(SystemExit, match="attn_maxnreg=8 must be 0"):
+        kernels.schedule_value("attn_maxnreg", "8", "--variants")
 
 
 def test_attention_reads_nothing_past_the_live_length():
