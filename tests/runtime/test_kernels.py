@@ -212,14 +212,9 @@ def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, 
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("write_index,rows", [(100, 1), (100, 7), (256, 64), (256, 1), (257, 7), (500, 33),
-                                             (300, 33), (290, 64)])
-def test_attention_short_chunk(write_index, rows, monkeypatch):
-    """SCHEDULE's short_chunk (64 keys per split while write_index + MAX_ROWS keys fit the launch's splits at
-    that size; here five splits of the 640-slot cache, so up to write_index 256, which with 64 rows fills
-    all five): accurate on both sides of the switch, and a row alone gets a block row's bits (the choice
-    does not depend on the row count)."""
-    monkeypatch.setitem(kernels.SCHEDULE, "short_chunk", 64)
+def attention_640(write_index: int, rows: int):
+    """Attention of ``rows`` tokens at ``write_index`` over a 640-slot fp32 cache (8 heads on 2, d 64, 128-key
+    chunks), checked accurate and a row alone checked to keep its block row's bits; its inputs and result."""
     torch.manual_seed(write_index + rows)
     d, heads = 64, 8
     kc, vc = randn(1, 2, 640, d, dtype=torch.float32), randn(1, 2, 640, d, dtype=torch.float32)
@@ -229,10 +224,22 @@ def test_attention_short_chunk(write_index, rows, monkeypatch):
     got = attention(q, kc, vc, wi, tm, heads, chunk=128)
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
     assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128)[0], got[0])
+    return (q, kc, vc, wi, tm, heads), got
+
+
+@pytest.mark.parametrize("write_index,rows", [(100, 1), (100, 7), (256, 64), (256, 1), (257, 7), (500, 33),
+                                             (300, 33), (290, 64)])
+def test_attention_short_chunk(write_index, rows, monkeypatch):
+    """SCHEDULE's short_chunk (64 keys per split while write_index + MAX_ROWS keys fit the launch's splits at
+    that size; here five splits of the 640-slot cache, so up to write_index 256, which with 64 rows fills
+    all five): accurate on both sides of the switch, and a row alone gets a block row's bits (the choice
+    does not depend on the row count)."""
+    monkeypatch.setitem(kernels.SCHEDULE, "short_chunk", 64)
+    args, got = attention_640(write_index, rows)
     # the switch itself: short splits up to write_index 256 (fp32 sums in another order: other bits), the
     # cache's chunk past it (the same bits as with short_chunk off)
     monkeypatch.setitem(kernels.SCHEDULE, "short_chunk", 0)
-    assert torch.equal(attention(q, kc, vc, wi, tm, heads, chunk=128), got) == (write_index > 256)
+    assert torch.equal(attention(*args, chunk=128), got) == (write_index > 256)
 
 
 ATTN_BASE = {"attn_stages": 2, "attn_prefetch": False, "attn_maxnreg": 0, "attn_warps": 4}
@@ -252,15 +259,7 @@ def test_attention_launch_options(launch, write_index, rows, monkeypatch):
     for key, value in (ATTN_BASE | launch).items():
         monkeypatch.setitem(kernels.SCHEDULE, key, value)
     monkeypatch.setattr(A, "_sms", lambda device: 1)                        # the register cap at these grids too
-    torch.manual_seed(write_index + rows)
-    d, heads = 64, 8
-    kc, vc = randn(1, 2, 640, d, dtype=torch.float32), randn(1, 2, 640, d, dtype=torch.float32)
-    q = randn(rows, heads * d, dtype=torch.float32)
-    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
-    wi = torch.tensor([write_index], device=DEV)
-    got = attention(q, kc, vc, wi, tm, heads, chunk=128)
-    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
-    assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128)[0], got[0])
+    attention_640(write_index, rows)
 
 
 def test_attention_register_cap_takes_grids_of_more_than_four_programs_a_sm(monkeypatch):
