@@ -26,7 +26,6 @@ cached keys before the PDL wait) were measured without gain and stay at 2 / 4 / 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -35,6 +34,7 @@ import triton.language as tl
 
 from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import attn_early, schedule_flags
+from xcompile.runtime.kernels.gemv import sms
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
@@ -184,16 +184,11 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
     tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def many(programs: int, device: torch.device) -> bool:
     """Whether a split launch of ``programs`` programs (at the cache's full length) takes SCHEDULE's
     attn_maxnreg: more than 4 a SM. Uncapped the split kernel holds ~180 registers a thread at 4 warps,
     two programs a SM; capped at 128, four (scripts/compile_sm90.py --resources _split_kernel)."""
-    return programs > 4 * _sms(device)
+    return programs > 4 * sms(device)
 
 
 def chunk_for(max_seq_len: int) -> int:
@@ -221,11 +216,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     row_bytes = d * k_cache.element_size()
     prefetch = (bool(SCHEDULE["attn_prefetch"]) and row_bytes % 16 == 0 and k_cache.stride() == v_cache.stride()
                 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)    # a bulk prefetch: 16-byte units
-    programs = kv_heads * splits * triton.cdiv(g * m, ROW_TILE)
-    regs = {"maxnreg": int(SCHEDULE["attn_maxnreg"])} if SCHEDULE["attn_maxnreg"] and many(programs, q.device) else {}
+    grid = (kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
+    regs = {"maxnreg": int(SCHEDULE["attn_maxnreg"])} if SCHEDULE["attn_maxnreg"] and many(math.prod(grid), q.device) else {}
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
-    _split_kernel[(kv_heads, splits, triton.cdiv(g * m, ROW_TILE))](
+    _split_kernel[grid](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads, D=d,
         BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],

@@ -258,12 +258,12 @@ def test_attention_launch_options(launch, write_index, rows, monkeypatch):
     unless it faulted)."""
     for key, value in (ATTN_BASE | launch).items():
         monkeypatch.setitem(kernels.SCHEDULE, key, value)
-    monkeypatch.setattr(A, "_sms", lambda device: 1)                        # the register cap at these grids too
+    monkeypatch.setattr(A, "sms", lambda device: 1)                         # the register cap at these grids too
     attention_640(write_index, rows)
 
 
 def test_attention_register_cap_takes_grids_of_more_than_four_programs_a_sm(monkeypatch):
-    monkeypatch.setattr(A, "_sms", lambda device: 132)
+    monkeypatch.setattr(A, "sms", lambda device: 132)
     assert not A.many(8 * 34 * 1, torch.device("cuda"))     # the 8B decode step on a 4352-slot cache
     assert A.many(8 * 34 * 2, torch.device("cuda"))         # its 7-token verify
     assert not A.many(8 * 4 * 8, torch.device("cuda"))      # 32 rows on a 512-slot cache
