@@ -11,7 +11,8 @@ head's draft step and fc; and the fast path's teacher-forced agreement with the 
 logit error, argmax agreement) over a few decode steps. ``--variants`` instead times the decode and
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
 ``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
-``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones).
+``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones); a
+variant's ``chunk=N`` gives attention N keys per split for the whole cache (the engine's attribute).
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ def timed_ms(fn, reps: int = 5) -> float:
 
 def parse_variants(spec: str) -> list[dict]:
     """'a=1,b=0;c=1' -> [{}, {'a': True, 'b': False}, {'c': True}] (the built-in schedule first; counts such as
-    rstd_span=1024 stay numbers)."""
+    rstd_span=1024 stay numbers; tiles and chunk are the benchmark's own keys, not SCHEDULE's)."""
     out = [{}]
     for v in spec.split(";"):
         if v.strip():
             pairs = [[t.strip() for t in kv.split("=")] for kv in v.split(",")]
-            out.append({k: bool(float(x)) if k == "tiles" else kernels.schedule_value(k, x, "--variants")
-                        for k, x in pairs})
+            out.append({k: bool(float(x)) if k == "tiles" else int(x) if k == "chunk"
+                        else kernels.schedule_value(k, x, "--variants") for k, x in pairs})
     return out
 
 
@@ -83,6 +84,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     """Graphed step ms of the fast target (1 / 7 / 32 tokens) and the EAGLE3 step (1 token) per variant."""
     builtin = dict(kernels.SCHEDULE)
     builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES)}
+    builtin_chunk = fast.chunk
     rows = []
     print(f"built-in schedule {builtin}")
     print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
@@ -90,7 +92,8 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for v in variants:
             kernels.SCHEDULE.clear()
-            kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "tiles"})
+            kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k not in ("tiles", "chunk")})
+            fast.chunk = v.get("chunk", builtin_chunk)
             G.GEMV_TILES.clear()
             use_tiles(builtin_tiles)
             if v.get("tiles") and tiles:
@@ -109,6 +112,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
     use_tiles(builtin_tiles)
+    fast.chunk = builtin_chunk
     return rows
 
 

@@ -36,6 +36,8 @@
 #   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py (HOST_LOOP=0: not), then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" at 128,4096
 #   PART=14 benchmarks/fast_agreement.py on the demo pair in bf16 alone (PART=9's last step)
+#   PART=15 (TESTS set: the gpu tests -k TESTS picks) benchmarks/step_timeline.py (each kernel's share of a graphed step, contexts 128,4096, 1 and 32
+#           tokens) under TIMELINE_VARIANTS, then (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS"
 # DRAFT_MODEL (e.g. qwen3-0.6b): the greedy bench is followed by one with that synthetic draft model (its step
 # and chain round; logged in bench_draft.log). CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
 # its time limit in seconds (240).
@@ -215,5 +217,15 @@ if [ "$PART" = 11 ]; then
     -k "${TESTS:-tree or round_graphs}"
   bench_greedy
   grep -hE "$SHOW" "$OUT/bench_greedy.log"
+fi
+if [ "$PART" = 15 ]; then
+  [ -n "${TESTS:-}" ] && step "gpu tests: $TESTS"
+  [ -n "${TESTS:-}" ] && gpu_tests 200 "${KERNEL_TESTS[@]}" -k "$TESTS"
+  step "benchmarks/step_timeline.py --variants ${TIMELINE_VARIANTS:-}"
+  (cd benchmarks && timeout 240 python3 step_timeline.py --variants "${TIMELINE_VARIANTS:-}" > "$OUT/timeline.log" 2>&1)
+  echo "   exit $?" | tee -a "$OUT/summary.log"
+  grep -E "^==|_split|_combine|^kernel" "$OUT/timeline.log"
+  [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts 128,4096 --variants $VARIANTS"
+  [ -n "${VARIANTS:-}" ] && fast_decode 300 14 --variants "$VARIANTS" --json "$OUT/variants.json"
 fi
 step "done"

@@ -160,8 +160,10 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
 
 @triton.jit
 def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.constexpr, MAX_M: tl.constexpr,
-                    HQ: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
+                    HQ: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
                     FIRST: tl.constexpr):
+    """One program per (token, head, DB of the head's D columns): the live splits' partials of those
+    columns, weighted by their softmax statistics, summed over the splits."""
     if PDL:
         if FIRST:
             tl.extra.cuda.gdc_launch_dependents()
@@ -178,7 +180,7 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
     l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
     top = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))                 # empty splits weigh nothing
-    d = tl.arange(0, D)
+    d = tl.program_id(2) * DB + tl.arange(0, DB)
     acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
@@ -229,9 +231,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
-    _combine_kernel[(m, heads)](partial, stats, out, write_index, m, out.stride(0), chunk, splits, SMALL=small,
-                                MAX_M=MAX_ROWS, HQ=heads, D=d, SPLITS_P2=p2, PDL=pdl(), FIRST=attn_early(m, "combine"),
-                                num_warps=min(8, max(1, p2 // 16)), **launch())
+    db = min(d, int(SCHEDULE["combine_block"]) or d)
+    _combine_kernel[(m, heads, d // db)](partial, stats, out, write_index, m, out.stride(0), chunk, splits, SMALL=small,
+                                         MAX_M=MAX_ROWS, HQ=heads, D=d, DB=db, SPLITS_P2=p2, PDL=pdl(),
+                                         FIRST=attn_early(m, "combine"), num_warps=min(8, max(1, p2 * db // 2048)),
+                                         **launch())
     return out
 
 

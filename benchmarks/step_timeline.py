@@ -1,0 +1,110 @@
+"""Where a graphed fast-backend step's time goes, kernel by kernel, on a GPU (the Qwen3-8B shape).
+
+    python benchmarks/step_timeline.py [--layers 36] [--contexts 128,4096] [--tokens 1,32] [--variants "chunk=64"]
+
+The kernel records (CUPTI, through torch.profiler) of a few replays of the graphed step. With programmatic
+dependent launch the kernels overlap, so each is charged its share of the step's critical path: from the
+previous kernel's end to its own end. Printed per kernel name: launches a step, mean duration (start to
+end), critical µs a step, and how long before the previous kernel's end it started (its early launch).
+The step's span under the profiler is printed beside the graphed time without it. Weights are random,
+drawn on the GPU as in benchmarks/fast_decode.py; ``--variants`` takes fast_decode.py's variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import tempfile
+
+import torch
+from fast_decode import DEV, graphed_ms, parse_variants, random_, step_inputs
+from torch.profiler import ProfilerActivity, profile
+
+from xcompile.compile.config import KNOWN_MODELS
+from xcompile.compile.models.qwen3 import Qwen3
+from xcompile.compile.reference import qwen3_engine
+from xcompile.runtime import kernels
+from xcompile.runtime.backends.fast import FastQwen3Engine
+from xcompile.runtime.graphs import CudaGraphCapture
+
+
+def kernel_records(replay, reps: int) -> list[list[dict]]:
+    """The kernels of ``reps`` replays, each replay's in launch order: [{name, start, end}] in µs."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+    ks = sorted(({"name": e["name"], "start": e["ts"], "end": e["ts"] + e["dur"]} for e in events
+                 if e.get("cat") == "kernel"), key=lambda e: e["start"])
+    n = len(ks) // reps
+    return [ks[i * n:(i + 1) * n] for i in range(reps)]
+
+
+def table(steps: list[list[dict]]) -> tuple[list[tuple], float]:
+    """Per kernel name: (name, launches a step, mean µs, critical µs a step, mean early start µs), span µs."""
+    per = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    spans = []
+    for ks in steps:
+        spans.append(ks[-1]["end"] - ks[0]["start"])
+        prev_end = ks[0]["start"]
+        for k in ks:
+            row = per[k["name"]]
+            row[0] += 1
+            row[1] += k["end"] - k["start"]
+            row[2] += k["end"] - prev_end
+            row[3] += max(0.0, prev_end - k["start"])
+            prev_end = max(prev_end, k["end"])
+    r = len(steps)
+    rows = sorted(((name, n / r, t / n, c / r, e / n) for name, (n, t, c, e) in per.items()), key=lambda x: -x[3])
+    return rows, sum(spans) / r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--contexts", default="128,4096")
+    ap.add_argument("--tokens", default="1,32")
+    ap.add_argument("--max-seq-len", type=int, default=4352)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default="", help="benchmarks/fast_decode.py's --variants")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
+    taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))           # as the EAGLE3 target's graph
+    with torch.device(DEV):
+        target = random_(Qwen3(cfg, args.max_seq_len, taps).to(torch.bfloat16))
+    ref = qwen3_engine(target)
+    fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
+    fast.bind_kv(ref.new_kv())
+    builtin, chunk = dict(kernels.SCHEDULE), fast.chunk
+    for v in parse_variants(args.variants):
+        kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "chunk"})
+        fast.chunk = v.get("chunk", chunk)
+        name = ",".join(f"{k}={int(x)}" for k, x in v.items()) or "built-in"
+        for ctx in map(int, args.contexts.split(",")):
+            for tokens in map(int, args.tokens.split(",")):
+                inputs = step_inputs(tokens, ctx, cfg.vocab_size)
+                ms = graphed_ms(fast.run, inputs)
+                replay, _ = CudaGraphCapture(warmup=2)(lambda: fast.run(**inputs), DEV)
+                rows, span = table(kernel_records(replay, args.reps))
+                print(f"\n== {name}: context {ctx}, {tokens} token(s), {args.layers} layers, {args.max_seq_len}-slot "
+                      f"cache: graphed {ms:.3f} ms, span under the profiler {span / 1e3:.3f} ms")
+                print(f"{'kernel':<44}{'a step':>7}{'mean us':>9}{'crit us':>10}{'early us':>10}")
+                for kname, n, mean, crit, early in rows:
+                    print(f"{kname[:43]:<44}{n:>7.0f}{mean:>9.2f}{crit:>10.1f}{early:>10.2f}")
+    kernels.SCHEDULE.update(builtin)
+
+
+if __name__ == "__main__":
+    main()
