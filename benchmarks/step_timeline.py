@@ -4,7 +4,8 @@
 
 The kernel records (CUPTI, through torch.profiler) of a few replays of the graphed step. With programmatic
 dependent launch the kernels overlap, so each is charged its share of the step's critical path: from the
-previous kernel's end to its own end. Printed per kernel name: launches a step, mean duration (start to
+previous kernel's end to its own end. Printed per kernel (a name launched several times a layer numbered
+by its order there: the one-row GEMVs #0 qkv, #1 o, #2 gate/up, #3 down): launches a step, mean duration (start to
 end), critical µs a step, and how long before the previous kernel's end it started (its early launch).
 The step's span under the profiler is printed beside the graphed time without it. Weights are random,
 drawn on the GPU as in benchmarks/fast_decode.py; ``--variants`` takes fast_decode.py's variants.
@@ -51,15 +52,29 @@ def kernel_records(replay, reps: int) -> list[list[dict]]:
     return [ks[i * n:(i + 1) * n] for i in range(reps)]
 
 
-def table(steps: list[list[dict]]) -> tuple[list[tuple], float]:
-    """Per kernel name: (name, launches a step, mean µs, critical µs a step, mean early start µs), span µs."""
+def labels(names: list[str], layers: int) -> list[str]:
+    """A step's kernel names, those launched k > 1 times a layer told apart by their order within the layer:
+    name#0 .. name#k-1 (one row: the GEMVs #0 qkv, #1 o, #2 gate/up, #3 down; several rows: the tile kernel's
+    the same), launches past the layers' k each (lm_head) name#after."""
+    counts = collections.Counter(names)
+    seen = collections.Counter()
+    out = []
+    for n in names:
+        k = counts[n] // layers
+        out.append(n if k < 2 else f"{n}#{seen[n] % k}" if seen[n] < k * layers else f"{n}#after")
+        seen[n] += 1
+    return out
+
+
+def table(steps: list[list[dict]], layers: int) -> tuple[list[tuple], float]:
+    """Per kernel label: (label, launches a step, mean µs, critical µs a step, mean early start µs), span µs."""
     per = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     spans = []
     for ks in steps:
         spans.append(ks[-1]["end"] - ks[0]["start"])
         prev_end = ks[0]["start"]
-        for k in ks:
-            row = per[k["name"]]
+        for k, label in zip(ks, labels([k["name"] for k in ks], layers)):
+            row = per[label]
             row[0] += 1
             row[1] += k["end"] - k["start"]
             row[2] += k["end"] - prev_end
@@ -97,7 +112,7 @@ def main() -> None:
                 inputs = step_inputs(tokens, ctx, cfg.vocab_size)
                 ms = graphed_ms(fast.run, inputs)
                 replay, _ = CudaGraphCapture(warmup=2)(lambda: fast.run(**inputs), DEV)
-                rows, span = table(kernel_records(replay, args.reps))
+                rows, span = table(kernel_records(replay, args.reps), args.layers)
                 print(f"\n== {name}: context {ctx}, {tokens} token(s), {args.layers} layers, {args.max_seq_len}-slot "
                       f"cache: graphed {ms:.3f} ms, span under the profiler {span / 1e3:.3f} ms")
                 print(f"{'kernel':<44}{'a step':>7}{'mean us':>9}{'crit us':>10}{'early us':>10}")
