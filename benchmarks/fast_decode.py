@@ -12,7 +12,8 @@ logit error, argmax agreement) over a few decode steps. ``--variants`` instead t
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
 ``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
 ``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones); a
-variant's ``chunk=N`` gives attention N keys per split for the whole cache (the engine's attribute).
+variant's ``chunk=N`` gives the target's attention N keys per split for the whole cache (the engine's
+attribute; the EAGLE3 step keeps its own).
 """
 
 from __future__ import annotations

@@ -49,13 +49,15 @@ def kernel_records(replay, reps: int) -> list[list[dict]]:
     ks = sorted(({"name": e["name"], "start": e["ts"], "end": e["ts"] + e["dur"]} for e in events
                  if e.get("cat") == "kernel"), key=lambda e: e["start"])
     n = len(ks) // reps
+    assert n * reps == len(ks), f"{len(ks)} kernel records from {reps} replays"
     return [ks[i * n:(i + 1) * n] for i in range(reps)]
 
 
 def labels(names: list[str], layers: int) -> list[str]:
     """A step's kernel names, those launched k > 1 times a layer told apart by their order within the layer:
     name#0 .. name#k-1 (one row: the GEMVs #0 qkv, #1 o, #2 gate/up, #3 down; several rows: the tile kernel's
-    the same), launches past the layers' k each (lm_head) name#after."""
+    launches in the same order). Launches past k a layer are taken to follow the layers (Qwen3's lm_head and
+    final norm): name#after."""
     counts = collections.Counter(names)
     seen = collections.Counter()
     out = []
@@ -71,13 +73,13 @@ def table(steps: list[list[dict]], layers: int) -> tuple[list[tuple], float]:
     per = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     spans = []
     for ks in steps:
-        spans.append(ks[-1]["end"] - ks[0]["start"])
+        spans.append(max(k["end"] for k in ks) - ks[0]["start"])
         prev_end = ks[0]["start"]
         for k, label in zip(ks, labels([k["name"] for k in ks], layers)):
             row = per[label]
             row[0] += 1
             row[1] += k["end"] - k["start"]
-            row[2] += k["end"] - prev_end
+            row[2] += max(0.0, k["end"] - prev_end)                     # ended inside another: none
             row[3] += max(0.0, prev_end - k["start"])
             prev_end = max(prev_end, k["end"])
     r = len(steps)
@@ -104,7 +106,7 @@ def main() -> None:
     fast.bind_kv(ref.new_kv())
     builtin, chunk = dict(kernels.SCHEDULE), fast.chunk
     for v in parse_variants(args.variants):
-        kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k != "chunk"})
+        kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k not in ("chunk", "tiles")})
         fast.chunk = v.get("chunk", chunk)
         name = ",".join(f"{k}={int(x)}" for k, x in v.items()) or "built-in"
         for ctx in map(int, args.contexts.split(",")):

@@ -36,8 +36,9 @@
 #   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py (HOST_LOOP=0: not), then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" at 128,4096
 #   PART=14 benchmarks/fast_agreement.py on the demo pair in bf16 alone (PART=9's last step)
-#   PART=15 (TESTS set: the gpu tests -k TESTS picks) benchmarks/step_timeline.py (each kernel's share of a graphed step, contexts 128,4096, 1 and 32
-#           tokens) under TIMELINE_VARIANTS, then (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS"
+#   PART=15 (TESTS set: the gpu tests -k TESTS picks) benchmarks/step_timeline.py (each kernel's share of a
+#           graphed step, contexts 128,4096, 1 and 32 tokens) under TIMELINE_VARIANTS, then (VARIANTS set)
+#           benchmarks/fast_decode.py --variants "$VARIANTS"
 # DRAFT_MODEL (e.g. qwen3-0.6b): the greedy bench is followed by one with that synthetic draft model (its step
 # and chain round; logged in bench_draft.log). CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
 # its time limit in seconds (240).

@@ -141,6 +141,19 @@ def _pdl_capable() -> bool:
 #                         4096 (4.617-4.633 against 4.566-4.597 at one token; 7.524 against 7.08 at 32)
 #   attn_warps            8 warps: within noise at one token (4.580 at 4096), slower at 32 (7.170)
 # The one-row step at context 4096 moved with none of them: its limit is not the split kernel's occupancy.
+# Eleventh session (2026-12-02; benchmarks/step_timeline.py: at context 4096 the split reduction's share of the
+# one-row step was 178.5 us a step against 97.6 at 128, i.e. overhead, not bytes):
+#   combine_block         columns of a head each program of the split reduction sums (0: the whole head): 32
+#                         puts a one-row call's reduction on a 4352-slot cache (34 splits) on 128 one-warp
+#                         programs, not 32 of four warps.
+#                         Changes bits at long contexts (the fp32 sum over the splits runs over another thread
+#                         layout), the same for every row count. Graphed ms, 1 / 7 / 32 tokens, 4352-slot cache,
+#                         context 4096: 4.563 / 5.069 / 6.737 (0), 4.454 / 4.946 / 6.732 (32), 4.456 / 4.961 /
+#                         6.894 (16), 4.471 / 4.943 / 6.694 (64), 4.529 / 5.048 / 6.736 (0 again), 4.447 /
+#                         4.941 / 6.730 (32 again); context 128 within noise (4.22-4.27 at one token)
+# (Tried there and removed: 64-key splits over the whole cache, slower everywhere, 4.581 -> 4.748 ms at 4096;
+# the split's second key step requested right after the PDL wait, one token unchanged and verify slower;
+# the reduction's write_index read before its wait, within noise.)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
@@ -148,8 +161,8 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
-    """A SCHEDULE entry's value from its text ('0' / '1' for the switches, a count for rstd_span, short_chunk
-    and attention's launch options);
+    """A SCHEDULE entry's value from its text ('0' / '1' for the switches, a count for rstd_span, short_chunk,
+    combine_block and attention's launch options);
     SystemExit on an unknown key."""
     if key not in SCHEDULE:
         raise SystemExit(f"{flag}: unknown key {key!r}; known: {list(SCHEDULE)}")

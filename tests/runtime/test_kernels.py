@@ -252,8 +252,8 @@ ATTN_LAUNCHES = [{"attn_stages": 1}, {"attn_prefetch": True}, {"attn_stages": 1,
 @pytest.mark.parametrize("write_index,rows", [(200, 1), (200, 7), (300, 33)])
 def test_attention_launch_options(launch, write_index, rows, monkeypatch):
     """SCHEDULE's attention launch options (the split kernel's num_stages, warps, register cap, L2 prefetch
-    of a split's later cached keys before the PDL wait): accurate, and a row alone keeps a block row's
-    bits. The interpreter traces no prefetch (its block sits under PDL, GPU-only) and takes no register cap:
+    of a split's later cached keys before the PDL wait, the reduction's column blocks): accurate, and a row
+    alone keeps a block row's bits. The interpreter traces no prefetch (its block sits under PDL, GPU-only) and takes no register cap:
     here only the host's choices run, and the launches are recorded for scripts/compile_sm90.py, which
     compiles the prefetch; the GPU tests check the bits (a wrong prefetch address would not show there
     unless it faulted)."""
@@ -568,9 +568,9 @@ def test_attention_launch_options_at_qwen3_8b_shapes(launch, rows, monkeypatch):
     """Each attention launch option at the 8B shapes (the 4352-slot cache: the register cap applies to the
     7- and 32-row grids), context 4000 (two key steps a split) and 300 (short chunks): accurate, a row
     alone keeps a block row's bits; all but the warp count and the reduction's column block give the bits
-    of every option off (the same arithmetic, only scheduled or register-allocated otherwise; those two
-    lay the split axis out over other threads, so its fp32 sum may run in another order: at 4000, 32
-    splits, it does)."""
+    of every option off (the same arithmetic, only scheduled or register-allocated otherwise; the warp
+    count lays the dot products out otherwise, the column block the sum over the splits, so fp32 sums may
+    run in another order: with 32 rows at 4000 the bf16 results differed, docs/runs/2026-12-02-h200-s11-2-*)."""
     torch.manual_seed(rows)
     kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
     q = randn(rows, 32 * 128, dtype=torch.bfloat16)
