@@ -18,13 +18,14 @@ write_index alone, and fixed row tiles, make a row's result independent of how m
 carries (kernels/__init__.py); a token decoded alone and verified as row r of a block at write_index
 wi share the split layout except where wi and wi + r straddle the short_chunk switch.
 
-Launch options (SCHEDULE; none changes a result but attn_warps, which lays the dot products out otherwise): attn_maxnreg caps the split kernel's registers for
-grids of more than four programs a SM at the cache's full length (``many``: ~180 registers uncapped, two
-programs a SM; 128, four); attn_stages, attn_warps and attn_prefetch (a bulk L2 prefetch of a split's later
-cached keys before the PDL wait) were measured without gain and stay at 2 / 4 / off. One that changes
-bits at long contexts (the fp32 sum over the splits in another thread layout, the same for every row
-count): combine_block, the columns of a head each reduction program sums (32: a one-row call's reduction on
-a 4352-slot cache on 128 one-warp programs, not 32 of four).
+Launch options (SCHEDULE; none changes a result but attn_warps, which lays the dot products out otherwise):
+attn_maxnreg caps the split kernel's registers for grids of more than four programs a SM at the cache's
+full length (``many``: ~180 registers uncapped, two programs a SM; 128, four); attn_stages, attn_warps and
+attn_prefetch (a bulk L2 prefetch of a split's later cached keys before the PDL wait) were measured without
+gain and stay at 2 / 4 / off. One that changes bits at long contexts (the fp32 sum over the splits in
+another thread layout, the same for every row count): combine_block, the columns of a head each reduction
+program sums (32: a one-row call's reduction on a 4352-slot cache on 128 one-warp programs, not 32 of
+four).
 """
 
 from __future__ import annotations

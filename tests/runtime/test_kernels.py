@@ -253,8 +253,8 @@ ATTN_LAUNCHES = [{"attn_stages": 1}, {"attn_prefetch": True}, {"attn_stages": 1,
 def test_attention_launch_options(launch, write_index, rows, monkeypatch):
     """SCHEDULE's attention launch options (the split kernel's num_stages, warps, register cap, L2 prefetch
     of a split's later cached keys before the PDL wait, the reduction's column blocks): accurate, and a row
-    alone keeps a block row's bits. The interpreter traces no prefetch (its block sits under PDL, GPU-only) and takes no register cap:
-    here only the host's choices run, and the launches are recorded for scripts/compile_sm90.py, which
+    alone keeps a block row's bits. The interpreter traces no prefetch (its block sits under PDL, GPU-only)
+    and takes no register cap: here only the host's choices run, and the launches are recorded for scripts/compile_sm90.py, which
     compiles the prefetch; the GPU tests check the bits (a wrong prefetch address would not show there
     unless it faulted)."""
     for key, value in (ATTN_BASE | launch).items():
