@@ -74,6 +74,11 @@ def parse_variants(spec: str) -> list[dict]:
     return out
 
 
+def variant_schedule(v: dict, builtin: dict) -> dict:
+    """The SCHEDULE a variant runs under: the built-in one with the variant's SCHEDULE keys (not tiles / chunk)."""
+    return builtin | {k: x for k, x in v.items() if k not in ("tiles", "chunk")}
+
+
 def use_tiles(tables: dict) -> None:
     """Put kernels.json-style tables {"tiles": {...}, "gemv_tiles": {...}} (or the built-in copies) in place."""
     for table, key in ((L.TILES, "tiles"), (G.GEMV_TILES, "gemv_tiles")):
@@ -93,7 +98,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for v in variants:
             kernels.SCHEDULE.clear()
-            kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k not in ("tiles", "chunk")})
+            kernels.SCHEDULE.update(variant_schedule(v, builtin))
             fast.chunk = v.get("chunk", builtin_chunk)
             G.GEMV_TILES.clear()
             use_tiles(builtin_tiles)

@@ -21,7 +21,7 @@ import os
 import tempfile
 
 import torch
-from fast_decode import DEV, graphed_ms, parse_variants, random_, step_inputs
+from fast_decode import DEV, graphed_ms, parse_variants, random_, step_inputs, variant_schedule
 from torch.profiler import ProfilerActivity, profile
 
 from xcompile.compile.config import KNOWN_MODELS
@@ -106,7 +106,7 @@ def main() -> None:
     fast.bind_kv(ref.new_kv())
     builtin, chunk = dict(kernels.SCHEDULE), fast.chunk
     for v in parse_variants(args.variants):
-        kernels.SCHEDULE.update(builtin | {k: x for k, x in v.items() if k not in ("chunk", "tiles")})
+        kernels.SCHEDULE.update(variant_schedule(v, builtin))
         fast.chunk = v.get("chunk", chunk)
         name = ",".join(f"{k}={int(x)}" for k, x in v.items()) or "built-in"
         for ctx in map(int, args.contexts.split(",")):
