@@ -13,7 +13,9 @@ verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-se
 ``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
 ``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones); a
 variant's ``chunk=N`` gives the target's attention N keys per split for the whole cache (the engine's
-attribute; the EAGLE3 step keeps its own).
+attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight of
+the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0: the
+tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles ahead.
 """
 
 from __future__ import annotations
@@ -62,21 +64,53 @@ def timed_ms(fn, reps: int = 5) -> float:
     return timed(fn, DEV, reps, warmup=1)
 
 
+# the 8B target's weights as GEMV_TILES keys them (N_OUT, K), for the variants' gemv_NAME keys
+GEMV_NAMES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (12288, 4096), "down": (4096, 12288)}
+OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant keys (and gemv_NAME), not SCHEDULE's
+
+
+def gemv_value(key: str, text: str) -> tuple[int, ...]:
+    """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]' (or '0': none); SystemExit if malformed."""
+    if key[5:] not in GEMV_NAMES:
+        raise SystemExit(f"--variants: unknown weight in {key!r}; known: {['gemv_' + n for n in GEMV_NAMES]}")
+    fields = tuple(int(t) for t in text.split("/"))
+    if fields != (0,) and not 3 <= len(fields) <= 6:
+        raise SystemExit(f"--variants: {key}={text} must be 0 or bn/bk/warps[/split/per_sm/ahead]")
+    return fields
+
+
 def parse_variants(spec: str) -> list[dict]:
     """'a=1,b=0;c=1' -> [{}, {'a': True, 'b': False}, {'c': True}] (the built-in schedule first; counts such as
-    rstd_span=1024 stay numbers; tiles and chunk are the benchmark's own keys, not SCHEDULE's)."""
+    rstd_span=1024 stay numbers; tiles, chunk and gemv_NAME are the benchmark's own keys, not SCHEDULE's)."""
     out = [{}]
     for v in spec.split(";"):
         if v.strip():
             pairs = [[t.strip() for t in kv.split("=")] for kv in v.split(",")]
             out.append({k: bool(float(x)) if k == "tiles" else int(x) if k == "chunk"
+                        else gemv_value(k, x) if k.startswith("gemv_")
                         else kernels.schedule_value(k, x, "--variants") for k, x in pairs})
     return out
 
 
 def variant_schedule(v: dict, builtin: dict) -> dict:
-    """The SCHEDULE a variant runs under: the built-in one with the variant's SCHEDULE keys (not tiles / chunk)."""
-    return builtin | {k: x for k, x in v.items() if k not in ("tiles", "chunk")}
+    """The SCHEDULE a variant runs under: the built-in one with the variant's SCHEDULE keys (not the benchmark's)."""
+    return builtin | {k: x for k, x in v.items() if k not in OWN_KEYS and not k.startswith("gemv_")}
+
+
+def variant_gemv(v: dict) -> None:
+    """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds; 0 removes the shape)."""
+    for k, fields in v.items():
+        if k.startswith("gemv_"):
+            shape = GEMV_NAMES[k[5:]]
+            G.GEMV_TILES.pop(shape, None)
+            if fields != (0,):
+                G.GEMV_TILES[shape] = G.Gemv(*fields)
+
+
+def variant_name(v: dict) -> str:
+    """A variant as its spec writes it ('built-in' for none)."""
+    return ",".join(f"{k}={'/'.join(map(str, x)) if isinstance(x, tuple) else int(x)}" for k, x in v.items()) \
+        or "built-in"
 
 
 def use_tiles(tables: dict) -> None:
@@ -104,6 +138,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             use_tiles(builtin_tiles)
             if v.get("tiles") and tiles:
                 use_tiles(tiles)
+            variant_gemv(v)
             row = {"variant": v, "ctx": ctx}
             for tokens in (1, 7, 32):
                 row[f"fast_ms_{tokens}"] = graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))
@@ -111,7 +146,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             e3_in["hidden_states"] = torch.randn(1, 1, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
             row["eagle3_ms"] = graphed_ms(fe3.run, e3_in)
             rows.append(row)
-            name = ",".join(f"{k}={int(x)}" for k, x in v.items()) or "built-in"
+            name = variant_name(v)
             print(f"{name[:47]:<48}{ctx:>6}{row['fast_ms_1']:>8.3f}{row['fast_ms_7']:>8.3f}{row['fast_ms_32']:>8.3f}"
                   f"{row['eagle3_ms']:>8.3f}")
     kernels.SCHEDULE.clear()

@@ -21,7 +21,8 @@ import os
 import tempfile
 
 import torch
-from fast_decode import DEV, graphed_ms, parse_variants, random_, step_inputs, variant_schedule
+from fast_decode import (DEV, graphed_ms, parse_variants, random_, step_inputs, variant_gemv, variant_name,
+                         variant_schedule)
 from torch.profiler import ProfilerActivity, profile
 
 from xcompile.compile.config import KNOWN_MODELS
@@ -30,6 +31,7 @@ from xcompile.compile.reference import qwen3_engine
 from xcompile.runtime import kernels
 from xcompile.runtime.backends.fast import FastQwen3Engine
 from xcompile.runtime.graphs import CudaGraphCapture
+from xcompile.runtime.kernels import gemv as G
 
 
 def kernel_records(replay, reps: int) -> list[list[dict]]:
@@ -104,11 +106,14 @@ def main() -> None:
     ref = qwen3_engine(target)
     fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
     fast.bind_kv(ref.new_kv())
-    builtin, chunk = dict(kernels.SCHEDULE), fast.chunk
+    builtin, chunk, gemv_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES)
     for v in parse_variants(args.variants):
         kernels.SCHEDULE.update(variant_schedule(v, builtin))
         fast.chunk = v.get("chunk", chunk)
-        name = ",".join(f"{k}={int(x)}" for k, x in v.items()) or "built-in"
+        G.GEMV_TILES.clear()
+        G.GEMV_TILES.update(gemv_tiles)
+        variant_gemv(v)
+        name = variant_name(v)
         for ctx in map(int, args.contexts.split(",")):
             for tokens in map(int, args.tokens.split(",")):
                 inputs = step_inputs(tokens, ctx, cfg.vocab_size)
@@ -121,6 +126,8 @@ def main() -> None:
                 for kname, n, mean, crit, early in rows:
                     print(f"{kname[:43]:<44}{n:>7.0f}{mean:>9.2f}{crit:>10.1f}{early:>10.2f}")
     kernels.SCHEDULE.update(builtin)
+    G.GEMV_TILES.clear()
+    G.GEMV_TILES.update(gemv_tiles)
 
 
 if __name__ == "__main__":

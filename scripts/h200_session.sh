@@ -37,8 +37,9 @@
 #           benchmarks/fast_decode.py --variants "$VARIANTS" at 128,4096
 #   PART=14 benchmarks/fast_agreement.py on the demo pair in bf16 alone (PART=9's last step)
 #   PART=15 (TESTS set: the gpu tests -k TESTS picks) benchmarks/step_timeline.py (each kernel's share of a
-#           graphed step, contexts 128,4096, 1 and 32 tokens) under TIMELINE_VARIANTS, then (VARIANTS set)
-#           benchmarks/fast_decode.py --variants "$VARIANTS"
+#           graphed step, contexts TIMELINE_CONTEXTS (128,4096), TIMELINE_TOKENS (1,32) tokens) under
+#           TIMELINE_VARIANTS, then (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS" at contexts
+#           FD_CONTEXTS (128,4096), its last FD_LINES (14) lines echoed
 # DRAFT_MODEL (e.g. qwen3-0.6b): the greedy bench is followed by one with that synthetic draft model (its step
 # and chain round; logged in bench_draft.log). CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
 # its time limit in seconds (240).
@@ -80,10 +81,10 @@ gpu_tests() {
   echo "   exit $?: $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.log"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
 }
-# fast_decode SECONDS LINES [ARG...]: benchmarks/fast_decode.py --contexts 128,4096 ARG... -> $OUT/fast_decode.log
+# fast_decode SECONDS LINES [ARG...]: benchmarks/fast_decode.py --contexts FD_CONTEXTS (128,4096) ARG... -> $OUT/fast_decode.log
 fast_decode() {
   local limit=$1 lines=$2; shift 2
-  timeout "$limit" python3 benchmarks/fast_decode.py --contexts 128,4096 "$@" > "$OUT/fast_decode.log" 2>&1
+  timeout "$limit" python3 benchmarks/fast_decode.py --contexts "${FD_CONTEXTS:-128,4096}" "$@" > "$OUT/fast_decode.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -"$lines"
 }
@@ -223,10 +224,11 @@ if [ "$PART" = 15 ]; then
   [ -n "${TESTS:-}" ] && step "gpu tests: $TESTS"
   [ -n "${TESTS:-}" ] && gpu_tests 200 "${KERNEL_TESTS[@]}" -k "$TESTS"
   step "benchmarks/step_timeline.py --variants ${TIMELINE_VARIANTS:-}"
-  (cd benchmarks && timeout 240 python3 step_timeline.py --variants "${TIMELINE_VARIANTS:-}" > "$OUT/timeline.log" 2>&1)
+  (cd benchmarks && timeout 240 python3 step_timeline.py --variants "${TIMELINE_VARIANTS:-}" \
+     --contexts "${TIMELINE_CONTEXTS:-128,4096}" --tokens "${TIMELINE_TOKENS:-1,32}" > "$OUT/timeline.log" 2>&1)
   echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -E "^==|_split|_combine|^kernel" "$OUT/timeline.log"
+  grep -E "^==|_split|_combine|_gemv|^kernel" "$OUT/timeline.log"
   [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts 128,4096 --variants $VARIANTS"
-  [ -n "${VARIANTS:-}" ] && fast_decode 300 14 --variants "$VARIANTS" --json "$OUT/variants.json"
+  [ -n "${VARIANTS:-}" ] && fast_decode 420 "${FD_LINES:-14}" --variants "$VARIANTS" --json "$OUT/variants.json"
 fi
 step "done"
