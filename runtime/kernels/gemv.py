@@ -45,14 +45,25 @@ def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.cons
 
 
 @triton.jit
+def _gemv_w(w_ptr, u_ptr, nk, k_end, GATED: tl.constexpr, EVICT: tl.constexpr):
+    """_gemv_kernel's weight tile(s) at columns nk, 0 from k_end on (past the program's share of K)."""
+    w = _load_weight(w_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
+    wu = w
+    if GATED:
+        wu = _load_weight(u_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
+    return w, wu
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
-                 LATE: tl.constexpr, UNROLL: tl.constexpr):
+                 LATE: tl.constexpr, UNROLL: tl.constexpr, AHEAD: tl.constexpr):
     # one row (decode): BLOCK_N output columns per program on the CUDA cores, fp32 products accumulated
     # per lane over the program's K_SPLIT columns (all of K unless split) and reduced once at the end;
-    # the next weight tile is requested before the current one is used (software double buffering),
-    # and the first before waiting for the previous kernel (PDL). K_SPLIT is a multiple of BLOCK_K.
+    # the weight tiles AHEAD (1-4) steps ahead are requested before the current one is used (software
+    # pipelining), the first AHEAD before waiting for the previous kernel (PDL); tiles are used in the
+    # same order whatever AHEAD is, so it changes no bits. K_SPLIT is a multiple of BLOCK_K.
     # LATE (no split): the RMSNorm's 1/rms scales the reduced sums, its sum of squares gathered on the way.
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
@@ -63,13 +74,30 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     u_ptr = W + (wrows[:, None] + N_OUT) * K
     ks = tl.arange(0, BLOCK_K)
     w_next, wu_next = _load_w(w_ptr, u_ptr, k_begin + ks, K, GATED, True, EVICT)
+    w2, wu2 = w_next, wu_next                   # the tiles 2 / 3 / 4 steps ahead (AHEAD > 1)
+    w3, wu3 = w_next, wu_next
+    w4, wu4 = w_next, wu_next
+    if AHEAD > 1:
+        w2, wu2 = _gemv_w(w_ptr, u_ptr, k_begin + BLOCK_K + ks, k_end, GATED, EVICT)
+    if AHEAD > 2:
+        w3, wu3 = _gemv_w(w_ptr, u_ptr, k_begin + 2 * BLOCK_K + ks, k_end, GATED, EVICT)
+    if AHEAD > 3:
+        w4, wu4 = _gemv_w(w_ptr, u_ptr, k_begin + 3 * BLOCK_K + ks, k_end, GATED, EVICT)
     rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K, UNROLL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         w, wu = w_next, wu_next
-        nk = k0 + BLOCK_K + ks
-        w_next = _load_weight(w_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
-        if GATED:
-            wu_next = _load_weight(u_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
+        nk = k0 + AHEAD * BLOCK_K + ks
+        if AHEAD == 1:
+            w_next, wu_next = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+        elif AHEAD == 2:
+            w_next, wu_next = w2, wu2
+            w2, wu2 = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+        elif AHEAD == 3:
+            w_next, wu_next, w2, wu2 = w2, wu2, w3, wu3
+            w3, wu3 = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+        else:
+            w_next, wu_next, w2, wu2, w3, wu3 = w2, wu2, w3, wu3, w4, wu4
+            w4, wu4 = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
         if LATE:
             x, d = _load_xg(X, 0, tl.arange(0, 1), 1, k0 + ks, K, G, True)
             ss += d
@@ -178,8 +206,9 @@ def _gemv_stream_kernel(X, W, Y, R, G, Y2, N_OUT, K, eps, NORM: tl.constexpr, GA
 
 class Gemv(NamedTuple):
     """A one-row GEMV's tile: BLOCK_N output columns x BLOCK_K of K per step, num_warps, the split of K
-    (_gemv_kernel), or per_sm > 0: _gemv_stream_kernel with per_sm programs per SM, its weight tiles
-    ``ahead`` steps ahead."""
+    (_gemv_kernel), or per_sm > 0: _gemv_stream_kernel with per_sm programs per SM; the weight tiles
+    ``ahead`` steps ahead in flight (1-4 in _gemv_kernel, 1-2 in the streaming one: the first ``ahead``
+    requested before the PDL wait)."""
     block_n: int
     block_k: int
     warps: int
@@ -193,12 +222,16 @@ class Gemv(NamedTuple):
 # shape called as the engines call it; split K never won), us against the tile kernel in the same run.
 # The shapes with an RMSNorm prologue are from the fifth session with norm_late (kernels.SCHEDULE: 1/rms
 # in the epilogue), under which per-block 4/256 GEMVs beat the streaming one (qkv, 16.7 us) and, for
-# gate/up, the tile kernel (55.2 us in the run before, its pre-pass kept); o and down from the fourth:
+# gate/up, the tile kernel (55.2 us in the run before, its pre-pass kept); o and down from the fourth.
+# Twelfth session (2026-12-02, docs/BENCHMARKS.md): the 8B tiles swept again inside the graphed step
+# (`benchmarks/fast_decode.py --variants "gemv_down=4/512/4/1/0/2;..."`: other blocks and warps, the
+# streaming kernel, 2-4 tiles ahead): none faster but down 2 ahead, which changes no bits (graphed ms, 4352-slot
+# cache, four runs each interleaved, one machine: 4.293 -> 4.280 at context 128, 4.491 -> 4.472 at 4096):
 GEMV_TILES: dict[tuple[int, int], Gemv] = {
     (6144, 4096): Gemv(4, 256, 4),          # Qwen3-8B qkv (+ RMSNorm): 15.3 / 21.3
     (12288, 4096): Gemv(4, 256, 4),         # Qwen3-8B gate/up (+ RMSNorm, SiLU*mul): 53.8 / 55.2
     (4096, 4096): Gemv(4, 512, 4),          # Qwen3-8B o_proj (+ residual): 10.4 / 11.6
-    (4096, 12288): Gemv(4, 512, 4),         # Qwen3-8B down_proj (+ residual), EAGLE3 fc: 27.0 / 28.0
+    (4096, 12288): Gemv(4, 512, 4, ahead=2),  # Qwen3-8B down_proj (+ residual), EAGLE3 fc: 27.0 / 28.0 (1 ahead)
     (6144, 8192): Gemv(16, 512, 4),         # EAGLE3 qkv: 27.5 / 28.5
 }
 
@@ -214,6 +247,8 @@ def gemv_tile(n_out: int, k: int) -> Gemv | None:
         return None
     if tile.per_sm > 0 or k % (tile.split * tile.block_k):
         tile = tile._replace(split=1)
+    if not 1 <= tile.ahead <= (2 if tile.per_sm > 0 else 4):
+        raise ValueError(f"GEMV tile {tuple(tile)} for ({n_out}, {k}): ahead must be 1-4 (1-2 streaming)")
     return tile
 
 
@@ -242,6 +277,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Gemv, *, nor
     split = tile.split
     ws = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else dummy
     cnt = _counters(x.device, blocks) if split > 1 else dummy
-    _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, SPLIT=split,
+    _gemv_kernel[(blocks, split)](*ptrs, ws, cnt, n_out, k, k // split, eps, SPLIT=split, AHEAD=tile.ahead,
                                   LATE=norm_late(norm is not None, split, True), **flags)
     return out

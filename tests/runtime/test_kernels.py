@@ -121,6 +121,7 @@ def test_tile_for_reads_json_rows_and_falls_back():
 
 
 GEMVS = {"split 1": G.Gemv(8, 256, 4), "split 2": G.Gemv(8, 256, 4, split=2), "split 4": G.Gemv(8, 256, 4, split=4),
+         "ahead 3": G.Gemv(8, 256, 4, ahead=3), "split 2 ahead 4": G.Gemv(8, 256, 4, split=2, ahead=4),
          "stream": G.Gemv(8, 256, 4, per_sm=1), "stream ahead 2": G.Gemv(8, 256, 4, per_sm=2, ahead=2)}
 
 
@@ -164,6 +165,20 @@ def test_streaming_gemv_gives_the_bits_of_its_tile(ahead, monkeypatch):
     assert torch.equal(linear(x, w, norm=g, gated=True), want)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("ahead", [2, 3, 4])
+def test_gemv_tiles_ahead_change_no_bits(ahead, split, monkeypatch):
+    """_gemv_kernel with its weight tiles 2-4 steps ahead (past its share of K with split 2 here: 2 steps of
+    128 columns each) uses them in the same order as 1 ahead: the same bits, gated with the RMSNorm."""
+    n, k = 40, 512
+    w, x, g = randn(2 * n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(1, k, dtype=torch.bfloat16), \
+        randn(k, dtype=torch.bfloat16) + 1
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 128, 4, split))
+    want = linear(x, w, norm=g, gated=True)
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(8, 128, 4, split, ahead=ahead))
+    assert torch.equal(linear(x, w, norm=g, gated=True), want)
+
+
 def test_gemv_tile_reads_json_rows_and_falls_back():
     """Tables from JSON hold lists; a BLOCK_K that does not divide K means the tile kernel; a split that
     does not cover whole K blocks, or a streaming tile, means no split."""
@@ -175,9 +190,13 @@ def test_gemv_tile_reads_json_rows_and_falls_back():
         assert G.gemv_tile(8, 192) == G.Gemv(4, 64, 4, split=1)
         assert G.gemv_tile(9, 256) == G.Gemv(4, 64, 4, split=1, per_sm=3, ahead=2)
         assert G.gemv_tile(10, 256) is None
+        for bad in ([4, 64, 4, 1, 0, 5], [4, 64, 4, 1, 0, 0], [4, 64, 4, 1, 3, 3]):
+            G.GEMV_TILES[(11, 256)] = bad
+            with pytest.raises(ValueError, match="ahead must be"):
+                G.gemv_tile(11, 256)
     finally:
-        for shape in ((7, 96), (8, 192), (9, 256)):
-            del G.GEMV_TILES[shape]
+        for shape in ((7, 96), (8, 192), (9, 256), (11, 256)):
+            G.GEMV_TILES.pop(shape, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -543,6 +562,24 @@ def test_streaming_kernels_give_their_tiles_bits_at_qwen3_8b_qkv(rows, monkeypat
     want = linear(x, w, norm=g)
     monkeypatch.setitem(table, (n, k), stream)
     assert torch.equal(linear(x, w, norm=g), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["o", "gate/up", "down"])
+@pytest.mark.parametrize("ahead", [2, 4])
+def test_gemv_ahead_gives_the_same_bits_at_qwen3_8b(shape, ahead, monkeypatch):
+    """The compiled one-row GEMV with its weight tiles 2 / 4 steps ahead against 1 ahead, at the 8B o and
+    down (residual) and gate/up (RMSNorm, SiLU*mul) shapes: the same bits."""
+    gated = shape == "gate/up"
+    n, k, bk = {"o": (4096, 4096, 512), "gate/up": (12288, 4096, 256), "down": (4096, 12288, 512)}[shape]
+    torch.manual_seed(ahead)
+    w = randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5)
+    x, g, r = randn(1, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16) + 1, randn(1, n, dtype=torch.bfloat16)
+    args = dict(norm=g, gated=True) if gated else dict(residual=r)
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(4, bk, 4))
+    want = linear(x, w, **args)
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(4, bk, 4, ahead=ahead))
+    assert torch.equal(linear(x, w, **args), want)
 
 
 @pytest.mark.gpu
