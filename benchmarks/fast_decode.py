@@ -13,9 +13,10 @@ verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-se
 ``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
 ``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones); a
 variant's ``chunk=N`` gives the target's attention N keys per split for the whole cache (the engine's
-attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight of
-the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0: the
-tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles ahead.
+attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight
+shape of the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0:
+the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
+ahead. GEMV_TILES is keyed by shape, so the EAGLE3 step's o, gate/up and down (and fc) take it too.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from xcompile.runtime import kernels
 from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
 from xcompile.runtime.bench import matmul_rate, prefill_flops, timed
 from xcompile.runtime.drafters import causal, prompt_inputs
+from xcompile.runtime.errors import EngineError
 from xcompile.runtime.graphs import CudaGraphCapture
 from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.kernels import linear as L
@@ -73,9 +75,25 @@ def gemv_value(key: str, text: str) -> tuple[int, ...]:
     """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]' (or '0': none); SystemExit if malformed."""
     if key[5:] not in GEMV_NAMES:
         raise SystemExit(f"--variants: unknown weight in {key!r}; known: {['gemv_' + n for n in GEMV_NAMES]}")
-    fields = tuple(int(t) for t in text.split("/"))
-    if fields != (0,) and not 3 <= len(fields) <= 6:
-        raise SystemExit(f"--variants: {key}={text} must be 0 or bn/bk/warps[/split/per_sm/ahead]")
+    usage = f"--variants: {key}={text} must be 0 or bn/bk/warps[/split/per_sm/ahead] (integers)"
+    try:
+        fields = tuple(int(t) for t in text.split("/"))
+    except ValueError:
+        raise SystemExit(usage) from None
+    if fields == (0,):
+        return fields
+    if not 3 <= len(fields) <= 6:
+        raise SystemExit(usage)
+    shape = GEMV_NAMES[key[5:]]
+    saved = dict(G.GEMV_TILES)
+    G.GEMV_TILES[shape] = G.Gemv(*fields)
+    try:
+        G.gemv_tile(*shape)                                 # its checks, before any variant runs
+    except EngineError as e:
+        raise SystemExit(f"--variants: {key}={text}: {e}") from None
+    finally:
+        G.GEMV_TILES.clear()
+        G.GEMV_TILES.update(saved)
     return fields
 
 
@@ -147,7 +165,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             row["eagle3_ms"] = graphed_ms(fe3.run, e3_in)
             rows.append(row)
             name = variant_name(v)
-            print(f"{name[:47]:<48}{ctx:>6}{row['fast_ms_1']:>8.3f}{row['fast_ms_7']:>8.3f}{row['fast_ms_32']:>8.3f}"
+            print(f"{name:<48}{ctx:>6}{row['fast_ms_1']:>8.3f}{row['fast_ms_7']:>8.3f}{row['fast_ms_32']:>8.3f}"
                   f"{row['eagle3_ms']:>8.3f}")
     kernels.SCHEDULE.clear()
     kernels.SCHEDULE.update(builtin)

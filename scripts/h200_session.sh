@@ -82,6 +82,7 @@ gpu_tests() {
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
 }
 # fast_decode SECONDS LINES [ARG...]: benchmarks/fast_decode.py --contexts FD_CONTEXTS (128,4096) ARG... -> $OUT/fast_decode.log
+# (every part's fast_decode call takes FD_CONTEXTS)
 fast_decode() {
   local limit=$1 lines=$2; shift 2
   timeout "$limit" python3 benchmarks/fast_decode.py --contexts "${FD_CONTEXTS:-128,4096}" "$@" > "$OUT/fast_decode.log" 2>&1
@@ -228,7 +229,7 @@ if [ "$PART" = 15 ]; then
      --contexts "${TIMELINE_CONTEXTS:-128,4096}" --tokens "${TIMELINE_TOKENS:-1,32}" > "$OUT/timeline.log" 2>&1)
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -E "^==|_split|_combine|_gemv|^kernel" "$OUT/timeline.log"
-  [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts 128,4096 --variants $VARIANTS"
-  [ -n "${VARIANTS:-}" ] && fast_decode 420 "${FD_LINES:-14}" --variants "$VARIANTS" --json "$OUT/variants.json"
+  [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts ${FD_CONTEXTS:-128,4096} --variants $VARIANTS"
+  [ -n "${VARIANTS:-}" ] && fast_decode 300 "${FD_LINES:-14}" --variants "$VARIANTS" --json "$OUT/variants.json"
 fi
 step "done"

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from xcompile.runtime.errors import EngineError
 from xcompile.runtime.kernels import interpreted, launch, pdl
-from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_weight, _load_x, _load_xg, _rstd,
+from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _rstd,
                                              norm_late, rstd_unroll, schedule_flags)
 
 
@@ -42,16 +43,6 @@ def _gemv_start(X, K, eps, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.cons
     ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     return rstd, ss, acc, acc
-
-
-@triton.jit
-def _gemv_w(w_ptr, u_ptr, nk, k_end, GATED: tl.constexpr, EVICT: tl.constexpr):
-    """_gemv_kernel's weight tile(s) at columns nk, 0 from k_end on (past the program's share of K)."""
-    w = _load_weight(w_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
-    wu = w
-    if GATED:
-        wu = _load_weight(u_ptr + nk[None, :], nk[None, :] < k_end, False, EVICT)
-    return w, wu
 
 
 @triton.jit
@@ -78,26 +69,26 @@ def _gemv_kernel(X, W, Y, R, G, Y2, WS, CNT, N_OUT, K, K_SPLIT, eps, NORM: tl.co
     w3, wu3 = w_next, wu_next
     w4, wu4 = w_next, wu_next
     if AHEAD > 1:
-        w2, wu2 = _gemv_w(w_ptr, u_ptr, k_begin + BLOCK_K + ks, k_end, GATED, EVICT)
+        w2, wu2 = _load_w(w_ptr, u_ptr, k_begin + BLOCK_K + ks, k_end, GATED, False, EVICT)
     if AHEAD > 2:
-        w3, wu3 = _gemv_w(w_ptr, u_ptr, k_begin + 2 * BLOCK_K + ks, k_end, GATED, EVICT)
+        w3, wu3 = _load_w(w_ptr, u_ptr, k_begin + 2 * BLOCK_K + ks, k_end, GATED, False, EVICT)
     if AHEAD > 3:
-        w4, wu4 = _gemv_w(w_ptr, u_ptr, k_begin + 3 * BLOCK_K + ks, k_end, GATED, EVICT)
+        w4, wu4 = _load_w(w_ptr, u_ptr, k_begin + 3 * BLOCK_K + ks, k_end, GATED, False, EVICT)
     rstd, ss, acc, accu = _gemv_start(X, K, eps, NORM, PDL, EARLY, LATE, BLOCK_N, BLOCK_K, UNROLL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         w, wu = w_next, wu_next
         nk = k0 + AHEAD * BLOCK_K + ks
         if AHEAD == 1:
-            w_next, wu_next = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+            w_next, wu_next = _load_w(w_ptr, u_ptr, nk, k_end, GATED, False, EVICT)   # 0 from k_end on
         elif AHEAD == 2:
             w_next, wu_next = w2, wu2
-            w2, wu2 = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+            w2, wu2 = _load_w(w_ptr, u_ptr, nk, k_end, GATED, False, EVICT)
         elif AHEAD == 3:
             w_next, wu_next, w2, wu2 = w2, wu2, w3, wu3
-            w3, wu3 = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+            w3, wu3 = _load_w(w_ptr, u_ptr, nk, k_end, GATED, False, EVICT)
         else:
             w_next, wu_next, w2, wu2, w3, wu3 = w2, wu2, w3, wu3, w4, wu4
-            w4, wu4 = _gemv_w(w_ptr, u_ptr, nk, k_end, GATED, EVICT)
+            w4, wu4 = _load_w(w_ptr, u_ptr, nk, k_end, GATED, False, EVICT)
         if LATE:
             x, d = _load_xg(X, 0, tl.arange(0, 1), 1, k0 + ks, K, G, True)
             ss += d
@@ -226,12 +217,13 @@ class Gemv(NamedTuple):
 # Twelfth session (2026-12-02, docs/BENCHMARKS.md): the 8B tiles swept again inside the graphed step
 # (`benchmarks/fast_decode.py --variants "gemv_down=4/512/4/1/0/2;..."`: other blocks and warps, the
 # streaming kernel, 2-4 tiles ahead): none faster but down 2 ahead, which changes no bits (graphed ms, 4352-slot
-# cache, four runs each interleaved, one machine: 4.293 -> 4.280 at context 128, 4.491 -> 4.472 at 4096):
+# cache, four runs each interleaved, one machine: 4.293 -> 4.280 at context 128, 4.491 -> 4.472 at 4096). The
+# table is keyed by shape: the EAGLE3 head's o, gate/up and down (and its fc) take the 8B layer's tiles.
 GEMV_TILES: dict[tuple[int, int], Gemv] = {
     (6144, 4096): Gemv(4, 256, 4),          # Qwen3-8B qkv (+ RMSNorm): 15.3 / 21.3
     (12288, 4096): Gemv(4, 256, 4),         # Qwen3-8B gate/up (+ RMSNorm, SiLU*mul): 53.8 / 55.2
     (4096, 4096): Gemv(4, 512, 4),          # Qwen3-8B o_proj (+ residual): 10.4 / 11.6
-    (4096, 12288): Gemv(4, 512, 4, ahead=2),  # Qwen3-8B down_proj (+ residual), EAGLE3 fc: 27.0 / 28.0 (1 ahead)
+    (4096, 12288): Gemv(4, 512, 4, ahead=2),  # Qwen3-8B down_proj (+ residual), EAGLE3 down, fc: 27.0 / 28.0 (1 ahead)
     (6144, 8192): Gemv(16, 512, 4),         # EAGLE3 qkv: 27.5 / 28.5
 }
 
@@ -243,12 +235,13 @@ def gemv_tile(n_out: int, k: int) -> Gemv | None:
     if tile is None:
         return None
     tile = Gemv(*tile)
+    if not 1 <= tile.ahead <= (2 if tile.per_sm > 0 else 4):
+        raise EngineError(f"one-row GEMV tile {tuple(tile)} for ({n_out}, {k}): ahead must be 1-4 (1-2 with per_sm); "
+                          "fix gemv.GEMV_TILES or the tiles file")
     if k % tile.block_k:
         return None
     if tile.per_sm > 0 or k % (tile.split * tile.block_k):
         tile = tile._replace(split=1)
-    if not 1 <= tile.ahead <= (2 if tile.per_sm > 0 else 4):
-        raise ValueError(f"GEMV tile {tuple(tile)} for ({n_out}, {k}): ahead must be 1-4 (1-2 streaming)")
     return tile
 
 

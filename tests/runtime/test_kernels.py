@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
 from xcompile.runtime import kernels  # noqa: E402
+from xcompile.runtime.errors import EngineError  # noqa: E402
 from xcompile.runtime.kernels import attention as A  # noqa: E402
 from xcompile.runtime.kernels.attention import attention, attention_reference  # noqa: E402
 from xcompile.runtime.kernels import common as C  # noqa: E402
@@ -190,9 +191,9 @@ def test_gemv_tile_reads_json_rows_and_falls_back():
         assert G.gemv_tile(8, 192) == G.Gemv(4, 64, 4, split=1)
         assert G.gemv_tile(9, 256) == G.Gemv(4, 64, 4, split=1, per_sm=3, ahead=2)
         assert G.gemv_tile(10, 256) is None
-        for bad in ([4, 64, 4, 1, 0, 5], [4, 64, 4, 1, 0, 0], [4, 64, 4, 1, 3, 3]):
+        for bad in ([4, 64, 4, 1, 0, 5], [4, 64, 4, 1, 0, 0], [4, 64, 4, 1, 3, 3], [4, 96, 4, 1, 0, 5]):
             G.GEMV_TILES[(11, 256)] = bad
-            with pytest.raises(ValueError, match="ahead must be"):
+            with pytest.raises(EngineError, match="ahead must be"):
                 G.gemv_tile(11, 256)
     finally:
         for shape in ((7, 96), (8, 192), (9, 256), (11, 256)):
