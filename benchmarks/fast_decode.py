@@ -71,10 +71,13 @@ GEMV_NAMES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (12288, 4096), 
 OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant keys (and gemv_NAME), not SCHEDULE's
 
 
+def tile_key(key: str) -> bool:
+    """Whether a variant key is a gemv_NAME tile (NAME in GEMV_NAMES), not a SCHEDULE key such as gemv_x_tile."""
+    return key.startswith("gemv_") and key[5:] in GEMV_NAMES
+
+
 def gemv_value(key: str, text: str) -> tuple[int, ...]:
     """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]' (or '0': none); SystemExit if malformed."""
-    if key[5:] not in GEMV_NAMES:
-        raise SystemExit(f"--variants: unknown weight in {key!r}; known: {['gemv_' + n for n in GEMV_NAMES]}")
     usage = f"--variants: {key}={text} must be 0 or bn/bk/warps[/split/per_sm/ahead] (integers)"
     try:
         fields = tuple(int(t) for t in text.split("/"))
@@ -105,20 +108,20 @@ def parse_variants(spec: str) -> list[dict]:
         if v.strip():
             pairs = [[t.strip() for t in kv.split("=")] for kv in v.split(",")]
             out.append({k: bool(float(x)) if k == "tiles" else int(x) if k == "chunk"
-                        else gemv_value(k, x) if k.startswith("gemv_")
+                        else gemv_value(k, x) if tile_key(k)
                         else kernels.schedule_value(k, x, "--variants") for k, x in pairs})
     return out
 
 
 def variant_schedule(v: dict, builtin: dict) -> dict:
     """The SCHEDULE a variant runs under: the built-in one with the variant's SCHEDULE keys (not the benchmark's)."""
-    return builtin | {k: x for k, x in v.items() if k not in OWN_KEYS and not k.startswith("gemv_")}
+    return builtin | {k: x for k, x in v.items() if k not in OWN_KEYS and not tile_key(k)}
 
 
 def variant_gemv(v: dict) -> None:
     """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds; 0 removes the shape)."""
     for k, fields in v.items():
-        if k.startswith("gemv_"):
+        if tile_key(k):
             shape = GEMV_NAMES[k[5:]]
             G.GEMV_TILES.pop(shape, None)
             if fields != (0,):
