@@ -72,7 +72,7 @@ OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant ke
 
 
 def tile_key(key: str) -> bool:
-    """Whether a variant key is a gemv_NAME tile (NAME in GEMV_NAMES), not a SCHEDULE key such as gemv_x_tile."""
+    """Whether a variant key is a gemv_NAME tile (NAME in GEMV_NAMES); other keys, gemv_-prefixed or not, are SCHEDULE's."""
     return key.startswith("gemv_") and key[5:] in GEMV_NAMES
 
 
