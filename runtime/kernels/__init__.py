@@ -4,6 +4,8 @@ One module per fused step, each with the plain-torch reference it is tested agai
 
     linear.py     RMSNorm prologue + skinny GEMM + residual or SiLU*mul epilogue (every projection)
     gemv.py       the same for one row on the CUDA cores (decode, single draft steps)
+    cuda_gemv.py  the same in CUDA C++ (gemv.cu, built with nvcc on first use) for the shapes it lists:
+                  weight rows streamed into shared memory by cp.async.bulk; Triton's GEMV without nvcc
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
     norm.py       RMSNorm launches of their own: the EAGLE3 step's input, the tile kernel's norms (norm_apart)
@@ -16,10 +18,10 @@ The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, d
 passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does
 not depend on how many rows the call carries (fixed tiles of 16 rows, tiles chosen by the weight
 shape only, attention chunks at absolute key positions). One-row calls of the shapes in
-``gemv.GEMV_TILES`` take a faster CUDA-core GEMV instead, whose order (and, with SCHEDULE's norm_late,
-the RMSNorm's rounding) differs: a token decoded alone and the same token verified in a block then round
-differently, and in bf16 speculative and plain greedy decoding may part at a near tie
-(benchmarks/fast_agreement.py counts them).
+``gemv.GEMV_TILES`` (and ``cuda_gemv.CUDA_GEMVS``) take a faster CUDA-core GEMV instead, whose order
+(and, with SCHEDULE's norm_late, the RMSNorm's rounding) differs: a token decoded alone and the same
+token verified in a block then round differently, and in bf16 speculative and plain greedy decoding
+may part at a near tie (benchmarks/fast_agreement.py counts them).
 
 On a machine without a CUDA device the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set before triton is imported), which is how CI checks their logic against the references.
@@ -154,10 +156,14 @@ def _pdl_capable() -> bool:
 # (Tried there and removed: 64-key splits over the whole cache, slower everywhere, 4.581 -> 4.748 ms at 4096;
 # the split's second key step requested right after the PDL wait, one token unchanged and verify slower;
 # the reduction's write_index read before its wait, within noise.)
+# Thirteenth session (2026-12-02):
+#   cuda_gemv             one-row calls of the shapes in cuda_gemv.CUDA_GEMVS run gemv.cu's CUDA C++ kernel
+#                         (built with nvcc on first use) instead of the Triton GEMV; changes bits (another
+#                         reduction order). Figures: docs/BENCHMARKS.md, thirteenth session
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
-            "attn_maxnreg": 128, "combine_block": 32}
+            "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -14,7 +14,8 @@ Memory-bound at these M: every weight byte is read once, by the program that own
 columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
 of them. Rounding follows the reference modules (each matmul output rounded to the model dtype
 before the next elementwise op), so the reference below is what the kernel is tested against.
-One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead.
+One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead (cuda_gemv.py's CUDA C++
+kernel for the shapes it lists, where it is built, else gemv.py's Triton GEMV).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, cuda_gemv, ieee_dot, launch, pdl
 from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _sq, norm_late,
                                              rstd_unroll, schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
@@ -372,6 +373,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
+    cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, out, norm, residual, extra_out) if m == 1 else None
+    if cuda_tile is not None:
+        return cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated, residual=residual,
+                              extra_out=extra_out, early=schedule_flags(1)["EARLY"])
     tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)

@@ -528,6 +528,7 @@ def test_linear_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
     alone = linear(x[:1], w, norm=g, gated=gated)
     assert rel(alone, linear_reference(x[:1], w, norm=g, gated=gated)) < 1e-2
     monkeypatch.delitem(G.GEMV_TILES, (n, k), raising=False)                       # the tile kernel for one row
+    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)
     block = linear(x, w, norm=g, gated=gated)
     assert torch.equal(linear(x[:1], w, norm=g, gated=gated)[0], block[0])
 
@@ -553,6 +554,7 @@ def test_streaming_kernels_give_their_tiles_bits_at_qwen3_8b_qkv(rows, monkeypat
     """The compiled streaming GEMV / tile kernel against the per-block kernels with the same tiles, at the
     8B qkv shape (RMSNorm prologue, so norm_apart off): the same bits."""
     monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)
+    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)
     n, k = 6144, 4096
     torch.manual_seed(rows)
     w, g = randn(n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(k, dtype=torch.bfloat16) + 1
@@ -571,6 +573,7 @@ def test_streaming_kernels_give_their_tiles_bits_at_qwen3_8b_qkv(rows, monkeypat
 def test_gemv_ahead_gives_the_same_bits_at_qwen3_8b(shape, ahead, monkeypatch):
     """The compiled one-row GEMV with its weight tiles 2 / 4 steps ahead against 1 ahead, at the 8B o and
     down (residual) and gate/up (RMSNorm, SiLU*mul) shapes: the same bits."""
+    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)                      # the Triton GEMV's tiles
     gated = shape == "gate/up"
     n, k, bk = {"o": (4096, 4096, 512), "gate/up": (12288, 4096, 256), "down": (4096, 12288, 512)}[shape]
     torch.manual_seed(ahead)

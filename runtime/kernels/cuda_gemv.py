@@ -1,0 +1,157 @@
+"""One-row bf16 projections in CUDA C++ (gemv.cu): the same operands, epilogues and norm_late rounding
+as gemv.py's Triton GEMV, the weight rows streamed into shared memory by the copy engine (cp.async.bulk)
+a few stages ahead, so the bytes in flight are not bounded by the registers (gemv.cu's header).
+
+Built on first use with the CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's
+architecture, into a cache directory (``$XCOMPILE_CACHE``, else ``~/.cache/xcompile``) keyed by the
+source, the architecture and nvcc's version, and called through ctypes on torch's current stream (so it
+records into CUDA graphs like any launch). Without nvcc, or if the build fails (a warning says why),
+one-row calls keep the Triton GEMV: ``CUDA_GEMVS`` only says which shapes take this kernel where it runs.
+Neither CI nor any CPU runs it: its tests are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from xcompile.runtime.errors import EngineError
+from xcompile.runtime.kernels import SCHEDULE, interpreted, pdl
+from xcompile.runtime.logs import logger
+
+SOURCE = Path(__file__).with_name("gemv.cu")
+log = logger(__name__)
+
+
+class CudaGemv(NamedTuple):
+    """A tile of gemv.cu's kernel: ``cols`` output columns a stage (1 or 2; a stage holds their weight rows, all
+    of K), ``warps`` a block, ``stages`` (2-8) in shared memory, ``per_sm`` blocks a SM (0: as many as fit)."""
+    cols: int
+    warps: int
+    stages: int
+    per_sm: int = 0
+
+
+SMEM_LIMIT = 227 * 1024          # shared memory a block may take on sm_90 (the stages, their barriers, the sums)
+
+# Shapes (N_OUT, K) whose one-row calls take gemv.cu's kernel where it runs (bf16, a CUDA device, nvcc).
+# Chosen inside the graphed step (`benchmarks/fast_decode.py --variants "cuda_gate_up=2/4/2;..."`, 13th session,
+# docs/BENCHMARKS.md): gate/up only. The qkv shape was faster on it at context 128 and slower at 4096; o and
+# down slower at both.
+CUDA_GEMVS: dict[tuple[int, int], CudaGemv] = {
+    (12288, 4096): CudaGemv(2, 4, 2),       # Qwen3-8B gate/up (+ RMSNorm, SiLU*mul), the EAGLE3 head's too
+}
+
+
+def check(tile: CudaGemv, n_out: int, k: int, gated: bool = False) -> CudaGemv:
+    """``tile`` (any sequence of CudaGemv's fields) if gemv.cu has a kernel for it at this shape; else EngineError."""
+    tile = CudaGemv(*tile)
+    if (tile.cols not in (1, 2) or not 1 <= tile.warps <= 32 or not 2 <= tile.stages <= 8 or tile.per_sm < 0
+            or k > 4096 * tile.warps or smem_bytes(tile, 2 if gated else 1, k) > SMEM_LIMIT):
+        raise EngineError(f"CUDA GEMV tile {tuple(tile)} for ({n_out}, {k}): cols must be 1 or 2, warps 1-32, stages "
+                          f"2-8, per_sm >= 0, K at most 4096 x warps and the stages within {SMEM_LIMIT} bytes of "
+                          "shared memory; fix cuda_gemv.CUDA_GEMVS or the variant")
+    return tile
+
+
+def smem_bytes(tile: CudaGemv, rows_per_column: int, k: int) -> int:
+    """Shared memory of a launch (gemv.cu's xc_gemv): the stages, their mbarriers, the warps' sums."""
+    rows = rows_per_column * tile.cols
+    return tile.stages * rows * k * 2 + tile.stages * 8 + (tile.stages * tile.warps * rows + tile.warps) * 4
+
+
+def nvcc() -> str | None:
+    """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on PATH, else None."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").is_file():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XCOMPILE_CACHE") or Path.home() / ".cache" / "xcompile") / "cuda"
+
+
+def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
+    """gemv.cu built for ``arch`` (e.g. 'sm_90') into the cache, unless a build of this source, arch and
+    nvcc is there; the library's path. Written under a temporary name and renamed into place, so a
+    concurrent or interrupted build never leaves a partial library. RuntimeError with nvcc's message."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"libxcgemv-{arch}-{key}.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
+                               "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"nvcc failed on {SOURCE}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The built library with xc_gemv's signature set."""
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.xc_gemv.argtypes = [p, p, p, p, p, p, i, i, ctypes.c_float, i, i, i, i, i, i, i, i, i, i, p]
+    lib.xc_gemv.restype = i
+    return lib
+
+
+@functools.cache
+def library(index: int) -> ctypes.CDLL | None:
+    """gemv.cu built and loaded for CUDA device ``index``, or None (no nvcc, or the build failed: warned once)."""
+    compiler = nvcc()
+    if compiler is None:
+        log.debug("no nvcc: one-row projections stay on the Triton GEMV")
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    try:
+        return load(build(f"sm_{major}{minor}", compiler))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        log.warning("CUDA GEMV not built (%s); one-row projections stay on the Triton GEMV", e)
+        return None
+
+
+def tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, *tensors: torch.Tensor | None) -> CudaGemv | None:
+    """The CUDA GEMV's tile for this one-row call, or None (the shape has none, K not a multiple of 8, not
+    bf16, no CUDA device or no library, a pointer not 16-byte aligned)."""
+    tile = CUDA_GEMVS.get((n_out, k))
+    if tile is None or k % 8 or not SCHEDULE["cuda_gemv"] or x.device.type != "cuda" or interpreted():
+        return None
+    if any(t is not None and (t.dtype != torch.bfloat16 or t.data_ptr() % 16) for t in (x, w, *tensors)):
+        return None
+    tile = check(tile, n_out, k, gated=w.shape[0] == 2 * n_out)
+    return tile if library(x.device.index or 0) is not None else None
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: CudaGemv, *, norm: torch.Tensor | None,
+         eps: float, gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None,
+         early: bool) -> torch.Tensor:
+    """linear() of one row (its docstring) on gemv.cu's kernel: x [1, K] -> out [1, N]."""
+    n_out, k = out.shape[1], x.shape[1]
+    lib = library(x.device.index or 0)
+    ptrs = [t.data_ptr() if t is not None else None for t in (x, w, out, residual, norm, extra_out)]
+    flags = (norm is not None, gated, residual is not None, extra_out is not None, early, pdl(),
+             torch.cuda.current_stream(x.device).cuda_stream)
+    err = lib.xc_gemv(*ptrs, n_out, k, eps, tile.cols, tile.warps, tile.stages, tile.per_sm, *flags)
+    if err:
+        raise EngineError(f"CUDA GEMV launch failed (error {err}) for ({n_out}, {k}) with tile {tuple(tile)}")
+    return out
