@@ -15,6 +15,7 @@ trained model (the demo pair).
 ``--gemv-all BN,BK,WARPS`` runs every one-row projection of the fast engines on a per-block GEMV of that
 tile (where BK divides K), with the built-in schedule (norm_late: 1/rms in the epilogue): the numerics the
 Qwen3-8B shapes get from gemv.GEMV_TILES, tried on the demo's trained weights, whose own shapes have none.
+``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (cuda_gemv.CUDA_GEMVS' numerics).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from xcompile.runtime.drafters import NoDrafter, causal, prompt_inputs
 from xcompile.runtime import kernels
+from xcompile.runtime.kernels import cuda_gemv as C
 from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.generate import Generator
 from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--max-gap", type=float, help="exit 1 unless every disagreement and divergence is at a near tie: "
                     "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
     ap.add_argument("--gemv-all", help="BN,BK,WARPS: every one-row projection on this GEMV tile (docstring)")
+    ap.add_argument("--cuda-all", help="COLS,WARPS,STAGES: every one-row projection on gemv.cu's kernel (docstring)")
     ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=0|1,...")
     args = ap.parse_args()
     kernels.set_schedule(args.schedule)
@@ -75,6 +78,15 @@ def main() -> None:
         G.GEMV_TILES = EveryShape()
         print(f"every one-row projection on GEMV {tuple(tile)} (where {tile.block_k} divides K); schedule "
               f"{kernels.SCHEDULE}")
+    if args.cuda_all:
+        cuda_tile = C.CudaGemv(*map(int, args.cuda_all.split(",")))
+
+        class EveryCudaShape(dict):
+            def get(self, key, default=None):
+                return cuda_tile
+
+        C.CUDA_GEMVS = EveryCudaShape()
+        print(f"every one-row projection on the CUDA GEMV {tuple(cuda_tile)}; schedule {kernels.SCHEDULE}")
     # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
     with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
             open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:

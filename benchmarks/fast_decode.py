@@ -6,7 +6,8 @@
 Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
 graphed step time of the reference modules and of the fast engines with and without programmatic
-dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) tokens; the EAGLE3
+dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) tokens (one token also
+on the tile kernel alone and with gemv.cu's shapes on the Triton GEMV); the EAGLE3
 head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
 logit error, argmax agreement) over a few decode steps. ``--variants`` instead times the decode and
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
@@ -16,7 +17,9 @@ variant's ``chunk=N`` gives the target's attention N keys per split for the whol
 attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight
 shape of the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0:
 the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
-ahead. GEMV_TILES is keyed by shape, so the EAGLE3 step's o, gate/up and down (and fc) take it too.
+ahead; ``cuda_NAME=cols/warps/stages[/per_sm]`` gives it gemv.cu's CUDA C++ kernel with that tile
+(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile). Both tables are keyed by shape, so the EAGLE3 step's o, gate/up and down (and fc)
+take them too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from xcompile.runtime.bench import matmul_rate, prefill_flops, timed
 from xcompile.runtime.drafters import causal, prompt_inputs
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.graphs import CudaGraphCapture
+from xcompile.runtime.kernels import cuda_gemv as C
 from xcompile.runtime.kernels import gemv as G
 from xcompile.runtime.kernels import linear as L
 
@@ -72,22 +76,32 @@ OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant ke
 
 
 def tile_key(key: str) -> bool:
-    """Whether a variant key is a gemv_NAME tile (NAME in GEMV_NAMES); other keys, gemv_-prefixed or not, are SCHEDULE's."""
-    return key.startswith("gemv_") and key[5:] in GEMV_NAMES
+    """Whether a variant key is a gemv_NAME or cuda_NAME tile (NAME in GEMV_NAMES); other keys (cuda_gemv among
+    them) are SCHEDULE's."""
+    return key.startswith(("gemv_", "cuda_")) and key[5:] in GEMV_NAMES
 
 
 def gemv_value(key: str, text: str) -> tuple[int, ...]:
-    """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]' (or '0': none); SystemExit if malformed."""
-    usage = f"--variants: {key}={text} must be 0 or bn/bk/warps[/split/per_sm/ahead] (integers)"
+    """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]', a cuda_NAME one's from
+    'cols/warps/stages[/per_sm]' (or '0': none); SystemExit if malformed."""
+    cuda = key.startswith("cuda_")
+    form = "cols/warps/stages[/per_sm]" if cuda else "bn/bk/warps[/split/per_sm/ahead]"
+    usage = f"--variants: {key}={text} must be 0 or {form} (integers)"
     try:
         fields = tuple(int(t) for t in text.split("/"))
     except ValueError:
         raise SystemExit(usage) from None
     if fields == (0,):
         return fields
-    if not 3 <= len(fields) <= 6:
+    if not 3 <= len(fields) <= (4 if cuda else 6):
         raise SystemExit(usage)
     shape = GEMV_NAMES[key[5:]]
+    if cuda:
+        try:
+            C.check(fields, *shape, gated=key == "cuda_gate_up")
+        except EngineError as e:
+            raise SystemExit(f"--variants: {key}={text}: {e}") from None
+        return fields
     saved = dict(G.GEMV_TILES)
     G.GEMV_TILES[shape] = G.Gemv(*fields)
     try:
@@ -118,14 +132,18 @@ def variant_schedule(v: dict, builtin: dict) -> dict:
     return builtin | {k: x for k, x in v.items() if k not in OWN_KEYS and not tile_key(k)}
 
 
-def variant_gemv(v: dict) -> None:
-    """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds; 0 removes the shape)."""
+def variant_gemv(v: dict, cuda_base: dict) -> None:
+    """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds) and its cuda_NAME ones in CUDA_GEMVS
+    (over ``cuda_base``); 0 removes the shape."""
+    C.CUDA_GEMVS.clear()
+    C.CUDA_GEMVS.update(cuda_base)
     for k, fields in v.items():
         if tile_key(k):
+            table, tile = (C.CUDA_GEMVS, C.CudaGemv) if k.startswith("cuda_") else (G.GEMV_TILES, G.Gemv)
             shape = GEMV_NAMES[k[5:]]
-            G.GEMV_TILES.pop(shape, None)
+            table.pop(shape, None)
             if fields != (0,):
-                G.GEMV_TILES[shape] = G.Gemv(*fields)
+                table[shape] = tile(*fields)
 
 
 def variant_name(v: dict) -> str:
@@ -146,6 +164,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     builtin = dict(kernels.SCHEDULE)
     builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES)}
     builtin_chunk = fast.chunk
+    builtin_cuda = dict(C.CUDA_GEMVS)
     rows = []
     print(f"built-in schedule {builtin}")
     print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
@@ -159,7 +178,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             use_tiles(builtin_tiles)
             if v.get("tiles") and tiles:
                 use_tiles(tiles)
-            variant_gemv(v)
+            variant_gemv(v, builtin_cuda)
             row = {"variant": v, "ctx": ctx}
             for tokens in (1, 7, 32):
                 row[f"fast_ms_{tokens}"] = graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))
@@ -174,6 +193,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
     use_tiles(builtin_tiles)
+    variant_gemv({}, builtin_cuda)
     fast.chunk = builtin_chunk
     return rows
 
@@ -218,18 +238,24 @@ def main() -> None:
                 json.dump(out, f, indent=1)
         return
     print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}"
-          + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
+          f"{'Triton GEMV ms':>16}" + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
     for ctx in map(int, args.contexts.split(",")):
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             row = {"what": "target step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(ref.run, inputs)}
             row["fast_ms"] = graphed_ms(fast.run, inputs)
-            if tokens == 1 and G.GEMV_TILES:                   # the tile kernel for one row too
-                saved = dict(G.GEMV_TILES)
+            if tokens == 1 and kernels.SCHEDULE["cuda_gemv"] and C.CUDA_GEMVS:    # gemv.cu's shapes on Triton
+                kernels.SCHEDULE["cuda_gemv"] = False
+                row["fast_triton_gemv_ms"] = graphed_ms(fast.run, inputs)
+                kernels.SCHEDULE["cuda_gemv"] = True
+            if tokens == 1 and (G.GEMV_TILES or C.CUDA_GEMVS):  # the tile kernel for one row too
+                saved, cuda = dict(G.GEMV_TILES), kernels.SCHEDULE["cuda_gemv"]
                 G.GEMV_TILES.clear()
+                kernels.SCHEDULE["cuda_gemv"] = False
                 row["fast_tile_kernel_ms"] = graphed_ms(fast.run, inputs)
                 G.GEMV_TILES.update(saved)
+                kernels.SCHEDULE["cuda_gemv"] = cuda
             kernels.PDL["enabled"] = False
             row["fast_nopdl_ms"] = graphed_ms(fast.run, inputs)
             kernels.PDL["enabled"] = True
@@ -243,6 +269,7 @@ def main() -> None:
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
                   f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}"
+                  f"{row.get('fast_triton_gemv_ms', float('nan')):>16.3f}"
                   + (f"{row.get('fast_builtin_gemv_ms', float('nan')):>24.3f}" if args.tiles else ""))
         for chunk in [int(c) for c in args.chunks.split(",") if c]:
             default, fast.chunk = fast.chunk, chunk

@@ -31,6 +31,7 @@ from xcompile.compile.reference import qwen3_engine
 from xcompile.runtime import kernels
 from xcompile.runtime.backends.fast import FastQwen3Engine
 from xcompile.runtime.graphs import CudaGraphCapture
+from xcompile.runtime.kernels import cuda_gemv as C
 from xcompile.runtime.kernels import gemv as G
 
 
@@ -106,13 +107,13 @@ def main() -> None:
     ref = qwen3_engine(target)
     fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
     fast.bind_kv(ref.new_kv())
-    builtin, chunk, gemv_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES)
+    builtin, chunk, gemv_tiles, cuda_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES), dict(C.CUDA_GEMVS)
     for v in parse_variants(args.variants):
         kernels.SCHEDULE.update(variant_schedule(v, builtin))
         fast.chunk = v.get("chunk", chunk)
         G.GEMV_TILES.clear()
         G.GEMV_TILES.update(gemv_tiles)
-        variant_gemv(v)
+        variant_gemv(v, cuda_tiles)
         name = variant_name(v)
         for ctx in map(int, args.contexts.split(",")):
             for tokens in map(int, args.tokens.split(",")):
@@ -128,6 +129,7 @@ def main() -> None:
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
     G.GEMV_TILES.update(gemv_tiles)
+    variant_gemv({}, cuda_tiles)
 
 
 if __name__ == "__main__":

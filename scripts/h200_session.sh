@@ -19,7 +19,8 @@
 #           benchmarks/fast_decode.py --variants "$VARIANTS" (tiles=1: the sweep's tiles) at contexts 128,4096
 #   PART=5  the norm_late test on the GPU, then benchmarks/fast_agreement.py on the demo with every one-row
 #           projection on a GEMV (--gemv-all GEMV_ALL: the 8B shapes' numerics on trained weights) under
-#           SCHED (--schedule, e.g. norm_late=0); SKIP_TEST=1 leaves the test out
+#           SCHED (--schedule, e.g. norm_late=0); SKIP_TEST=1 leaves the test out; CUDA_ALL (cols,warps,stages):
+#           every one of them on gemv.cu's kernel instead (--cuda-all)
 #   PART=6  the RMSNorm pre-pass span (kernels.SCHEDULE rstd_span): the schedule tests on the GPU, the verify
 #           tiles of CALLS (8b qkv, gate/up) swept under rstd_span=SPAN (2048) -> $OUT/span.json, then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" (spans 512..4096; tiles=1: span.json's) at 128,4096
@@ -101,7 +102,7 @@ sweep_variants() {
   step "benchmarks/fast_decode.py --tiles $name.json --variants $v"
   fast_decode 300 "$lines" --tiles "$OUT/$name.json" --variants "$v" --json "$OUT/variants.json"
 }
-KERNEL_TESTS=(tests/runtime/test_kernels.py tests/runtime/test_fast.py tests/runtime/test_graphs.py)
+KERNEL_TESTS=(tests/runtime/test_kernels.py tests/runtime/test_cuda_gemv.py tests/runtime/test_fast.py tests/runtime/test_graphs.py)
 
 if [ "$PART" = 0 ]; then
   step "benchmarks/kernels.py --gemv (one-row GEMV and verify tiles)"
@@ -160,7 +161,7 @@ if [ "$PART" = 5 ]; then
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   step "benchmarks/fast_agreement.py on the demo, every one-row projection on GEMV ${GEMV_ALL:-4,64,4} (norm_late)"
   timeout 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
-    --gemv-all "${GEMV_ALL:-4,64,4}" --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
+    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -14 "$OUT/agreement_gemv.log"
 fi
@@ -228,7 +229,7 @@ if [ "$PART" = 15 ]; then
   (cd benchmarks && timeout 240 python3 step_timeline.py --variants "${TIMELINE_VARIANTS:-}" \
      --contexts "${TIMELINE_CONTEXTS:-128,4096}" --tokens "${TIMELINE_TOKENS:-1,32}" > "$OUT/timeline.log" 2>&1)
   echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -E "^==|_split|_combine|_gemv|^kernel" "$OUT/timeline.log"
+  grep -E "^==|_split|_combine|gemv|^kernel" "$OUT/timeline.log"
   [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts ${FD_CONTEXTS:-128,4096} --variants $VARIANTS"
   [ -n "${VARIANTS:-}" ] && fast_decode 300 "${FD_LINES:-14}" --variants "$VARIANTS" --json "$OUT/variants.json"
 fi
