@@ -20,7 +20,8 @@
 #   PART=5  the norm_late test on the GPU, then benchmarks/fast_agreement.py on the demo with every one-row
 #           projection on a GEMV (--gemv-all GEMV_ALL: the 8B shapes' numerics on trained weights) under
 #           SCHED (--schedule, e.g. norm_late=0); SKIP_TEST=1 leaves the test out; CUDA_ALL (cols,warps,stages):
-#           every one of them on gemv.cu's kernel instead (--cuda-all)
+#           every one of them on gemv.cu's kernel instead (--cuda-all); ROWS_ALL (cols,ks,warps,stages): every
+#           projection of 2-32 rows on rows.cu's (--rows-all)
 #   PART=6  the RMSNorm pre-pass span (kernels.SCHEDULE rstd_span): the schedule tests on the GPU, the verify
 #           tiles of CALLS (8b qkv, gate/up) swept under rstd_span=SPAN (2048) -> $OUT/span.json, then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" (spans 512..4096; tiles=1: span.json's) at 128,4096
@@ -41,6 +42,10 @@
 #           graphed step, contexts TIMELINE_CONTEXTS (128,4096), TIMELINE_TOKENS (1,32) tokens) under
 #           TIMELINE_VARIANTS, then (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS" at contexts
 #           FD_CONTEXTS (128,4096), its last FD_LINES (14) lines echoed
+#   PART=16 the CUDA C++ kernels: the gpu tests of tests/runtime/test_cuda_gemv.py (and -k TESTS of the other
+#           kernel tests, if set), benchmarks/fast_decode.py at FD_CONTEXTS (the CUDA kernels on and off), then
+#           (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS" at VAR_CONTEXTS (128), its last
+#           FD_LINES (14) lines echoed
 # DRAFT_MODEL (e.g. qwen3-0.6b): the greedy bench is followed by one with that synthetic draft model (its step
 # and chain round; logged in bench_draft.log). CONTEXTS (default 128) sets the greedy bench's --contexts (128,4096: a 4352-slot cache for both), BENCH_LIMIT
 # its time limit in seconds (240).
@@ -161,7 +166,7 @@ if [ "$PART" = 5 ]; then
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   step "benchmarks/fast_agreement.py on the demo, every one-row projection on GEMV ${GEMV_ALL:-4,64,4} (norm_late)"
   timeout 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
-    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
+    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} ${ROWS_ALL:+--rows-all "$ROWS_ALL"} --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -14 "$OUT/agreement_gemv.log"
 fi
@@ -232,5 +237,18 @@ if [ "$PART" = 15 ]; then
   grep -E "^==|_split|_combine|gemv|^kernel" "$OUT/timeline.log"
   [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts ${FD_CONTEXTS:-128,4096} --variants $VARIANTS"
   [ -n "${VARIANTS:-}" ] && fast_decode 300 "${FD_LINES:-14}" --variants "$VARIANTS" --json "$OUT/variants.json"
+fi
+if [ "$PART" = 16 ]; then
+  step "gpu tests: tests/runtime/test_cuda_gemv.py"
+  gpu_tests 150 tests/runtime/test_cuda_gemv.py
+  cp "$OUT/gpu_tests.log" "$OUT/gpu_tests_cuda.log"
+  [ -n "${TESTS:-}" ] && step "gpu tests: $TESTS"
+  [ -n "${TESTS:-}" ] && gpu_tests 150 "${KERNEL_TESTS[@]}" -k "$TESTS"
+  step "benchmarks/fast_decode.py --contexts ${FD_CONTEXTS:-128,4096}"
+  fast_decode 150 20
+  cp "$OUT/fast_decode.log" "$OUT/fast_decode_default.log"
+  [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts ${VAR_CONTEXTS:-128} --variants $VARIANTS"
+  [ -n "${VARIANTS:-}" ] && FD_CONTEXTS=${VAR_CONTEXTS:-128} fast_decode 240 "${FD_LINES:-14}" --variants "$VARIANTS" \
+    --json "$OUT/variants.json"
 fi
 step "done"

@@ -13,64 +13,11 @@
 // order, the warps' sums meet in shared memory in warp order, and thread j < COLS finishes column j: the
 // bits depend on the block's warps only.
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 
-__device__ __forceinline__ void grid_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void grid_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float lo(uint32_t v) { return __uint_as_float(v << 16); }          // bf16 -> fp32
-__device__ __forceinline__ float hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-// the 8 bf16 of a chunk as fp32
-__device__ __forceinline__ void unpack(uint4 c, float (&f)[8]) {
-    f[0] = lo(c.x); f[1] = hi(c.x); f[2] = lo(c.y); f[3] = hi(c.y);
-    f[4] = lo(c.z); f[5] = hi(c.z); f[6] = lo(c.w); f[7] = hi(c.w);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
-    }
-}
-
-// bytes (a multiple of 16, at most 1 MB) from global src to shared dst, completing on bar
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
+using namespace xc;
 
 template <int COLS, bool GATED>
 __device__ __forceinline__ void issue_stage(unsigned char* stage, uint64_t* bar, const __nv_bfloat16* w, int group,
@@ -193,11 +140,7 @@ __global__ void gemv_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bflo
                 if (GATED) tu += sums[i * ROWS + COLS + tid];
             }
             if (col < n_out) {
-                float v = round_bf16(t * rstd);
-                if (GATED) {
-                    const float sl = round_bf16(v / (1.f + __expf(-v)));
-                    v = round_bf16(sl * round_bf16(tu * rstd));
-                }
+                float v = finish(t * rstd, tu * rstd, GATED);
                 if (residual) v = round_bf16(v + __bfloat162float(r[col]));
                 const __nv_bfloat16 out = __float2bfloat16_rn(v);
                 y[col] = out;
