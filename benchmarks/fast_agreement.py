@@ -15,9 +15,7 @@ trained model (the demo pair).
 ``--gemv-all BN,BK,WARPS`` runs every one-row projection of the fast engines on a per-block GEMV of that
 tile (where BK divides K), with the built-in schedule (norm_late: 1/rms in the epilogue): the numerics the
 Qwen3-8B shapes get from gemv.GEMV_TILES, tried on the demo's trained weights, whose own shapes have none.
-``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (cuda_gemv.CUDA_GEMVS' numerics),
-``--rows-all COLS,KS,WARPS,STAGES`` puts every projection of 2-32 rows on rows.cu's (CUDA_ROWS'; KS must
-divide every K: 128 on the demo).
+``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (cuda_gemv.CUDA_GEMVS' numerics).
 """
 
 from __future__ import annotations
@@ -67,7 +65,6 @@ def main() -> None:
                     "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
     ap.add_argument("--gemv-all", help="BN,BK,WARPS: every one-row projection on this GEMV tile (docstring)")
     ap.add_argument("--cuda-all", help="COLS,WARPS,STAGES: every one-row projection on gemv.cu's kernel (docstring)")
-    ap.add_argument("--rows-all", help="COLS,KS,WARPS,STAGES: every projection of 2-32 rows on rows.cu's kernel")
     ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=0|1,...")
     args = ap.parse_args()
     kernels.set_schedule(args.schedule)
@@ -90,15 +87,6 @@ def main() -> None:
 
         C.CUDA_GEMVS = EveryCudaShape()
         print(f"every one-row projection on the CUDA GEMV {tuple(cuda_tile)}; schedule {kernels.SCHEDULE}")
-    if args.rows_all:
-        rows_tile = C.CudaRows(*map(int, args.rows_all.split(",")))
-
-        class EveryRowsShape(dict):
-            def get(self, key, default=None):
-                return rows_tile
-
-        C.CUDA_ROWS = EveryRowsShape()
-        print(f"every projection of 2-32 rows on the CUDA rows kernel {tuple(rows_tile)}")
     # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
     with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
             open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:

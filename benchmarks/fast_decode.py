@@ -7,8 +7,7 @@ Weights are random (drawn on the GPU: exact values do not matter for speed, and 
 synthetic weights of ``xrun bench --synthetic`` take a minute to draw). Prints, per context: the
 graphed step time of the reference modules and of the fast engines with and without programmatic
 dependent launch (PDL), for 1 (decode), 7 (chain verify) and 32 (tree verify) tokens (one token also
-on the tile kernel alone; every count also with the CUDA C++ kernels off, gemv.cu's and rows.cu's shapes
-on Triton); the EAGLE3
+on the tile kernel alone and with gemv.cu's shapes on the Triton GEMV); the EAGLE3
 head's draft step and fc; and the fast path's teacher-forced agreement with the reference (relative
 logit error, argmax agreement) over a few decode steps. ``--variants`` instead times the decode and
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
@@ -19,10 +18,8 @@ attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm
 shape of the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0:
 the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
 ahead; ``cuda_NAME=cols/warps/stages[/per_sm]`` gives it gemv.cu's CUDA C++ kernel with that tile
-(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile), ``rows_NAME=cols/ks/warps/stages[/per_sm]`` its calls
-of 2-32 rows rows.cu's (cuda_gemv.CudaRows; 0: the Triton tile kernel). NAME may also be lm_head or e3_qkv
-(the EAGLE3 head's). The tables are keyed by shape, so the EAGLE3 step's o, gate/up and down (and fc) take
-them too.
+(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile). Both tables are keyed by shape, so the EAGLE3 step's o, gate/up and down (and fc)
+take them too.
 """
 
 from __future__ import annotations
@@ -74,24 +71,21 @@ def timed_ms(fn, reps: int = 5) -> float:
 
 
 # the 8B target's weights as GEMV_TILES keys them (N_OUT, K), for the variants' gemv_NAME keys
-GEMV_NAMES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (12288, 4096), "down": (4096, 12288),
-              "lm_head": (151936, 4096), "e3_qkv": (6144, 8192)}
+GEMV_NAMES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (12288, 4096), "down": (4096, 12288)}
 OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant keys (and gemv_NAME), not SCHEDULE's
 
 
 def tile_key(key: str) -> bool:
-    """Whether a variant key is a gemv_NAME, cuda_NAME or rows_NAME tile (NAME in GEMV_NAMES); other keys
-    (cuda_gemv, cuda_rows among them) are SCHEDULE's."""
-    return key.startswith(("gemv_", "cuda_", "rows_")) and key[5:] in GEMV_NAMES
+    """Whether a variant key is a gemv_NAME or cuda_NAME tile (NAME in GEMV_NAMES); other keys (cuda_gemv among
+    them) are SCHEDULE's."""
+    return key.startswith(("gemv_", "cuda_")) and key[5:] in GEMV_NAMES
 
 
 def gemv_value(key: str, text: str) -> tuple[int, ...]:
     """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]', a cuda_NAME one's from
-    'cols/warps/stages[/per_sm]', a rows_NAME one's from 'cols/ks/warps/stages[/per_sm]' (or '0': none);
-    SystemExit if malformed."""
-    cuda, rows = key.startswith("cuda_"), key.startswith("rows_")
-    form = ("cols/warps/stages[/per_sm]" if cuda else "cols/ks/warps/stages[/per_sm]" if rows
-            else "bn/bk/warps[/split/per_sm/ahead]")
+    'cols/warps/stages[/per_sm]' (or '0': none); SystemExit if malformed."""
+    cuda = key.startswith("cuda_")
+    form = "cols/warps/stages[/per_sm]" if cuda else "bn/bk/warps[/split/per_sm/ahead]"
     usage = f"--variants: {key}={text} must be 0 or {form} (integers)"
     try:
         fields = tuple(int(t) for t in text.split("/"))
@@ -99,15 +93,12 @@ def gemv_value(key: str, text: str) -> tuple[int, ...]:
         raise SystemExit(usage) from None
     if fields == (0,):
         return fields
-    if not (4 if rows else 3) <= len(fields) <= (4 if cuda else 5 if rows else 6):
+    if not 3 <= len(fields) <= (4 if cuda else 6):
         raise SystemExit(usage)
     shape = GEMV_NAMES[key[5:]]
-    if cuda or rows:
+    if cuda:
         try:
-            if cuda:
-                C.check(fields, *shape, gated=key[5:] == "gate_up")
-            else:
-                C.check_rows(fields, *shape, gated=key[5:] == "gate_up", rows=8)
+            C.check(fields, *shape, gated=key == "cuda_gate_up")
         except EngineError as e:
             raise SystemExit(f"--variants: {key}={text}: {e}") from None
         return fields
@@ -141,16 +132,14 @@ def variant_schedule(v: dict, builtin: dict) -> dict:
     return builtin | {k: x for k, x in v.items() if k not in OWN_KEYS and not tile_key(k)}
 
 
-def variant_gemv(v: dict, cuda_base: dict, rows_base: dict) -> None:
-    """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds), its cuda_NAME ones in CUDA_GEMVS
-    (over ``cuda_base``) and its rows_NAME ones in CUDA_ROWS (over ``rows_base``); 0 removes the shape."""
-    for table, base in ((C.CUDA_GEMVS, cuda_base), (C.CUDA_ROWS, rows_base)):
-        table.clear()
-        table.update(base)
+def variant_gemv(v: dict, cuda_base: dict) -> None:
+    """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds) and its cuda_NAME ones in CUDA_GEMVS
+    (over ``cuda_base``); 0 removes the shape."""
+    C.CUDA_GEMVS.clear()
+    C.CUDA_GEMVS.update(cuda_base)
     for k, fields in v.items():
         if tile_key(k):
-            table, tile = {"cuda_": (C.CUDA_GEMVS, C.CudaGemv), "rows_": (C.CUDA_ROWS, C.CudaRows)}.get(
-                k[:5], (G.GEMV_TILES, G.Gemv))
+            table, tile = (C.CUDA_GEMVS, C.CudaGemv) if k.startswith("cuda_") else (G.GEMV_TILES, G.Gemv)
             shape = GEMV_NAMES[k[5:]]
             table.pop(shape, None)
             if fields != (0,):
@@ -175,7 +164,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     builtin = dict(kernels.SCHEDULE)
     builtin_tiles = {"tiles": dict(L.TILES), "gemv_tiles": dict(G.GEMV_TILES)}
     builtin_chunk = fast.chunk
-    builtin_cuda, builtin_rows = dict(C.CUDA_GEMVS), dict(C.CUDA_ROWS)
+    builtin_cuda = dict(C.CUDA_GEMVS)
     rows = []
     print(f"built-in schedule {builtin}")
     print(f"{'schedule variant':<48}{'ctx':>6}{'1 tok':>8}{'7 tok':>8}{'32 tok':>8}{'eagle3':>8}")
@@ -189,7 +178,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
             use_tiles(builtin_tiles)
             if v.get("tiles") and tiles:
                 use_tiles(tiles)
-            variant_gemv(v, builtin_cuda, builtin_rows)
+            variant_gemv(v, builtin_cuda)
             row = {"variant": v, "ctx": ctx}
             for tokens in (1, 7, 32):
                 row[f"fast_ms_{tokens}"] = graphed_ms(fast.run, step_inputs(tokens, ctx, cfg.vocab_size))
@@ -204,7 +193,7 @@ def time_variants(variants: list[dict], contexts: list[int], fast, fe3, ref, cfg
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
     use_tiles(builtin_tiles)
-    variant_gemv({}, builtin_cuda, builtin_rows)
+    variant_gemv({}, builtin_cuda)
     fast.chunk = builtin_chunk
     return rows
 
@@ -249,18 +238,17 @@ def main() -> None:
                 json.dump(out, f, indent=1)
         return
     print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}"
-          f"{'no-CUDA ms':>12}" + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
+          f"{'Triton GEMV ms':>16}" + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
     for ctx in map(int, args.contexts.split(",")):
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
             row = {"what": "target step", "ctx": ctx, "tokens": tokens, "ref_ms": graphed_ms(ref.run, inputs)}
             row["fast_ms"] = graphed_ms(fast.run, inputs)
-            cuda = {key: kernels.SCHEDULE[key] for key in ("cuda_gemv", "cuda_rows")}
-            if any(cuda.values()):                             # gemv.cu's and rows.cu's shapes on Triton
-                kernels.SCHEDULE.update(dict.fromkeys(cuda, False))
-                row["fast_triton_ms"] = graphed_ms(fast.run, inputs)
-                kernels.SCHEDULE.update(cuda)
+            if tokens == 1 and kernels.SCHEDULE["cuda_gemv"] and C.CUDA_GEMVS:    # gemv.cu's shapes on Triton
+                kernels.SCHEDULE["cuda_gemv"] = False
+                row["fast_triton_gemv_ms"] = graphed_ms(fast.run, inputs)
+                kernels.SCHEDULE["cuda_gemv"] = True
             if tokens == 1 and (G.GEMV_TILES or C.CUDA_GEMVS):  # the tile kernel for one row too
                 saved, cuda = dict(G.GEMV_TILES), kernels.SCHEDULE["cuda_gemv"]
                 G.GEMV_TILES.clear()
@@ -281,7 +269,7 @@ def main() -> None:
             out["rows"].append(row)
             print(f"{row['what']:<22}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}"
                   f"{row['fast_nopdl_ms']:>11.3f}{row.get('fast_tile_kernel_ms', float('nan')):>12.3f}"
-                  f"{row.get('fast_triton_ms', float('nan')):>12.3f}"
+                  f"{row.get('fast_triton_gemv_ms', float('nan')):>16.3f}"
                   + (f"{row.get('fast_builtin_gemv_ms', float('nan')):>24.3f}" if args.tiles else ""))
         for chunk in [int(c) for c in args.chunks.split(",") if c]:
             default, fast.chunk = fast.chunk, chunk

@@ -108,13 +108,12 @@ def main() -> None:
     fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
     fast.bind_kv(ref.new_kv())
     builtin, chunk, gemv_tiles, cuda_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES), dict(C.CUDA_GEMVS)
-    rows_tiles = dict(C.CUDA_ROWS)
     for v in parse_variants(args.variants):
         kernels.SCHEDULE.update(variant_schedule(v, builtin))
         fast.chunk = v.get("chunk", chunk)
         G.GEMV_TILES.clear()
         G.GEMV_TILES.update(gemv_tiles)
-        variant_gemv(v, cuda_tiles, rows_tiles)
+        variant_gemv(v, cuda_tiles)
         name = variant_name(v)
         for ctx in map(int, args.contexts.split(",")):
             for tokens in map(int, args.tokens.split(",")):
@@ -130,7 +129,7 @@ def main() -> None:
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
     G.GEMV_TILES.update(gemv_tiles)
-    variant_gemv({}, cuda_tiles, rows_tiles)
+    variant_gemv({}, cuda_tiles)
 
 
 if __name__ == "__main__":

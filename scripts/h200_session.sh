@@ -20,8 +20,7 @@
 #   PART=5  the norm_late test on the GPU, then benchmarks/fast_agreement.py on the demo with every one-row
 #           projection on a GEMV (--gemv-all GEMV_ALL: the 8B shapes' numerics on trained weights) under
 #           SCHED (--schedule, e.g. norm_late=0); SKIP_TEST=1 leaves the test out; CUDA_ALL (cols,warps,stages):
-#           every one of them on gemv.cu's kernel instead (--cuda-all); ROWS_ALL (cols,ks,warps,stages): every
-#           projection of 2-32 rows on rows.cu's (--rows-all)
+#           every one of them on gemv.cu's kernel instead (--cuda-all)
 #   PART=6  the RMSNorm pre-pass span (kernels.SCHEDULE rstd_span): the schedule tests on the GPU, the verify
 #           tiles of CALLS (8b qkv, gate/up) swept under rstd_span=SPAN (2048) -> $OUT/span.json, then
 #           benchmarks/fast_decode.py --variants "$VARIANTS" (spans 512..4096; tiles=1: span.json's) at 128,4096
@@ -42,8 +41,8 @@
 #           graphed step, contexts TIMELINE_CONTEXTS (128,4096), TIMELINE_TOKENS (1,32) tokens) under
 #           TIMELINE_VARIANTS, then (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS" at contexts
 #           FD_CONTEXTS (128,4096), its last FD_LINES (14) lines echoed
-#   PART=16 the CUDA C++ kernels: the gpu tests of tests/runtime/test_cuda_gemv.py (and -k TESTS of the other
-#           kernel tests, if set), benchmarks/fast_decode.py at FD_CONTEXTS (the CUDA kernels on and off), then
+#   PART=16 the CUDA C++ GEMV: the gpu tests of tests/runtime/test_cuda_gemv.py (and -k TESTS of the other
+#           kernel tests, if set), benchmarks/fast_decode.py at FD_CONTEXTS (the CUDA GEMV on and off), then
 #           (VARIANTS set) benchmarks/fast_decode.py --variants "$VARIANTS" at VAR_CONTEXTS (128), its last
 #           FD_LINES (14) lines echoed
 # DRAFT_MODEL (e.g. qwen3-0.6b): the greedy bench is followed by one with that synthetic draft model (its step
@@ -166,7 +165,7 @@ if [ "$PART" = 5 ]; then
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   step "benchmarks/fast_agreement.py on the demo, every one-row projection on GEMV ${GEMV_ALL:-4,64,4} (norm_late)"
   timeout 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
-    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} ${ROWS_ALL:+--rows-all "$ROWS_ALL"} --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
+    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -14 "$OUT/agreement_gemv.log"
 fi

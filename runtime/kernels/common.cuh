@@ -1,5 +1,5 @@
-// Helpers shared by gemv.cu and rows.cu (built together into one library by cuda_gemv.py): programmatic
-// dependent launch, bf16 unpacking, mbarriers and bulk copies (cp.async.bulk) into shared memory.
+// Helpers of gemv.cu (kept apart for the next CUDA kernel; cuda_gemv.py builds the library): programmatic
+// dependent launch, bf16 unpacking, mbarriers and bulk copies (cp.async.bulk) into shared memory, the epilogue.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -28,7 +28,7 @@ from xcompile.runtime.errors import EngineError
 from xcompile.runtime.kernels import SCHEDULE, interpreted, pdl
 from xcompile.runtime.logs import logger
 
-SOURCES = [Path(__file__).with_name(name) for name in ("common.cuh", "gemv.cu", "rows.cu")]
+SOURCES = [Path(__file__).with_name(name) for name in ("common.cuh", "gemv.cu")]
 log = logger(__name__)
 
 
@@ -96,10 +96,9 @@ def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         done = subprocess.run([compiler, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
-                               "-o", tmp, *(str(p) for p in SOURCES if p.suffix == ".cu")],
-                              capture_output=True, text=True)
+                               "-o", tmp, str(SOURCES[1])], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"nvcc failed on {SOURCES[0].parent}: "
+            raise RuntimeError(f"nvcc failed on {SOURCES[1]}: "
                                f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
         os.replace(tmp, lib)
     finally:
@@ -114,8 +113,6 @@ def load(path: Path) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.xc_gemv.argtypes = [p, p, p, p, p, p, i, i, ctypes.c_float, i, i, i, i, i, i, i, i, i, i, p]
     lib.xc_gemv.restype = i
-    lib.xc_rows.argtypes = [p, i, p, p, i, p, i, p, i, i, i, i, i, i, i, i, i, i, i, i, i, i, p]
-    lib.xc_rows.restype = i
     return lib
 
 
@@ -158,82 +155,4 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: CudaGemv, *,
     err = lib.xc_gemv(*ptrs, n_out, k, eps, tile.cols, tile.warps, tile.stages, tile.per_sm, *flags)
     if err:
         raise EngineError(f"CUDA GEMV launch failed (error {err}) for ({n_out}, {k}) with tile {tuple(tile)}")
-    return out
-
-
-class CudaRows(NamedTuple):
-    """A tile of rows.cu's kernel: ``cols`` output columns a group (16 or 32), ``ks`` of K a stage (a multiple
-    of 16 x warps dividing K), ``warps`` a block, ``stages`` (2-8) in shared memory, ``per_sm`` blocks a SM (0:
-    as many as fit)."""
-    cols: int
-    ks: int
-    warps: int
-    stages: int
-    per_sm: int = 0
-
-
-MAX_CUDA_ROWS = 32               # rows.cu's n-tiles: 1, 2 or 4 of 8 rows
-
-# Shapes (N_OUT, K) whose calls of 2-32 rows (x already normalised) take rows.cu's kernel where it runs.
-# First guesses (fourteenth session), to be chosen inside the graphed step (fast_decode.py --variants
-# "rows_qkv=16/512/4/4;..."); without nvcc the Triton tile kernel.
-CUDA_ROWS: dict[tuple[int, int], CudaRows] = {
-    (6144, 4096): CudaRows(16, 512, 4, 4),      # Qwen3-8B qkv
-    (4096, 4096): CudaRows(16, 512, 4, 4),      # Qwen3-8B o_proj (+ residual)
-    (12288, 4096): CudaRows(16, 512, 4, 3),     # Qwen3-8B gate/up (+ SiLU*mul)
-    (4096, 12288): CudaRows(16, 512, 4, 4),     # Qwen3-8B down_proj (+ residual), EAGLE3 fc
-}
-
-
-def rows_smem(tile: CudaRows, gated: bool, m: int) -> int:
-    """Shared memory of a launch of ``m`` rows (rows.cu's xc_rows): the stages, their mbarriers, the warps' sums."""
-    nt = 1 if m <= 8 else 2 if m <= 16 else 4
-    wrows = tile.cols * (2 if gated else 1)
-    return tile.stages * ((wrows + 8 * nt) * (2 * tile.ks + 16) + 8) + tile.warps * wrows * 8 * nt * 4
-
-
-def check_rows(tile: CudaRows, n_out: int, k: int, gated: bool = False, rows: int = MAX_CUDA_ROWS) -> CudaRows:
-    """``tile`` (any sequence of CudaRows' fields) if rows.cu has a kernel for it at this shape, at every row
-    count up to ``rows``; else EngineError."""
-    tile = CudaRows(*tile)
-    if (tile.cols not in (16, 32) or not 1 <= tile.warps <= 16 or tile.ks % (16 * tile.warps) or tile.ks <= 0
-            or k % tile.ks or not 2 <= tile.stages <= 8 or tile.per_sm < 0
-            or rows_smem(tile, gated, rows) > SMEM_LIMIT):
-        raise EngineError(f"CUDA rows tile {tuple(tile)} for ({n_out}, {k}): cols must be 16 or 32, warps 1-16, ks a "
-                          "multiple of 16 x warps dividing K, stages 2-8, per_sm >= 0 and the stages of "
-                          f"{rows} rows within {SMEM_LIMIT} bytes of shared memory; fix "
-                          "cuda_gemv.CUDA_ROWS or the variant")
-    return tile
-
-
-def rows_tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, *tensors: torch.Tensor | None) -> CudaRows | None:
-    """rows.cu's tile for this call of 2-32 rows, or None (the shape has none, too many rows, not bf16, no
-    CUDA device or no library, a pointer not 16-byte aligned, x's row stride not a multiple of 8)."""
-    tile = CUDA_ROWS.get((n_out, k))
-    if (tile is None or not 2 <= x.shape[0] <= MAX_CUDA_ROWS or x.stride(0) % 8 or not SCHEDULE["cuda_rows"]
-            or x.device.type != "cuda" or interpreted()):
-        return None
-    if any(t is not None and (t.dtype != torch.bfloat16 or t.data_ptr() % 16) for t in (x, w, *tensors)):
-        return None
-    try:
-        tile = check_rows(tile, n_out, k, gated=w.shape[0] == 2 * n_out, rows=x.shape[0])
-    except EngineError:
-        return None                                        # more rows than this tile's stages hold: Triton
-    return tile if library(x.device.index or 0) is not None else None
-
-
-def rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: CudaRows, *, gated: bool,
-         residual: torch.Tensor | None, extra_out: torch.Tensor | None, early: bool) -> torch.Tensor:
-    """linear() of 2-32 rows without the RMSNorm prologue (its docstring) on rows.cu's kernel."""
-    m, k = x.shape
-    n_out = out.shape[1]
-    lib = library(x.device.index or 0)
-    stride = [t.stride(0) if t is not None else 0 for t in (residual, extra_out)]
-    err = lib.xc_rows(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
-                      residual.data_ptr() if residual is not None else None, stride[0],
-                      extra_out.data_ptr() if extra_out is not None else None, stride[1], m, n_out, k, *tile[:4],
-                      tile.per_sm, gated, residual is not None, extra_out is not None, early, pdl(),
-                      torch.cuda.current_stream(x.device).cuda_stream)
-    if err:
-        raise EngineError(f"CUDA rows launch failed (error {err}) for {m} x ({n_out}, {k}) with tile {tuple(tile)}")
     return out

@@ -15,8 +15,7 @@ columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one we
 of them. Rounding follows the reference modules (each matmul output rounded to the model dtype
 before the next elementwise op), so the reference below is what the kernel is tested against.
 One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead (cuda_gemv.py's CUDA C++
-kernel for the shapes it lists, where it is built, else gemv.py's Triton GEMV); calls of 2-32 rows of the
-shapes in cuda_gemv.CUDA_ROWS run rows.cu's tensor-core kernel there (its RMSNorm apart).
+kernel for the shapes it lists, where it is built, else gemv.py's Triton GEMV).
 """
 
 from __future__ import annotations
@@ -383,10 +382,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
     if norm is not None and SCHEDULE["norm_apart"]:
         x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
-    rows_tile = cuda_gemv.rows_tile_for(x, w, n_out, k, out, residual, extra_out) if norm is None else None
-    if rows_tile is not None:
-        return cuda_gemv.rows(x, w, out, rows_tile, gated=gated, residual=residual, extra_out=extra_out,
-                              early=schedule_flags(m)["EARLY"])
     t = tile_for(n_out, k)
     blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,

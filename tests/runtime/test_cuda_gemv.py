@@ -1,4 +1,4 @@
-"""gemv.cu's one-row CUDA C++ projection and rows.cu's 2-32-row one (runtime/kernels/cuda_gemv.py).
+"""gemv.cu's one-row CUDA C++ projection (runtime/kernels/cuda_gemv.py).
 
 On the CPU: the tile checks, the dispatch that keeps CPU tensors on the Triton path, and the build with
 nvcc (skipped where there is none) into a cache that never holds a partial library. Tests marked ``gpu``
@@ -59,37 +59,18 @@ def test_cpu_tensors_and_ragged_k_stay_on_the_triton_path(monkeypatch):
         assert C.tile_for(x, w, 64, k) is None
 
 
-@pytest.mark.parametrize("tile,shape", [((8, 128, 4, 2), (64, 256)), ((16, 100, 4, 2), (64, 400)),
-                                        ((16, 128, 4, 2), (64, 320)), ((16, 128, 4, 1), (64, 256)),
-                                        ((16, 128, 0, 2), (64, 256)), ((32, 2048, 4, 3), (64, 4096))])
-def test_check_rows_rejects_tiles_without_a_kernel(tile, shape):
-    """Bad cols; ks not a multiple of 16 x warps, or not dividing K; too few stages; no warps; 3 stages of 2048
-    of K past the shared memory at 32 rows."""
-    with pytest.raises(EngineError, match="CUDA rows tile"):
-        C.check_rows(tile, *shape)
-
-
-def test_rows_dispatch_keeps_cpu_tensors_one_row_and_long_blocks_off_the_cuda_kernel(monkeypatch):
-    monkeypatch.setitem(C.CUDA_ROWS, (64, 256), C.CudaRows(16, 128, 4, 2))
-    w = torch.randn(64, 256).bfloat16()
-    for m in (1, 7, 33):
-        assert C.rows_tile_for(torch.randn(m, 256).bfloat16(), w, 64, 256) is None
-    assert C.rows_smem(C.CudaRows(16, 512, 4, 3), True, 7) == 3 * (40 * 1040 + 8) + 4 * 32 * 8 * 4
-
-
 nvcc = pytest.mark.skipif(C.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
 
 
 @nvcc
 def test_build_compiles_caches_and_loads(tmp_path):
     """Built once for sm_90 (no GPU needed to compile), then found in the cache; nothing else left there;
-    the library loads and exports xc_gemv and xc_rows."""
+    the library loads and exports xc_gemv."""
     lib = C.build("sm_90", C.nvcc(), tmp_path)
     assert lib.parent == tmp_path and os.listdir(tmp_path) == [lib.name]
     mtime = lib.stat().st_mtime_ns
     assert C.build("sm_90", C.nvcc(), tmp_path) == lib and lib.stat().st_mtime_ns == mtime
-    loaded = C.load(lib)
-    assert isinstance(loaded.xc_gemv, ctypes._CFuncPtr) and isinstance(loaded.xc_rows, ctypes._CFuncPtr)
+    assert isinstance(C.load(lib).xc_gemv, ctypes._CFuncPtr)
 
 
 def test_failed_build_leaves_nothing(tmp_path):
@@ -199,108 +180,6 @@ def test_cuda_gemv_in_a_cuda_graph(pdl, monkeypatch):
     graph.replay()
     assert torch.equal(out, want)
     x.copy_(randn(1, k))
-    want = chain()
-    graph.replay()
-    assert torch.equal(out, want)
-
-
-def rows_only(monkeypatch, n: int, k: int, tile: C.CudaRows) -> None:
-    """(n, k) on rows.cu's kernel with ``tile`` for 2-32 rows; fails the test if the library is not there."""
-    monkeypatch.setitem(C.CUDA_ROWS, (n, k), tile)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_rows", True)
-    assert C.library(0) is not None, "rows.cu did not build (nvcc on this GPU machine?)"
-
-
-ROWS_TILES = [C.CudaRows(16, 128, 4, 2), C.CudaRows(32, 128, 2, 3), C.CudaRows(16, 256, 4, 4, 1),
-              C.CudaRows(32, 64, 4, 2, 2)]
-
-
-@gpu_only
-@pytest.mark.parametrize("tile", ROWS_TILES, ids=lambda t: "/".join(map(str, t)))
-@pytest.mark.parametrize("kind", ["plain", "residual+extra", "gated", "residual in place"])
-@pytest.mark.parametrize("n,k", [(83, 768), (40, 1536)])
-def test_cuda_rows_matches_reference(n, k, kind, tile, monkeypatch):
-    """Every epilogue and tile at ragged column counts (a last group partly past the end) and every n-tile
-    count (2-32 rows, strided x and outputs), twice; a row gets the same bits at every row count."""
-    rows_only(monkeypatch, n, k, tile)
-    torch.manual_seed(n + k)
-    gated = kind == "gated"
-    w = randn(2 * n if gated else n, k, scale=k ** -0.5)
-    xs = randn(32, k + 8)[:, :k]                                 # rows 8 elements apart beyond K
-    first = {}
-    for m in (2, 7, 9, 16, 20, 32):
-        x = xs[:m]
-        r = randn(m, n) if kind != "plain" and not gated else None
-        taps = torch.zeros(m, 2 * n + 8, dtype=torch.bfloat16, device=DEV)
-        extra = taps[:, 8:8 + n] if kind == "residual+extra" else None
-        want = linear_reference(x, w, gated=gated, residual=r)
-        for _ in range(2):
-            if kind == "residual in place":
-                got = r.clone()
-                linear(x, w, residual=got, out=got)
-            else:
-                got = linear(x, w, gated=gated, residual=r, extra_out=extra)
-            assert rel(got, want) < 1e-2, m
-        if extra is not None:
-            assert torch.equal(extra, got) and not taps[:, :8].any() and not taps[:, 8 + n:].any()
-        if kind in ("plain", "gated"):
-            first.setdefault("rows", got[:2])
-            assert torch.equal(got[:2], first["rows"]), m
-
-
-@gpu_only
-@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True),
-                                       (4096, 12288, False), (151936, 4096, False), (6144, 8192, False)])
-@pytest.mark.parametrize("rows", [7, 32])
-def test_cuda_rows_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
-    """The built-in tiles (a first guess elsewhere) at the 8B and EAGLE3 shapes, chain and tree verify rows, the
-    RMSNorm apart (norm_apart): accurate and close to the Triton tile kernel's bits."""
-    tile = C.CUDA_ROWS.get((n, k), C.CudaRows(16, 512, 4, 3))
-    rows_only(monkeypatch, n, k, tile)
-    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", True)
-    torch.manual_seed(n + rows)
-    w = randn(2 * n if gated else n, k, scale=k ** -0.5)
-    x, g, r = randn(rows, k), randn(k) + 1, randn(rows, n)
-    args = dict(norm=g, gated=gated) if k == 4096 and n != 4096 else dict(residual=r)
-    got = linear(x, w, **args)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_rows", False)
-    triton_out = linear(x, w, **args)
-    assert rel(got, linear_reference(x, w, **args)) < 1e-2
-    assert rel(got, triton_out) < 1e-2
-
-
-@gpu_only
-@pytest.mark.parametrize("pdl", [False, True])
-def test_cuda_rows_in_a_cuda_graph(pdl, monkeypatch):
-    """A chain of 7-row projections on rows.cu's kernel and the Triton tile kernel recorded in one graph
-    (with and without PDL): replays give the eager results for new inputs."""
-    monkeypatch.setitem(kernels.PDL, "enabled", pdl)
-    n, k = 1024, 1024
-    rows_only(monkeypatch, n, k, C.CudaRows(16, 256, 4, 3))
-    torch.manual_seed(2)
-    ws = [randn(n, k, scale=k ** -0.5) for _ in range(2)] + [randn(n, k + 256, scale=k ** -0.5)]
-    x = randn(7, k)
-
-    def chain():
-        h = linear(x, ws[0])                           # CUDA
-        r = x.clone()
-        linear(h, ws[1], residual=r, out=r)            # CUDA, the residual in place
-        h = linear(torch.cat([r, r[:, :256]], 1), ws[2])   # K = 1280: the Triton tile kernel
-        return linear(h, ws[0])                        # CUDA again
-
-    want = chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-        with torch.cuda.graph(graph, stream=stream):
-            out = chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    assert torch.equal(out, want)
-    x.copy_(randn(7, k))
     want = chain()
     graph.replay()
     assert torch.equal(out, want)

@@ -529,7 +529,6 @@ def test_linear_at_qwen3_8b_shapes(n, k, gated, rows, monkeypatch):
     assert rel(alone, linear_reference(x[:1], w, norm=g, gated=gated)) < 1e-2
     monkeypatch.delitem(G.GEMV_TILES, (n, k), raising=False)                       # the tile kernel for one row
     monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_rows", False)                      # and for the block
     block = linear(x, w, norm=g, gated=gated)
     assert torch.equal(linear(x[:1], w, norm=g, gated=gated)[0], block[0])
 
@@ -540,7 +539,6 @@ def test_norm_apart_at_qwen3_8b_shapes(n, k, gated, monkeypatch):
     """The RMSNorm in a launch of its own (norm_apart) before the 8B projections with a norm: accurate at 7
     and 33 rows, row 0 the same bits in both."""
     monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", True)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_rows", False)                      # the tile kernel at 7 rows too
     torch.manual_seed(n)
     w = randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5)
     x, g = randn(33, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16) + 1
