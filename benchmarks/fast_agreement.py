@@ -51,6 +51,17 @@ def gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+class EveryShape(dict):
+    """A tile table (gemv.GEMV_TILES, cuda_gemv.CUDA_GEMVS) that gives one tile for every shape."""
+
+    def __init__(self, tile):
+        super().__init__()
+        self.tile = tile
+
+    def get(self, key, default=None):
+        return self.tile
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine_dir")
@@ -70,22 +81,12 @@ def main() -> None:
     kernels.set_schedule(args.schedule)
     if args.gemv_all:
         tile = G.Gemv(*map(int, args.gemv_all.split(",")))
-
-        class EveryShape(dict):
-            def get(self, key, default=None):
-                return tile
-
-        G.GEMV_TILES = EveryShape()
+        G.GEMV_TILES = EveryShape(tile)
         print(f"every one-row projection on GEMV {tuple(tile)} (where {tile.block_k} divides K); schedule "
               f"{kernels.SCHEDULE}")
     if args.cuda_all:
         cuda_tile = C.CudaGemv(*map(int, args.cuda_all.split(",")))
-
-        class EveryCudaShape(dict):
-            def get(self, key, default=None):
-                return cuda_tile
-
-        C.CUDA_GEMVS = EveryCudaShape()
+        C.CUDA_GEMVS = EveryShape(cuda_tile)
         print(f"every one-row projection on the CUDA GEMV {tuple(cuda_tile)}; schedule {kernels.SCHEDULE}")
     # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
     with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
