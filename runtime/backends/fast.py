@@ -29,7 +29,7 @@ from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
-from xcompile.runtime.kernels import MAX_ROWS, interpreted
+from xcompile.runtime.kernels import MAX_ROWS, cuda_gemv, interpreted
 from xcompile.runtime.kernels.attention import attention, chunk_for
 from xcompile.runtime.kernels.linear import linear
 from xcompile.runtime.kernels.norm import embed_norms
@@ -115,6 +115,8 @@ class _FastEngine(Engine):
             raise EngineError(f"fast backend: head_dim {self.head_dim} is not a power of two >= 16 (the attention "
                               "kernel's tile); use --backend torch")
         self.chunk = chunk_for(self.kv_shape.max_seq_len) if self.kv_shape else 0
+        if self.device.type == "cuda" and self.dtype == torch.bfloat16:
+            cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
 
     def bind_kv(self, buffers) -> None:
         super().bind_kv(buffers)

@@ -2,11 +2,13 @@
 as gemv.py's Triton GEMV, the weight rows streamed into shared memory by the copy engine (cp.async.bulk)
 a few stages ahead, so the bytes in flight are not bounded by the registers (gemv.cu's header).
 
-Built on first use with the CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's
-architecture, into a cache directory (``$XCOMPILE_CACHE``, else ``~/.cache/xcompile``) keyed by the
-source, the architecture and nvcc's version, and called through ctypes on torch's current stream (so it
-records into CUDA graphs like any launch). Without nvcc, or if the build fails (a warning says why),
-one-row calls keep the Triton GEMV: ``CUDA_GEMVS`` only says which shapes take this kernel where it runs.
+Built on first use (the fast engines load it when they are made, outside any graph capture) with the
+CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's architecture (sm_90 or newer: the
+bulk copies are Hopper's), into ``$XCOMPILE_CACHE/cuda`` (else ``~/.cache/xcompile/cuda``) keyed by the
+sources, the architecture, the flags and nvcc's version, and called through ctypes on torch's current
+stream (so it records into CUDA graphs like any launch). Without nvcc, on an older GPU, if the build fails
+or a launch is refused (a warning says why), one-row calls keep the Triton GEMV: ``CUDA_GEMVS`` only says
+which shapes take this kernel where it runs.
 Neither CI nor any CPU runs it: its tests are marked ``gpu``.
 """
 
@@ -52,14 +54,15 @@ CUDA_GEMVS: dict[tuple[int, int], CudaGemv] = {
 }
 
 
-def check(tile: CudaGemv, n_out: int, k: int, gated: bool = False) -> CudaGemv:
+def check(tile: CudaGemv, n_out: int, k: int, gated: bool = False, smem_limit: int = SMEM_LIMIT) -> CudaGemv:
     """``tile`` (any sequence of CudaGemv's fields) if gemv.cu has a kernel for it at this shape; else EngineError."""
     tile = CudaGemv(*tile)
+    need = smem_bytes(tile, 2 if gated else 1, k)
     if (tile.cols not in (1, 2) or not 1 <= tile.warps <= 32 or not 2 <= tile.stages <= 8 or tile.per_sm < 0
-            or k > 4096 * tile.warps or smem_bytes(tile, 2 if gated else 1, k) > SMEM_LIMIT):
+            or k > 4096 * tile.warps or need > smem_limit):
         raise EngineError(f"CUDA GEMV tile {tuple(tile)} for ({n_out}, {k}): cols must be 1 or 2, warps 1-32, stages "
-                          f"2-8, per_sm >= 0, K at most 4096 x warps and the stages within {SMEM_LIMIT} bytes of "
-                          "shared memory; fix cuda_gemv.CUDA_GEMVS or the variant")
+                          f"2-8, per_sm >= 0, K at most 4096 x warps and the stages ({need} bytes) within "
+                          f"{smem_limit} bytes of shared memory; fix cuda_gemv.CUDA_GEMVS or the variant")
     return tile
 
 
@@ -81,12 +84,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XCOMPILE_CACHE") or Path.home() / ".cache" / "xcompile") / "cuda"
 
 
+FLAGS = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
+
+
 def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
-    """gemv.cu built for ``arch`` (e.g. 'sm_90') into the cache, unless a build of this source, arch and
-    nvcc is there; the library's path. Written under a temporary name and renamed into place, so a
-    concurrent or interrupted build never leaves a partial library. RuntimeError with nvcc's message."""
+    """gemv.cu built for ``arch`` (e.g. 'sm_90') into the cache, unless a build of these sources, arch, flags
+    and nvcc is there; the library's path. Written under a temporary name and renamed into place, so a
+    concurrent or interrupted build never leaves a partial library. RuntimeError with nvcc's error lines."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + arch.encode() + version.encode()).hexdigest()[:16]
+    flags = FLAGS + [f"-arch={arch}"]
+    env = [os.environ.get(v, "") for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
+    text = "\0".join([*flags, *env, version]).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + text).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"libxcgemv-{arch}-{key}.so"
     if lib.is_file():
@@ -95,11 +104,11 @@ def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
-                               "-o", tmp, str(SOURCES[1])], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCES[1])], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"nvcc failed on {SOURCES[1]}: "
-                               f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            errors = [line.strip() for line in lines if "error" in line.lower()][:3] or lines[-3:]
+            raise RuntimeError(f"nvcc failed on {SOURCES[1]}: {' / '.join(errors)}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -118,41 +127,71 @@ def load(path: Path) -> ctypes.CDLL:
 
 @functools.cache
 def library(index: int) -> ctypes.CDLL | None:
-    """gemv.cu built and loaded for CUDA device ``index``, or None (no nvcc, or the build failed: warned once)."""
+    """gemv.cu built and loaded for CUDA device ``index``, or None (no nvcc, a GPU older than sm_90, or the
+    build failed: said once)."""
     compiler = nvcc()
-    if compiler is None:
-        log.debug("no nvcc: one-row projections stay on the Triton GEMV")
-        return None
     major, minor = torch.cuda.get_device_capability(index)
+    if compiler is None or major < 9:
+        log.info("%s: one-row projections stay on the Triton GEMV",
+                 "no nvcc (CUDA toolkit) found" if compiler is None else f"the CUDA GEMV needs sm_90+, not sm_{major}{minor}")
+        return None
     try:
         return load(build(f"sm_{major}{minor}", compiler))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+    except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
         log.warning("CUDA GEMV not built (%s); one-row projections stay on the Triton GEMV", e)
         return None
 
 
-def tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, *tensors: torch.Tensor | None) -> CudaGemv | None:
+@functools.cache
+def smem_limit(index: int) -> int:
+    """Shared memory a block of device ``index`` may opt into."""
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", SMEM_LIMIT)
+
+
+REFUSED: set[tuple[int, int, CudaGemv]] = set()     # (N_OUT, K, tile) whose launch the device refused
+
+
+def tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, norm: torch.Tensor | None,
+             *tensors: torch.Tensor | None) -> CudaGemv | None:
     """The CUDA GEMV's tile for this one-row call, or None (the shape has none, K not a multiple of 8, not
-    bf16, no CUDA device or no library, a pointer not 16-byte aligned)."""
+    bf16, no CUDA device or no library, x, w or norm not 16-byte aligned, an RMSNorm while SCHEDULE's
+    norm_late is off (this kernel scales late only), more shared memory than the device has, a launch of
+    it refused before)."""
     tile = CUDA_GEMVS.get((n_out, k))
     if tile is None or k % 8 or not SCHEDULE["cuda_gemv"] or x.device.type != "cuda" or interpreted():
         return None
-    if any(t is not None and (t.dtype != torch.bfloat16 or t.data_ptr() % 16) for t in (x, w, *tensors)):
+    if norm is not None and not SCHEDULE["norm_late"]:
         return None
-    tile = check(tile, n_out, k, gated=w.shape[0] == 2 * n_out)
-    return tile if library(x.device.index or 0) is not None else None
+    if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w, norm, *tensors)):
+        return None
+    if any(t is not None and t.data_ptr() % 16 for t in (x, w, norm)):       # read in 16-byte chunks
+        return None
+    index = x.device.index or 0
+    try:
+        tile = check(tile, n_out, k, gated=w.shape[0] == 2 * n_out, smem_limit=smem_limit(index))
+    except EngineError:
+        return None                                    # a smaller device than the table's: Triton
+    if (n_out, k, tile) in REFUSED:
+        return None
+    return tile if library(index) is not None else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: CudaGemv, *, norm: torch.Tensor | None,
          eps: float, gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None,
-         early: bool) -> torch.Tensor:
-    """linear() of one row (its docstring) on gemv.cu's kernel: x [1, K] -> out [1, N]."""
+         early: bool) -> torch.Tensor | None:
+    """linear() of one row (its docstring) on gemv.cu's kernel: x [1, K] -> out [1, N]; None if the device
+    refused the launch (nothing was enqueued; warned once, and the shape stays on Triton from then on)."""
     n_out, k = out.shape[1], x.shape[1]
     lib = library(x.device.index or 0)
     ptrs = [t.data_ptr() if t is not None else None for t in (x, w, out, residual, norm, extra_out)]
     flags = (norm is not None, gated, residual is not None, extra_out is not None, early, pdl(),
              torch.cuda.current_stream(x.device).cuda_stream)
-    err = lib.xc_gemv(*ptrs, n_out, k, eps, tile.cols, tile.warps, tile.stages, tile.per_sm, *flags)
+    with torch.cuda.device(x.device):                  # the launch goes to the current device
+        err = lib.xc_gemv(*ptrs, n_out, k, eps, tile.cols, tile.warps, tile.stages, tile.per_sm, *flags)
     if err:
-        raise EngineError(f"CUDA GEMV launch failed (error {err}) for ({n_out}, {k}) with tile {tuple(tile)}")
+        reason = "no kernel for this tile" if err == -1 else f"cudaError_t {err}"
+        log.warning("CUDA GEMV launch for (%d, %d) with tile %s refused (%s); that shape stays on the Triton GEMV",
+                    n_out, k, tuple(tile), reason)
+        REFUSED.add((n_out, k, tile))
+        return None
     return out

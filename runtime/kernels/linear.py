@@ -373,10 +373,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
-    cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, out, norm, residual, extra_out) if m == 1 else None
-    if cuda_tile is not None:
-        return cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated, residual=residual,
-                              extra_out=extra_out, early=schedule_flags(1)["EARLY"])
+    cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, norm, out, residual, extra_out) if m == 1 else None
+    if cuda_tile is not None and cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated,
+                                                residual=residual, extra_out=extra_out,
+                                                early=schedule_flags(1)["EARLY"]) is not None:
+        return out
     tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)

@@ -56,7 +56,7 @@ def test_cpu_tensors_and_ragged_k_stay_on_the_triton_path(monkeypatch):
     for k in (256, 260):
         monkeypatch.setitem(C.CUDA_GEMVS, (64, k), C.CudaGemv(1, 4, 2))
         x, w = torch.randn(1, k).bfloat16(), torch.randn(64, k).bfloat16()
-        assert C.tile_for(x, w, 64, k) is None
+        assert C.tile_for(x, w, 64, k, None) is None
 
 
 nvcc = pytest.mark.skipif(C.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
@@ -73,16 +73,30 @@ def test_build_compiles_caches_and_loads(tmp_path):
     assert isinstance(C.load(lib).xc_gemv, ctypes._CFuncPtr)
 
 
-def test_failed_build_leaves_nothing(tmp_path):
-    """A compiler that fails: RuntimeError with its last line, and no file in the cache."""
+def test_failed_build_leaves_nothing_and_names_the_error(tmp_path):
+    """A compiler that fails as nvcc does (the error, then a summary line): RuntimeError naming the error
+    line, not only the summary, and no file in the cache."""
     fake = tmp_path / "nvcc"
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
-                    "echo 'gemv.cu(1): error: planted' >&2; exit 2\n")
+                    "echo 'gemv.cu(1): error: planted' >&2; echo 'note: context' >&2\n"
+                    "echo '1 error detected in the compilation of gemv.cu.' >&2; exit 2\n")
     fake.chmod(0o755)
     out = tmp_path / "cache"
-    with pytest.raises(RuntimeError, match="planted"):
+    with pytest.raises(RuntimeError, match="error: planted"):
         C.build("sm_90", str(fake), out)
     assert os.listdir(out) == []
+
+
+def test_the_cache_key_covers_the_flags(tmp_path, monkeypatch):
+    """Another NVCC_APPEND_FLAGS is another library name: a stale build is never reused."""
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "while [ \"$1\" != -o ]; do shift; done; : > \"$2\"\n")
+    fake.chmod(0o755)
+    first = C.build("sm_90", str(fake), tmp_path / "cache")
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-lineinfo")
+    second = C.build("sm_90", str(fake), tmp_path / "cache")
+    assert first != second and sorted(os.listdir(tmp_path / "cache")) == sorted([first.name, second.name])
 
 
 gpu_only = pytest.mark.gpu
@@ -98,11 +112,11 @@ def cuda_only(monkeypatch, n: int, k: int, tile: C.CudaGemv) -> None:
 @gpu_only
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "/".join(map(str, t)))
 @pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated", "residual in place", "norm"])
-@pytest.mark.parametrize("n,k", [(83, 2048), (40, 640)])
+@pytest.mark.parametrize("n,k", [(83, 2048), (40, 640), (4096, 640)])
 def test_cuda_gemv_matches_reference(n, k, kind, tile, monkeypatch):
-    """Every flag combination and tile at a ragged column count (a last block, and with 2 rows a warp a last
-    warp, partly past the end) and at a K that ends inside a step (640: 80 chunks, 2.5 lanes' worth), twice
-    (the launch leaves no state)."""
+    """Every flag combination and tile at a ragged column count (a last group partly past the end), at a K
+    that ends inside a step (640: 80 chunks, 2.5 warps' worth), and with many groups a block (4096 columns:
+    the ring of stages reused, its parity flipped), twice (the launch leaves no state)."""
     cuda_only(monkeypatch, n, k, tile)
     torch.manual_seed(n)
     gated = kind == "gated"
@@ -183,3 +197,27 @@ def test_cuda_gemv_in_a_cuda_graph(pdl, monkeypatch):
     want = chain()
     graph.replay()
     assert torch.equal(out, want)
+
+
+@gpu_only
+def test_cuda_gemv_falls_back_to_triton(monkeypatch):
+    """An RMSNorm with norm_late off (this kernel scales late only), and a launch the device refuses (once:
+    the shape then stays on Triton), give the Triton GEMV's bits; an output not 16-byte aligned (written an
+    element at a time) stays on the CUDA kernel."""
+    n, k = 256, 1024
+    cuda_only(monkeypatch, n, k, C.CudaGemv(2, 4, 2))
+    torch.manual_seed(5)
+    w, x, g = randn(n, k, scale=k ** -0.5), randn(1, k), randn(k) + 1
+    assert C.tile_for(x, w, n, k, g) is not None
+    out = torch.empty(1, n + 1, dtype=torch.bfloat16, device=DEV)[:, 1:]
+    assert out.data_ptr() % 16 and C.tile_for(x, w, n, k, g, out) is not None
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_late", False)
+    assert C.tile_for(x, w, n, k, g) is None
+    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)
+    triton_out = linear(x, w)
+    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", True)
+    monkeypatch.setattr(C, "REFUSED", set())
+    lib = C.library(0)
+    monkeypatch.setattr(lib, "xc_gemv", lambda *args: 1)           # cudaErrorInvalidValue, nothing launched
+    assert torch.equal(linear(x, w), triton_out)
+    assert C.REFUSED == {(n, k, C.CudaGemv(2, 4, 2))} and C.tile_for(x, w, n, k, None) is None
