@@ -132,8 +132,8 @@ def library(index: int) -> ctypes.CDLL | None:
     compiler = nvcc()
     major, minor = torch.cuda.get_device_capability(index)
     if compiler is None or major < 9:
-        log.info("%s: one-row projections stay on the Triton GEMV",
-                 "no nvcc (CUDA toolkit) found" if compiler is None else f"the CUDA GEMV needs sm_90+, not sm_{major}{minor}")
+        why = "no nvcc (CUDA toolkit) found" if compiler is None else f"it needs sm_90+, not sm_{major}{minor}"
+        log.info("CUDA GEMV not used (%s): one-row projections stay on the Triton GEMV", why)
         return None
     try:
         return load(build(f"sm_{major}{minor}", compiler))

@@ -52,6 +52,14 @@ def test_check_takes_json_rows_and_counts_gated_rows():
         C.check(down, 4096, 12288, gated=True)
 
 
+def test_the_built_in_tiles_pass_their_checks():
+    """Every CUDA_GEMVS entry has a kernel and fits the H200's shared memory (a bad entry would otherwise only
+    show as the Triton GEMV running)."""
+    assert C.CUDA_GEMVS
+    for (n, k), tile in C.CUDA_GEMVS.items():
+        assert C.check(tile, n, k, gated=(n, k) == (12288, 4096)) == tile
+
+
 def test_cpu_tensors_and_ragged_k_stay_on_the_triton_path(monkeypatch):
     for k in (256, 260):
         monkeypatch.setitem(C.CUDA_GEMVS, (64, k), C.CudaGemv(1, 4, 2))
@@ -141,7 +149,8 @@ def test_cuda_gemv_matches_reference(n, k, kind, tile, monkeypatch):
 @gpu_only
 @pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False), (12288, 4096, True),
                                        (4096, 12288, False), (6144, 8192, False)])
-@pytest.mark.parametrize("tile", [C.CudaGemv(1, 4, 4), C.CudaGemv(2, 8, 3, 1), C.CudaGemv(1, 16, 2), C.CudaGemv(2, 4, 2)],
+@pytest.mark.parametrize("tile", [C.CudaGemv(1, 4, 4), C.CudaGemv(2, 8, 3, 1), C.CudaGemv(1, 16, 2),
+                                  C.CudaGemv(2, 4, 2)],
                          ids=lambda t: "/".join(map(str, t)))
 def test_cuda_gemv_at_qwen3_8b_shapes(n, k, gated, tile, monkeypatch):
     """Accurate at the 8B (and EAGLE3 qkv) shapes with the RMSNorm prologue (and the residual where the model has
