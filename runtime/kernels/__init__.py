@@ -4,8 +4,8 @@ One module per fused step, each with the plain-torch reference it is tested agai
 
     linear.py     RMSNorm prologue + skinny GEMM + residual or SiLU*mul epilogue (every projection)
     gemv.py       the same for one row on the CUDA cores (decode, single draft steps)
-    cuda_gemv.py  the same in CUDA C++ (gemv.cu, built with nvcc on first use) for the shapes it lists:
-                  weight rows streamed into shared memory by cp.async.bulk; Triton's GEMV without nvcc
+    cuda_gemv.py  the same in CUDA C++ (gemv.cu, built with nvcc as the fast engines load) for the shapes
+                  it lists: weight rows streamed into shared memory by cp.async.bulk; else Triton's GEMV
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
     norm.py       RMSNorm launches of their own: the EAGLE3 step's input, the tile kernel's norms (norm_apart)
@@ -158,8 +158,9 @@ def _pdl_capable() -> bool:
 # the reduction's write_index read before its wait, within noise.)
 # Thirteenth session (2026-12-02):
 #   cuda_gemv             one-row calls of the shapes in cuda_gemv.CUDA_GEMVS run gemv.cu's CUDA C++ kernel
-#                         (built with nvcc on first use) instead of the Triton GEMV; changes bits (another
-#                         reduction order). Figures: docs/BENCHMARKS.md, thirteenth session
+#                         (built with nvcc as the fast engines load) instead of the Triton GEMV; changes
+#                         bits (another reduction order). Figures: docs/BENCHMARKS.md, thirteenth and
+#                         fourteenth sessions
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,

@@ -2,7 +2,7 @@
 as gemv.py's Triton GEMV, the weight rows streamed into shared memory by the copy engine (cp.async.bulk)
 a few stages ahead, so the bytes in flight are not bounded by the registers (gemv.cu's header).
 
-Built on first use (the fast engines load it when they are made, outside any graph capture) with the
+Built when first asked for (the fast engines ask when they are made, outside any graph capture) with the
 CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's architecture (sm_90 or newer: the
 bulk copies are Hopper's), into ``$XCOMPILE_CACHE/cuda`` (else ``~/.cache/xcompile/cuda``) keyed by the
 sources, the architecture, the flags and nvcc's version, and called through ctypes on torch's current
