@@ -18,8 +18,8 @@ attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm
 shape of the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0:
 the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
 ahead; ``cuda_NAME=cols/warps/stages[/per_sm]`` gives it gemv.cu's CUDA C++ kernel with that tile
-(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile). Both tables are keyed by shape, so the EAGLE3 step's o, gate/up and down (and fc)
-take them too.
+(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile). Both tables are keyed by shape, so the EAGLE3
+step's o, gate/up and down (and fc) take them too.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ sweep_variants() {
   step "benchmarks/fast_decode.py --tiles $name.json --variants $v"
   fast_decode 300 "$lines" --tiles "$OUT/$name.json" --variants "$v" --json "$OUT/variants.json"
 }
-KERNEL_TESTS=(tests/runtime/test_kernels.py tests/runtime/test_cuda_gemv.py tests/runtime/test_fast.py tests/runtime/test_graphs.py)
+KERNEL_TESTS=(tests/runtime/test_kernels.py tests/runtime/test_cuda_gemv.py tests/runtime/test_fast.py
+              tests/runtime/test_graphs.py)
 
 if [ "$PART" = 0 ]; then
   step "benchmarks/kernels.py --gemv (one-row GEMV and verify tiles)"
@@ -165,7 +166,8 @@ if [ "$PART" = 5 ]; then
   xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 --force -q >/dev/null 2>&1
   step "benchmarks/fast_agreement.py on the demo, every one-row projection on GEMV ${GEMV_ALL:-4,64,4} (norm_late)"
   timeout 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" --max-gap 0.0625 \
-    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} --schedule "${SCHED:-}" > "$OUT/agreement_gemv.log" 2>&1
+    --gemv-all "${GEMV_ALL:-4,64,4}" ${CUDA_ALL:+--cuda-all "$CUDA_ALL"} --schedule "${SCHED:-}" \
+    > "$OUT/agreement_gemv.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   tail -14 "$OUT/agreement_gemv.log"
 fi
