@@ -15,8 +15,8 @@ verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-se
 ``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones); a
 variant's ``chunk=N`` gives the target's attention N keys per split for the whole cache (the engine's
 attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight
-shape of the 8B target (NAME in GEMV_NAMES: qkv, o, gate_up, down) that one-row GEMV tile (gemv.Gemv's fields; 0:
-the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
+shape of the 8B target or the EAGLE3 head (NAME in GEMV_NAMES: qkv, o, gate_up, down, lm_head, eagle3_qkv,
+eagle3_lm_head) that one-row GEMV tile (gemv.Gemv's fields; 0: the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
 ahead; ``cuda_NAME=cols/warps/stages[/per_sm]`` gives it gemv.cu's CUDA C++ kernel with that tile
 (cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile). Both tables are keyed by shape, so the EAGLE3
 step's o, gate/up and down (and fc) take them too.
@@ -71,7 +71,8 @@ def timed_ms(fn, reps: int = 5) -> float:
 
 
 # the 8B target's weights as GEMV_TILES keys them (N_OUT, K), for the variants' gemv_NAME keys
-GEMV_NAMES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (12288, 4096), "down": (4096, 12288)}
+GEMV_NAMES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (12288, 4096), "down": (4096, 12288),
+              "lm_head": (151936, 4096), "eagle3_qkv": (6144, 8192), "eagle3_lm_head": (32000, 4096)}
 OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant keys (and gemv_NAME), not SCHEDULE's
 
 

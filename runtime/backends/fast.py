@@ -14,6 +14,9 @@ attention reduction:
     linear(gated)  x -> silu(x Wg^T) * (x Wu^T)  RMSNorm + gate/up + SiLU*mul
     linear(+res)   x += h Wd^T                 (and the EAGLE3 tap copy)
 
+In steps of several rows the two residual projections also leave x's row sums of squares (RowSums), from
+which the next projection's RMSNorm takes its 1/rms (kernels.SCHEDULE's norm_sums): no norm launch there.
+
 Every step is device work with shapes fixed by the token count, so the Generator records whole
 speculative rounds in one CUDA graph (``graph_capturable``). Weights are read by parameter name
 (the HF checkpoint keys the reference modules keep), never through the model classes, so the
@@ -31,7 +34,7 @@ from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.kernels import MAX_ROWS, cuda_gemv, interpreted
 from xcompile.runtime.kernels.attention import attention, chunk_for
-from xcompile.runtime.kernels.linear import linear
+from xcompile.runtime.kernels.linear import RowSums, linear
 from xcompile.runtime.kernels.norm import embed_norms
 from xcompile.runtime.kernels.rope_kv import rope_kv
 
@@ -115,6 +118,9 @@ class _FastEngine(Engine):
             raise EngineError(f"fast backend: head_dim {self.head_dim} is not a power of two >= 16 (the attention "
                               "kernel's tile); use --backend torch")
         self.chunk = chunk_for(self.kv_shape.max_seq_len) if self.kv_shape else 0
+        # the residual stream's row sums of squares, left by the o / down projections of steps of several
+        # rows for the RMSNorm of the projection after them (kernels.SCHEDULE's norm_sums)
+        self.sums = RowSums(config["hidden_size"], self.device)
         if self.device.type == "cuda" and self.dtype == torch.bfloat16:
             cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
 
@@ -163,14 +169,16 @@ class FastQwen3Engine(_FastEngine):
         x = F.embedding(ids[0], self.embed)                                    # [S, H]
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
+        sums = self.sums
+        sums.reset()                                                           # none for the embedding
         for i, layer in enumerate(self.layers):
-            qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps)
+            qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums)
             a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)
-            linear(a, layer.o, residual=x, out=x)
-            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True)
+            linear(a, layer.o, residual=x, out=x, sums_out=sums)
+            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums)
             slots = [j for j, t in enumerate(self.taps) if t == i]
             extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
-            linear(g, layer.down, residual=x, out=x, extra_out=extra)
+            linear(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 taps[0, :, j * h:(j + 1) * h] = x
         rows = x.index_select(0, inputs["logit_rows"][0])
@@ -211,8 +219,9 @@ class FastEagle3Engine(_FastEngine):
         a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope)
         h = hidden.shape[-1]
         residual = u[:, h:] if self.norm_before_residual else hidden           # u[:, H:] = hidden_norm(hidden)
-        x = linear(a, layer.o, residual=residual)                              # residual = the hidden
-        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True)
+        self.sums.reset()
+        x = linear(a, layer.o, residual=residual, sums_out=self.sums)          # residual = the hidden
+        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums)
         linear(g, layer.down, residual=x, out=x)
         rows = x.index_select(0, inputs["logit_rows"][0])
         logits = linear(rows, self.lm_head, norm=self.norm, eps=self.eps)[None]

@@ -161,10 +161,18 @@ def _pdl_capable() -> bool:
 #                         (built with nvcc as the fast engines load) instead of the Triton GEMV; changes
 #                         bits (another reduction order). Figures: docs/BENCHMARKS.md, thirteenth and
 #                         fourteenth sessions
+# Fifteenth session (2026-12-03):
+#   norm_sums             calls of several rows on the tile kernel whose RMSNorm input the previous projection
+#                         wrote (qkv after the down projection, gate/up after o) take each row's 1/rms from the
+#                         sums of squares that projection's epilogue left, one fp32 partial per column block
+#                         (linear.RowSums), not from a norm launch of their own (norm_apart): 71 fewer launches
+#                         a 36-layer verify step. Changes the bits of those calls (another summation order);
+#                         the same for every row count. Figures: docs/BENCHMARKS.md, fifteenth session
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
-            "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True}
+            "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True,
+            "norm_sums": True}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -75,6 +75,7 @@ def _epilogue(acc, accu, Y, stride_ym, Y2, stride_y2m, R, stride_rm, rows, cols,
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
     if EXTRA:
         tl.store(Y2 + rows[:, None] * stride_y2m + cols[None, :], y, mask=mask)
+    return y                                                            # the tile as stored (row sums)
 
 
 @triton.jit

@@ -5,10 +5,13 @@
               over x before the weights stream, SCHEDULE's rstd_span columns of it in flight at a time (or,
               with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead). With
               SCHEDULE's norm_apart (on) the tile kernel's calls normalise x in a launch of their own first
-              (kernels/norm.py; its 1/rms summed in another order), so the prologue serves the GEMVs only
+              (kernels/norm.py; its 1/rms summed in another order), so the prologue serves the GEMVs only,
+              except where the call that wrote x left its rows' sums of squares (RowSums, SCHEDULE's
+              norm_sums): then the prologue takes the 1/rms from them, with no launch and no pass over x
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
+              sums: also leave each row's sum of squares of y, one fp32 partial per column block (RowSums)
 
 Memory-bound at these M: every weight byte is read once, by the program that owns its BLOCK_N output
 columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
@@ -32,6 +35,9 @@ from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _loa
                                              rstd_unroll, schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
 from xcompile.runtime.kernels.norm import rms_norm
+
+
+SUM_ROWS = tl.constexpr(MAX_ROWS)    # a row sums buffer's stride: one partial of every row a column block
 
 
 @triton.jit
@@ -136,14 +142,17 @@ def _zero_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm, stride_y2m,
-                   eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
-                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr, UNROLL: tl.constexpr):
+def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm,
+                   stride_y2m, eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                   EXTRA: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr,
+                   PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr,
+                   UNROLL: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
     # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split). LATE (no
-    # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way
+    # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way.
+    # NSUM > 0: the 1/rms from the NSUM partial sums of squares SQ [NSUM, MAX_ROWS] that the call which wrote
+    # x left (no pass over x). SUMS: this call leaves its own result's partials in SQO [blocks, MAX_ROWS]
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,7 +168,9 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    if LATE:                                                # x^2 per lane of each row tile
+    if NSUM > 0:
+        s0, s1, s2, s3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
+    elif LATE:                                              # x^2 per lane of each row tile
         s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
     else:
         s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES, UNROLL)
@@ -180,8 +191,8 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
                                                      _late_rstd(s1, K, eps), _late_rstd(s2, K, eps),
                                                      _late_rstd(s3, K, eps), TILES)
     if SPLIT == 1:
-        _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT,
-                   GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
+        _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0, cols,
+                   M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
     else:
         # Split K: each program leaves its fp32 partial sums in WS [SPLIT, 2 (gate, up), TILES*BLOCK_M, N_OUT];
         # the last of a column block's SPLIT programs to arrive (counter CNT[pid_n]) adds them up in split
@@ -198,8 +209,8 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, M, N_OUT, K, K_SPLIT, stride_xm, 
             a0, a1, a2, a3 = _sum_partials(WS, 0, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
             if GATED:
                 u0, u1, u2, u3 = _sum_partials(WS, rows_pad, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
-            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
-                       N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
+            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0,
+                       cols, M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
             tl.store(CNT + pid_n, 0)                        # ready for the next launch
 
 
@@ -244,27 +255,70 @@ def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, 
                     q0, q1 = _late_rstd(s0, K, eps), _late_rstd(s1, K, eps)
                     q2, q3 = _late_rstd(s2, K, eps), _late_rstd(s3, K, eps)
                 a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
-            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M,
-                       N_OUT, GATED, RESIDUAL, EXTRA, BLOCK_M, TILES)
+            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, Y, 0, r0, cols,
+                       M, N_OUT, GATED, RESIDUAL, EXTRA, False, BLOCK_M, TILES)
             a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT,
-               GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_M: tl.constexpr,
-               TILES: tl.constexpr):
-    _epilogue(a0, u0, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+def _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0, cols, M,
+               N_OUT, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, SUMS: tl.constexpr,
+               BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    y = _epilogue(a0, u0, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0, cols, M, N_OUT, GATED, RESIDUAL, EXTRA)
+    if SUMS:
+        _store_sums(SQO, y, pid_n, r0, cols, M, N_OUT)
     if TILES > 1:
-        _epilogue(a1, u1, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + BLOCK_M, cols, M, N_OUT, GATED,
-                  RESIDUAL, EXTRA)
+        y = _epilogue(a1, u1, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + BLOCK_M, cols, M, N_OUT, GATED,
+                      RESIDUAL, EXTRA)
+        if SUMS:
+            _store_sums(SQO, y, pid_n, r0 + BLOCK_M, cols, M, N_OUT)
     if TILES > 2:
-        _epilogue(a2, u2, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + 2 * BLOCK_M, cols, M, N_OUT, GATED,
-                  RESIDUAL, EXTRA)
+        y = _epilogue(a2, u2, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + 2 * BLOCK_M, cols, M, N_OUT, GATED,
+                      RESIDUAL, EXTRA)
+        if SUMS:
+            _store_sums(SQO, y, pid_n, r0 + 2 * BLOCK_M, cols, M, N_OUT)
     if TILES > 3:
-        _epilogue(a3, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + 3 * BLOCK_M, cols, M, N_OUT, GATED,
-                  RESIDUAL, EXTRA)
+        y = _epilogue(a3, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, r0 + 3 * BLOCK_M, cols, M, N_OUT, GATED,
+                      RESIDUAL, EXTRA)
+        if SUMS:
+            _store_sums(SQO, y, pid_n, r0 + 3 * BLOCK_M, cols, M, N_OUT)
+
+
+@triton.jit
+def _store_sums(SQO, y, pid_n, rows, cols, M, N_OUT):
+    """norm_sums: each row's sum of squares of this program's columns of the stored result y [BLOCK_M,
+    BLOCK_N] (fp32, the columns in the tile's reduction order) into SQO [blocks, SUM_ROWS] at row pid_n."""
+    yf = tl.where(cols[None, :] < N_OUT, y.to(tl.float32), 0.0)
+    tl.store(SQO + pid_n * SUM_ROWS + rows, tl.sum(yf * yf, axis=1), mask=rows < M)
+
+
+@triton.jit
+def _sums_rstd(SQ, rows, M, K, eps, NSUM: tl.constexpr, NSUM_P2: tl.constexpr):
+    """norm_sums: the rows' 1/rms from the NSUM partial sums of squares SQ [NSUM, SUM_ROWS] of their K
+    columns, added in one fixed order (the same at every row count)."""
+    b = tl.arange(0, NSUM_P2)
+    s = tl.load(SQ + b[:, None] * SUM_ROWS + rows[None, :], mask=(b[:, None] < NSUM) & (rows[None, :] < M),
+                other=0.0)
+    return tl.rsqrt(tl.sum(s, axis=0) / K + eps)
+
+
+@triton.jit
+def _sums_rstds(SQ, r0, M, K, eps, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                TILES: tl.constexpr):
+    """_sums_rstd of each of the TILES row tiles (as _tile_rstds gives them)."""
+    s0 = _sums_rstd(SQ, r0, M, K, eps, NSUM, NSUM_P2)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    if TILES > 1:
+        s1 = _sums_rstd(SQ, r0 + BLOCK_M, M, K, eps, NSUM, NSUM_P2)
+    if TILES > 2:
+        s2 = _sums_rstd(SQ, r0 + 2 * BLOCK_M, M, K, eps, NSUM, NSUM_P2)
+    if TILES > 3:
+        s3 = _sums_rstd(SQ, r0 + 3 * BLOCK_M, M, K, eps, NSUM, NSUM_P2)
+    return s0, s1, s2, s3
 
 
 @triton.jit
@@ -361,18 +415,44 @@ def tile_for(n_out: int, k: int) -> Tile:
     return tile
 
 
+class RowSums:
+    """The rows' sums of squares of one call's result, left by the tile kernel's epilogue as one fp32 partial
+    per column block ([blocks, MAX_ROWS]), for the RMSNorm of the call that reads that result next
+    (SCHEDULE's norm_sums): its 1/rms from them, with no norm launch and no pass over x. ``source`` names
+    the result they belong to (its address, rows, columns, row stride); None when the last call that was
+    given these sums did not write them (a GEMV, the streaming kernel, norm_sums off), and then the reader
+    takes its norm as it would without them. A step resets it first, so no sums outlive it."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.buf = torch.zeros(triton.cdiv(n, 16), MAX_ROWS, dtype=torch.float32, device=device)
+        self.source: tuple | None = None
+        self.blocks = 0
+
+    def reset(self) -> None:
+        self.source = None
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), t.shape[0], t.shape[1], t.stride(0)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           extra_out: torch.Tensor | None = None) -> torch.Tensor:
+           extra_out: torch.Tensor | None = None, sums: RowSums | None = None,
+           sums_out: RowSums | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] (module docstring). w [N, K] (gated: [2N, K], gate rows then up rows);
     norm [K]: RMSNorm weight of the prologue; residual [M, N] (may be ``out``); extra_out [M, N]
-    (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous."""
+    (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous.
+    sums: x's row sums (RowSums) for the norm, used where they are x's; sums_out: where this call leaves
+    its result's (on the tile kernel, norm_sums on)."""
     m, k = x.shape
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
+    if sums_out is not None:
+        sums_out.reset()                                      # set again below if this call writes them
     cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, norm, out, residual, extra_out) if m == 1 else None
     if cuda_tile is not None and cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated,
                                                 residual=residual, extra_out=extra_out,
@@ -381,9 +461,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     tile = gemv_tile(n_out, k) if m == 1 else None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
-    if norm is not None and SCHEDULE["norm_apart"]:
-        x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
     t = tile_for(n_out, k)
+    # norm_sums: the per-block kernel takes x's 1/rms from the sums the call that wrote x left
+    from_sums = (norm is not None and sums is not None and sums.source == RowSums.key(x) and t.per_sm == 0
+                 and SCHEDULE["norm_sums"])
+    if norm is not None and SCHEDULE["norm_apart"] and not from_sums:
+        x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
     blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
             extra_out if extra_out is not None else dummy)
@@ -401,9 +484,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
         else dummy
     cnt = _counters(x.device, blocks) if t.split > 1 else dummy
-    late = norm_late(norm is not None, t.split, False)
-    _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, m, n_out, k, k // t.split, *strides, eps,
-                                      EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=late, **flags)
+    late = norm_late(norm is not None, t.split, False) and not from_sums
+    nsum = sums.blocks if from_sums else 0
+    write = sums_out is not None and SCHEDULE["norm_sums"]
+    if write:
+        assert blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
+    _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, sums.buf if from_sums else dummy,
+                                      sums_out.buf if write else dummy, m, n_out, k, k // t.split,
+                                      *strides, eps, EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=late,
+                                      NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=write, **flags)
+    if write:
+        sums_out.source, sums_out.blocks = RowSums.key(out), blocks
     return out
 
 
