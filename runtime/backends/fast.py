@@ -74,6 +74,15 @@ class _Packed:
             start += rows
         return packed
 
+    def fold(self, norm: str, weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        """Fold the RMSNorm weight ``norm`` into the [N, K] ``weight`` it alone feeds (W * g per column, in
+        place, rounded once) and make the norm's weight ``unit`` (ones), for the module too: RMSNorm(x) W^T is
+        unchanged but for that rounding, and a call whose 1/rms comes from row sums (kernels.SCHEDULE's
+        norm_sums) then needs no prologue. Returns ``unit``."""
+        weight.mul_(self.get(norm)[None, :])
+        self.params[norm].data = unit
+        return unit
+
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The module's RoPE tables cos/sin [positions, D/2] (fp32)."""
         cos = next((b for n, b in self.buffers.items() if n.endswith("rotary.cos")), None)
@@ -84,9 +93,10 @@ class _Packed:
 
 
 class _Layer:
-    """One decoder layer's packed weights."""
+    """One decoder layer's packed weights; the RMSNorm weights before gate/up (and, ``qk_norm``, before qkv)
+    folded into them (_Packed.fold)."""
 
-    def __init__(self, p: _Packed, prefix: str, qk_norm: bool):
+    def __init__(self, p: _Packed, prefix: str, qk_norm: bool, unit: torch.Tensor):
         a = f"{prefix}self_attn."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if p.has(f"{a}{proj}.bias"):
@@ -95,9 +105,11 @@ class _Layer:
         self.o = p.get(f"{a}o_proj.weight")
         self.q_norm = p.get(f"{a}q_norm.weight") if qk_norm else None
         self.k_norm = p.get(f"{a}k_norm.weight") if qk_norm else None
-        self.ln1 = p.get(f"{prefix}input_layernorm.weight")
-        self.ln2 = p.get(f"{prefix}post_attention_layernorm.weight")
         self.gate_up = p.cat([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
+        # a Qwen3 layer's input norm feeds qkv alone; the EAGLE3 layer's feeds the embedding half of u
+        self.ln1 = p.fold(f"{prefix}input_layernorm.weight", self.qkv, unit) if qk_norm else \
+            p.get(f"{prefix}input_layernorm.weight")
+        self.ln2 = p.fold(f"{prefix}post_attention_layernorm.weight", self.gate_up, unit)
         self.down = p.get(f"{prefix}mlp.down_proj.weight")
 
 
@@ -120,7 +132,7 @@ class _FastEngine(Engine):
         self.chunk = chunk_for(self.kv_shape.max_seq_len) if self.kv_shape else 0
         # the residual stream's row sums of squares, left by the o / down projections of steps of several
         # rows for the RMSNorm of the projection after them (kernels.SCHEDULE's norm_sums)
-        self.sums = RowSums(config["hidden_size"], self.device)
+        self.sums = RowSums(config["hidden_size"], self.dtype, self.device)
         if self.device.type == "cuda" and self.dtype == torch.bfloat16:
             cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
 
@@ -150,10 +162,12 @@ class FastQwen3Engine(_FastEngine):
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = ()):
         super().__init__(reference, config)
         p = _Packed(reference.module)
-        self.layers = [_Layer(p, f"model.layers.{i}.", qk_norm=True) for i in range(config["num_hidden_layers"])]
+        unit = self.sums.unit
+        self.layers = [_Layer(p, f"model.layers.{i}.", True, unit) for i in range(config["num_hidden_layers"])]
         self.embed = p.get("model.embed_tokens.weight")
-        self.norm = p.get("model.norm.weight")
         self.lm_head = p.get("lm_head.weight")
+        tied = self.lm_head.data_ptr() == self.embed.data_ptr()                # the embedding too: not folded
+        self.norm = p.get("model.norm.weight") if tied else p.fold("model.norm.weight", self.lm_head, unit)
         self.rope = p.rope()
         # tap slot(s) of each tapped layer, in the order of the concatenated hidden_taps output
         self.taps = sorted(taps)
@@ -196,11 +210,11 @@ class FastEagle3Engine(_FastEngine):
     def __init__(self, reference: TorchEngine, config: dict):
         super().__init__(reference, config)
         p = _Packed(reference.module)
-        self.layer = _Layer(p, "midlayer.", qk_norm=False)
+        self.layer = _Layer(p, "midlayer.", False, self.sums.unit)
         self.embed = p.get("embed_tokens.weight")
         self.hidden_norm = p.get("midlayer.hidden_norm.weight")
-        self.norm = p.get("norm.weight")
         self.lm_head = p.get("lm_head.weight")
+        self.norm = p.fold("norm.weight", self.lm_head, self.sums.unit)
         self.rope = p.rope()
         # speculators / vLLM heads: the attention residual is hidden_norm(hidden) (compile/models/eagle3.py)
         self.norm_before_residual = bool(config.get("norm_before_residual", False))

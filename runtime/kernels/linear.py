@@ -151,8 +151,9 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
     # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split). LATE (no
     # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way.
-    # NSUM > 0: the 1/rms from the NSUM partial sums of squares SQ [NSUM, MAX_ROWS] that the call which wrote
-    # x left (no pass over x). SUMS: this call leaves its own result's partials in SQO [blocks, MAX_ROWS]
+    # NSUM > 0 (the norm's weight folded into W, x loaded as it is): the sums scaled by each row's 1/rms
+    # before the epilogue, from the NSUM partial sums of squares SQ [NSUM, MAX_ROWS] that the call which wrote
+    # x left. SUMS: this call leaves its own result's partials in SQO [blocks, MAX_ROWS]
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,9 +169,7 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    if NSUM > 0:
-        s0, s1, s2, s3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
-    elif LATE:                                              # x^2 per lane of each row tile
+    if LATE:                                                # x^2 per lane of each row tile
         s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
     else:
         s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES, UNROLL)
@@ -191,6 +190,9 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
                                                      _late_rstd(s1, K, eps), _late_rstd(s2, K, eps),
                                                      _late_rstd(s3, K, eps), TILES)
     if SPLIT == 1:
+        if NSUM > 0:
+            q0, q1, q2, q3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
+            a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
         _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0, cols,
                    M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
     else:
@@ -209,6 +211,9 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
             a0, a1, a2, a3 = _sum_partials(WS, 0, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
             if GATED:
                 u0, u1, u2, u3 = _sum_partials(WS, rows_pad, SPLIT, r0, cols, M, N_OUT, BLOCK_M, BLOCK_N, TILES)
+            if NSUM > 0:
+                q0, q1, q2, q3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
+                a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
             _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0,
                        cols, M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
             tl.store(CNT + pid_n, 0)                        # ready for the next launch
@@ -418,13 +423,16 @@ def tile_for(n_out: int, k: int) -> Tile:
 class RowSums:
     """The rows' sums of squares of one call's result, left by the tile kernel's epilogue as one fp32 partial
     per column block ([blocks, MAX_ROWS]), for the RMSNorm of the call that reads that result next
-    (SCHEDULE's norm_sums): its 1/rms from them, with no norm launch and no pass over x. ``source`` names
-    the result they belong to (its address, rows, columns, row stride); None when the last call that was
-    given these sums did not write them (a GEMV, the streaming kernel, norm_sums off), and then the reader
-    takes its norm as it would without them. A step resets it first, so no sums outlive it."""
+    (SCHEDULE's norm_sums), whose norm weight the caller folded into its W (W * g, packed once) and gives as
+    ``unit`` (ones): that call multiplies x as it is and scales each row's sums by its 1/rms from these before
+    the epilogue, with no norm launch and no pass over x. ``source`` names the result they belong to (its
+    address, rows, columns, row stride); None when the last call given these sums to write did not (a GEMV,
+    the streaming kernel, norm_sums off), and then the reader takes its norm as without them (an RMSNorm
+    of weight ones). A step resets it first, so no sums outlive it."""
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device):
         self.buf = torch.zeros(triton.cdiv(n, 16), MAX_ROWS, dtype=torch.float32, device=device)
+        self.unit = torch.ones(n, dtype=dtype, device=device)
         self.source: tuple | None = None
         self.blocks = 0
 
@@ -443,8 +451,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     """x [M, K] -> [M, N] (module docstring). w [N, K] (gated: [2N, K], gate rows then up rows);
     norm [K]: RMSNorm weight of the prologue; residual [M, N] (may be ``out``); extra_out [M, N]
     (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous.
-    sums: x's row sums (RowSums) for the norm, used where they are x's; sums_out: where this call leaves
-    its result's (on the tile kernel, norm_sums on)."""
+    sums: x's row sums (RowSums) for a norm of weight ``sums.unit``, used where they are x's; sums_out:
+    where this call leaves its result's (on the tile kernel, norm_sums on)."""
     m, k = x.shape
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
@@ -462,10 +470,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if tile is not None:
         return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
     t = tile_for(n_out, k)
-    # norm_sums: the per-block kernel takes x's 1/rms from the sums the call that wrote x left
-    from_sums = (norm is not None and sums is not None and sums.source == RowSums.key(x) and t.per_sm == 0
+    # norm_sums: the per-block kernel takes x's 1/rms from the sums the call that wrote x left (a norm of
+    # weight ones: the caller folded it into w)
+    from_sums = (sums is not None and norm is sums.unit and sums.source == RowSums.key(x) and t.per_sm == 0
                  and SCHEDULE["norm_sums"])
-    if norm is not None and SCHEDULE["norm_apart"] and not from_sums:
+    if from_sums:
+        norm = None                                           # x as it is; its rows' 1/rms at the end
+    elif norm is not None and SCHEDULE["norm_apart"]:
         x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
     blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
     ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
@@ -484,7 +495,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
         else dummy
     cnt = _counters(x.device, blocks) if t.split > 1 else dummy
-    late = norm_late(norm is not None, t.split, False) and not from_sums
+    late = norm_late(norm is not None, t.split, False)
     nsum = sums.blocks if from_sums else 0
     write = sums_out is not None and SCHEDULE["norm_sums"]
     if write:

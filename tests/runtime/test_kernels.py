@@ -427,12 +427,18 @@ def test_norm_apart_matches_reference(gated, dtype, monkeypatch):
         assert torch.equal(linear(xs[:m, :k], w, norm=g, gated=gated), full[:m])
 
 
+def fold(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """w [N, K] with the RMSNorm weight g folded in (W * g per column, rounded once), as fast.py packs it."""
+    return w * g[None, :]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 2])
 def test_norm_sums_match_reference_and_the_row_count(split, dtype, monkeypatch):
     """norm_sums: a residual projection (one K split or two) leaves its result's row sums of squares, and the
-    gated and plain projections with a norm after it take their 1/rms from them: each the reference's result,
-    the sums those of the stored result, and a row the same bits at every row count (1 is a GEMV's; from 2)."""
+    gated and plain projections after it (their norm weight folded into W, the norm given as the sums' unit)
+    scale by the 1/rms from them: each the reference's result with the unfolded weights, the sums those of
+    the stored result, and a row the same bits at every row count (1 is a GEMV's; from 2)."""
     monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
     torch.manual_seed(7 + split)
     h, k, n = 160, 128, 48
@@ -442,12 +448,12 @@ def test_norm_sums_match_reference_and_the_row_count(split, dtype, monkeypatch):
     readers = [(randn(2 * n, h, dtype=dtype, scale=h ** -0.5), True), (randn(n, h, dtype=dtype, scale=h ** -0.5), False)]
     full = None
     for m in (40, 2, 7, 17):
-        sums = L.RowSums(h, torch.device(DEV))
+        sums = L.RowSums(h, dtype, torch.device(DEV))
         x = x0[:m].clone()
         linear(a[:m], wo, residual=x, out=x, sums_out=sums)
         assert sums.source == L.RowSums.key(x) and sums.blocks == 5
         assert rel(sums.buf[:5, :m].sum(0), (x.float() ** 2).sum(1)) < 1e-6
-        got = [linear(x, w, norm=g, gated=gated, sums=sums) for w, gated in readers]
+        got = [linear(x, fold(w, g), norm=sums.unit, gated=gated, sums=sums) for w, gated in readers]
         for out, (w, gated) in zip(got, readers):
             assert rel(out, linear_reference(x, w, norm=g, gated=gated)) < TOL[dtype]
         if full is None:
@@ -457,31 +463,32 @@ def test_norm_sums_match_reference_and_the_row_count(split, dtype, monkeypatch):
 
 
 def test_norm_sums_are_used_only_for_the_result_they_were_left_for(monkeypatch):
-    """A reader takes the sums only when they are its x's: after a one-row GEMV (which leaves none), for
-    another tensor, after a reset, or on the streaming kernel it computes its norm as without them (the
-    same bits as norm_sums off); norm_sums off writes none."""
+    """A reader takes the sums only when they are its x's and its norm is their unit: after a one-row GEMV
+    (which leaves none), for another tensor, with another norm weight, after a reset, or on the streaming
+    kernel it computes its norm as without them (the same bits as norm_sums off); norm_sums off writes none."""
     torch.manual_seed(8)
     h, n = 96, 64
     wo, wg = randn(h, h, dtype=torch.float32, scale=h ** -0.5), randn(2 * n, h, dtype=torch.float32, scale=h ** -0.5)
-    g = randn(h, dtype=torch.float32) + 1
     monkeypatch.setitem(G.GEMV_TILES, (h, h), G.Gemv(4, 32, 4))
-    sums = L.RowSums(h, torch.device(DEV))
+    sums = L.RowSums(h, torch.float32, torch.device(DEV))
     x = randn(5, h, dtype=torch.float32)
     linear(x[:1], wo, residual=x[:1], out=x[:1], sums_out=sums)                  # a GEMV: no sums
     assert sums.source is None
     linear(x, wo, residual=x, out=x, sums_out=sums)
     assert sums.source == L.RowSums.key(x)
     monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", False)
-    want = linear(x, wg, norm=g, gated=True)
+    want = linear(x, wg, norm=sums.unit, gated=True)
     other = x.clone()
     monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
-    assert torch.equal(linear(other, wg, norm=g, gated=True, sums=sums), want)   # not other's sums
+    assert torch.equal(linear(other, wg, norm=sums.unit, gated=True, sums=sums), want)   # not other's sums
+    assert torch.equal(linear(x, wg, norm=sums.unit.clone(), gated=True, sums=sums), want)  # not the unit
     monkeypatch.setitem(L.TILES, (n, h), L.Tile(16, 32, 4, 2, per_sm=1))
-    assert torch.equal(linear(x, wg, norm=g, gated=True, sums=sums), linear(x, wg, norm=g, gated=True))
+    assert torch.equal(linear(x, wg, norm=sums.unit, gated=True, sums=sums), linear(x, wg, norm=sums.unit, gated=True))
     monkeypatch.delitem(L.TILES, (n, h))
-    assert not torch.equal(linear(x, wg, norm=g, gated=True, sums=sums), want)   # x's own: another order
+    got = linear(x, wg, norm=sums.unit, gated=True, sums=sums)
+    assert not torch.equal(got, want) and rel(got, want) < 1e-5                 # x's own: another rounding
     sums.reset()
-    assert torch.equal(linear(x, wg, norm=g, gated=True, sums=sums), want)
+    assert torch.equal(linear(x, wg, norm=sums.unit, gated=True, sums=sums), want)
     monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", False)
     linear(x, wo, residual=x, out=x, sums_out=sums)
     assert sums.source is None
@@ -612,21 +619,21 @@ def test_norm_apart_at_qwen3_8b_shapes(n, k, gated, monkeypatch):
 @pytest.mark.parametrize("writer,reader", [((4096, 4096), (12288, 4096, True)), ((4096, 12288), (6144, 4096, False))])
 def test_norm_sums_at_qwen3_8b_shapes(writer, reader, monkeypatch):
     """norm_sums at the 8B layer's pairs (o -> gate/up, down -> the next qkv; both writers split K): the
-    sums are the stored result's, the reader matches the reference at 7 and 33 rows, row 0 the same bits in
-    both, and each within bf16 rounding of its result under norm_apart."""
+    sums are the stored result's, the reader (its norm folded into W) matches the reference at 7 and 33
+    rows, row 0 the same bits in both, and each within bf16 rounding of the unfolded call under norm_apart."""
     monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
     torch.manual_seed(writer[1])
     (h, kw), (n, k, gated) = writer, reader
     ww, a = randn(h, kw, dtype=torch.bfloat16, scale=kw ** -0.5), randn(33, kw, dtype=torch.bfloat16)
     wr, g = randn(2 * n if gated else n, k, dtype=torch.bfloat16, scale=k ** -0.5), randn(k, dtype=torch.bfloat16) + 1
-    x0 = 3 * randn(33, h, dtype=torch.bfloat16)
+    x0, wf = 3 * randn(33, h, dtype=torch.bfloat16), fold(wr, g)
     outs = []
     for m in (7, 33):
-        sums, x = L.RowSums(h, torch.device(DEV)), x0[:m].clone()
+        sums, x = L.RowSums(h, torch.bfloat16, torch.device(DEV)), x0[:m].clone()
         linear(a[:m], ww, residual=x, out=x, sums_out=sums)
         assert sums.source is not None
         assert rel(sums.buf[:sums.blocks, :m].sum(0), (x.float() ** 2).sum(1)) < 1e-5
-        out = linear(x, wr, norm=g, gated=gated, sums=sums)
+        out = linear(x, wf, norm=sums.unit, gated=gated, sums=sums)
         assert rel(out, linear_reference(x, wr, norm=g, gated=gated)) < 1e-2
         assert rel(out, linear(x, wr, norm=g, gated=gated)) < 1e-2
         outs.append(out)
