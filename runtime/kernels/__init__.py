@@ -166,8 +166,12 @@ def _pdl_capable() -> bool:
 #                         wrote (qkv after the down projection, gate/up after o) take each row's 1/rms from the
 #                         sums of squares that projection's epilogue left, one fp32 partial per column block
 #                         (linear.RowSums), not from a norm launch of their own (norm_apart): 71 fewer launches
-#                         a 36-layer verify step. Changes the bits of those calls (another summation order);
-#                         the same for every row count. Figures: docs/BENCHMARKS.md, fifteenth session
+#                         a 36-layer verify step. The norm weights are folded into the weights they feed at
+#                         load (backends/fast.py), so those calls multiply x as it is and scale their sums by
+#                         the 1/rms at the end. Changes the bits of those calls (x unrounded by a norm, another
+#                         summation order); the same for every row count. A first form that normalised x in
+#                         the main loop (x * 1/rms * g, the weights unfolded) was slower: 7 / 32 tokens 4.489 /
+#                         5.099 -> 4.586 / 5.529 ms at context 128. Figures: docs/BENCHMARKS.md, fifteenth session
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,

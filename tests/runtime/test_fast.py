@@ -17,6 +17,7 @@ from fixtures import step_inputs
 
 pytest.importorskip("triton", reason="the fast backend needs triton (pip install triton)")
 
+from xcompile.compile.reference import eagle3_engines, qwen3_engine  # noqa: E402
 from xcompile.runtime.backends import fast  # noqa: E402
 from xcompile.runtime.drafters import (  # noqa: E402
     DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter,
@@ -75,6 +76,50 @@ def test_target_steps_and_kv_match_the_reference(tiny):
         assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
     for a, b in zip(got.kv, ref.kv):
         assert close(a[:, :, :16], b[:, :, :16])
+
+
+def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypatch):
+    """The fast engines fold each RMSNorm weight into the weights it feeds (qkv, gate/up, an untied lm_head)
+    and make it ones, for the reference module too; the steps match an unfolded copy of the model. In steps
+    of several rows the norm launches left are the first qkv's and lm_head's (the others take the row sums
+    the o / down projections leave; kernels.SCHEDULE's norm_sums); with norm_sums off, one before every
+    projection with a norm, and the logits the same to fp32 rounding. The EAGLE3 step too (its gate/up and
+    lm_head norms folded)."""
+    import copy
+
+    from xcompile.runtime import kernels
+    from xcompile.runtime.kernels import linear as L
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    unfolded = qwen3_engine(copy.deepcopy(tiny.target))
+    got = fast_target(tiny)
+    names = dict(tiny.target.named_parameters())
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in names.items()
+               if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or n == "model.norm.weight")
+    assert all(layer.ln1 is got.sums.unit and layer.ln2 is got.sums.unit for layer in got.layers)
+    launches = []
+    norm = L.rms_norm
+    monkeypatch.setattr(L, "rms_norm", lambda *a: launches.append(1) or norm(*a))
+    logits = []
+    for on in (True, False):
+        monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", on)
+        unfolded.new_kv()
+        got.new_kv()
+        launches.clear()
+        inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
+        have, want = got.run(**inputs), unfolded.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+        assert len(launches) == (2 if on else 2 * T.TARGET_CFG.num_hidden_layers + 1)
+        logits.append(have["logits"])
+    assert close(logits[0], logits[1], 1e-5)
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
+    ref = eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0]
+    e3 = fast_eagle3(tiny)[0]
+    assert torch.equal(tiny.eagle3.norm.weight, torch.ones_like(tiny.eagle3.norm.weight))
+    ref.new_kv()
+    e3.new_kv()
+    hidden = torch.randn(1, 4, T.EAGLE3_CFG.hidden_size)
+    want, have = ref.run(hidden_states=hidden, **inputs), e3.run(hidden_states=hidden, **inputs)
+    assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
 
 
 def test_long_passes_run_the_reference(tiny):
