@@ -7,7 +7,8 @@
               SCHEDULE's norm_apart (on) the tile kernel's calls normalise x in a launch of their own first
               (kernels/norm.py; its 1/rms summed in another order), so the prologue serves the GEMVs only,
               except where the call that wrote x left its rows' sums of squares (RowSums, SCHEDULE's
-              norm_sums): then the prologue takes the 1/rms from them, with no launch and no pass over x
+              norm_sums) and the norm's weight is folded into W: then x is multiplied as it is and the
+              sums are scaled by the 1/rms from them before the epilogue (no launch, no pass over x)
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
