@@ -1,6 +1,7 @@
 """Where a graphed fast-backend step's time goes, kernel by kernel, on a GPU (the Qwen3-8B shape).
 
     python benchmarks/step_timeline.py [--layers 36] [--contexts 128,4096] [--tokens 1,32] [--variants "chunk=64"]
+    python benchmarks/step_timeline.py --eagle3 [--contexts 128] [--tokens 1,10]     # the EAGLE3 draft step
 
 The kernel records (CUPTI, through torch.profiler) of a few replays of the graphed step. With programmatic
 dependent launch the kernels overlap, so each is charged its share of the step's critical path: from the
@@ -9,6 +10,7 @@ by its order there: the one-row GEMVs #0 qkv, #1 o, #2 gate/up, #3 down): launch
 end), critical µs a step, and how long before the previous kernel's end it started (its early launch).
 The step's span under the profiler is printed beside the graphed time without it. Weights are random,
 drawn on the GPU as in benchmarks/fast_decode.py; ``--variants`` takes fast_decode.py's variants.
+``--eagle3``: the step of an EAGLE3 head of the 8B target's shape instead (one layer: every launch its own row).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from fast_decode import (DEV, graphed_ms, parse_variants, random_, step_inputs, 
                          variant_schedule)
 from torch.profiler import ProfilerActivity, profile
 
-from xcompile.compile.config import KNOWN_MODELS
+from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
+from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.compile.reference import qwen3_engine
+from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime import kernels
-from xcompile.runtime.backends.fast import FastQwen3Engine
+from xcompile.runtime.backends.fast import FastEagle3Engine, FastQwen3Engine
 from xcompile.runtime.graphs import CudaGraphCapture
 from xcompile.runtime.kernels import cuda_gemv as C
 from xcompile.runtime.kernels import gemv as G
@@ -98,14 +101,22 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=4352)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default="", help="benchmarks/fast_decode.py's --variants")
+    ap.add_argument("--eagle3", action="store_true", help="the EAGLE3 head's draft step, not the target's")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))           # as the EAGLE3 target's graph
-    with torch.device(DEV):
-        target = random_(Qwen3(cfg, args.max_seq_len, taps).to(torch.bfloat16))
-    ref = qwen3_engine(target)
-    fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
+    if args.eagle3:
+        with torch.device(DEV):
+            head = random_(Eagle3(synthetic_eagle3_config(cfg), args.max_seq_len).to(torch.bfloat16))
+        ref = eagle3_engines(head)[0]
+        fast = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg))
+        args.layers = 1
+    else:
+        with torch.device(DEV):
+            target = random_(Qwen3(cfg, args.max_seq_len, taps).to(torch.bfloat16))
+        ref = qwen3_engine(target)
+        fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
     fast.bind_kv(ref.new_kv())
     builtin, chunk, gemv_tiles, cuda_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES), dict(C.CUDA_GEMVS)
     for v in parse_variants(args.variants):
@@ -118,10 +129,13 @@ def main() -> None:
         for ctx in map(int, args.contexts.split(",")):
             for tokens in map(int, args.tokens.split(",")):
                 inputs = step_inputs(tokens, ctx, cfg.vocab_size)
+                if args.eagle3:
+                    inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
                 ms = graphed_ms(fast.run, inputs)
                 replay, _ = CudaGraphCapture(warmup=2)(lambda: fast.run(**inputs), DEV)
                 rows, span = table(kernel_records(replay, args.reps), args.layers)
-                print(f"\n== {name}: context {ctx}, {tokens} token(s), {args.layers} layers, {args.max_seq_len}-slot "
+                what = "EAGLE3 step" if args.eagle3 else f"{args.layers} layers"
+                print(f"\n== {name}: context {ctx}, {tokens} token(s), {what}, {args.max_seq_len}-slot "
                       f"cache: graphed {ms:.3f} ms, span under the profiler {span / 1e3:.3f} ms")
                 print(f"{'kernel':<44}{'a step':>7}{'mean us':>9}{'crit us':>10}{'early us':>10}")
                 for kname, n, mean, crit, early in rows:
