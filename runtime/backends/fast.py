@@ -76,11 +76,11 @@ class _Packed:
 
     def fold(self, norm: str, weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
         """Fold the RMSNorm weight ``norm`` into the [N, K] ``weight`` it alone feeds (W * g per column, in
-        place, rounded once) and make the norm's weight ``unit`` (ones), for the module too: RMSNorm(x) W^T is
-        unchanged but for that rounding, and a call whose 1/rms comes from row sums (kernels.SCHEDULE's
-        norm_sums) then needs no prologue. Returns ``unit``."""
+        place, rounded once) and make the norm's weight ones (the module's a copy of its own): RMSNorm(x) W^T
+        is unchanged but for that rounding, and a call whose 1/rms comes from row sums (kernels.SCHEDULE's
+        norm_sums) then needs no prologue. Returns ``unit`` (the RowSums' ones), the fast layer's norm weight."""
         weight.mul_(self.get(norm)[None, :])
-        self.params[norm].data = unit
+        self.params[norm].data = unit.clone()          # the module's own ones: ``unit`` is the kernels' token
         return unit
 
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +236,7 @@ class FastEagle3Engine(_FastEngine):
         self.sums.reset()
         x = linear(a, layer.o, residual=residual, sums_out=self.sums)          # residual = the hidden
         g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums)
+        self.sums.reset()                                                      # x changes next
         linear(g, layer.down, residual=x, out=x)
         rows = x.index_select(0, inputs["logit_rows"][0])
         logits = linear(rows, self.lm_head, norm=self.norm, eps=self.eps)[None]

@@ -460,6 +460,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     dummy = out
+    assert sums is None or sums is not sums_out, "one RowSums to read and to write"
     if sums_out is not None:
         sums_out.reset()                                      # set again below if this call writes them
     cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, norm, out, residual, extra_out) if m == 1 else None

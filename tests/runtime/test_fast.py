@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="the fast backend needs triton (pip install
 
 from xcompile.compile.reference import eagle3_engines, qwen3_engine  # noqa: E402
 from xcompile.runtime.backends import fast  # noqa: E402
+from xcompile.runtime.contract import DRAFT  # noqa: E402
 from xcompile.runtime.drafters import (  # noqa: E402
     DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter,
 )
@@ -120,6 +121,31 @@ def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypa
     hidden = torch.randn(1, 4, T.EAGLE3_CFG.hidden_size)
     want, have = ref.run(hidden_states=hidden, **inputs), e3.run(hidden_states=hidden, **inputs)
     assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
+
+
+@pytest.mark.parametrize("which", ["tied draft", "eagle3 norm_before_residual"])
+def test_folding_keeps_the_function_of_the_other_models(which):
+    """The draft model ties lm_head to its embedding (only its layers' norms fold; the embedding and the final
+    norm stay as they were); a speculators-format EAGLE3 head adds hidden_norm(hidden) to the attention
+    output (its hidden_norm does not fold). Each fast engine's steps match an unfolded copy of its model."""
+    import copy
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
+    if which == "tied draft":
+        embed, norm = tiny.draft.model.embed_tokens.weight.clone(), tiny.draft.model.norm.weight.clone()
+        ref = qwen3_engine(copy.deepcopy(tiny.draft), DRAFT)
+        got = fast.FastQwen3Engine(tiny.draft_engine(), cfg(tiny.draft))
+        assert torch.equal(tiny.draft.model.embed_tokens.weight, embed) and torch.equal(tiny.draft.model.norm.weight, norm)
+        extra, keys = {}, ("logits",)
+    else:
+        tiny.eagle3.midlayer.norm_before_residual = True
+        ref = eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0]
+        got = fast.FastEagle3Engine(tiny.eagle3_engines()[0], {**cfg(tiny.eagle3), "norm_before_residual": True})
+        extra, keys = {"hidden_states": torch.randn(1, 4, T.EAGLE3_CFG.hidden_size)}, ("logits", "hidden_out")
+    ref.new_kv()
+    got.new_kv()
+    want, have = ref.run(**inputs, **extra), got.run(**inputs, **extra)
+    assert all(close(have[k], want[k]) for k in keys)
 
 
 def test_long_passes_run_the_reference(tiny):
