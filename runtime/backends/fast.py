@@ -163,7 +163,8 @@ class FastQwen3Engine(_FastEngine):
         super().__init__(reference, config)
         p = _Packed(reference.module)
         unit = self.sums.unit
-        self.layers = [_Layer(p, f"model.layers.{i}.", True, unit) for i in range(config["num_hidden_layers"])]
+        self.layers = [_Layer(p, f"model.layers.{i}.", qk_norm=True, unit=unit)
+                       for i in range(config["num_hidden_layers"])]
         self.embed = p.get("model.embed_tokens.weight")
         self.lm_head = p.get("lm_head.weight")
         tied = self.lm_head.data_ptr() == self.embed.data_ptr()                # the embedding too: not folded
@@ -210,7 +211,7 @@ class FastEagle3Engine(_FastEngine):
     def __init__(self, reference: TorchEngine, config: dict):
         super().__init__(reference, config)
         p = _Packed(reference.module)
-        self.layer = _Layer(p, "midlayer.", False, self.sums.unit)
+        self.layer = _Layer(p, "midlayer.", qk_norm=False, unit=self.sums.unit)
         self.embed = p.get("embed_tokens.weight")
         self.hidden_norm = p.get("midlayer.hidden_norm.weight")
         self.lm_head = p.get("lm_head.weight")
