@@ -18,8 +18,10 @@ attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm
 shape of the 8B target or the EAGLE3 head (NAME in GEMV_NAMES: qkv, o, gate_up, down, lm_head, eagle3_qkv,
 eagle3_lm_head) that one-row GEMV tile (gemv.Gemv's fields; 0: the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
 ahead; ``cuda_NAME=cols/warps/stages[/per_sm]`` gives it gemv.cu's CUDA C++ kernel with that tile
-(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile). Both tables are keyed by shape, so the EAGLE3
-step's o, gate/up and down (and fc) take them too.
+(cuda_gemv.CudaGemv; 0: none, the Triton GEMV or tile); ``tile_NAME=bn/bk/warps/stages[/split/per_sm]`` gives
+its calls of several rows (and one-row calls of shapes without a GEMV) that tile-kernel tile (linear.Tile),
+e.g. ``tile_qkv=64/256/4/2/2``. All three tables are keyed by shape, so the EAGLE3 step's o, gate/up and down
+(and fc) take them too.
 """
 
 from __future__ import annotations
@@ -77,26 +79,34 @@ OWN_KEYS = ("tiles", "chunk")                   # the benchmark's own variant ke
 
 
 def tile_key(key: str) -> bool:
-    """Whether a variant key is a gemv_NAME or cuda_NAME tile (NAME in GEMV_NAMES); other keys (cuda_gemv among
-    them) are SCHEDULE's."""
-    return key.startswith(("gemv_", "cuda_")) and key[5:] in GEMV_NAMES
+    """Whether a variant key is a gemv_NAME, cuda_NAME or tile_NAME tile (NAME in GEMV_NAMES); other keys
+    (cuda_gemv among them) are SCHEDULE's."""
+    return key.startswith(("gemv_", "cuda_", "tile_")) and key[5:] in GEMV_NAMES
 
 
 def gemv_value(key: str, text: str) -> tuple[int, ...]:
     """A gemv_NAME variant's tile from 'bn/bk/warps[/split/per_sm/ahead]', a cuda_NAME one's from
-    'cols/warps/stages[/per_sm]' (or '0': none); SystemExit if malformed."""
-    cuda = key.startswith("cuda_")
-    form = "cols/warps/stages[/per_sm]" if cuda else "bn/bk/warps[/split/per_sm/ahead]"
-    usage = f"--variants: {key}={text} must be 0 or {form} (integers)"
+    'cols/warps/stages[/per_sm]' (or '0': none), a tile_NAME one's from 'bn/bk/warps/stages[/split/per_sm]';
+    SystemExit if malformed."""
+    cuda, tile = key.startswith("cuda_"), key.startswith("tile_")
+    form = "cols/warps/stages[/per_sm]" if cuda else "bn/bk/warps/stages[/split/per_sm]" if tile \
+        else "bn/bk/warps[/split/per_sm/ahead]"
+    usage = f"--variants: {key}={text} must be {'' if tile else '0 or '}{form} (integers)"
     try:
         fields = tuple(int(t) for t in text.split("/"))
     except ValueError:
         raise SystemExit(usage) from None
-    if fields == (0,):
+    if fields == (0,) and not tile:
         return fields
-    if not 3 <= len(fields) <= (4 if cuda else 6):
+    if not (4 if tile else 3) <= len(fields) <= (4 if cuda else 6):
         raise SystemExit(usage)
     shape = GEMV_NAMES[key[5:]]
+    if tile:
+        bn, bk, warps, stages, *rest = fields
+        if min(fields) < 0 or bn < 16 or bk < 16 or bn & (bn - 1) or bk & (bk - 1) or warps not in (1, 2, 4, 8) \
+                or stages < 1 or (rest and rest[0] < 1):
+            raise SystemExit(f"{usage}: bn and bk powers of two >= 16, warps 1, 2, 4 or 8, stages and split >= 1")
+        return fields
     if cuda:
         try:
             C.check(fields, *shape, gated=key == "cuda_gate_up")
@@ -134,13 +144,15 @@ def variant_schedule(v: dict, builtin: dict) -> dict:
 
 
 def variant_gemv(v: dict, cuda_base: dict) -> None:
-    """Put a variant's gemv_NAME tiles in GEMV_TILES (over whatever it holds) and its cuda_NAME ones in CUDA_GEMVS
-    (over ``cuda_base``); 0 removes the shape."""
+    """Put a variant's gemv_NAME tiles in GEMV_TILES and its tile_NAME ones in linear.TILES (over whatever they
+    hold: the caller restores them) and its cuda_NAME ones in CUDA_GEMVS (over ``cuda_base``); 0 removes the
+    shape."""
     C.CUDA_GEMVS.clear()
     C.CUDA_GEMVS.update(cuda_base)
+    tables = {"cuda_": (C.CUDA_GEMVS, C.CudaGemv), "gemv_": (G.GEMV_TILES, G.Gemv), "tile_": (L.TILES, L.Tile)}
     for k, fields in v.items():
         if tile_key(k):
-            table, tile = (C.CUDA_GEMVS, C.CudaGemv) if k.startswith("cuda_") else (G.GEMV_TILES, G.Gemv)
+            table, tile = tables[k[:5]]
             shape = GEMV_NAMES[k[5:]]
             table.pop(shape, None)
             if fields != (0,):

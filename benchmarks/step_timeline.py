@@ -36,6 +36,7 @@ from xcompile.runtime.backends.fast import FastEagle3Engine, FastQwen3Engine
 from xcompile.runtime.graphs import CudaGraphCapture
 from xcompile.runtime.kernels import cuda_gemv as C
 from xcompile.runtime.kernels import gemv as G
+from xcompile.runtime.kernels import linear as L
 
 
 def kernel_records(replay, reps: int) -> list[list[dict]]:
@@ -119,11 +120,14 @@ def main() -> None:
         fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
     fast.bind_kv(ref.new_kv())
     builtin, chunk, gemv_tiles, cuda_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES), dict(C.CUDA_GEMVS)
+    tiles = dict(L.TILES)
     for v in parse_variants(args.variants):
         kernels.SCHEDULE.update(variant_schedule(v, builtin))
         fast.chunk = v.get("chunk", chunk)
         G.GEMV_TILES.clear()
         G.GEMV_TILES.update(gemv_tiles)
+        L.TILES.clear()
+        L.TILES.update(tiles)
         variant_gemv(v, cuda_tiles)
         name = variant_name(v)
         for ctx in map(int, args.contexts.split(",")):
@@ -143,6 +147,8 @@ def main() -> None:
     kernels.SCHEDULE.update(builtin)
     G.GEMV_TILES.clear()
     G.GEMV_TILES.update(gemv_tiles)
+    L.TILES.clear()
+    L.TILES.update(tiles)
     variant_gemv({}, cuda_tiles)
 
 

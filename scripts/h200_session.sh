@@ -35,7 +35,8 @@
 #   PART=11 the gpu tests -k TESTS (the tree kernels and round graphs) picks, then the greedy `xrun bench`
 #   PART=12 benchmarks/host_loop.py: plain and chain rounds through Generator, pipelined or not
 #   PART=13 the gpu tests -k TESTS picks, benchmarks/host_loop.py (HOST_LOOP=0: not), then
-#           benchmarks/fast_decode.py --variants "$VARIANTS" at 128,4096
+#           benchmarks/fast_decode.py --variants "$VARIANTS" at FD_CONTEXTS (128,4096), within FD_LIMIT
+#           seconds (200), its last FD_LINES (12) lines echoed
 #   PART=14 benchmarks/fast_agreement.py on the demo pair in bf16 alone (PART=9's last step)
 #   PART=15 (TESTS set: the gpu tests -k TESTS picks) benchmarks/step_timeline.py (each kernel's share of a
 #           graphed step, contexts TIMELINE_CONTEXTS (128,4096), TIMELINE_TOKENS (1,32) tokens) under
@@ -218,8 +219,8 @@ if [ "$PART" = 12 ] || { [ "$PART" = 13 ] && [ "${HOST_LOOP:-1}" = 1 ]; }; then
   tail -9 "$OUT/host_loop.log"
 fi
 if [ "$PART" = 13 ]; then
-  step "benchmarks/fast_decode.py --contexts 128,4096 --variants ${VARIANTS:-attn_preload=1}"
-  fast_decode 200 12 --variants "${VARIANTS:-attn_preload=1}" --json "$OUT/variants.json"
+  step "benchmarks/fast_decode.py --contexts ${FD_CONTEXTS:-128,4096} --variants ${VARIANTS:-attn_preload=1}"
+  fast_decode "${FD_LIMIT:-200}" "${FD_LINES:-12}" --variants "${VARIANTS:-attn_preload=1}" --json "$OUT/variants.json"
 fi
 if [ "$PART" = 11 ]; then
   step "gpu tests: ${TESTS:-tree or round_graphs}"

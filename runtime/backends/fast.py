@@ -196,8 +196,7 @@ class FastQwen3Engine(_FastEngine):
             linear(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 taps[0, :, j * h:(j + 1) * h] = x
-        rows = x.index_select(0, inputs["logit_rows"][0])
-        logits = linear(rows, self.lm_head, norm=self.norm, eps=self.eps)[None]
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0])[None]
         out = {"logits": logits}
         if "hidden_taps" in self.spec.output_names:
             out["hidden_taps"] = taps
@@ -239,8 +238,7 @@ class FastEagle3Engine(_FastEngine):
         g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums)
         self.sums.reset()                                                      # x changes next
         linear(g, layer.down, residual=x, out=x)
-        rows = x.index_select(0, inputs["logit_rows"][0])
-        logits = linear(rows, self.lm_head, norm=self.norm, eps=self.eps)[None]
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0])[None]
         return {"logits": logits, "hidden_out": x[None]}
 
 

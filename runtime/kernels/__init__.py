@@ -172,6 +172,11 @@ def _pdl_capable() -> bool:
 #                         summation order); the same for every row count. A first form that normalised x in
 #                         the main loop (x * 1/rms * g, the weights unfolded) was slower: 7 / 32 tokens 4.489 /
 #                         5.099 -> 4.586 / 5.529 ms at context 128. Figures: docs/BENCHMARKS.md, fifteenth session
+# Sixteenth session (2026-12-03), tried and removed (docs/BENCHMARKS.md, sixteenth session): a one-row tile-kernel
+# call's RMSNorm (the lm_heads') as the kernel's prologue, not a launch: within noise (a decode step 4.060 ->
+# 4.074 ms, the EAGLE3 step 0.186 either way; in norm_late_tile's form 4.228 / 0.224); the EAGLE3 step's qkv
+# GEMV reading u's halves (the embedding row, the hidden, each with its 1/rms at the end) in place, not after
+# embed_norms' launch: slower, 0.191-0.194 ms a step against 0.186-0.187.
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,

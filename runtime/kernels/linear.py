@@ -391,7 +391,9 @@ class Tile(NamedTuple):
 # shape with one, hence its slower o / down figures), against the best other tile of that run; the lm_head
 # and EAGLE3 qkv tiles faster alone there changed nothing in the step, so they stay. The streaming kernel
 # was fastest alone for qkv and lm_head but slower inside the step (32 tokens 5.600 -> 5.997 ms): it cannot
-# fetch weights before the PDL wait (its pipelined loop also loads x).
+# fetch weights before the PDL wait (its pipelined loop also loads x). The sixteenth session swept 24 other
+# tiles of the four 8B projections inside the step (`fast_decode.py --variants "tile_qkv=..."`, norm_sums on):
+# none faster at 7 tokens, whose step they would have shortened (docs/BENCHMARKS.md).
 DEFAULT_TILE = Tile(32, 512, 4, 3)
 TILES: dict[tuple[int, int], Tile] = {
     (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 17.6 / 21.0 / 28.0 (64/256: 18.3 / 21.3 / 27.8)
@@ -448,14 +450,24 @@ class RowSums:
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            extra_out: torch.Tensor | None = None, sums: RowSums | None = None,
-           sums_out: RowSums | None = None) -> torch.Tensor:
+           sums_out: RowSums | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] (module docstring). w [N, K] (gated: [2N, K], gate rows then up rows);
     norm [K]: RMSNorm weight of the prologue; residual [M, N] (may be ``out``); extra_out [M, N]
     (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous.
     sums: x's row sums (RowSums) for a norm of weight ``sums.unit``, used where they are x's; sums_out:
-    where this call leaves its result's (on the tile kernel, norm_sums on)."""
-    m, k = x.shape
+    where this call leaves its result's (on the tile kernel, norm_sums on). rows (int64 [R]): multiply
+    x[rows] only (the lm_heads' logit rows) -> [R, N]; gathered by the norm launch where there is one (not
+    at all for one row of x and one of rows, which can only be row 0)."""
     n_out = w.shape[0] // 2 if gated else w.shape[0]
+    if rows is not None and not (x.shape[0] == 1 and rows.shape == (1,)):    # else the only row: x itself
+        rows = rows.contiguous()
+        one_row_gemv = rows.shape[0] == 1 and (gemv_tile(n_out, x.shape[1]) is not None
+                                               or (n_out, x.shape[1]) in cuda_gemv.CUDA_GEMVS)
+        if norm is not None and SCHEDULE["norm_apart"] and not one_row_gemv:
+            x, norm = rms_norm(x, norm, eps, rows=rows), None     # gathered and normalised in one launch
+        else:
+            x = x.index_select(0, rows)
+    m, k = x.shape
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)

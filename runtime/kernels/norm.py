@@ -3,7 +3,8 @@
     embed_norms  the EAGLE3 step's input: u = [RMSNorm(embed[ids]), RMSNorm(hidden)] (embedding first)
                  ids [M] int64, embed [V, H], hidden [M, H] (rows may be strided) -> u [M, 2H]
     rms_norm     x [M, K] (rows may be strided) -> RMSNorm(x) [M, K], for the projections of several rows
-                 under SCHEDULE's norm_apart
+                 under SCHEDULE's norm_apart; or, given rows [R], RMSNorm(x[rows]) [R, K]: the lm_heads'
+                 logit rows gathered and normalised in one launch
 
 One program per row (and half); each is normalised on its own, in fp32, and rounded once (F.rms_norm).
 """
@@ -57,24 +58,30 @@ def embed_norms_reference(ids, embed, w_embed, hidden, w_hidden, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, stride_x, eps, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, ROWS, stride_x, eps, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     GATHER: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
+    src = tl.load(ROWS + m) if GATHER else m                 # GATHER: output row m is x's row ROWS[m]
     cols = tl.arange(0, BLOCK)
     ok = cols < K
-    x = tl.load(X + m * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + src * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     y = x * rstd * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + m * K + cols, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm(x, (K,), w, eps) of each row of x [M, K] -> a new [M, K]."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """F.rms_norm(x, (K,), w, eps) of each row of x [M, K] -> a new [M, K]; with ``rows`` (int64 [R], each in
+    [0, M)), of x[rows] -> [R, K], the same bits as normalising x.index_select(0, rows)."""
     m, k = x.shape
     assert x.stride(1) == 1 and w.shape == (k,) and w.is_contiguous()
-    y = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(m,)](x, w, y, x.stride(0), eps, K=k, BLOCK=triton.next_power_of_2(k), PDL=pdl(),
-                           num_warps=4, **launch())
+    assert rows is None or (rows.dim() == 1 and rows.dtype == torch.int64 and rows.is_contiguous()), rows
+    out_rows = m if rows is None else rows.shape[0]
+    y = torch.empty(out_rows, k, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(out_rows,)](x, w, y, rows if rows is not None else y, x.stride(0), eps, K=k,
+                                  BLOCK=triton.next_power_of_2(k), PDL=pdl(), GATHER=rows is not None, num_warps=4,
+                                  **launch())
     return y

@@ -427,6 +427,40 @@ def test_norm_apart_matches_reference(gated, dtype, monkeypatch):
         assert torch.equal(linear(xs[:m, :k], w, norm=g, gated=gated), full[:m])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_gathers_rows_with_the_bits_of_index_select(dtype):
+    """rms_norm(x, g, rows=...) (the lm_heads' logit rows, gathered by the norm launch): each output row
+    the same bits as normalising x.index_select(0, rows); rows may repeat and come in any order."""
+    torch.manual_seed(11)
+    k = 320
+    x, g = 3 * randn(9, 2 * k, dtype=dtype)[:, :k], randn(k, dtype=dtype) + 1
+    rows = torch.tensor([4, 0, 8, 4], device=DEV)
+    assert torch.equal(rms_norm(x, g, 1e-6, rows=rows), rms_norm(x.index_select(0, rows), g, 1e-6))
+
+
+@pytest.mark.parametrize("apart", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_linear_of_logit_rows_gives_the_bits_of_the_gathered_rows(gated, apart, monkeypatch):
+    """linear(x, w, rows=...) multiplies x[rows] only: with a norm (and norm_apart) the norm launch gathers
+    them, else index_select; the same bits as calling it on the gathered rows. One row of x and rows [0]:
+    no gather at all. A shape whose one row runs on a GEMV takes its norm as the GEMV's prologue."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", apart)
+    torch.manual_seed(12)
+    n, k = 48, 256
+    w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
+    x = randn(7, k, dtype=torch.float32)
+    for norm in (None, g):
+        for rows in ([6], [0, 3, 5], [2, 2]):
+            idx = torch.tensor(rows, device=DEV)
+            got = linear(x, w, norm=norm, gated=gated, rows=idx)
+            assert torch.equal(got, linear(x.index_select(0, idx), w, norm=norm, gated=gated))
+        assert torch.equal(linear(x[:1], w, norm=norm, gated=gated, rows=torch.zeros(1, dtype=torch.int64, device=DEV)),
+                           linear(x[:1], w, norm=norm, gated=gated))
+    monkeypatch.setitem(G.GEMV_TILES, (n, k), G.Gemv(4, 128, 4))
+    idx = torch.tensor([3], device=DEV)
+    assert torch.equal(linear(x, w, norm=g, gated=gated, rows=idx), linear(x[3:4], w, norm=g, gated=gated))
+
+
 def fold(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """w [N, K] with the RMSNorm weight g folded in (W * g per column, rounded once), as fast.py packs it."""
     return w * g[None, :]
@@ -613,6 +647,21 @@ def test_norm_apart_at_qwen3_8b_shapes(n, k, gated, monkeypatch):
     for out in outs:
         assert rel(out, linear_reference(x[:out.shape[0]], w, norm=g, gated=gated)) < 1e-2
     assert torch.equal(outs[0][0], outs[1][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [151936, 32000])
+def test_lm_heads_of_logit_rows_at_qwen3_8b_shapes(n):
+    """The lm_heads (Qwen3-8B's, the EAGLE3 head's draft vocabulary): 7 rows' logit rows [6, 2] gathered by
+    the norm launch give the bits of the gathered rows, and are accurate."""
+    torch.manual_seed(n)
+    k = 4096
+    w = randn(n, k, dtype=torch.bfloat16, scale=k ** -0.5)
+    x, g = randn(7, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16) + 1
+    idx = torch.tensor([6, 2], device=DEV)
+    got = linear(x, w, norm=g, rows=idx)
+    assert torch.equal(got, linear(x.index_select(0, idx), w, norm=g))
+    assert rel(got, linear_reference(x.index_select(0, idx), w, norm=g)) < 1e-2
 
 
 @pytest.mark.gpu
