@@ -6,8 +6,9 @@ Built when first asked for (the fast engines ask when they are made, outside any
 CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's architecture (sm_90 or newer: the
 bulk copies are Hopper's), into ``$XCOMPILE_CACHE/cuda`` (else ``~/.cache/xcompile/cuda``) keyed by the
 sources, the architecture, the flags and nvcc's version, and called through ctypes on torch's current
-stream (so it records into CUDA graphs like any launch). Without nvcc, on an older GPU, if the build fails
-or a launch is refused (a warning says why), one-row calls keep the Triton GEMV: ``CUDA_GEMVS`` only says
+stream (so it records into CUDA graphs like any launch); one probe launch at load checks that the device runs
+the build. Without nvcc, on an older GPU, if the build or the probe fails or a launch is refused (a warning says
+why), one-row calls keep the Triton GEMV: ``CUDA_GEMVS`` only says
 which shapes take this kernel where it runs.
 Neither CI nor any CPU runs it: its tests are marked ``gpu``.
 """
@@ -125,10 +126,28 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def probe(lib: ctypes.CDLL, index: int) -> int:
+    """One launch of the smallest tile on device ``index`` (ones [1, 8] times ones [2, 8]), waited for and its
+    result checked: the cudaError_t (0: it ran and gave 8, 8; -2: it ran and gave something else). A driver
+    older than the runtime nvcc linked in, or a build the device cannot run, refuses this launch here, at load,
+    and not inside a captured step."""
+    dev = torch.device("cuda", index)
+    x, w = (torch.ones(n, 8, dtype=torch.bfloat16, device=dev) for n in (1, 2))
+    y = torch.zeros(1, 2, dtype=torch.bfloat16, device=dev)
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev)
+        err = lib.xc_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), None, None, None, 2, 8, 1e-6, 1, 1, 2, 0,
+                          0, 0, 0, 0, 0, 0, stream.cuda_stream)
+        if err:
+            return err
+        stream.synchronize()
+    return 0 if torch.equal(y, torch.full_like(y, 8)) else -2
+
+
 @functools.cache
 def library(index: int) -> ctypes.CDLL | None:
-    """gemv.cu built and loaded for CUDA device ``index``, or None (no nvcc, a GPU older than sm_90, or the
-    build failed: said once)."""
+    """gemv.cu built, loaded and probed (``probe``; not while a CUDA graph is being captured) for CUDA device
+    ``index``, or None (no nvcc, a GPU older than sm_90, the build failed or the probe did not run: said once)."""
     compiler = nvcc()
     major, minor = torch.cuda.get_device_capability(index)
     if compiler is None or major < 9:
@@ -136,10 +155,17 @@ def library(index: int) -> ctypes.CDLL | None:
         log.info("CUDA GEMV not used (%s): one-row projections stay on the Triton GEMV", why)
         return None
     try:
-        return load(build(f"sm_{major}{minor}", compiler))
+        lib = load(build(f"sm_{major}{minor}", compiler))
     except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
         log.warning("CUDA GEMV not built (%s); one-row projections stay on the Triton GEMV", e)
         return None
+    err = 0 if torch.cuda.is_current_stream_capturing() else probe(lib, index)
+    if err:
+        why = "a wrong result" if err == -2 else f"cudaError_t {err}; a driver older than nvcc's runtime?"
+        log.warning("CUDA GEMV built but its probe launch failed (%s); one-row projections stay on the Triton "
+                    "GEMV", why)
+        return None
+    return lib
 
 
 @functools.cache

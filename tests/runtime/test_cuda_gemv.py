@@ -71,6 +71,27 @@ nvcc = pytest.mark.skipif(C.nvcc() is None, reason="needs the CUDA toolkit's nvc
 
 
 @nvcc
+@pytest.mark.parametrize("err", [0, 35, -2])
+def test_library_keeps_a_build_only_if_its_probe_launch_runs(err, monkeypatch, tmp_path, caplog):
+    """library(): a build whose probe launch the device refuses (35: cudaErrorInsufficientDriver, a driver
+    older than nvcc's runtime) or that gives a wrong result (-2) is not used, with a warning; one that runs is."""
+    lib = object()
+    monkeypatch.setattr(C, "nvcc", lambda: "nvcc")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(C, "build", lambda arch, compiler: tmp_path / "lib.so")
+    monkeypatch.setattr(C, "load", lambda path: lib)
+    monkeypatch.setattr(C, "probe", lambda got, index: err if got is lib else 0)
+    C.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert C.library(0) is (None if err else lib)
+        assert ("probe launch failed" in caplog.text) == bool(err)
+        assert ("cudaError_t 35" in caplog.text) == (err == 35)
+    finally:
+        C.library.cache_clear()
+
+
 def test_build_compiles_caches_and_loads(tmp_path):
     """Built once for sm_90 (no GPU needed to compile), then found in the cache; nothing else left there;
     the library loads and exports xc_gemv."""
@@ -206,6 +227,12 @@ def test_cuda_gemv_in_a_cuda_graph(pdl, monkeypatch):
     want = chain()
     graph.replay()
     assert torch.equal(out, want)
+
+
+@gpu_only
+def test_the_probe_launch_runs_on_this_gpu():
+    lib = C.library(0)
+    assert lib is not None and C.probe(lib, 0) == 0
 
 
 @gpu_only
