@@ -459,6 +459,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     x[rows] only (the lm_heads' logit rows) -> [R, N]; gathered by the norm launch where there is one (not
     at all for one row of x and one of rows, which can only be row 0)."""
     n_out = w.shape[0] // 2 if gated else w.shape[0]
+    assert rows is None or (residual is None and out is None and extra_out is None), "rows: a new result only"
     if rows is not None and not (x.shape[0] == 1 and rows.shape == (1,)):    # else the only row: x itself
         rows = rows.contiguous()
         one_row_gemv = rows.shape[0] == 1 and (gemv_tile(n_out, x.shape[1]) is not None
