@@ -16,6 +16,7 @@ attention reduction:
 
 In steps of several rows the two residual projections also leave x's row sums of squares (RowSums), from
 which the next projection's RMSNorm takes its 1/rms (kernels.SCHEDULE's norm_sums): no norm launch there.
+The step's embedding gather leaves them too, for the first layer's qkv.
 
 Every step is device work with shapes fixed by the token count, so the Generator records whole
 speculative rounds in one CUDA graph (``graph_capturable``). Weights are read by parameter name
@@ -26,7 +27,6 @@ runtime stays free of the compile side.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from xcompile.runtime.backends.torch_module import TorchEngine
 from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
@@ -34,7 +34,7 @@ from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.kernels import MAX_ROWS, cuda_gemv, interpreted
 from xcompile.runtime.kernels.attention import attention, chunk_for
-from xcompile.runtime.kernels.linear import RowSums, linear
+from xcompile.runtime.kernels.linear import RowSums, embedding, linear
 from xcompile.runtime.kernels.norm import embed_norms
 from xcompile.runtime.kernels.rope_kv import rope_kv
 
@@ -181,11 +181,10 @@ class FastQwen3Engine(_FastEngine):
             return self.reference.run(**inputs)
         self._batch1(inputs)
         pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
-        x = F.embedding(ids[0], self.embed)                                    # [S, H]
+        sums = self.sums
+        x = embedding(ids[0], self.embed, sums_out=sums)                      # [S, H], and its row sums
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
-        sums = self.sums
-        sums.reset()                                                           # none for the embedding
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums)
             a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)

@@ -177,11 +177,18 @@ def _pdl_capable() -> bool:
 # 4.074 ms, the EAGLE3 step 0.186 either way; in norm_late_tile's form 4.228 / 0.224); the EAGLE3 step's qkv
 # GEMV reading u's halves (the embedding row, the hidden, each with its 1/rms at the end) in place, not after
 # embed_norms' launch: slower, 0.191-0.194 ms a step against 0.186-0.187.
+# Seventeenth session (2026-12-03):
+#   embed_sums            (with norm_sums) the target step's embedding gather is a launch of ours
+#                         (linear.embedding) that also leaves the rows' sums of squares, so the first layer's
+#                         qkv of a call of several rows takes its norm from them like the other layers' (no
+#                         norm launch); off: torch's F.embedding and the norm launch. Changes the bits of
+#                         that qkv (as norm_sums did the others'). Figures: docs/BENCHMARKS.md, seventeenth
+#                         session
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
             "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True,
-            "norm_sums": True}
+            "norm_sums": True, "embed_sums": True}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

@@ -35,7 +35,7 @@ from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, cuda_gemv, ie
 from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _sq, norm_late,
                                              rstd_unroll, schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
-from xcompile.runtime.kernels.norm import rms_norm
+from xcompile.runtime.kernels.norm import embedding_rows, rms_norm
 
 
 SUM_ROWS = tl.constexpr(MAX_ROWS)    # a row sums buffer's stride: one partial of every row a column block
@@ -445,6 +445,22 @@ class RowSums:
     @staticmethod
     def key(t: torch.Tensor) -> tuple:
         return t.data_ptr(), t.shape[0], t.shape[1], t.stride(0)
+
+
+def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None = None) -> torch.Tensor:
+    """F.embedding(ids, embed) for ids [M] -> [M, H] in one launch (norm.embedding_rows); with sums_out and
+    SCHEDULE's norm_sums and embed_sums on, its rows' sums of squares too, one partial a row, so that a
+    projection of several rows reading it next (the first qkv, its norm weight folded) takes its 1/rms from
+    them: no norm launch. embed_sums off: torch's F.embedding, no sums."""
+    if sums_out is not None:
+        sums_out.reset()
+    if not SCHEDULE["embed_sums"]:
+        return F.embedding(ids, embed)
+    write = sums_out is not None and SCHEDULE["norm_sums"]
+    x = embedding_rows(ids, embed, sums_out.buf if write else None)
+    if write:
+        sums_out.source, sums_out.blocks = RowSums.key(x), 1
+    return x
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,

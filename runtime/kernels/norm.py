@@ -1,5 +1,8 @@
-"""RMSNorm launches of their own (the projections otherwise take theirs as a prologue, linear.py):
+"""RMSNorm launches of their own (the projections otherwise take theirs as a prologue, linear.py), and the
+embedding rows with the sums of squares such a norm needs:
 
+    embedding_rows  embed[ids] [M, H] for ids [M] int64, and (given sums) each row's fp32 sum of squares:
+                 the target step's input, whose first qkv then takes its norm from them (linear.embedding)
     embed_norms  the EAGLE3 step's input: u = [RMSNorm(embed[ids]), RMSNorm(hidden)] (embedding first)
                  ids [M] int64, embed [V, H], hidden [M, H] (rows may be strided) -> u [M, 2H]
     rms_norm     x [M, K] (rows may be strided) -> RMSNorm(x) [M, K], for the projections of several rows
@@ -17,6 +20,37 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.kernels import launch, pdl
+
+
+@triton.jit
+def _embedding_kernel(IDS, EMB, X, SQ, stride_ids, H: tl.constexpr, BLOCK: tl.constexpr, SUMS: tl.constexpr,
+                      PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    m = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(EMB + tl.load(IDS + m * stride_ids) * H + cols, mask=ok, other=0.0)
+    tl.store(X + m * H + cols, x, mask=ok)
+    if SUMS:
+        xf = x.to(tl.float32)
+        tl.store(SQ + m, tl.sum(xf * xf, axis=0))
+
+
+def embedding_rows(ids: torch.Tensor, embed: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """F.embedding(ids, embed) for ids [M] int64 (any stride) -> a new [M, H] in one launch; with ``sums``
+    (fp32, its first row at least M long and contiguous: a linear.RowSums buffer), also each row's sum of
+    squares (fp32) into sums[0, :M]."""
+    m = ids.shape[0]
+    h = embed.shape[1]
+    assert ids.dim() == 1 and ids.dtype == torch.int64 and embed.is_contiguous()
+    assert sums is None or (sums.dtype == torch.float32 and sums.stride(-1) == 1 and sums.shape[-1] >= m), sums
+    x = torch.empty(m, h, dtype=embed.dtype, device=embed.device)
+    _embedding_kernel[(m,)](ids, embed, x, sums if sums is not None else x, ids.stride(0), H=h,
+                            BLOCK=triton.next_power_of_2(h), SUMS=sums is not None, PDL=pdl(), num_warps=4,
+                            **launch())
+    return x
 
 
 @triton.jit

@@ -82,9 +82,10 @@ def test_target_steps_and_kv_match_the_reference(tiny):
 def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypatch):
     """The fast engines fold each RMSNorm weight into the weights it feeds (qkv, gate/up, an untied lm_head)
     and make it ones, for the reference module too; the steps match an unfolded copy of the model. In steps
-    of several rows the norm launches left are the first qkv's and lm_head's (the others take the row sums
-    the o / down projections leave; kernels.SCHEDULE's norm_sums); with norm_sums off, one before every
-    projection with a norm, and the logits the same to fp32 rounding. The EAGLE3 step too (its gate/up and
+    of several rows the norm launch left is the lm_head's (the others take the row sums the embedding and the
+    o / down projections leave; kernels.SCHEDULE's norm_sums and embed_sums; with embed_sums off the first
+    qkv's too); with norm_sums off, one before every projection with a norm; the logits the same to fp32
+    rounding. The EAGLE3 step too (its gate/up and
     lm_head norms folded)."""
     import copy
 
@@ -101,17 +102,19 @@ def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypa
     norm = L.rms_norm
     monkeypatch.setattr(L, "rms_norm", lambda *a, **kw: launches.append(1) or norm(*a, **kw))
     logits = []
-    for on in (True, False):
+    for on, embed_sums in ((True, True), (True, False), (False, True)):
         monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", on)
+        monkeypatch.setitem(kernels.SCHEDULE, "embed_sums", embed_sums)
         unfolded.new_kv()
         got.new_kv()
         launches.clear()
         inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
         have, want = got.run(**inputs), unfolded.run(**inputs)
         assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
-        assert len(launches) == (2 if on else 2 * T.TARGET_CFG.num_hidden_layers + 1)
+        assert len(launches) == ((1 if embed_sums else 2) if on else 2 * T.TARGET_CFG.num_hidden_layers + 1)
         logits.append(have["logits"])
-    assert close(logits[0], logits[1], 1e-5)
+    assert close(logits[0], logits[1], 1e-5) and close(logits[0], logits[2], 1e-5)
+    monkeypatch.setitem(kernels.SCHEDULE, "embed_sums", True)
     monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
     ref = eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0]
     e3 = fast_eagle3(tiny)[0]

@@ -24,7 +24,7 @@ from xcompile.runtime.kernels import common as C  # noqa: E402
 from xcompile.runtime.kernels import gemv as G  # noqa: E402
 from xcompile.runtime.kernels import linear as L  # noqa: E402
 from xcompile.runtime.kernels.linear import linear, linear_reference  # noqa: E402
-from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference, rms_norm  # noqa: E402
+from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference, embedding_rows, rms_norm  # noqa: E402
 from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -528,6 +528,40 @@ def test_norm_sums_are_used_only_for_the_result_they_were_left_for(monkeypatch):
     assert sums.source is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_leaves_the_row_sums_the_first_qkv_reads(dtype, monkeypatch):
+    """linear.embedding: F.embedding's rows (ids of any stride), and under norm_sums and embed_sums their
+    fp32 sums of squares, one partial a row; the projection after it (its norm weight folded) takes its 1/rms
+    from them: the reference's result with the unfolded weight, a row the same bits at every row count from
+    2; with either switch off none are left (and earlier ones are reset)."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
+    torch.manual_seed(11)
+    v, h, n = 50, 160, 48
+    embed, g = 3 * randn(v, h, dtype=dtype), randn(h, dtype=dtype) + 1
+    w = randn(n, h, dtype=dtype, scale=h ** -0.5)
+    ids0 = torch.randint(0, v, (40,), device=DEV)
+    full = None
+    for m in (40, 2, 7, 17):
+        sums = L.RowSums(h, dtype, torch.device(DEV))
+        x = L.embedding(ids0[:m], embed, sums_out=sums)
+        assert torch.equal(x, F.embedding(ids0[:m], embed))
+        assert sums.source == L.RowSums.key(x) and sums.blocks == 1
+        assert rel(sums.buf[0, :m], (x.float() ** 2).sum(1)) < 1e-6
+        out = linear(x, fold(w, g), norm=sums.unit, sums=sums)
+        assert rel(out, linear_reference(x, w, norm=g)) < TOL[dtype]
+        full = out if full is None else full
+        assert torch.equal(out, full[:m])
+    strided = torch.randint(0, v, (5, 3), device=DEV)[:, 1]
+    assert torch.equal(embedding_rows(strided, embed), F.embedding(strided, embed))
+    for key in ("norm_sums", "embed_sums"):                                  # either off: no sums
+        monkeypatch.setitem(kernels.SCHEDULE, key, False)
+        sums = L.RowSums(h, dtype, torch.device(DEV))
+        sums.source = L.RowSums.key(x)                                           # earlier sums
+        assert torch.equal(L.embedding(ids0[:5], embed, sums_out=sums), F.embedding(ids0[:5], embed))
+        assert sums.source is None
+        monkeypatch.setitem(kernels.SCHEDULE, key, True)
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_rstd_span_changes_no_bits(gated, monkeypatch):
     """The RMSNorm pre-pass with several steps' loads in flight (SCHEDULE's rstd_span; remainders of K
@@ -685,6 +719,28 @@ def test_norm_sums_at_qwen3_8b_shapes(writer, reader, monkeypatch):
         out = linear(x, wf, norm=sums.unit, gated=gated, sums=sums)
         assert rel(out, linear_reference(x, wr, norm=g, gated=gated)) < 1e-2
         assert rel(out, linear(x, wr, norm=g, gated=gated)) < 1e-2
+        outs.append(out)
+    assert torch.equal(outs[0][0], outs[1][0])
+
+
+@pytest.mark.gpu
+def test_embedding_sums_at_qwen3_8b_qkv(monkeypatch):
+    """The embedding's row sums read by the 8B qkv (its norm folded) at 7 and 32 rows: the gather exact, the
+    sums those of the rows, the reader within bf16 rounding of the reference and of the unfolded call under
+    norm_apart, row 0 the same bits at both row counts."""
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
+    torch.manual_seed(12)
+    embed, g = randn(1000, 4096, dtype=torch.bfloat16), randn(4096, dtype=torch.bfloat16) + 1
+    w = randn(6144, 4096, dtype=torch.bfloat16, scale=4096 ** -0.5)
+    ids, wf = torch.randint(0, 1000, (32,), device=DEV), fold(w, g)
+    outs = []
+    for m in (7, 32):
+        sums = L.RowSums(4096, torch.bfloat16, torch.device(DEV))
+        x = L.embedding(ids[:m], embed, sums_out=sums)
+        assert torch.equal(x, F.embedding(ids[:m], embed))
+        assert rel(sums.buf[0, :m], (x.float() ** 2).sum(1)) < 1e-5
+        out = linear(x, wf, norm=sums.unit, sums=sums)
+        assert rel(out, linear_reference(x, w, norm=g)) < 1e-2 and rel(out, linear(x, w, norm=g)) < 1e-2
         outs.append(out)
     assert torch.equal(outs[0][0], outs[1][0])
 
