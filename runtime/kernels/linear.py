@@ -393,7 +393,10 @@ class Tile(NamedTuple):
 # was fastest alone for qkv and lm_head but slower inside the step (32 tokens 5.600 -> 5.997 ms): it cannot
 # fetch weights before the PDL wait (its pipelined loop also loads x). The sixteenth session swept 24 other
 # tiles of the four 8B projections inside the step (`fast_decode.py --variants "tile_qkv=..."`, norm_sums on):
-# none faster at 7 tokens, whose step they would have shortened (docs/BENCHMARKS.md).
+# none faster at 7 tokens, whose step they would have shortened (docs/BENCHMARKS.md). The seventeenth swept
+# 15 deeper-pipelined ones (none faster) and tried a stream-K form of the kernel for qkv, o and down (the
+# units of every column block shared evenly by 1-2 programs a SM, split blocks added up by the last to
+# arrive): slower at every tile, 7 tokens 4.371 -> 4.48-5.00 ms; it was not kept (branch wip/stream-k-verify).
 DEFAULT_TILE = Tile(32, 512, 4, 3)
 TILES: dict[tuple[int, int], Tile] = {
     (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 17.6 / 21.0 / 28.0 (64/256: 18.3 / 21.3 / 27.8)
