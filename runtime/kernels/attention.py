@@ -25,10 +25,7 @@ attn_prefetch (a bulk L2 prefetch of a split's later cached keys before the PDL 
 gain and stay at 2 / 4 / off. One that changes bits at long contexts (the fp32 sum over the splits in
 another thread layout, the same for every row count): combine_block, the columns of a head each reduction
 program sums (32: a one-row call's reduction on a 4352-slot cache on 128 one-warp programs, not 32 of
-four). attn_loop: splits a program (1: one), program p taking splits p, p + P, ... of the P a head and row
-tile, so a short context's splits past the live length make fewer programs (each still returns at once):
-the launch of a 4352-slot cache's 34 splits a head costs a verify at context 128 more than a 512-slot cache's
-4 (docs/BENCHMARKS.md, seventeenth session). The same bits at every value.
+four).
 """
 
 from __future__ import annotations
@@ -103,34 +100,15 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK, SPLITS,
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   EARLY: tl.constexpr, FIRST: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
-                  THREADS: tl.constexpr, LOOP: tl.constexpr):
-    # LOOP splits a program (SCHEDULE's attn_loop): program p of the P = cdiv(SPLITS, LOOP) along axis 1
-    # takes splits p, p + P, ..., so the live ones of a short context are each program's first and the
-    # programs past them are fewer; each split is computed as with one a program (the same bits)
+                  THREADS: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
-    wi = tl.load(WI)
-    chunk = _chunk(wi, CHUNK, SPLITS, SMALL, MAX_M)
-    _split(Q, KC, VC, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, wi, chunk, tl.program_id(1),
-           G, HQ, D, BLOCK_Q, BLOCK_S, IEEE, PDL, EARLY, FIRST, PREFETCH, ROW_BYTES, THREADS, True)
-    for j in tl.static_range(1, LOOP):                  # later splits start past the first: live only if it was
-        _split(Q, KC, VC, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, wi, chunk,
-               tl.program_id(1) + j * tl.num_programs(1), G, HQ, D, BLOCK_Q, BLOCK_S, IEEE, PDL, EARLY, FIRST,
-               PREFETCH, ROW_BYTES, THREADS, False)
-
-
-@triton.jit
-def _split(Q, KC, VC, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, wi, chunk, split,
-           G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
-           IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, FIRST: tl.constexpr, PREFETCH: tl.constexpr,
-           ROW_BYTES: tl.constexpr, THREADS: tl.constexpr, WAIT: tl.constexpr):
-    """One split of _split_kernel's program: keys [split * chunk, ...) of its KV head and row tile -> its
-    partial and softmax statistics. WAIT: the program's first split, which waits for the predecessor."""
     kvh = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tok = rows // G
     head = kvh * G + rows % G
@@ -140,6 +118,8 @@ def _split(Q, KC, VC, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scal
     # writes only keys write_index..write_index+M-1 and lets this launch start once its own wait is over):
     # splits past the live length return at once, and the first block's cached keys and values are in
     # flight before the wait (programmatic dependent launch).
+    wi = tl.load(WI)
+    chunk = _chunk(wi, CHUNK, tl.num_programs(1), SMALL, MAX_M)
     start = split * chunk
     end = tl.minimum(start + chunk, wi + M)
     if start < end:
@@ -149,7 +129,7 @@ def _split(Q, KC, VC, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scal
         offs = base + keys[:, None] * D + d[None, :]
         k = tl.load(KC + offs, mask=cached[:, None], other=0.0)
         v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
-        if PDL and WAIT:
+        if PDL:
             if PREFETCH:                                # the later steps' cached keys, into L2 before the wait
                 last = tl.minimum(end, wi)
                 _prefetch_l2(KC + base, start + BLOCK_S, last, ROW_BYTES, THREADS)
@@ -173,7 +153,7 @@ def _split(Q, KC, VC, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scal
             v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
                                           l_i, acc, IEEE)
-        if PDL and WAIT and not EARLY and not FIRST:
+        if PDL and not EARLY and not FIRST:
             tl.extra.cuda.gdc_launch_dependents()
         # partials [splits, M, HQ, (D | m, l)]; the combine reads the live splits only
         slot = (split * M + tok) * HQ + head
@@ -242,18 +222,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     row_bytes = d * k_cache.element_size()
     prefetch = (bool(SCHEDULE["attn_prefetch"]) and row_bytes % 16 == 0 and k_cache.stride() == v_cache.stride()
                 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)    # a bulk prefetch: 16-byte units
-    loop = max(1, min(int(SCHEDULE["attn_loop"]), splits))
-    grid = (kv_heads, triton.cdiv(splits, loop), triton.cdiv(g * m, ROW_TILE))
+    grid = (kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
     regs = {"maxnreg": int(SCHEDULE["attn_maxnreg"])} if SCHEDULE["attn_maxnreg"] and many(math.prod(grid), q.device) else {}
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[grid](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
-        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, splits, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads,
-        D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
+        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads, D=d,
+        BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
         FIRST=attn_early(m, "split"), PREFETCH=prefetch, ROW_BYTES=row_bytes,
-        THREADS=32 * warps, LOOP=loop, num_warps=warps, num_stages=int(SCHEDULE["attn_stages"]), **regs,
-        **launch())
+        THREADS=32 * warps, num_warps=warps, num_stages=int(SCHEDULE["attn_stages"]), **regs, **launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)

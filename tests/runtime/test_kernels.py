@@ -265,7 +265,7 @@ def test_attention_short_chunk(write_index, rows, monkeypatch):
 ATTN_BASE = {"attn_stages": 2, "attn_prefetch": False, "attn_maxnreg": 0, "attn_warps": 4, "combine_block": 0}
 ATTN_LAUNCHES = [{"attn_stages": 1}, {"attn_prefetch": True}, {"attn_stages": 1, "attn_prefetch": True},
                  {"attn_maxnreg": 128}, {"attn_warps": 8}, {"attn_warps": 8, "attn_stages": 1}, {"combine_block": 32},
-                 {"combine_block": 16}, {"attn_loop": 2}, {"attn_loop": 3}, {"attn_loop": 2, "attn_maxnreg": 128}]
+                 {"combine_block": 16}]
 
 
 @pytest.mark.parametrize("launch", ATTN_LAUNCHES)
@@ -283,17 +283,6 @@ def test_attention_launch_options(launch, write_index, rows, monkeypatch):
     attention_640(write_index, rows)
 
 
-@pytest.mark.parametrize("write_index,rows", [(5, 1), (100, 7), (200, 33), (500, 1), (580, 33), (600, 40)])
-def test_attention_split_loop_changes_no_bits(write_index, rows, monkeypatch):
-    """SCHEDULE's attn_loop (each program of the split kernel takes splits p, p + P, ...): the bits of one
-    split a program, at short contexts (short_chunk's 64-key splits), long ones and the cache's end, for 1
-    to 5 splits a program (3 does not divide the 5 splits of the 640-slot cache; 8 is more than it has)."""
-    base, want = attention_640(write_index, rows)
-    for loop in (2, 3, 5, 8):
-        monkeypatch.setitem(kernels.SCHEDULE, "attn_loop", loop)
-        assert torch.equal(attention(*base, chunk=128), want), loop
-
-
 def test_attention_register_cap_takes_grids_of_more_than_four_programs_a_sm(monkeypatch):
     monkeypatch.setattr(A, "sms", lambda device: 132)
     assert not A.many(8 * 34 * 1, torch.device("cuda"))     # the 8B decode step on a 4352-slot cache
@@ -307,9 +296,6 @@ def test_attention_launch_option_values():
         kernels.schedule_value("attn_warps", "3", "--variants")
     with pytest.raises(SystemExit, match="attn_stages=0 must be at least 1"):
         kernels.schedule_value("attn_stages", "0", "--variants")
-    assert kernels.schedule_value("attn_loop", "2") == 2
-    with pytest.raises(SystemExit, match="attn_loop=0 must be at least 1"):
-        kernels.schedule_value("attn_loop", "0", "--variants")
     assert kernels.schedule_value("attn_maxnreg", "0") == 0 and kernels.schedule_value("attn_maxnreg", "128") == 128
     with pytest.raises(SystemExit, match="attn_maxnreg=8 must be 0"):
         kernels.schedule_value("attn_maxnreg", "8", "--variants")
