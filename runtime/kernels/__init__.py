@@ -184,6 +184,10 @@ def _pdl_capable() -> bool:
 #                         norm launch); off: torch's F.embedding and the norm launch. Changes the bits of
 #                         that qkv (as norm_sums did the others'). Figures: docs/BENCHMARKS.md, seventeenth
 #                         session
+# (Tried there and removed: attn_loop, each program of the split kernel taking splits p, p + P, ... so that a
+# short context on a 4352-slot cache launches fewer programs past the live length; the same bits (GPU-tested),
+# but within noise at context 128 (7 tokens 4.421 / 4.426 -> 4.439 / 4.441 at 2 splits a program, 4.424 at 3,
+# 4.418 at 4) and slower at 4096 (one token 4.420 / 4.406 -> 4.602 / 4.593, 5.032, 5.557).)
 SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "norm_late": True,
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
