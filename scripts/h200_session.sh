@@ -93,7 +93,7 @@ fast_decode() {
   local limit=$1 lines=$2; shift 2
   timeout "$limit" python3 benchmarks/fast_decode.py --contexts "${FD_CONTEXTS:-128,4096}" "$@" > "$OUT/fast_decode.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
-  grep -vE "^tiles|^one-row" "$OUT/fast_decode.log" | tail -"$lines"
+  grep -vE "^tiles(:|=1 variants take)|^one-row" "$OUT/fast_decode.log" | tail -"$lines"
 }
 # sweep_variants SCHED NAME LINES VARIANTS: benchmarks/kernels.py --gemv on CALLS (8b qkv, gate/up) under
 # --schedule SCHED -> $OUT/NAME.json, then benchmarks/fast_decode.py --variants VARIANTS (tiles=1: its tiles)
