@@ -1,6 +1,7 @@
 """One Qwen3-8B-shaped decode step on the fast backend vs the reference path, on a GPU, in one run.
 
-    python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--tiles FILE] [--chunks 64,128] [--json FILE]
+    python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--max-seq-len 4352] [--tiles FILE]
+                                     [--chunks 64,128] [--json FILE]
     python benchmarks/fast_decode.py --variants "norm_late=0;early_trigger_verify=0;evict_first=0,norm_late=0"
 
 Weights are random (drawn on the GPU: exact values do not matter for speed, and the CPU-seeded
@@ -215,11 +216,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--contexts", default="128,4096")
+    ap.add_argument("--max-seq-len", type=int, default=4352, help="KV slots of the target's and the head's caches")
     ap.add_argument("--json")
     ap.add_argument("--tiles", help="kernels.json of benchmarks/kernels.py --sweep: use its chosen tiles")
     ap.add_argument("--chunks", default="", help="attention chunks (keys per split) to time the step with too")
     ap.add_argument("--variants", help="only time the steps under these kernels.SCHEDULE variants (docstring)")
     args = ap.parse_args()
+    longest = max(map(int, args.contexts.split(",")))
+    if longest + 32 > args.max_seq_len:                                   # the 32-token step at that context
+        raise SystemExit(f"--max-seq-len {args.max_seq_len} holds no 32-token step at context {longest}; "
+                         "raise it or lower --contexts")
     variants = parse_variants(args.variants) if args.variants is not None else None
     builtin_gemv = dict(G.GEMV_TILES)
     chosen = json.load(open(args.tiles)) if args.tiles else None
@@ -232,8 +238,8 @@ def main() -> None:
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))
     with torch.device(DEV):
-        target = random_(Qwen3(cfg, 4352, taps).to(torch.bfloat16))
-        head = Eagle3(synthetic_eagle3_config(cfg), 4352).to(torch.bfloat16)
+        target = random_(Qwen3(cfg, args.max_seq_len, taps).to(torch.bfloat16))
+        head = Eagle3(synthetic_eagle3_config(cfg), args.max_seq_len).to(torch.bfloat16)
     head.embed_tokens.weight = target.model.embed_tokens.weight
     random_(head)
     ref = qwen3_engine(target)
@@ -305,10 +311,11 @@ def main() -> None:
                "fast_ms": graphed_ms(ffc.run, taps_in)}
         out["rows"].append(row)
         print(f"{row['what']:<22}{ctx:>6}{7:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}")
-    # prefill: TTFT of a 4096-token prompt (the fast engine runs it on the reference modules) against the
-    # bf16 matmul rate measured here, FLOPs counted as xrun bench counts them (runtime/bench.py
-    # prefill_flops: lm_head over the one logit row; until 2026-12-01 this script took it over every token)
-    n = 4096
+    # prefill: TTFT of a 4096-token prompt (the fast engine runs it on the reference modules; a smaller cache's
+    # length) against the bf16 matmul rate measured here, FLOPs counted as xrun bench counts them
+    # (runtime/bench.py prefill_flops: lm_head over the one logit row; until 2026-12-01 this script took it
+    # over every token)
+    n = min(4096, args.max_seq_len)
     prompt = prompt_inputs(torch.randint(0, cfg.vocab_size, (1, n), device=DEV))
     ttft = timed_ms(lambda: fast.run(**prompt))
     rate = matmul_rate(DEV, torch.bfloat16)

@@ -104,6 +104,10 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="benchmarks/fast_decode.py's --variants")
     ap.add_argument("--eagle3", action="store_true", help="the EAGLE3 head's draft step, not the target's")
     args = ap.parse_args()
+    longest = max(map(int, args.contexts.split(","))) + max(map(int, args.tokens.split(",")))
+    if longest > args.max_seq_len:
+        raise SystemExit(f"--max-seq-len {args.max_seq_len} is shorter than the longest step's end ({longest}); "
+                         "raise it or lower --contexts / --tokens")
     torch.manual_seed(0)
     cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
     taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))           # as the EAGLE3 target's graph

@@ -88,10 +88,12 @@ gpu_tests() {
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
 }
 # fast_decode SECONDS LINES [ARG...]: benchmarks/fast_decode.py --contexts FD_CONTEXTS (128,4096) ARG... -> $OUT/fast_decode.log
-# (every part's fast_decode call takes FD_CONTEXTS)
+# (every part's fast_decode call takes FD_CONTEXTS, and FD_MAX_SEQ_LEN (4352) for its caches, as PART=15's
+# timeline does)
 fast_decode() {
   local limit=$1 lines=$2; shift 2
-  timeout "$limit" python3 benchmarks/fast_decode.py --contexts "${FD_CONTEXTS:-128,4096}" "$@" > "$OUT/fast_decode.log" 2>&1
+  timeout "$limit" python3 benchmarks/fast_decode.py --contexts "${FD_CONTEXTS:-128,4096}" \
+    --max-seq-len "${FD_MAX_SEQ_LEN:-4352}" "$@" > "$OUT/fast_decode.log" 2>&1
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -vE "^tiles(:|=1 variants take)|^one-row" "$OUT/fast_decode.log" | tail -"$lines"
 }
@@ -234,7 +236,8 @@ if [ "$PART" = 15 ]; then
   [ -n "${TESTS:-}" ] && gpu_tests 200 "${KERNEL_TESTS[@]}" -k "$TESTS"
   step "benchmarks/step_timeline.py --variants ${TIMELINE_VARIANTS:-}"
   (cd benchmarks && timeout 240 python3 step_timeline.py --variants "${TIMELINE_VARIANTS:-}" \
-     --contexts "${TIMELINE_CONTEXTS:-128,4096}" --tokens "${TIMELINE_TOKENS:-1,32}" > "$OUT/timeline.log" 2>&1)
+     --contexts "${TIMELINE_CONTEXTS:-128,4096}" --tokens "${TIMELINE_TOKENS:-1,32}" \
+     --max-seq-len "${FD_MAX_SEQ_LEN:-4352}" > "$OUT/timeline.log" 2>&1)
   echo "   exit $?" | tee -a "$OUT/summary.log"
   grep -E "^==|_split|_combine|gemv|^kernel" "$OUT/timeline.log"
   [ -n "${VARIANTS:-}" ] && step "benchmarks/fast_decode.py --contexts ${FD_CONTEXTS:-128,4096} --variants $VARIANTS"
