@@ -222,9 +222,9 @@ def main() -> None:
     ap.add_argument("--chunks", default="", help="attention chunks (keys per split) to time the step with too")
     ap.add_argument("--variants", help="only time the steps under these kernels.SCHEDULE variants (docstring)")
     args = ap.parse_args()
-    longest = max(map(int, args.contexts.split(",")))
-    if longest + 32 > args.max_seq_len:                                   # the 32-token step at that context
-        raise SystemExit(f"--max-seq-len {args.max_seq_len} holds no 32-token step at context {longest}; "
+    contexts = list(map(int, args.contexts.split(",")))
+    if max(contexts) + 32 > args.max_seq_len:                             # the 32-token step at that context
+        raise SystemExit(f"--max-seq-len {args.max_seq_len} holds no 32-token step at context {max(contexts)}; "
                          "raise it or lower --contexts")
     variants = parse_variants(args.variants) if args.variants is not None else None
     builtin_gemv = dict(G.GEMV_TILES)
@@ -251,14 +251,14 @@ def main() -> None:
     fe3.bind_kv(e3.new_kv())
     out = {"layers": args.layers, "rows": []}
     if variants is not None:
-        out["variants"] = time_variants(variants, list(map(int, args.contexts.split(","))), fast, fe3, ref, cfg, chosen)
+        out["variants"] = time_variants(variants, contexts, fast, fe3, ref, cfg, chosen)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
         return
     print(f"{'what':<22}{'ctx':>6}{'tokens':>7}{'ref ms':>9}{'fast ms':>9}{'no-PDL ms':>11}{'tile-only ms':>12}"
           f"{'Triton GEMV ms':>16}" + (f"{'built-in GEMV tiles ms':>24}" if args.tiles else ""))
-    for ctx in map(int, args.contexts.split(",")):
+    for ctx in contexts:
         ref.run(**prompt_inputs(torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)))
         for tokens in (1, 7, 32):
             inputs = step_inputs(tokens, ctx, cfg.vocab_size)
@@ -326,7 +326,7 @@ def main() -> None:
     # teacher-forced agreement: the same tokens into both paths (separate caches), logits compared
     ref_kv = [b.clone() for b in kv]
     ref.bind_kv(ref_kv)
-    ctx = int(args.contexts.split(",")[0])
+    ctx = contexts[0]
     errs, agree = [], 0
     for i in range(16):
         inputs = step_inputs(1, ctx + i, cfg.vocab_size)

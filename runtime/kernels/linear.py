@@ -445,6 +445,10 @@ class RowSums:
     def reset(self) -> None:
         self.source = None
 
+    def left_by(self, t: torch.Tensor, blocks: int) -> None:
+        """The sums now in ``buf`` are t's, ``blocks`` partials a row."""
+        self.source, self.blocks = RowSums.key(t), blocks
+
     @staticmethod
     def key(t: torch.Tensor) -> tuple:
         return t.data_ptr(), t.shape[0], t.shape[1], t.stride(0)
@@ -462,7 +466,7 @@ def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None =
     write = sums_out is not None and SCHEDULE["norm_sums"]
     x = embedding_rows(ids, embed, sums_out.buf if write else None)
     if write:
-        sums_out.source, sums_out.blocks = RowSums.key(x), 1
+        sums_out.left_by(x, 1)
     return x
 
 
@@ -539,7 +543,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                                       *strides, eps, EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=late,
                                       NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=write, **flags)
     if write:
-        sums_out.source, sums_out.blocks = RowSums.key(out), blocks
+        sums_out.left_by(out, blocks)
     return out
 
 
