@@ -33,7 +33,7 @@ from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engine import Engine
 from xcompile.runtime.errors import EngineError
 from xcompile.runtime.kernels import MAX_ROWS, cuda_gemv, interpreted
-from xcompile.runtime.kernels.attention import attention, chunk_for
+from xcompile.runtime.kernels.attention import attention
 from xcompile.runtime.kernels.linear import RowSums, embedding, linear
 from xcompile.runtime.kernels.norm import embed_norms
 from xcompile.runtime.kernels.rope_kv import rope_kv
@@ -129,7 +129,7 @@ class _FastEngine(Engine):
         if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
             raise EngineError(f"fast backend: head_dim {self.head_dim} is not a power of two >= 16 (the attention "
                               "kernel's tile); use --backend torch")
-        self.chunk = chunk_for(self.kv_shape.max_seq_len) if self.kv_shape else 0
+        self.chunk = 0              # attention's keys per split: 0, chunk_for the cache and the call's rows
         # the residual stream's row sums of squares, left by the o / down projections of steps of several
         # rows for the RMSNorm of the projection after them (kernels.SCHEDULE's norm_sums)
         self.sums = RowSums(config["hidden_size"], self.dtype, self.device)

@@ -192,7 +192,8 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
             "norm_late_tile": False, "rstd_span": 2048, "norm_apart": True, "attn_early": True,
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
             "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True,
-            "norm_sums": True, "embed_sums": True}
+            "norm_sums": True, "embed_sums": True,
+            "verify_splits": 17}
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
@@ -210,6 +211,10 @@ def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:
         raise SystemExit(f"{flag}: attn_warps={text} must be 1, 2, 4 or 8")
     if key == "attn_stages" and value < 1:
         raise SystemExit(f"{flag}: attn_stages={text} must be at least 1")
+    if key == "verify_splits":
+        from xcompile.runtime.kernels.attention import MAX_SPLITS
+        if not 0 <= value <= MAX_SPLITS:
+            raise SystemExit(f"{flag}: verify_splits={text} must be 0 (one row's) to {MAX_SPLITS}")
     if key == "combine_block" and value and (value < 16 or value & (value - 1)):
         raise SystemExit(f"{flag}: combine_block={text} must be 0 (the head's width) or a power of two >= 16")
     if key == "attn_maxnreg" and value and not 24 <= value <= 255:

@@ -197,21 +197,23 @@ def many(programs: int, device: torch.device) -> bool:
     return programs > 4 * sms(device)
 
 
-def chunk_for(max_seq_len: int) -> int:
-    """Keys per split for a cache of ``max_seq_len`` slots: CHUNK, or whole BLOCK_S steps such that at
-    most MAX_SPLITS splits cover the cache."""
-    return max(CHUNK, BLOCK_S * math.ceil(max_seq_len / (MAX_SPLITS * BLOCK_S)))
+def chunk_for(max_seq_len: int, rows: int = 1) -> int:
+    """Keys per split for a call of ``rows`` rows on a cache of ``max_seq_len`` slots: CHUNK, or whole
+    BLOCK_S steps such that at most MAX_SPLITS splits (one row) or SCHEDULE's verify_splits (several rows;
+    0: MAX_SPLITS) cover the cache."""
+    splits = int(SCHEDULE["verify_splits"]) if rows > 1 and SCHEDULE["verify_splits"] else MAX_SPLITS
+    return max(CHUNK, BLOCK_S * math.ceil(max_seq_len / (splits * BLOCK_S)))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
-    strided) -> [M, Hq*D]."""
+    strided) -> [M, Hq*D]. chunk: keys per split (None or 0: chunk_for the cache and M)."""
     m = q.shape[0]
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
-    chunk = chunk or chunk_for(max_seq_len)
+    chunk = chunk or chunk_for(max_seq_len, m)
     splits = math.ceil(max_seq_len / chunk)
     small = int(SCHEDULE["short_chunk"])
     assert small % BLOCK_S == 0 and m <= MAX_ROWS
