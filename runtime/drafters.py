@@ -208,7 +208,7 @@ class DraftModelDrafter(Drafter):
     def commit(self, block, acc, taps, length):
         # the last accepted node (the root when nothing was accepted) precedes the next root
         self.pair[:, 0] = block.tokens.gather(1, acc.count[:, None])[:, 0]
-        self.length.copy_(length + acc.count + 1)
+        advance(self.length, length, acc)
 
     def caches(self):
         # the row before the next root is rewritten by the next propose (it is stale after a full accept)
@@ -246,11 +246,11 @@ class _Eagle3(Drafter):
     def _seed(self, out: dict[str, torch.Tensor], row: torch.Tensor) -> None:
         """Keep the draft output at ``row`` [B] (copied: an engine may reuse its output buffers)."""
         h = out["hidden_out"]
-        hidden = h.gather(1, row[:, None, None].expand(-1, 1, h.shape[-1]))
+        index = row[:, None, None].expand(-1, 1, h.shape[-1])
         if self.hidden is None:
-            self.hidden, self.logits = hidden.clone(), out["logits"].clone()
+            self.hidden, self.logits = h.gather(1, index), out["logits"].clone()
         else:
-            self.hidden.copy_(hidden)
+            torch.gather(h, 1, index, out=self.hidden)                          # one launch: no copy after
             self.logits.copy_(out["logits"])
 
     def start(self, prompt, taps, root):
@@ -267,13 +267,18 @@ class _Eagle3(Drafter):
         # with the token at length+j+1, i.e. the next accepted draft or, at j = a, the bonus: acc.tokens.
         # Fixed S = max_depth+1: rows past a come from padding and write KV past the new length, which
         # nothing reads before the next round's update overwrites it.
-        feats = taps.gather(1, acc.path[:, :, None].expand(-1, -1, taps.shape[-1]))   # [B, D+1, 3H]
+        # A chain's path is its nodes 0..D in order (speculative.Block): the taps as they are, and the verify's
+        # positions (write_index + depth) are the update's too.
+        d1 = acc.path.shape[1]
+        chain = block.chain and taps.shape[1] == d1
+        feats = taps if chain else taps.gather(1, acc.path[:, :, None].expand(-1, -1, taps.shape[-1]))  # [B, D+1, 3H]
         hidden = self.fc.run(hidden_taps=feats)["hidden_states"]
-        out = self.eagle3.run(input_ids=acc.tokens, hidden_states=hidden,
-                              position_ids=length[:, None] + self.update_offsets, write_index=length,
+        pos = block.positions if chain and block.positions is not None and block.positions.shape[1] == d1 \
+            else length[:, None] + self.update_offsets
+        out = self.eagle3.run(input_ids=acc.tokens, hidden_states=hidden, position_ids=pos, write_index=length,
                               tree_mask=self.update_mask, logit_rows=acc.count[:, None])
         self._seed(out, acc.count)
-        self.length.copy_(length + acc.count + 1)
+        advance(self.length, length, acc)
 
     def caches(self):
         return [(self.eagle3.kv, self.length, 0)]
@@ -300,14 +305,15 @@ class Eagle3ChainDrafter(_Eagle3):
         self.block = chain_block(torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device))
         self.one_mask = causal(1, device, batch)
         self.row0 = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-        self.offsets = torch.arange(self.k - 1, device=device)
+        # length + 0..k: the draft steps' positions (the first k-1), the verify's and the update's
+        self.block.positions = torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device)
 
     def propose(self, root, length):
         t = self.block.tokens
         t[:, 0] = root
         self._pick(self.block, 1, self.logits[:, 0], self.targets)
         hidden = self.hidden
-        pos = length[:, None] + self.offsets                                    # [B, k-1]
+        pos = torch.add(length[:, None], self.block.depth, out=self.block.positions)   # [B, k+1], one launch
         for i in range(1, self.k):
             # draft position length+i-1 pairs the previous step's output with draft i, predicting draft i+1;
             # the entry is temporary (past the persistent length)
@@ -417,6 +423,11 @@ class Eagle3TreeDrafter(_Eagle3):
 
     def use_graphs(self, wrap):
         self._wrap(wrap, {self.topk})
+
+
+def advance(committed: torch.Tensor, length: torch.Tensor, acc: Accepted) -> None:
+    """committed <- length + acc.count + 1 (a drafter's KV length after the round), in two launches."""
+    torch.add(length, acc.count, out=committed).add_(1)
 
 
 def check_d2t(d2t: torch.Tensor) -> torch.Tensor:

@@ -393,7 +393,8 @@ class Generator:
         """One round, device work only: propose -> verify -> accept -> compact -> commit.
         root [1] is the last committed token, length [1] the target's KV length."""
         block = drafter.propose(root, length)
-        out = self.target.run(input_ids=block.tokens, position_ids=length[:, None] + block.depth,
+        pos = block.positions if block.positions is not None else length[:, None] + block.depth
+        out = self.target.run(input_ids=block.tokens, position_ids=pos,
                               write_index=length, tree_mask=block.mask, logit_rows=self.rows[block.tokens.shape[1]])
         acc = self._accept(block, out["logits"])
         if not block.chain:

@@ -41,6 +41,9 @@ class Block:
     q: torch.Tensor | None = None       # [B, S, Vq] float32 (row 0, the root, unused)
     q_tok: torch.Tensor | None = None   # [B, S] q of each node's own token
     q_ids: torch.Tensor | None = None   # [Vq] target id of each column of q (EAGLE3 draft vocab); None: identity
+    # [B, S] int64 write_index + depth, where the drafter computed them this round (the verify's position_ids;
+    # None: the generator adds them)
+    positions: torch.Tensor | None = None
 
 
 @dataclass
