@@ -14,8 +14,8 @@ logit error, argmax agreement) over a few decode steps. ``--variants`` instead t
 verify steps (and the EAGLE3 step) under each kernels.SCHEDULE variant (``;``-separated, each a
 ``,``-separated list of key=value over the built-in schedule; "" is the built-in one) in one run; with
 ``--tiles``, a variant's ``tiles=1`` takes that file's tiles (the others keep the built-in ones); a
-variant's ``chunk=N`` gives the target's attention N keys per split for the whole cache (the engine's
-attribute; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight
+variant's ``chunk=N`` gives the target's attention N keys per split for the whole cache and every call (the
+engine's attribute, 0 unless forced: attention.chunk_for, by the call's rows; the EAGLE3 step keeps its own); ``gemv_NAME=bn/bk/warps[/split/per_sm/ahead]`` gives one weight
 shape of the 8B target or the EAGLE3 head (NAME in GEMV_NAMES: qkv, o, gate_up, down, lm_head, eagle3_qkv,
 eagle3_lm_head) that one-row GEMV tile (gemv.Gemv's fields; 0: the tile kernel), e.g. ``gemv_gate_up=4/256/4/1/24/2`` for the streaming kernel at 24 programs a SM, 2 tiles
 ahead; ``cuda_NAME=cols/warps/stages[/per_sm]`` gives it gemv.cu's CUDA C++ kernel with that tile

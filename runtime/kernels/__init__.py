@@ -194,6 +194,22 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
             "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True,
             "norm_sums": True, "embed_sums": True,
             "verify_splits": 17}
+# Eighteenth session (2026-12-03): what the 4352-slot cache cost a verify at context 128 (7 tokens 4.408 ms
+# against 4.331 on a 512-slot cache) was the number of splits: the engine's chunk forced to 1088 keys (4 splits,
+# the same live ones at that context, short_chunk's) ran 4.340 / 4.330 (32 tokens 4.823 / 4.818 against 5.007);
+# the register cap off 4.385 / 4.399.
+#   verify_splits         the most splits a call of several rows divides the cache into (attention.chunk_for;
+#                         0: MAX_SPLITS, as one row): 17 on a 4352-slot cache is 256 keys a split, against one
+#                         row's 34 of 128 (a decode step at context 4096 wants those: 4.407 -> 4.479 ms at 17).
+#                         Changes the bits of those calls where their chunk differs from one row's (past
+#                         short_chunk's range); the same at every row count from 2. 7 / 32 tokens at context
+#                         128: 4.400 / 4.993 (0) against 4.330 / 4.910 and 4.357 / 4.909 (17), 4.349 / 4.912
+#                         (23), 4.350 / 4.904 (12), 4.343 / 4.894 (9); at 4096 4.783 / 6.542 (0) against 4.717 /
+#                         6.159 and 4.710 / 6.166 (17), 4.967 / 6.310 (23), 4.972 / 6.392 (12), 5.090 / 6.045 (9).
+#                         With it the register cap (attn_maxnreg) takes the 32-row call only
+# (Tried there and not kept, branch wip/split-last-combine-splits: the splits on the grid's last axis, so the
+# live ones launch first, 7 tokens 4.416 -> 4.420; the reduction over the live splits 8 at a time, not one
+# masked tile of every split, 4.412 at 7 tokens, 5.006 -> 4.946 at 32, slower at 4096: 4.845 -> 4.902 at 7.)
 
 
 def schedule_value(key: str, text: str, flag: str = "--schedule") -> bool | int:

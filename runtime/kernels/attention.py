@@ -8,15 +8,17 @@ token m sees every key j < origin and key origin + i iff tree_mask[m, i] (W = M:
 and the new ones the mask allows). Only keys below write_index + M are read: the live length
 lives on the device, so the same launch serves every context length inside one CUDA graph.
 
-Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions (chunk: the cache's, or SCHEDULE's
+Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions (chunk: the cache's for the call's rows,
+chunk_for: a call of several rows takes at most SCHEDULE's verify_splits splits, one row MAX_SPLITS; or SCHEDULE's
 short_chunk while write_index + MAX_ROWS keys fit the launch's splits at that size: more splits of one
 BLOCK_S step each, all of whose cached keys load before the PDL wait), one program per (kv head, split,
 tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g,
 head r%g), so each KV tile is read once per head group. Splits past the live length return at once;
 the reduction combines the live ones in a fixed order. Chunks at absolute positions chosen from
-write_index alone, and fixed row tiles, make a row's result independent of how many rows the call
-carries (kernels/__init__.py); a token decoded alone and verified as row r of a block at write_index
-wi share the split layout except where wi and wi + r straddle the short_chunk switch.
+write_index alone, and fixed row tiles, make a row's result independent of how many rows (from 2) the
+call carries (kernels/__init__.py); a token decoded alone and verified as row r of a block at write_index
+wi share the split layout while both are in short_chunk's range (on a 4352-slot cache: wi + 64 <= 1088,
+the verify's 17 splits of 64 keys) and not past it (one row's chunk is 128 keys, several rows' 256).
 
 Launch options (SCHEDULE; none changes a result but attn_warps, which lays the dot products out otherwise):
 attn_maxnreg caps the split kernel's registers for grids of more than four programs a SM at the cache's
