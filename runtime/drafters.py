@@ -70,13 +70,17 @@ class Drafter(ABC):
         self.engines = engines
         self.sampler = Sampler()
         self.picks: dict[int, GreedyPick] | None = None     # the fused greedy picks (bind)
+        self.track = True           # keep the committed KV length on the device (caches(); bind)
 
     def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
-             fused: bool | None = None) -> None:
+             fused: bool | None = None, track: bool = True) -> None:
         """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
         (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
-        each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter)."""
+        each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter);
+        ``track``: keep the committed KV lengths that ``caches`` reports (two launches a round; the
+        generator's debug checks read them, nothing else does)."""
         self.sampler = sampler or Sampler(device, batch)
+        self.track = track
         self.picks = {} if batch == 1 and kernels.use_fused(fused, device) else None
         for e in self.engines:
             if e.device != device:
@@ -105,7 +109,8 @@ class Drafter(ABC):
 
     def caches(self) -> list[tuple[list[torch.Tensor], torch.Tensor, int]]:
         """Per KV cache, for the debug checks: (buffers, committed length [B], how many rows at the end of
-        the committed prefix the next round rewrites before reading them)."""
+        the committed prefix the next round rewrites before reading them); the lengths are kept only when
+        bound with ``track``."""
         return []
 
     def use_graphs(self, wrap: Wrap) -> None:
@@ -208,7 +213,8 @@ class DraftModelDrafter(Drafter):
     def commit(self, block, acc, taps, length):
         # the last accepted node (the root when nothing was accepted) precedes the next root
         self.pair[:, 0] = block.tokens.gather(1, acc.count[:, None])[:, 0]
-        advance(self.length, length, acc)
+        if self.track:
+            advance(self.length, length, acc)
 
     def caches(self):
         # the row before the next root is rewritten by the next propose (it is stale after a full accept)
@@ -244,14 +250,25 @@ class _Eagle3(Drafter):
         self.logits = None          # [B, 1, Vd] its draft logits (the first draft token's scores)
 
     def _seed(self, out: dict[str, torch.Tensor], row: torch.Tensor) -> None:
-        """Keep the draft output at ``row`` [B] (copied: an engine may reuse its output buffers)."""
+        """Keep the draft output at ``row`` [B] (copied: an engine may reuse its output buffers): its hidden,
+        and its logits unless ``_early_pick`` used them."""
         h = out["hidden_out"]
         index = row[:, None, None].expand(-1, 1, h.shape[-1])
         if self.hidden is None:
-            self.hidden, self.logits = h.gather(1, index), out["logits"].clone()
+            self.hidden = h.gather(1, index)
         else:
             torch.gather(h, 1, index, out=self.hidden)                          # one launch: no copy after
+        if self._early_pick(out["logits"]):
+            return
+        if self.logits is None:
+            self.logits = out["logits"].clone()
+        else:
             self.logits.copy_(out["logits"])
+
+    def _early_pick(self, logits: torch.Tensor) -> bool:
+        """Whether the next round's first draft was taken from ``logits`` [B, 1, Vd] now (so they need not
+        be kept)."""
+        return False
 
     def start(self, prompt, taps, root):
         # pairing: feature t goes with token t+1, so the prompt shifted left with the root appended
@@ -278,7 +295,8 @@ class _Eagle3(Drafter):
         out = self.eagle3.run(input_ids=acc.tokens, hidden_states=hidden, position_ids=pos, write_index=length,
                               tree_mask=self.update_mask, logit_rows=acc.count[:, None])
         self._seed(out, acc.count)
-        advance(self.length, length, acc)
+        if self.track:
+            advance(self.length, length, acc)
 
     def caches(self):
         return [(self.eagle3.kv, self.length, 0)]
@@ -307,11 +325,21 @@ class Eagle3ChainDrafter(_Eagle3):
         self.row0 = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         # length + 0..k: the draft steps' positions (the first k-1), the verify's and the update's
         self.block.positions = torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device)
+        self.picked = False         # the block's first draft already picked (_early_pick)
+
+    def _early_pick(self, logits):
+        # greedy: the first draft is the argmax of the update's logits, so it is picked as they are made (no
+        # copy of them, no launch in the next round); sampling keeps the draw in the round that uses it
+        self.picked = self.sampler.greedy
+        if self.picked:
+            self._pick(self.block, 1, logits[:, 0], self.targets)
+        return self.picked
 
     def propose(self, root, length):
         t = self.block.tokens
         t[:, 0] = root
-        self._pick(self.block, 1, self.logits[:, 0], self.targets)
+        if not self.picked:
+            self._pick(self.block, 1, self.logits[:, 0], self.targets)
         hidden = self.hidden
         pos = torch.add(length[:, None], self.block.depth, out=self.block.positions)   # [B, k+1], one launch
         for i in range(1, self.k):

@@ -172,7 +172,7 @@ class Generator:
         self.plain = NoDrafter()        # takes over when the drafter's lookahead no longer fits the cache
         self.sampler = Sampler(self.device)     # one for every request: its tensors keep their addresses
         for d in (drafter, self.plain):
-            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=fused)
+            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=fused, track=debug)
         self.target = target
         # the round's state on the device: the root (last committed token, not yet in the KV) and the
         # target's KV length; every round updates both in place

@@ -324,6 +324,33 @@ def test_vanishing_temperature_is_the_greedy_limit(name, tiny, prompts, referenc
         assert sampled.stats.accepted_at == greedy.stats.accepted_at
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_sampled_request_between_greedy_ones(k, tiny, prompts, reference):
+    """A greedy EAGLE3 chain picks the next round's first draft as the draft update's logits are made
+    (drafters.py _early_pick); a sampled request keeps the logits and draws it in the round. After a sampled
+    request on one generator, a greedy one gives the greedy tokens and drafts what a from-scratch EAGLE3
+    computation over its committed tokens drafts, every round."""
+    proposed = []
+
+    class Recording(Eagle3ChainDrafter):
+        def propose(self, root, length):
+            block = super().propose(root, length)
+            proposed.append((int(length), block.tokens[0, 1:].tolist()))
+            return block
+
+    g = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN)
+    p = prompts[2]
+    g.generate(p, NEW)
+    g.generate(p, NEW, sampling=SAMPLED)
+    proposed.clear()
+    r = g.generate(p, 24)
+    assert r.tokens == reference[tuple(p)][:24]
+    seq = p + r.tokens
+    with torch.inference_mode():
+        for length, drafts in proposed[:8]:
+            assert drafts == eagle3_reference_drafts(tiny, seq[:length + 1], k), length
+
+
 @pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
 def test_sampled_rounds_keep_the_kv_invariants(name, tiny, prompts):
     """debug=True while sampling: KV lengths checked and stale rows poisoned every round, and the

@@ -276,6 +276,26 @@ def test_cuda_graphs_give_identical_tokens(name, dtype, round_graphs):
     print(f"{name} {dtype}: eager {200 / (t1 - t0):.0f} tok/s, graphs {200 / (t2 - t1):.0f} tok/s")
 
 
+@pytest.mark.gpu
+def test_round_graphs_between_sampler_modes_give_identical_tokens():
+    """A greedy chain round picks the next round's first draft inside its own graph (drafters.py
+    _early_pick) and a new request picks it at start; a sampled round draws it in the round. Greedy,
+    sampled and greedy requests on one generator, its rounds replayed from graphs recorded in either mode,
+    give the tokens and acceptance of the same requests run eagerly."""
+    from xcompile.runtime.sampling import SamplingParams
+
+    tiny = T.build(512, device="cuda", dtype=torch.float32)
+    make, _ = DRAFTERS["eagle3"]
+    eager = Generator(tiny.target_engine(), make(tiny), [], 512)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True)
+    sampled = SamplingParams(temperature=0.8, top_k=5, seed=1)
+    for p, sampling in (([5, 6, 7], None), ([5, 6, 7], sampled), ([40, 3] * 5, None), ([77], sampled), ([77], None)):
+        kw = {} if sampling is None else {"sampling": sampling}
+        want, got = eager.generate(p, 60, **kw), graphed.generate(p, 60, **kw)
+        assert got.tokens == want.tokens and got.stats.accepted_at == want.stats.accepted_at, (p, sampling)
+    assert graphed.round_fallback is None and len(graphed.rounds) == 2
+
+
 def test_dropped_graphs_are_not_recorded_into_their_pool_again(tiny):
     """Once every graph of a memory pool is gone, torch's allocator refuses captures into that pool
     (H200, 2026-12-01: `use_count > 0` assert after a KV re-bind): the Generator and GraphedEngine
