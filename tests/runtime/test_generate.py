@@ -217,6 +217,26 @@ def eagle3_reference_children(tiny: T.Tiny, seq: list[int], path: list[int], k: 
     return set(tiny.eagle3.to_target_ids(logits.topk(k).indices).tolist())
 
 
+class RecordingChain(Eagle3ChainDrafter):
+    """The EAGLE3 chain drafter, recording (length, drafts) of every round it proposes in ``proposed``."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.proposed: list[tuple[int, list[int]]] = []
+
+    def propose(self, root, length):
+        block = super().propose(root, length)
+        self.proposed.append((int(length), block.tokens[0, 1:].tolist()))
+        return block
+
+
+def assert_reference_drafts(tiny, seq: list[int], proposed: list[tuple[int, list[int]]], k: int) -> None:
+    """Each recorded round's drafts equal eagle3_reference_drafts over the committed tokens seq[:length + 1]."""
+    with torch.inference_mode():
+        for length, drafts in proposed:
+            assert drafts == eagle3_reference_drafts(tiny, seq[:length + 1], k), length
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_eagle3_chain_follows_the_pairing_rule(fused, tiny, prompts):
     """Every round's drafts equal a from-scratch EAGLE3 computation over the committed tokens: the
@@ -226,21 +246,11 @@ def test_eagle3_chain_follows_the_pairing_rule(fused, tiny, prompts):
     if fused and not kernels.interpreted():
         pytest.skip("the tiny engines are on the CPU: the fused kernels run there in Triton's interpreter only")
     k, p = 3, prompts[2]
-    proposed = []
-
-    class Recording(Eagle3ChainDrafter):
-        def propose(self, root, length):
-            block = super().propose(root, length)
-            proposed.append((int(length), block.tokens[0, 1:].tolist()))
-            return block
-
-    g = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN, fused=fused)
+    g = Generator(tiny.target_engine(), RecordingChain(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN,
+                  fused=fused)
     r = g.generate(p, 24)
     assert bool(g.drafter.picks) == fused
-    seq = p + r.tokens
-    with torch.inference_mode():
-        for length, drafts in proposed[:10]:
-            assert drafts == eagle3_reference_drafts(tiny, seq[:length + 1], k), length
+    assert_reference_drafts(tiny, p + r.tokens, g.drafter.proposed[:10], k)
 
 
 def test_eagle3_tree_follows_the_pairing_rule(tiny, prompts):
@@ -330,25 +340,14 @@ def test_a_sampled_request_between_greedy_ones(k, tiny, prompts, reference):
     (drafters.py _early_pick); a sampled request keeps the logits and draws it in the round. After a sampled
     request on one generator, a greedy one gives the greedy tokens and drafts what a from-scratch EAGLE3
     computation over its committed tokens drafts, every round."""
-    proposed = []
-
-    class Recording(Eagle3ChainDrafter):
-        def propose(self, root, length):
-            block = super().propose(root, length)
-            proposed.append((int(length), block.tokens[0, 1:].tolist()))
-            return block
-
-    g = Generator(tiny.target_engine(), Recording(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN)
+    g = Generator(tiny.target_engine(), RecordingChain(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN)
     p = prompts[2]
     g.generate(p, NEW)
     g.generate(p, NEW, sampling=SAMPLED)
-    proposed.clear()
+    g.drafter.proposed.clear()
     r = g.generate(p, 24)
     assert r.tokens == reference[tuple(p)][:24]
-    seq = p + r.tokens
-    with torch.inference_mode():
-        for length, drafts in proposed[:8]:
-            assert drafts == eagle3_reference_drafts(tiny, seq[:length + 1], k), length
+    assert_reference_drafts(tiny, p + r.tokens, g.drafter.proposed[:8], k)
 
 
 @pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
