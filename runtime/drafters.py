@@ -290,8 +290,7 @@ class _Eagle3(Drafter):
         chain = block.chain and taps.shape[1] == d1
         feats = taps if chain else taps.gather(1, acc.path[:, :, None].expand(-1, -1, taps.shape[-1]))  # [B, D+1, 3H]
         hidden = self.fc.run(hidden_taps=feats)["hidden_states"]
-        pos = block.positions if chain and block.positions is not None and block.positions.shape[1] == d1 \
-            else length[:, None] + self.update_offsets
+        pos = block.positions if chain and block.positions is not None else length[:, None] + self.update_offsets
         out = self.eagle3.run(input_ids=acc.tokens, hidden_states=hidden, position_ids=pos, write_index=length,
                               tree_mask=self.update_mask, logit_rows=acc.count[:, None])
         self._seed(out, acc.count)
