@@ -324,20 +324,19 @@ class Eagle3ChainDrafter(_Eagle3):
         self.row0 = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         # length + 0..k: the draft steps' positions (the first k-1), the verify's and the update's
         self.block.positions = torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device)
-        self.picked = False         # the block's first draft already picked (_early_pick)
 
     def _early_pick(self, logits):
         # greedy: the first draft is the argmax of the update's logits, so it is picked as they are made (no
-        # copy of them, no launch in the next round); sampling keeps the draw in the round that uses it
-        self.picked = self.sampler.greedy
-        if self.picked:
+        # copy of them, no launch in the next round); sampling keeps the draw in the round that uses it. A
+        # request's sampler mode is set before its start and holds to its end, so propose sees the same one.
+        if self.sampler.greedy:
             self._pick(self.block, 1, logits[:, 0], self.targets)
-        return self.picked
+        return self.sampler.greedy
 
     def propose(self, root, length):
         t = self.block.tokens
         t[:, 0] = root
-        if not self.picked:
+        if not self.sampler.greedy:                                             # else _early_pick took it
             self._pick(self.block, 1, self.logits[:, 0], self.targets)
         hidden = self.hidden
         pos = torch.add(length[:, None], self.block.depth, out=self.block.positions)   # [B, k+1], one launch
