@@ -193,7 +193,7 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
             "attn_early_decode": 1, "short_chunk": 64, "attn_prefetch": False, "attn_stages": 2, "attn_warps": 4,
             "attn_maxnreg": 128, "combine_block": 32, "cuda_gemv": True,
             "norm_sums": True, "embed_sums": True,
-            "verify_splits": 17}
+            "verify_splits": 17, "tma": True}
 # Eighteenth session (2026-12-03): what the 4352-slot cache cost a verify at context 128 (7 tokens 4.408 ms
 # against 4.331 on a 512-slot cache) was the number of splits: the engine's chunk forced to 1088 keys (4 splits,
 # the same live ones at that context, short_chunk's) ran 4.340 / 4.330 (32 tokens 4.823 / 4.818 against 5.007);
@@ -207,6 +207,13 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
 #                         (23), 4.350 / 4.904 (12), 4.343 / 4.894 (9); at 4096 4.783 / 6.542 (0) against 4.717 /
 #                         6.159 and 4.710 / 6.166 (17), 4.967 / 6.310 (23), 4.972 / 6.392 (12), 5.090 / 6.045 (9).
 #                         With it the register cap (attn_maxnreg) takes the 32-row call only
+# Nineteenth session (2026-12-03):
+#   tma                   the tile kernel's weight tiles by tensor descriptor (linear.weight_descriptor): 2-D
+#                         copies by the copy engine into shared memory, num_stages ahead, where the loads
+#                         went through the registers (ptxas: no cp.async, 8 KB of shared memory). The same
+#                         bits. Graphed ms at context 128, 1 / 7 / 32 tokens: 4.132 / 4.401 / 4.942 off,
+#                         4.128 / 4.328 / 4.909 on; with the built-in tiles at 2 stages 5.365 at 7 tokens,
+#                         at BLOCK_K 128 and 4 stages 5.063
 # (Tried there and not kept, branch wip/split-last-combine-splits: the splits on the grid's last axis, so the
 # live ones launch first, 7 tokens 4.416 -> 4.420; the reduction over the live splits 8 at a time, not one
 # masked tile of every split, 4.412 at 7 tokens, 5.006 -> 4.946 at 32, slower at 4096: 4.845 -> 4.902 at 7.)

@@ -16,7 +16,9 @@
 
 Memory-bound at these M: every weight byte is read once, by the program that owns its BLOCK_N output
 columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
-of them. Rounding follows the reference modules (each matmul output rounded to the model dtype
+of them. With SCHEDULE's tma (on sm_90, and in the interpreter) the weight tiles come by tensor descriptor:
+the copy engine's 2-D tile copies into shared memory, ``num_stages`` tiles ahead, not loads through the
+registers (the same bits: the same tiles meet the same dot in the same order). Rounding follows the reference modules (each matmul output rounded to the model dtype
 before the next elementwise op), so the reference below is what the kernel is tested against.
 One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead (cuda_gemv.py's CUDA C++
 kernel for the shapes it lists, where it is built, else gemv.py's Triton GEMV).
@@ -31,7 +33,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, cuda_gemv, ieee_dot, launch, pdl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from xcompile.runtime.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, cuda_gemv, ieee_dot, interpreted, launch, pdl
 from xcompile.runtime.kernels.common import (_counters, _epilogue, _load_w, _load_x, _load_xg, _sq, norm_late,
                                              rstd_unroll, schedule_flags)
 from xcompile.runtime.kernels.gemv import gemv, gemv_tile, sms
@@ -143,12 +147,28 @@ def _zero_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _load_wt(w_ptr, u_ptr, n0, k0, ks, K, N_OUT, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr,
+             TMA: tl.constexpr):
+    """The weight tile(s) at output columns n0.. and K columns ks (= k0..): TMA, by the tensor descriptor
+    w_ptr (the copy engine's 2-D tile copy; rows and columns past the weight read as zeros); else _load_w."""
+    if TMA:
+        w = w_ptr.load([n0, k0])
+        wu = w
+        if GATED:
+            wu = u_ptr.load([n0 + N_OUT, k0])
+    else:
+        w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K, EVICT)
+    return w, wu
+
+
+@triton.jit
 def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm,
                    stride_y2m, eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                    EXTRA: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr,
                    PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr,
-                   UNROLL: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr):
+                   UNROLL: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr,
+                   TMA: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
     # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split). LATE (no
     # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way.
@@ -158,13 +178,17 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrows = tl.where(cols < N_OUT, cols, 0)                 # clamp instead of masking the weight loads
-    w_ptr = W + wrows[:, None] * K
-    u_ptr = W + (wrows[:, None] + N_OUT) * K                # gated: the up rows follow the N_OUT gate rows
+    if TMA:                                                 # W: a tensor descriptor of the [N, K] weight
+        w_ptr = W
+        u_ptr = W
+    else:
+        wrows = tl.where(cols < N_OUT, cols, 0)             # clamp instead of masking the weight loads
+        w_ptr = W + wrows[:, None] * K
+        u_ptr = W + (wrows[:, None] + N_OUT) * K            # gated: the up rows follow the N_OUT gate rows
     # the weights never depend on the previous kernel: fetch the first tile before waiting for it
     # (programmatic dependent launch: this kernel may start while the previous one drains)
     ks = k_begin + tl.arange(0, BLOCK_K)
-    w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K, EVICT)
+    w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k_begin, ks, K, N_OUT, GATED, EVEN_K, EVICT, TMA)
     if PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY:
@@ -180,7 +204,7 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
                                                           EVEN_K, TILES, LATE)
     for k0 in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K, EVICT)
+        w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k0, ks, K, N_OUT, GATED, EVEN_K, EVICT, TMA)
         a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0,
                                                               a1, a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED,
                                                               IEEE, EVEN_K, TILES, LATE)
@@ -538,13 +562,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     write = sums_out is not None and SCHEDULE["norm_sums"]
     if write:
         assert blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
+    tma = use_tma(w)
+    if tma:
+        ptrs = (x, weight_descriptor(w, t.block_n, t.block_k), *ptrs[2:])
     _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, sums.buf if from_sums else dummy,
                                       sums_out.buf if write else dummy, m, n_out, k, k // t.split,
                                       *strides, eps, EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=late,
-                                      NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=write, **flags)
+                                      NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=write,
+                                      TMA=tma, **flags)
     if write:
         sums_out.left_by(out, blocks)
     return out
+
+
+def use_tma(w: torch.Tensor) -> bool:
+    """Whether the tile kernel loads w's tiles by tensor descriptor (SCHEDULE's tma; the copy engine's 2-D copies
+    need sm_90 or the interpreter, and a 16-byte aligned weight)."""
+    if (not SCHEDULE["tma"] or w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.data_ptr() % 16
+            or (w.shape[1] * w.element_size()) % 16):
+        return False
+    return interpreted() or (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9)
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """The tensor descriptor of weight w [N, K] in [block_n, block_k] tiles (made per launch: a graph keeps
+    the one it captured)."""
+    return TensorDescriptor.from_tensor(w, [block_n, block_k])
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,

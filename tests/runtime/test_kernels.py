@@ -418,10 +418,10 @@ def test_embed_norms_matches_reference():
 # norm_apart (which changes the rounding) off in both, so rstd_span acts on the tile kernel's own RMSNorm pre-pass
 ALL_OFF = {"evict_first": False, "early_trigger_verify": False, "early_trigger_decode": False, "rstd_span": 0,
            "norm_apart": False, "attn_early": False, "attn_early_decode": 0, "attn_prefetch": False, "attn_stages": 2,
-           "attn_maxnreg": 0}
+           "attn_maxnreg": 0, "tma": False}
 ALL_ON = {"evict_first": True, "early_trigger_verify": True, "early_trigger_decode": True, "rstd_span": 2048,
           "norm_apart": False, "attn_early": True, "attn_early_decode": 3, "attn_prefetch": True, "attn_stages": 1,
-          "attn_maxnreg": 128}
+          "attn_maxnreg": 128, "tma": True}
 
 
 def schedule(monkeypatch, on: bool) -> None:
@@ -442,6 +442,30 @@ def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
         schedule(monkeypatch, on)
         results.append([linear(x[:r], w, norm=g, gated=gt) for r in (1, 5) for gt in (False, True)])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [L.Tile(32, 64, 4, 3), L.Tile(32, 64, 4, 2, 2), L.Tile(16, 128, 4, 3)])
+def test_tma_weight_tiles_give_the_bits_of_loads(tile, dtype, monkeypatch):
+    """SCHEDULE's tma (the tile kernel's weight tiles by tensor descriptor) against the loads through the
+    registers: the same bits for a column count and a K that the tiles do not divide (the descriptor reads
+    zeros past the weight, the loads mask), K split, gated (the last gate block reading into the up rows),
+    a residual, a norm, and 1 to 17 rows."""
+    torch.manual_seed(14)
+    n, k = 72, 320
+    for gated in (False, True):
+        w = randn(2 * n if gated else n, k, dtype=dtype, scale=k ** -0.5)
+        g, r = randn(k, dtype=dtype) + 1, randn(17, n, dtype=dtype)
+        x = 3 * randn(17, k, dtype=dtype)
+        monkeypatch.setitem(L.TILES, (n, k), tile)
+        got = {}
+        for tma in (False, True):
+            monkeypatch.setitem(kernels.SCHEDULE, "tma", tma)
+            assert L.use_tma(w) == tma
+            got[tma] = [linear(x[:m], w, norm=g, gated=gated, residual=None if gated else r[:m]) for m in (1, 5, 17)]
+        assert all(torch.equal(a, b) for a, b in zip(got[False], got[True])), (tile, gated)
+        ref = linear_reference(x, w, norm=g, gated=gated, residual=None if gated else r)
+        assert rel(got[True][2], ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
