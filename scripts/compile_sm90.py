@@ -44,6 +44,8 @@ _seen, _out = set(), open(os.environ["XC_COMPILE_RECORD"], "a")
 _run = interpreter.InterpretedFunction.run
 
 def _kind(v):
+    if type(v).__name__ == "TensorDescriptor":
+        return ["tensordesc", str(v.base.dtype), list(v.block_shape)]
     if isinstance(v, torch.Tensor):
         return ["tensor", str(v.dtype), v.data_ptr() % 16 == 0]
     if isinstance(v, bool) or v is None:
@@ -100,6 +102,9 @@ def signature_of(rec: dict, fn) -> tuple[dict, dict, dict]:
         kind, value, *more = rec["kinds"][name]
         if rec["args"][name]:                                          # a constexpr parameter
             consts[name] = value if kind in ("int", "float", "const") else rec["args"][name]
+        elif kind == "tensordesc":                                     # a host-side tensor descriptor
+            sig[name] = f"tensordesc<{DTYPES[value]}[{', '.join(map(str, more[0]))}]>"
+            continue
         elif kind == "tensor":
             sig[name] = "*" + DTYPES[value]
             if more and more[0]:

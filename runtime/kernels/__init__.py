@@ -213,7 +213,10 @@ SCHEDULE = {"evict_first": True, "early_trigger_verify": True, "early_trigger_de
 #                         went through the registers (ptxas: no cp.async, 8 KB of shared memory). The same
 #                         bits. Graphed ms at context 128, 1 / 7 / 32 tokens: 4.132 / 4.401 / 4.942 off,
 #                         4.128 / 4.328 / 4.909 on; with the built-in tiles at 2 stages 5.365 at 7 tokens,
-#                         at BLOCK_K 128 and 4 stages 5.063
+#                         at BLOCK_K 128 and 4 stages 5.063. A second run: 4.095 / 4.301 / 4.897 on, 4.111 /
+#                         4.333 / 4.926 off; no other tile faster at 7 tokens with it on (4 stages, 8 warps,
+#                         BLOCK_K 128 at 6 stages: 4.33-4.53). The chain round 5.552 ms = 1.347x off (one
+#                         machine), 5.418 / 5.424 = 1.328x / 1.329x on (another, two runs)
 # (Tried there and not kept, branch wip/split-last-combine-splits: the splits on the grid's last axis, so the
 # live ones launch first, 7 tokens 4.416 -> 4.420; the reduction over the live splits 8 at a time, not one
 # masked tile of every split, 4.412 at 7 tokens, 5.006 -> 4.946 at 32, slower at 4096: 4.845 -> 4.902 at 7.)

@@ -421,6 +421,8 @@ class Tile(NamedTuple):
 # 15 deeper-pipelined ones (none faster) and tried a stream-K form of the kernel for qkv, o and down (the
 # units of every column block shared evenly by 1-2 programs a SM, split blocks added up by the last to
 # arrive): slower at every tile, 7 tokens 4.371 -> 4.48-5.00 ms; it was not kept (branch wip/stream-k-verify).
+# The nineteenth, with the weight tiles by tensor descriptor (SCHEDULE's tma), swept 7 more in the step (4 stages,
+# 8 warps, BLOCK_K 128): none faster at 7 tokens; 2 stages was far slower (5.365 against 4.328 ms).
 DEFAULT_TILE = Tile(32, 512, 4, 3)
 TILES: dict[tuple[int, int], Tile] = {
     (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 17.6 / 21.0 / 28.0 (64/256: 18.3 / 21.3 / 27.8)

@@ -431,8 +431,9 @@ def schedule(monkeypatch, on: bool) -> None:
 
 
 def test_schedule_switches_change_no_result_in_the_interpreter(monkeypatch):
-    """Evict-first weight loads (the one switch the interpreter runs: PDL is GPU-only) leave every
-    projection's result as it was, on the tile kernel and both GEMVs."""
+    """Evict-first weight loads and the tile kernel's weights by tensor descriptor (tma; the switches the
+    interpreter runs: PDL is GPU-only) leave every projection's result as it was, on the tile kernel and both
+    GEMVs."""
     torch.manual_seed(3)
     w, x, g = randn(192, 256, dtype=torch.float32), randn(5, 256, dtype=torch.float32), randn(256, dtype=torch.float32)
     monkeypatch.setitem(G.GEMV_TILES, (192, 256), G.Gemv(4, 128, 4))
@@ -684,7 +685,7 @@ def test_norm_late_matches_reference_on_every_kernel(late, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_schedule_switches_change_no_bits_at_qwen3_8b_shapes(rows, monkeypatch):
-    """Evict-first loads, the early PDL triggers (attn_early's, for one row too), the RMSNorm pre-pass's
+    """Evict-first loads, the tile kernel's weights by tensor descriptor (tma), the early PDL triggers (attn_early's, for one row too), the RMSNorm pre-pass's
     span and attention's launch options (L2 prefetch, stages, register cap) are scheduling only: every projection shape of an 8B layer, lm_head (with the final norm) and
     attention (the step's keys in a split's first block, its second, near the end of the cache) give the
     same bits with all of them on as with all off."""
