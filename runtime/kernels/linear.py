@@ -18,8 +18,9 @@ Memory-bound at these M: every weight byte is read once, by the program that own
 columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
 of them. With SCHEDULE's tma (on sm_90, and in the interpreter) the weight tiles come by tensor descriptor:
 the copy engine's 2-D tile copies into shared memory, ``num_stages`` tiles ahead, not loads through the
-registers (the same bits: the same tiles meet the same dot in the same order). Rounding follows the reference modules (each matmul output rounded to the model dtype
-before the next elementwise op), so the reference below is what the kernel is tested against.
+registers (the same bits: the same tiles meet the same dot in the same order). Rounding follows the
+reference modules (each matmul output rounded to the model dtype before the next elementwise op), so the
+reference below is what the kernel is tested against.
 One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead (cuda_gemv.py's CUDA C++
 kernel for the shapes it lists, where it is built, else gemv.py's Triton GEMV).
 """
