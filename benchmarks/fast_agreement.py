@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from xcompile.runtime.drafters import NoDrafter, causal, prompt_inputs
-from xcompile.runtime import kernels
-from xcompile.runtime.kernels import cuda_gemv as C
-from xcompile.runtime.kernels import gemv as G
-from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
-from xcompile.runtime.text import Text
+from xcompile.runtime.decoding.drafters import NoDrafter, causal, prompt_inputs
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape, make_drafter
+from xcompile.runtime.enginedir.text import Text
+from xcompile.runtime.engines import kernels
+from xcompile.runtime.engines.kernels import cuda_gemv as C
+from xcompile.runtime.engines.kernels import gemv as G
+from xcompile.runtime.engines.load import open_engine_dir
 
 
 def step(engine, token: int, pos: int) -> torch.Tensor:

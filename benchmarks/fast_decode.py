@@ -37,15 +37,15 @@ from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime import kernels
-from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
-from xcompile.runtime.bench import matmul_rate, prefill_flops, timed
-from xcompile.runtime.drafters import causal, prompt_inputs
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.graphs import CudaGraphCapture
-from xcompile.runtime.kernels import cuda_gemv as C
-from xcompile.runtime.kernels import gemv as G
-from xcompile.runtime.kernels import linear as L
+from xcompile.runtime.bench.measure import matmul_rate, prefill_flops, timed
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.drafters import causal, prompt_inputs
+from xcompile.runtime.engines import kernels
+from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
+from xcompile.runtime.engines.graphs import CudaGraphCapture
+from xcompile.runtime.engines.kernels import cuda_gemv as C
+from xcompile.runtime.engines.kernels import gemv as G
+from xcompile.runtime.engines.kernels import linear as L
 
 DEV = torch.device("cuda")
 
@@ -313,7 +313,7 @@ def main() -> None:
         print(f"{row['what']:<22}{ctx:>6}{7:>7}{row['ref_ms']:>9.3f}{row['fast_ms']:>9.3f}")
     # prefill: TTFT of a 4096-token prompt (the fast engine runs it on the reference modules; a smaller cache's
     # length) against the bf16 matmul rate measured here, FLOPs counted as xrun bench counts them
-    # (runtime/bench.py prefill_flops: lm_head over the one logit row; until 2026-12-01 this script took it
+    # (runtime/bench/measure.py prefill_flops: lm_head over the one logit row; until 2026-12-01 this script took it
     # over every token)
     n = min(4096, args.max_seq_len)
     prompt = prompt_inputs(torch.randint(0, cfg.vocab_size, (1, n), device=DEV))

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from xcompile.runtime.drafters import NoDrafter
-from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import DrafterSpec, TreeShape, make_drafter, open_engine_dir
-from xcompile.runtime.text import Text
+from xcompile.runtime.decoding.drafters import NoDrafter
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape, make_drafter
+from xcompile.runtime.enginedir.text import Text
+from xcompile.runtime.engines.load import open_engine_dir
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:

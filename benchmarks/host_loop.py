@@ -24,9 +24,9 @@ from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime.backends.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
-from xcompile.runtime.drafters import Eagle3ChainDrafter, NoDrafter
-from xcompile.runtime.generate import Generator
+from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, NoDrafter
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
 
 
 def main() -> None:

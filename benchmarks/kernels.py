@@ -1,4 +1,4 @@
-"""Check and time the fused kernels (runtime/kernels/) at the Qwen3-8B / EAGLE3 / Qwen3-0.6B shapes on a GPU.
+"""Check and time the fused kernels (runtime/engines/kernels/) at the Qwen3-8B / EAGLE3 / Qwen3-0.6B shapes on a GPU.
 
     python benchmarks/kernels.py [--sweep] [--json FILE]
     python benchmarks/kernels.py --gemv [--json FILE]     # the one-row GEMVs' tiles, then the verify tiles
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from xcompile.runtime import kernels
-from xcompile.runtime.bench import copy_bandwidth
-from xcompile.runtime.kernels import gemv as G
-from xcompile.runtime.kernels import linear as L
-from xcompile.runtime.kernels.attention import attention, attention_reference, chunk_for
-from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference
+from xcompile.runtime.bench.measure import copy_bandwidth
+from xcompile.runtime.engines import kernels
+from xcompile.runtime.engines.kernels import gemv as G
+from xcompile.runtime.engines.kernels import linear as L
+from xcompile.runtime.engines.kernels.attention import attention, attention_reference, chunk_for
+from xcompile.runtime.engines.kernels.rope_kv import rope_kv, rope_kv_reference
 
 # (name, N_out, K, gated): every projection of the 8B target, its EAGLE3 head and the 0.6B draft model
 SHAPES = [

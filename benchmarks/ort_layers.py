@@ -17,8 +17,8 @@ import argparse
 
 import torch
 
-from xcompile.runtime.drafters import causal, prompt_inputs
-from xcompile.runtime.load import open_engine_dir
+from xcompile.runtime.decoding.drafters import causal, prompt_inputs
+from xcompile.runtime.engines.load import open_engine_dir
 
 
 def cos(a: torch.Tensor, b: torch.Tensor) -> float:

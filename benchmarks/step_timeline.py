@@ -23,20 +23,28 @@ import os
 import tempfile
 
 import torch
-from fast_decode import (DEV, graphed_ms, parse_variants, random_, step_inputs, variant_gemv, variant_name,
-                         variant_schedule)
+from fast_decode import (
+    DEV,
+    graphed_ms,
+    parse_variants,
+    random_,
+    step_inputs,
+    variant_gemv,
+    variant_name,
+    variant_schedule,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime import kernels
-from xcompile.runtime.backends.fast import FastEagle3Engine, FastQwen3Engine
-from xcompile.runtime.graphs import CudaGraphCapture
-from xcompile.runtime.kernels import cuda_gemv as C
-from xcompile.runtime.kernels import gemv as G
-from xcompile.runtime.kernels import linear as L
+from xcompile.runtime.engines import kernels
+from xcompile.runtime.engines.fast import FastEagle3Engine, FastQwen3Engine
+from xcompile.runtime.engines.graphs import CudaGraphCapture
+from xcompile.runtime.engines.kernels import cuda_gemv as C
+from xcompile.runtime.engines.kernels import gemv as G
+from xcompile.runtime.engines.kernels import linear as L
 
 
 def kernel_records(replay, reps: int) -> list[list[dict]]:

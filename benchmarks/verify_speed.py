@@ -1,4 +1,4 @@
-"""How long the load-time check of an engine dir takes (runtime/integrity.py): the default sampled check
+"""How long the load-time check of an engine dir takes (runtime/enginedir/integrity.py): the default sampled check
 (what every `xrun`/backend load does) with the files in the page cache and evicted from it, and the
 full check (`--verify`, `xcompile verify`). Not a test: it reads the dir (GBs) several times.
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.enginedir.manifest import Manifest
 
 DEFAULT_DIR = Path("engines/bench-qwen3-0.6b-synthetic")
 

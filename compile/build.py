@@ -25,15 +25,23 @@ from pathlib import Path
 
 from xcompile.compile.errors import CompileError
 from xcompile.compile.trt_loaders import (
-    EngineFileFromNetwork, Progress, compute_capability, create_config, failure,
-    inspect_network, polygraphy_backend, polygraphy_errors, profile_shapes, progress_monitor,
+    EngineFileFromNetwork,
+    Progress,
+    compute_capability,
+    create_config,
+    failure,
+    inspect_network,
+    polygraphy_backend,
+    polygraphy_errors,
+    profile_shapes,
+    progress_monitor,
 )
 from xcompile.plugins.registry import PluginError, load_plugins
-from xcompile.runtime import files, interrupts, logs
-from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, resolve_flavor
-from xcompile.runtime.contract import DTYPES, GraphSpec, dynamic_ranges, graph_spec
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import EngineEntry, Manifest, kv_layers
+from xcompile.runtime.common import files, interrupts, logs
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir.contract import DTYPES, GraphSpec, dynamic_ranges, graph_spec
+from xcompile.runtime.enginedir.manifest import EngineEntry, Manifest, kv_layers
+from xcompile.runtime.engines.trt import FLAVOR_NAMES, import_trt, resolve_flavor
 
 # decode/verify profile: up to 64 tokens, enough for the 60-node EAGLE trees of AngelSlim and
 # TensorRT-Edge-LLM (--maxVerifyTreeSize 60) and for any chain up to 63 drafts
@@ -100,11 +108,11 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
                  timing_cache: Path | None = None, builder: dict | None = None, progress: Progress = print
                  ) -> dict:
     """Parse ``onnx``, check it against ``spec``, build and write ``engine``; returns the engine file's
-    record (size and hashes, runtime/integrity.py). ``dtype``: "fp32"|"fp16"|"bf16"; ``builder``:
+    record (size and hashes, runtime/enginedir/integrity.py). ``dtype``: "fp32"|"fp16"|"bf16"; ``builder``:
     BuildOptions.builder() (workspace bytes, optimization level).
 
     SIGINT/SIGTERM cancel the build within a builder step: TensorRT calls the progress monitor
-    between steps and swallows exceptions raised there, so the signal is held (runtime/interrupts.py),
+    between steps and swallows exceptions raised there, so the signal is held (runtime/common/interrupts.py),
     the monitor returns False (cancel) and the interrupt is raised once the builder has returned."""
     trt, poly = polygraphy_backend(flavor)
     try:
@@ -154,7 +162,7 @@ def build_engine(onnx: Path, engine: Path, spec: GraphSpec, dtype: str, profiles
 def build(directory: Path, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
     """Build one engine per ONNX graph of an exported engine dir and record them in its manifest.
 
-    Staged like every write (runtime/files.py): the dir's files are hard-linked into a staging dir,
+    Staged like every write (runtime/common/files.py): the dir's files are hard-linked into a staging dir,
     the engines built there, and the whole renamed onto ``directory`` at the end, so an interrupted
     or failed build leaves the dir as it was. Engines whose inputs are unchanged are kept
     (``options.force`` rebuilds them)."""
@@ -334,7 +342,7 @@ def inputs_changed(directory: Path, manifest: Manifest) -> str | None:
 
 def export_and_build(req, options: BuildOptions = BuildOptions(), progress: Progress = print) -> Manifest:
     """``xcompile build``: export ``req`` (an ExportRequest) unless its dir already holds that export,
-    then build every engine that is missing or stale; all in one staging dir (runtime/files.py), so
+    then build every engine that is missing or stale; all in one staging dir (runtime/common/files.py), so
     an interrupted or failed build leaves the previous dir as it was. A dir holding another export
     (other dtype, graphs, sizes or sources) is replaced only with ``req.force``, which also re-exports
     and rebuilds everything; a dir whose checkpoint or graph files changed is re-exported."""

@@ -8,11 +8,17 @@ import re
 
 import click
 
-from xcompile.runtime import logs
-from xcompile.runtime.cli_types import (
-    ByteSize, Finite, positive_float, refuse_inert, text_or_stdin, writable_dir, writable_file,
+from xcompile.runtime.cli.group import cli_group_class
+from xcompile.runtime.cli.options import (
+    ByteSize,
+    Finite,
+    positive_float,
+    refuse_inert,
+    text_or_stdin,
+    writable_dir,
+    writable_file,
 )
-from xcompile.runtime.errors import cli_group_class
+from xcompile.runtime.common import logs
 
 log = logs.logger("compile")
 

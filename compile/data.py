@@ -23,8 +23,8 @@ import torch
 
 from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
-from xcompile.runtime import logs
-from xcompile.runtime.text import Text
+from xcompile.runtime.common import logs
+from xcompile.runtime.enginedir.text import Text
 
 DOC_SEPARATOR = "\n\f\n"
 TEXT_KEYS, PROMPT_KEYS, RESPONSE_KEYS = ("text",), ("prompt",), ("response", "completion")

@@ -9,7 +9,7 @@
                     max error relative to the reference's max |value| and the least cosine similarity
                     of their rows; logits by max abs error and top-1/top-5 agreement
 
-``save`` writes (staged, runtime/files.py), per graph, ``<graph>.inputs.json`` (complete graph
+``save`` writes (staged, runtime/common/files.py), per graph, ``<graph>.inputs.json`` (complete graph
 inputs: the reference's KV before each step included) and ``<graph>.reference.json`` (reference
 RunResults), so ``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...``
 re-checks every step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
@@ -37,12 +37,21 @@ from polygraphy.logger import G_LOGGER
 from xcompile.compile.compare import DEFAULT_ATOL, DEFAULT_RTOL, MIN_COSINE, StepResult, compare, tolerances
 from xcompile.compile.errors import CompileError
 from xcompile.compile.reference import reference_engines
-from xcompile.runtime import files, logs
-from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import DRAFT, DYNAMIC_DIMS, EAGLE3, EAGLE3_FC, MODEL_DTYPE, TARGET, GraphSpec
-from xcompile.runtime.engine import TORCH_DTYPES, Engine, KVShape
-from xcompile.runtime.errors import XcompileError
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.common import files, logs
+from xcompile.runtime.common.errors import XcompileError
+from xcompile.runtime.enginedir.contract import (
+    DRAFT,
+    DYNAMIC_DIMS,
+    EAGLE3,
+    EAGLE3_FC,
+    MODEL_DTYPE,
+    TARGET,
+    GraphSpec,
+    KVShape,
+)
+from xcompile.runtime.enginedir.manifest import Manifest
+from xcompile.runtime.engines.base import TORCH_DTYPES, Engine
+from xcompile.runtime.engines.torch_module import TorchEngine
 
 REFERENCE, ENGINE = "reference", "engine"
 DEFAULT_PROMPT_LEN = 8
@@ -150,10 +159,10 @@ class _Graph:
 
 def _load_engine(backend: str, directory: Path, manifest: Manifest, graph: str, device: str) -> Engine:
     if backend == "ort":
-        from xcompile.runtime.backends import ort
+        from xcompile.runtime.engines import ort
 
         return ort.load(directory, graph, device, manifest=manifest)
-    from xcompile.runtime.backends import trt
+    from xcompile.runtime.engines import trt
 
     return trt.load(directory, graph, device, manifest=manifest)
 

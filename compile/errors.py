@@ -1,6 +1,6 @@
 """Errors raised at the compile side's boundaries (configs, checkpoints, export, build)."""
 
-from xcompile.runtime.errors import XcompileError
+from xcompile.runtime.common.errors import XcompileError
 
 
 class CompileError(XcompileError):

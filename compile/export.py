@@ -1,6 +1,6 @@
 """ONNX export of the I/O contract's graphs: opset 24, static KV cache updated in place.
 
-I/O (runtime/contract.py is the source of truth; names, dtypes and order come from it):
+I/O (runtime/enginedir/contract.py is the source of truth; names, dtypes and order come from it):
 
     graph      inputs                                            outputs
     target     input_ids [B,S] i64, position_ids [B,S] i64,     logits [B,R,V], hidden_taps [B,S,3H],
@@ -43,9 +43,9 @@ from torch import nn
 
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
-from xcompile.runtime import integrity
-from xcompile.runtime.contract import CONTRACT_VERSION, DYNAMIC_DIMS, MODEL_DTYPE, GraphSpec
-from xcompile.runtime.engine import DTYPE_NAMES, TORCH_DTYPES
+from xcompile.runtime.enginedir import integrity
+from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, DYNAMIC_DIMS, MODEL_DTYPE, GraphSpec
+from xcompile.runtime.engines.base import DTYPE_NAMES, TORCH_DTYPES
 
 # contract dtype name -> ONNX IR dtype, and IR dtype -> torch dtype (what a weight is written as)
 _IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16,
@@ -70,7 +70,7 @@ class ExportedGraph:
     onnx: Path
     spec: GraphSpec
     dims: dict
-    onnx_record: dict           # size and hashes of the .onnx file (runtime/integrity.py)
+    onnx_record: dict           # size and hashes of the .onnx file (runtime/enginedir/integrity.py)
     data_record: dict           # of its external data; the .onnx embeds the data's sha256 as metadata
 
 
@@ -208,7 +208,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: Weights) -> str:
     """Write every initializer of ``model`` into ``data_path`` from the ``(name, tensor)`` stream
     (names are ``module``'s parameter names; unused ones are skipped), one tensor at a time, and
-    point the initializers at it. Returns the data file's record (size and hashes, runtime/integrity.py)."""
+    point the initializers at it. Returns the data file's record (size and hashes, runtime/enginedir/integrity.py)."""
     canonical = _canonical_names(module)
     # initializers are named after one alias of their tensor; key them by the canonical name
     pending = {canonical.get(n, n): v for n, v in model.graph.initializers.items()}

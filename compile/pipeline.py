@@ -3,7 +3,7 @@
     resolve -> parse configs (+ checks) -> meta-device modules -> export each graph, weights
     streamed tensor by tensor -> tokenizer files, d2t.safetensors -> manifest.json
 
-Atomic and locked (runtime/files.py): everything is written into a staging dir next to ``out`` and
+Atomic and locked (runtime/common/files.py): everything is written into a staging dir next to ``out`` and
 renamed onto it at the end, so a failure (or Ctrl-C) leaves nothing half-written; an existing dir is
 replaced only with ``force``, only when xcompile wrote it, and never when it holds an input.
 """
@@ -23,8 +23,15 @@ from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
-    TAP_DEFAULT, TAP_OVERRIDE, Eagle3Config, Qwen3Config, check_eagle3_fits, parse_generation_config, read_json,
-    synthetic_eagle3_config, tap_convention,
+    TAP_DEFAULT,
+    TAP_OVERRIDE,
+    Eagle3Config,
+    Qwen3Config,
+    check_eagle3_fits,
+    parse_generation_config,
+    read_json,
+    synthetic_eagle3_config,
+    tap_convention,
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export import Weights, export_graph
@@ -32,12 +39,13 @@ from xcompile.compile.families import family
 from xcompile.compile.models import eagle3, qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime import files, integrity, logs
-from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
-from xcompile.runtime.engine import MODEL_TORCH_DTYPES
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
-from xcompile.runtime.text import vocabulary
+from xcompile.runtime.common import files, logs
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir import integrity
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, TARGET
+from xcompile.runtime.enginedir.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.enginedir.text import vocabulary
+from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES
 
 Log = Callable[[str], None]
 
@@ -111,7 +119,7 @@ def plan_export(req: ExportRequest) -> ExportPlan:
 
 
 def export_engine_dir(req: ExportRequest, log: Log = lambda _: None) -> Manifest:
-    """Export the request's graphs into ``req.out`` atomically (runtime/files.py); returns the manifest."""
+    """Export the request's graphs into ``req.out`` atomically (runtime/common/files.py); returns the manifest."""
     plan = plan_export(req)
     with files.staged_dir(req.out, "xcompile export", inputs=plan.inputs, replace=req.force) as tmp:
         manifest = export_into(tmp, Path(req.out).absolute().name, req, plan, log)
@@ -258,7 +266,7 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
 
 def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:
     """A draft model proposes target token ids: the same size is not enough, every token must map to the
-    same id (runtime/text.py vocabulary)."""
+    same id (runtime/enginedir/text.py vocabulary)."""
     for d in (draft_dir, target_dir):
         if not (d / "tokenizer.json").is_file():
             raise CompileError(f"{d / 'tokenizer.json'}: missing; a draft model proposes target token ids, so "

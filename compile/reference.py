@@ -22,10 +22,10 @@ from xcompile.compile.families import family
 from xcompile.compile.models import qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.backends.torch_module import TorchEngine
-from xcompile.runtime.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
-from xcompile.runtime.engine import MODEL_TORCH_DTYPES, Engine
-from xcompile.runtime.manifest import Manifest, ModelEntry
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.enginedir.manifest import Manifest, ModelEntry
+from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES, Engine
+from xcompile.runtime.engines.torch_module import TorchEngine
 
 
 def torch_engines(module: torch.nn.Module, role: str, max_seq_len: int | None = None) -> dict[str, TorchEngine]:

@@ -30,7 +30,7 @@ from xcompile.compile.models import eagle3
 from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.models.layers import RMSNorm
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.contract import DRAFT, EAGLE3, TARGET
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, TARGET
 
 INIT_STD = 0.02     # Qwen3 config.json initializer_range
 SOURCE_PREFIX = "synthetic:"

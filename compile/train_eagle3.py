@@ -29,16 +29,21 @@ import torch.nn.functional as F
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3, resolve
 from xcompile.compile.config import (
-    Eagle3Config, Qwen3Config, parse_generation_config, parse_qwen3, read_json, synthetic_eagle3_config,
+    Eagle3Config,
+    Qwen3Config,
+    parse_generation_config,
+    parse_qwen3,
+    read_json,
+    synthetic_eagle3_config,
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime import files, logs
-from xcompile.runtime.drafters import Eagle3ChainDrafter, NoDrafter
-from xcompile.runtime.generate import Generator
-from xcompile.runtime.text import Text
+from xcompile.runtime.common import files, logs
+from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, NoDrafter
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.enginedir.text import Text
 
 STEP_DECAY = 0.8            # EAGLE3 step weights 0.8^j (traineagle3/cnets.py)
 HEAD_INIT_STD = 0.02        # HF initializer_range, as the reference trainers build the draft
@@ -382,7 +387,7 @@ def train_eagle3_files(model: str | Path, data: str | Path, out: str | Path, opt
     (plus xcompile_train.json with the options, the log and the measured acceptance), reload it with
     ``load_eagle3`` and measure acceptance on prompts cut from the held-out (else training) windows.
 
-    ``out`` is staged (runtime/files.py): locked and checked against the inputs before the target
+    ``out`` is staged (runtime/common/files.py): locked and checked against the inputs before the target
     loads, written only when everything succeeded; an existing dir needs ``force`` and must be one
     xcompile wrote."""
     device = torch.device(opts.device)

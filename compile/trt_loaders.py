@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xcompile.compile.errors import CompileError
-from xcompile.runtime import integrity, logs
-from xcompile.runtime.backends.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
-from xcompile.runtime.contract import MODEL_DTYPE, GraphSpec
-from xcompile.runtime.errors import EngineError
+from xcompile.runtime.common import logs
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir import integrity
+from xcompile.runtime.enginedir.contract import MODEL_DTYPE, GraphSpec
+from xcompile.runtime.engines.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
 
 Progress = Callable[[str], None]
 
@@ -61,7 +62,7 @@ def polygraphy_errors():
     """Route Polygraphy's (and TensorRT's) log through Python logging for the duration and collect
     its errors, so a failed parse or build raises one CompileError quoting them (the ONNX parser's
     messages name the node); its other messages go to stderr at the level the CLI's -v/-q map to
-    (runtime/logs.py: warnings by default)."""
+    (runtime/common/logs.py: warnings by default)."""
     from polygraphy.logger import G_LOGGER
 
     errors: list[str] = []
@@ -102,7 +103,7 @@ _POLYGRAPHY_SUMMARIES = ("Could not parse ONNX correctly", "Invalid Engine", "Fa
 
 def progress_monitor(trt, progress: Progress, label: str, cancel: Callable[[], bool] = lambda: False):
     """A trt.IProgressMonitor that reports the builder's top two phase levels with elapsed time and
-    cancels the build when ``cancel()`` says so (a held SIGINT/SIGTERM, runtime/interrupts.py)."""
+    cancels the build when ``cancel()`` says so (a held SIGINT/SIGTERM, runtime/common/interrupts.py)."""
 
     class Monitor(trt.IProgressMonitor):
         def __init__(self):
@@ -204,7 +205,7 @@ class EngineFileFromNetwork:
     parsed weights as it would with EngineBytesFromNetwork. Writes a new file and renames it onto
     ``path`` (never into an existing file: a staged build hard-links the previous one there); saves
     the timing cache (full TensorRT) like EngineBytesFromNetwork(save_timing_cache=...). Returns the
-    written file's record (size and hashes, computed as the plan streams: runtime/integrity.py)."""
+    written file's record (size and hashes, computed as the plan streams: runtime/enginedir/integrity.py)."""
 
     def __init__(self, trt, network, config, path: Path, timing_cache: Path | None = None):
         self.trt, self.network, self.config, self.path, self.timing_cache = trt, network, config, path, timing_cache

@@ -24,7 +24,7 @@ xcompile export --model demo --eagle3 --out engines/demo --dtype fp32 --max-seq-
 section "diff: ONNX Runtime vs the PyTorch reference, teacher-forced, through Polygraphy"
 xcompile diff engines/demo --backend ort --prompt "$PROMPT"
 
-# --backend auto picks ONNX Runtime here: a CPU and fp32 graphs (runtime/load.py, pick_backend)
+# --backend auto picks ONNX Runtime here: a CPU and fp32 graphs (runtime/engines/load.py, pick_backend)
 section "generate: plain greedy decoding (one target forward per token)"
 echo "prompt: \"$PROMPT\", then $NEW_TOKENS new tokens:"
 xrun generate engines/demo --prompt "$PROMPT" --max-new-tokens "$NEW_TOKENS" --drafter none

@@ -31,7 +31,7 @@ if [ "$DEVICE" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/bigwhl/*.whl \
     $(ls .whl/*.whl 2>/dev/null) || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  # the backend preloads these itself (runtime/backends/ort.py); the path covers anything it does not
+  # the backend preloads these itself (runtime/engines/ort.py); the path covers anything it does not
   NVLIB=$(python3 -c "import nvidia,os;p=list(nvidia.__path__)[0];print(':'.join(os.path.join(p,d,'lib') for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p,d,'lib'))))")
   export LD_LIBRARY_PATH=$NVLIB:${LD_LIBRARY_PATH:-}
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
@@ -52,9 +52,9 @@ step "demo: ORT-$DEVICE greedy tokens == torch-backend tokens (plain, EAGLE3 cha
 python3 - "$DEMO" "$DEVICE" > "$OUT/demo_tokens.log" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
-from xcompile.runtime.generate import Generator
-from xcompile.runtime.load import DEFAULT_GAMMA, DrafterSpec, make_drafter, open_engine_dir
-from xcompile.runtime.text import Text
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.engines.load import DEFAULT_GAMMA, DrafterSpec, make_drafter, open_engine_dir
+from xcompile.runtime.enginedir.text import Text
 
 directory, device = sys.argv[1], sys.argv[2]
 text = Text(Path(directory))

@@ -16,4 +16,5 @@ fi
 OMP_NUM_THREADS=2 .venv/bin/python -m pytest -q
 echo "==== numerics again at OMP_NUM_THREADS=1"
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/compile/test_qwen3.py tests/compile/test_eagle3.py \
-    tests/runtime/test_generate.py tests/runtime/test_speculative.py tests/runtime/test_graphs.py tests/runtime/test_ort.py
+    tests/runtime/decoding/test_generator.py tests/runtime/decoding/test_speculative.py \
+    tests/runtime/engines/test_graphs.py tests/runtime/engines/test_ort.py

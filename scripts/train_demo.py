@@ -34,7 +34,7 @@ from xcompile.compile.checkpoint import load_qwen3, module_state
 from xcompile.compile.config import Qwen3Config, parse_qwen3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.train_eagle3 import Schedule, TrainOptions, autocast, optimizer, train_eagle3_files
-from xcompile.runtime.text import Text
+from xcompile.runtime.enginedir.text import Text
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO / "compile" / "demo" / "target"     # the packaged target: --draft-only's default

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# the fused kernels (runtime/kernels/) run in Triton's interpreter where no GPU is visible; it must be
+# the fused kernels (runtime/engines/kernels/) run in Triton's interpreter where no GPU is visible; it must be
 # chosen before triton is first imported
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -220,8 +220,8 @@ def write_eagle3_checkpoint(path: Path, target_overrides: dict | None = None, ov
 
 def save_manifest(manifest, root: Path) -> Path:
     """Save a hand-made manifest into ``root`` with the records (sizes, hashes) of every file there,
-    as the exporter would have written them (runtime/integrity.py)."""
-    from xcompile.runtime.integrity import record_file
+    as the exporter would have written them (runtime/enginedir/integrity.py)."""
+    from xcompile.runtime.enginedir.integrity import record_file
 
     manifest.files = {p.name: record_file(p) for p in sorted(Path(root).iterdir()) if p.is_file()
                       and p.name not in ("manifest.json", ".xcompile")}
@@ -258,7 +258,7 @@ class Child:
 
 
 def staging_leftovers(parent: Path) -> list[str]:
-    """Staging dirs/files and lock files of xcompile writers in ``parent`` (runtime/files.py)."""
+    """Staging dirs/files and lock files of xcompile writers in ``parent`` (runtime/common/files.py)."""
     return sorted(p.name for p in Path(parent).iterdir() if p.name.startswith(".") and
                   p.name.endswith((".partial", ".old", ".lock")))
 

@@ -1,6 +1,7 @@
 """One-way layering (plugins <- runtime <- compile): the runtime ships without the exporter, onnx,
 onnxscript or transformers. Checked statically (every import statement, lazy ones included) and
-dynamically (importing every runtime/plugins module in a fresh interpreter)."""
+dynamically (importing every runtime/plugins module in a fresh interpreter). Inside the runtime, each
+subpackage imports only the ones below it (``RUNTIME_LAYERS``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ SHIPPED = ("runtime", "plugins")
 FORBIDDEN = ("onnx", "onnxscript", "transformers", "compile", "xcompile.compile")
 OPTIONAL = ("tensorrt", "tensorrt_rtx", "cuda", "onnxruntime",      # may be absent on this machine
             "fastapi", "uvicorn", "pydantic", "prometheus_client", "ray")  # the serve extras
+
+
+# runtime subpackages, lowest first: each may import its own layer and the ones before it. Modules at the top
+# of runtime/ (the public API) sit above decoding; bench and serve are side by side; the CLI is on top.
+RUNTIME_LAYERS = [{"common"}, {"enginedir"}, {"engines"}, {"decoding"}, {"api", "__init__"}, {"bench", "serve"},
+                  {"cli"}]
 
 
 def imports(source: str, package: tuple[str, ...], filename: str = "<src>") -> list[tuple[int, str]]:
@@ -63,6 +70,34 @@ def test_runtime_and_plugins_do_not_import_compile_side():
     assert not bad, "runtime/plugins must not import the compile side, onnx or transformers:\n" + "\n".join(bad)
 
 
+def runtime_layer(name: str) -> int:
+    """The layer of runtime subpackage or top-level module ``name``."""
+    return next(i for i, names in enumerate(RUNTIME_LAYERS) if name in names)
+
+
+def test_runtime_subpackages_import_only_the_layers_below_them():
+    bad = []
+    for p in sorted((ROOT / "runtime").rglob("*.py")):
+        rel = p.relative_to(ROOT / "runtime")
+        own = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for line, module in file_imports(p):
+            parts = module.split(".")
+            if parts[:2] != ["xcompile", "runtime"] or len(parts) < 3:
+                continue
+            other = parts[2]
+            if other == own or other not in {n for names in RUNTIME_LAYERS for n in names}:
+                continue
+            if runtime_layer(other) > runtime_layer(own) or (runtime_layer(other) == runtime_layer(own)):
+                bad.append(f"runtime/{rel}:{line}: {module}")
+    assert not bad, "runtime subpackages must import only the layers below them (RUNTIME_LAYERS):\n" + "\n".join(bad)
+
+
+def test_every_runtime_subpackage_has_a_layer():
+    found = {p.name for p in (ROOT / "runtime").iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    found |= {p.stem for p in (ROOT / "runtime").glob("*.py")}
+    assert found <= {n for names in RUNTIME_LAYERS for n in names}, found
+
+
 def test_importing_runtime_does_not_load_compile_side():
     modules = []
     for p in shipped_files():
@@ -90,7 +125,7 @@ print(json.dumps({{"loaded": loaded, "skipped": skipped}}))
     assert len(result["skipped"]) < len(modules), result["skipped"]
 
 
-@pytest.mark.parametrize("cli", ["xcompile.compile.cli", "xcompile.runtime.cli"])
+@pytest.mark.parametrize("cli", ["xcompile.compile.cli", "xcompile.runtime.cli.xrun"])
 def test_cli_help_imports_nothing_heavy(cli):
     """--help stays instant: the CLI modules import torch, onnx, tensorrt only inside commands."""
     script = f"""

@@ -22,7 +22,12 @@ from xcompile.compile.checkpoint.keymap import materialize, module_state
 from xcompile.compile.checkpoint.resolution import resolve, resolve_draft, resolve_eagle3
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
-    DEMO_DIR, Eagle3Config, Qwen3Config, check_eagle3_fits, parse_eagle3, parse_qwen3,
+    DEMO_DIR,
+    Eagle3Config,
+    Qwen3Config,
+    check_eagle3_fits,
+    parse_eagle3,
+    parse_qwen3,
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3

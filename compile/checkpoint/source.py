@@ -25,7 +25,7 @@ from xcompile.compile.checkpoint.files import Checkpoint, weight_file_names
 from xcompile.compile.checkpoint.keymap import module_state, plan
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap
-from xcompile.runtime import integrity
+from xcompile.runtime.enginedir import integrity
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
@@ -48,7 +48,7 @@ class WeightSource(ABC):
         return {name: integrity.record_file(path) for name, path in self.files().items()}
 
     def records(self) -> dict[str, dict]:
-        """File name -> size and hashes of ``files()`` (runtime/integrity.py: what the manifest records and
+        """File name -> size and hashes of ``files()`` (runtime/enginedir/integrity.py: what the manifest records and
         the torch backend checks the checkpoint against at load), computed once per source."""
         return dict(self._records)
 

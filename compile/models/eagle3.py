@@ -27,8 +27,7 @@ from xcompile.compile.config import Eagle3Config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap, Reader
 from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
-from xcompile.runtime.contract import EAGLE3, EAGLE3_FC, GraphSpec, graph_spec
-from xcompile.runtime.engine import KVShape
+from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, GraphSpec, KVShape, graph_spec
 
 KIND = "eagle3"         # manifest ModelEntry.kind (compile/families.py)
 

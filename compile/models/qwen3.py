@@ -1,6 +1,6 @@
 """Qwen3 (dense) as one forward over S new tokens against preallocated per-layer KV buffers.
 
-The call is the ``target`` graph of the I/O contract (runtime/contract.py): prefill, decode and
+The call is the ``target`` graph of the I/O contract (runtime/enginedir/contract.py): prefill, decode and
 chain/tree verify differ only in the inputs. Parameter names equal the HF checkpoint keys, so the
 weight key map (``Qwen3.key_map``) is the identity plus the exceptions it spells out.
 """
@@ -13,8 +13,7 @@ from torch import nn
 from xcompile.compile.config import Qwen3Config
 from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap
 from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
-from xcompile.runtime.contract import DRAFT, TARGET, GraphSpec, graph_spec
-from xcompile.runtime.engine import KVShape
+from xcompile.runtime.enginedir.contract import DRAFT, TARGET, GraphSpec, KVShape, graph_spec
 
 KIND = "qwen3"          # manifest ModelEntry.kind (compile/families.py)
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from xcompile.runtime.errors import EngineError
+from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.serve.metrics import Metrics
 from xcompile.runtime.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
 from xcompile.runtime.serve.reply import Reply

@@ -14,8 +14,8 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from xcompile.runtime.errors import EngineError, XcompileError
-from xcompile.runtime.sampling import SamplingParams, with_seed
+from xcompile.runtime.common.errors import EngineError, XcompileError
+from xcompile.runtime.decoding.sampling import SamplingParams, with_seed
 
 MAX_N = 16          # choices per request: they run one after another on the one device slot
 

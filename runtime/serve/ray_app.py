@@ -17,8 +17,8 @@ from dataclasses import replace
 
 from ray import serve
 
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.load import DrafterSpec
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.registry import DrafterSpec
 from xcompile.runtime.serve.app import create_app
 from xcompile.runtime.serve.scheduler import ServeConfig
 

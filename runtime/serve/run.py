@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.load import pick_backend
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir.manifest import Manifest
+from xcompile.runtime.engines.load import pick_backend
 from xcompile.runtime.serve.scheduler import ServeConfig
 
 

@@ -20,9 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from xcompile.runtime.errors import EngineError, XcompileError
-from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
-from xcompile.runtime.sampling import GREEDY, SamplingParams
+from xcompile.runtime.common.errors import EngineError, XcompileError
+from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+from xcompile.runtime.engines.load import open_engine_dir
 from xcompile.runtime.serve.protocol import ServeError
 
 
@@ -48,8 +49,8 @@ class EngineWorker:
     def __init__(self, config: ServeConfig):
         import torch
 
-        from xcompile.runtime.generate import Generator
-        from xcompile.runtime.text import Text
+        from xcompile.runtime.decoding.generator import Generator
+        from xcompile.runtime.enginedir.text import Text
 
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.es = open_engine_dir(config.engine_dir, config.backend, device, cuda_graphs=config.cuda_graphs)

@@ -19,9 +19,9 @@ from xcompile.compile import build as b
 from xcompile.compile import trt_loaders as loaders
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
-from xcompile.runtime.contract import MODEL_DTYPE, graph_spec
-from xcompile.runtime.integrity import record_file
-from xcompile.runtime.manifest import GraphEntry, Manifest, ModelEntry, io_table, kv_layers
+from xcompile.runtime.enginedir.contract import MODEL_DTYPE, graph_spec
+from xcompile.runtime.enginedir.integrity import record_file
+from xcompile.runtime.enginedir.manifest import GraphEntry, Manifest, ModelEntry, io_table, kv_layers
 
 MAX_SEQ = 64
 RTX = ["--trt", "rtx", "--compute-capability", "8.9"]
@@ -229,7 +229,7 @@ def test_engine_matches_torch_reference_on_gpu(tiny_target, tmp_path):
     import torch
 
     from xcompile.compile.checkpoint import load_qwen3
-    from xcompile.runtime.backends import trt as backend
+    from xcompile.runtime.engines import trt as backend
 
     flavor = "tensorrt" if importlib.util.find_spec("tensorrt") else "rtx"
     major, minor = torch.cuda.get_device_capability()

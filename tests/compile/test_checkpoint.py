@@ -9,8 +9,16 @@ import shutil
 import pytest
 import torch
 from fixtures import (
-    TINY_DRAFT, eagle3_config, eagle3_tensors, qwen3_config, qwen3_tensors, step_inputs, write_draft_checkpoint,
-    write_eagle3_checkpoint, write_qwen3_checkpoint, write_weights,
+    TINY_DRAFT,
+    eagle3_config,
+    eagle3_tensors,
+    qwen3_config,
+    qwen3_tensors,
+    step_inputs,
+    write_draft_checkpoint,
+    write_eagle3_checkpoint,
+    write_qwen3_checkpoint,
+    write_weights,
 )
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer

@@ -52,7 +52,7 @@ def test_demo_checkpoint_dir_wins_over_alias(tmp_path, monkeypatch, tiny_target)
 
 
 def test_demo_pair_loads_and_predicts_heldout_text():
-    from xcompile.runtime.text import Text
+    from xcompile.runtime.enginedir.text import Text
 
     target_dir, head_dir = ck.resolve("demo"), ck.resolve_eagle3("demo", "")
     target_cfg, head_cfg = parse_qwen3(target_dir / "config.json"), parse_eagle3(head_dir / "config.json")
@@ -86,9 +86,10 @@ def demo_engine_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("drafter, min_tau", [("eagle3", MIN_TAU), ("draft-model", MIN_DRAFT_TAU)])
 def test_demo_speculates_heldout_text_like_plain_greedy(demo_engine_dir, drafter, min_tau):
-    from xcompile.runtime.generate import Generator
-    from xcompile.runtime.load import DrafterSpec, make_drafter, open_engine_dir
-    from xcompile.runtime.text import Text
+    from xcompile.runtime.decoding.generator import Generator
+    from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+    from xcompile.runtime.enginedir.text import Text
+    from xcompile.runtime.engines.load import open_engine_dir
 
     with open_engine_dir(demo_engine_dir, "auto", "cpu") as es:
         assert es.backend == "ort"                          # auto on a CPU with fp32 graphs

@@ -19,8 +19,8 @@ from xcompile.compile import config
 from xcompile.compile.cli import main
 from xcompile.compile.compare import compare, tolerances
 from xcompile.compile.diff import DiffOptions, run_diff
-from xcompile.runtime.integrity import record_file
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.enginedir.integrity import record_file
+from xcompile.runtime.enginedir.manifest import Manifest
 
 MAX_SEQ = 64
 # a KNOWN_MODELS stand-in small enough to export in seconds (the real aliases are 0.6B and up)

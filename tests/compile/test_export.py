@@ -24,10 +24,10 @@ from xcompile.compile import checkpoint as ck
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
-from xcompile.runtime.contract import DYNAMIC_DIMS, graph_spec
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.integrity import record_file
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir.contract import DYNAMIC_DIMS, graph_spec
+from xcompile.runtime.enginedir.integrity import record_file
+from xcompile.runtime.enginedir.manifest import Manifest
 
 MAX_SEQ = 64
 OPSET24_OPS = {"TensorScatter", "Attention", "RotaryEmbedding", "RMSNormalization"}
@@ -155,7 +155,7 @@ def test_bf16_graphs_are_valid_onnx(bf16_dir, tiny_target):
     w = ir.load(bf16_dir / "target.onnx").graph.initializers["model.embed_tokens.weight"].const_value
     want = ck.Checkpoint(tiny_target).get("model.embed_tokens.weight").to(torch.bfloat16)
     assert w.tobytes() == want.view(torch.uint8).numpy().tobytes()
-    from xcompile.runtime.backends import ort
+    from xcompile.runtime.engines import ort
 
     with pytest.raises(EngineError, match="bfloat16"):
         ort.load(bf16_dir, "target", "cpu")

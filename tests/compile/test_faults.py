@@ -27,8 +27,8 @@ from fixtures import WORDS, Child, staging_leftovers
 from xcompile.compile import data as textdata
 from xcompile.compile.cli import main
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
-from xcompile.runtime.errors import EngineError
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir.manifest import Manifest
 
 MAX_SEQ = 64
 XCOMPILE = str(Path(sys.executable).with_name("xcompile"))

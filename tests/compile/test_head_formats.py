@@ -246,7 +246,7 @@ def test_plain_llama_is_not_a_head(tmp_path):
 
 def test_exported_speculators_head_matches_and_manifest_records_taps(tmp_path, tiny_target, embed):
     from xcompile.compile.pipeline import ExportRequest, export_engine_dir
-    from xcompile.runtime.backends import ort
+    from xcompile.runtime.engines import ort
 
     path, t = write_head(tmp_path / "head", "speculators", norm_before_residual=True, taps=[1, 3, 4])
     out = tmp_path / "dir"

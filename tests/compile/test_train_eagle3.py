@@ -17,9 +17,15 @@ from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
 from xcompile.compile.cli import main
 from xcompile.compile.config import parse_eagle3, parse_qwen3
 from xcompile.compile.train_eagle3 import (
-    TrainOptions, draft_vocabulary, new_head, target_features, train_eagle3, ttt_forward, ttt_mask,
+    TrainOptions,
+    draft_vocabulary,
+    new_head,
+    target_features,
+    train_eagle3,
+    ttt_forward,
+    ttt_mask,
 )
-from xcompile.runtime.text import Text
+from xcompile.runtime.enginedir.text import Text
 
 SEQ = 24
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
 from fixtures import Child, staging_leftovers
+from safetensors.torch import load_file, save_file
 
 from xcompile.compile.build import inputs_changed
 from xcompile.compile.cli import main as xcompile
 from xcompile.compile.errors import CompileError
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
-from xcompile.runtime.cli import main as xrun
-from xcompile.runtime.integrity import record_file
-from xcompile.runtime.manifest import Manifest
+from xcompile.runtime.cli.xrun import main as xrun
+from xcompile.runtime.enginedir.integrity import record_file
+from xcompile.runtime.enginedir.manifest import Manifest
 
 IDS = "5,17,42,9"
 XRUN = str(Path(sys.executable).with_name("xrun"))

@@ -1,4 +1,4 @@
-"""The fused kernels (runtime/kernels/) against their plain-torch references.
+"""The fused kernels (runtime/engines/kernels/) against their plain-torch references.
 
 On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when no GPU is
 visible) at small shapes that still cover partial tiles, several row tiles, ragged live lengths and
@@ -16,16 +16,16 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
-from xcompile.runtime import kernels  # noqa: E402
-from xcompile.runtime.errors import EngineError  # noqa: E402
-from xcompile.runtime.kernels import attention as A  # noqa: E402
-from xcompile.runtime.kernels.attention import attention, attention_reference  # noqa: E402
-from xcompile.runtime.kernels import common as C  # noqa: E402
-from xcompile.runtime.kernels import gemv as G  # noqa: E402
-from xcompile.runtime.kernels import linear as L  # noqa: E402
-from xcompile.runtime.kernels.linear import linear, linear_reference  # noqa: E402
-from xcompile.runtime.kernels.norm import embed_norms, embed_norms_reference, embedding_rows, rms_norm  # noqa: E402
-from xcompile.runtime.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
+from xcompile.runtime.common.errors import EngineError  # noqa: E402
+from xcompile.runtime.engines import kernels  # noqa: E402
+from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
+from xcompile.runtime.engines.kernels import common as C  # noqa: E402
+from xcompile.runtime.engines.kernels import gemv as G  # noqa: E402
+from xcompile.runtime.engines.kernels import linear as L  # noqa: E402
+from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
+from xcompile.runtime.engines.kernels.linear import linear, linear_reference  # noqa: E402
+from xcompile.runtime.engines.kernels.norm import embed_norms, embed_norms_reference, embedding_rows, rms_norm  # noqa: E402
+from xcompile.runtime.engines.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -933,8 +933,8 @@ def random_pool(batch: int, topk: int, depth: int, seed: int, ties: bool):
 def test_select_tree_kernel_equals_select_tree(topk, depth, nodes, ties):
     """kernels/tree.py's one-launch selection gives select_tree's tokens, parents, mask and depth exactly
     (ties ranked as the stable sort ranks them), batch 2."""
-    from xcompile.runtime.kernels.tree import TreeBuffers, select_tree_into
-    from xcompile.runtime.speculative import select_tree
+    from xcompile.runtime.decoding.kernels.tree import TreeBuffers, select_tree_into
+    from xcompile.runtime.decoding.speculative import select_tree
     scores, tokens, parents, root = random_pool(2, topk, depth, topk * 10 + depth, ties)
     want = select_tree(root, scores, tokens, parents, nodes, depth)
     out = TreeBuffers(2, nodes, scores.device)
@@ -952,8 +952,8 @@ def test_topk_children_kernel_matches_torch(rows, vocab, k, mapped, dtype):
     log-probs to 1e-6 (the log-sum-exp summed in block order), over several column blocks (4096 columns
     each), batch 2, with and without the draft -> target table. Ties (many in bf16) go to the lower column,
     so the reference is a stable sort (torch.topk leaves their order open; in fp32 there are none)."""
-    from xcompile.runtime.kernels import topk as K
-    from xcompile.runtime.speculative import target_table, to_target, topk_children
+    from xcompile.runtime.decoding.speculative import target_table, to_target, topk_children
+    from xcompile.runtime.decoding.kernels import topk as K
     torch.manual_seed(rows + vocab)
     logits = (3 * torch.randn(2, rows, vocab, device=DEV)).to(dtype)
     targets = target_table(torch.randperm(3 * vocab, device=DEV)[:vocab].sort().values - torch.arange(vocab, device=DEV)) \
@@ -973,8 +973,8 @@ def test_topk_children_kernel_matches_torch(rows, vocab, k, mapped, dtype):
 def test_expand_level_kernel_equals_the_drafter_ops(k, level, last, h=96):
     """kernels/topk.py's one-launch pool update: the same scores, tokens, parents, expanded tokens,
     hidden, masks and next level's scores / pool indices as speculative.expand_level, batch 2."""
-    from xcompile.runtime.kernels import topk as K
-    from xcompile.runtime.speculative import expand_level
+    from xcompile.runtime.decoding.speculative import expand_level
+    from xcompile.runtime.decoding.kernels import topk as K
     torch.manual_seed(k * 10 + level)
     b, depth = 2, 6
     n, m = k * (depth - 1), k + (depth - 1) * k * k
@@ -1008,8 +1008,8 @@ def test_topk_kernels_with_masked_logits():
     """-inf logits (a whole column block of them, or all but two columns) give torch's finite log-probs and
     the stable order's ids, each id once; the pool update never expands a node twice when fewer than k
     children are finite; NaN logits give ids in range (meaningless values, no fault)."""
-    from xcompile.runtime.kernels import topk as K
-    from xcompile.runtime.speculative import expand_level
+    from xcompile.runtime.decoding.speculative import expand_level
+    from xcompile.runtime.decoding.kernels import topk as K
     torch.manual_seed(9)
     x = torch.randn(1, 2, 10000, device=DEV)
     x[..., 4096:8192] = float("-inf")                       # the second column block: every entry masked
@@ -1047,8 +1047,8 @@ def test_chain_accept_kernel_equals_accept_chain(s, vocab, dtype):
     argmax up to a chosen node), with ties (bf16 logits of few values: the lower column wins, as in
     torch.argmax); the state update then gives bonus() and the advanced length. Twice per count: the
     arrival counter resets itself."""
-    from xcompile.runtime.kernels.accept import ChainAccept
-    from xcompile.runtime.speculative import accept_chain, bonus, chain_block, for_host
+    from xcompile.runtime.decoding.kernels.accept import ChainAccept
+    from xcompile.runtime.decoding.speculative import accept_chain, bonus, chain_block, for_host
     torch.manual_seed(s * vocab)
     logits = (torch.randn(1, s, vocab, device=DEV) * 2).round().to(dtype)     # few values: many ties
     pred = logits.argmax(-1)
@@ -1073,8 +1073,8 @@ def test_chain_accept_kernel_with_special_logits():
     """-inf everywhere gives column 0 (torch.argmax's pick); a whole column block of -inf, a +inf and a lone
     NaN are each found in whichever block holds them, as torch.argmax finds them; a NaN counts as +inf, so
     a +inf before it wins (torch would pick the NaN)."""
-    from xcompile.runtime.kernels.accept import ChainAccept
-    from xcompile.runtime.speculative import accept_chain, chain_block
+    from xcompile.runtime.decoding.kernels.accept import ChainAccept
+    from xcompile.runtime.decoding.speculative import accept_chain, chain_block
     x = torch.randn(1, 5, 9000, device=DEV)
     x[0, 0] = float("-inf")
     x[0, 1, :4096] = float("-inf")
@@ -1095,8 +1095,8 @@ def test_greedy_pick_kernel_equals_argmax_then_lookup(vocab, mapped, dtype):
     """kernels/accept.py's pick: to_target(logits.argmax(-1), targets) written into a column of a block's
     tokens (the others untouched), with ties (the lower column), several times in a row (the counter
     resets itself)."""
-    from xcompile.runtime.kernels.accept import GreedyPick
-    from xcompile.runtime.speculative import target_table, to_target
+    from xcompile.runtime.decoding.kernels.accept import GreedyPick
+    from xcompile.runtime.decoding.speculative import target_table, to_target
     torch.manual_seed(vocab)
     targets = target_table(torch.randperm(3 * vocab, device=DEV)[:vocab].sort().values - torch.arange(vocab, device=DEV)) \
         if mapped else None
@@ -1124,7 +1124,7 @@ def test_chain_accept_kernel_at_the_qwen3_8b_vocab_on_the_gpu():
         test_greedy_pick_kernel_equals_argmax_then_lookup(vocab, vocab == 32000, torch.bfloat16)
     # rounds back to back (programmatic dependent launch between them, no sync): each verifies a chain whose
     # first drafts match the argmax, the state update chained through root and length
-    from xcompile.runtime.kernels.accept import ChainAccept
+    from xcompile.runtime.decoding.kernels.accept import ChainAccept
     logits = torch.randn(1, 7, 151936, device=DEV).to(torch.bfloat16)
     pred = logits.argmax(-1)
     fused = ChainAccept(7, 151936, DEV)

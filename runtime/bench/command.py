@@ -1,0 +1,145 @@
+"""``xrun bench`` as a function: open the engines (engine dir or synthetic), run, print, save."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from xcompile.runtime.bench.measure import BenchOptions, context_fits, format_report, run_bench
+from xcompile.runtime.common import files, logs
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.registry import TreeShape
+from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+from xcompile.runtime.enginedir.manifest import Manifest
+from xcompile.runtime.enginedir.text import Text
+from xcompile.runtime.engines.load import EngineSet, fast_engines, open_engine_dir, pick_backend, torch_models
+
+log = logs.logger("bench")
+
+
+@dataclass
+class BenchRequest:
+    engine_dir: str | None
+    synthetic: str | None
+    draft_model: str | None
+    backend: str
+    device: str | None
+    dtype: str
+    gammas: tuple[int, ...]
+    tree: TreeShape | None
+    contexts: tuple[int, ...]
+    new_tokens: int
+    repeats: int
+    peer: bool
+    json_path: str | None
+    plot: str | None
+    prompts: str | None = None
+    num_prompts: int = 2
+    verify: bool = False
+    sampling: SamplingParams = GREEDY
+
+
+def _room(req: BenchRequest) -> int:
+    """KV slots a synthetic bench needs: the longest context, its new tokens and one round's lookahead."""
+    lookahead = max([*req.gammas, req.tree.total_tokens if req.tree else 0, 8]) + 1
+    need = max(req.contexts) + req.new_tokens + lookahead + 64
+    return -(-need // 256) * 256
+
+
+def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
+    if req.engine_dir:
+        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify)
+    if req.backend not in ("auto", "torch", "fast"):
+        raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
+    provider = torch_models()
+    manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
+                                                     eagle3=True, draft=req.draft_model)
+    backend = "torch" if req.backend == "auto" and device.type != "cuda" else req.backend
+    if backend == "auto":
+        backend = pick_backend(manifest, "auto", device)
+    if backend == "fast":
+        engines = fast_engines(manifest, engines)
+    return EngineSet(None, manifest, backend, engines, d2t, {"provider": provider})
+
+
+def check_contexts(req: BenchRequest) -> None:
+    """EngineError unless some context fits the engine dir (a synthetic bench is sized for them all)."""
+    if req.engine_dir is None:
+        return
+    max_seq_len = Manifest.load(req.engine_dir).max_seq_len
+    if not any(context_fits(c, req.new_tokens, max_seq_len) for c in req.contexts):
+        raise EngineError(f"--contexts {','.join(map(str, req.contexts))}: none fits {req.engine_dir}, which holds "
+                          f"{max_seq_len} tokens (a context needs room for --new-tokens and a round too); give "
+                          "shorter contexts or rebuild with a larger --max-seq-len")
+
+
+def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
+    """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
+    device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    check_contexts(req)
+    inputs = (req.engine_dir, req.prompts)
+    with contextlib.ExitStack() as outputs:
+        # --json / --plot are staged (runtime/common/files.py) before anything is measured: an output that
+        # cannot be written fails now, not after the whole run; an interrupted run leaves no file
+        json_tmp, plot_tmp = (outputs.enter_context(files.staged_file(path, "xrun bench", inputs=inputs, option=opt))
+                              if path else None for path, opt in ((req.json_path, "--json"), (req.plot, "--plot")))
+        start = time.perf_counter()
+        es = outputs.enter_context(open_engines(req, device))
+        log.info(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
+        report = _measure(req, es, echo)
+        echo(format_report(report))
+        if json_tmp:
+            json_tmp.write_text(json.dumps(report, indent=2))
+        if plot_tmp:
+            plot(report, plot_tmp, format=Path(req.plot).suffix.lstrip(".") or "png")
+    return report
+
+
+def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> dict:
+    peer = None
+    if req.peer:
+        provider = es.extras.get("provider") or torch_models()
+        if es.backend not in ("torch", "fast"):
+            raise EngineError("--peer compares on the reference modules' weights; add --backend torch or fast")
+        # the fast engines' reference modules hold the very weights they run (re-pointed, not copied)
+        engines = {g: e.reference for g, e in es.engines.items()} if es.backend == "fast" else es.engines
+        peer = provider.hf_peer(engines)
+    text_tokens = None
+    if req.prompts:
+        if es.directory is None:
+            raise EngineError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
+        text_tokens = Text(es.directory).encode(Path(req.prompts).read_text())
+    opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
+                        repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens,
+                        sampling=req.sampling)
+    start = time.perf_counter()
+    return run_bench(es, opts, log=lambda m: log.info(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
+
+
+def plot(report: dict, path: str | Path, format: str = "png") -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EngineError("--plot needs matplotlib (pip install matplotlib)") from None
+    rows = [r for r in report["generation"] if r["cuda_graphs"] == any(x["cuda_graphs"] for x in report["generation"])]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['drafter']} @{r['context']}" for r in rows]
+    ax.barh(labels, [r["tokens_per_s"] for r in rows])
+    if "floor_ms_per_token" in report:
+        ax.axvline(1e3 / report["floor_ms_per_token"], color="k", linestyle="--", label="bandwidth floor (plain)")
+        ax.legend()
+    ax.set_xlabel("tokens/s")
+    ax.set_title(f"{report['model']} on {report['device']} ({report['backend']}, {report['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, format=format)

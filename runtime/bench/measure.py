@@ -1,0 +1,439 @@
+"""``xrun bench``: plain and speculative decoding speed against the bandwidth floor, in one run.
+
+What one run measures (docs/BENCHMARKS.md has figures):
+  - the device's copy bandwidth (bytes read + written per second) and, from the target's weight
+    bytes per token, the decode floor;
+  - plain greedy decode ms/token at each context length (the Generator with no drafter);
+  - step costs at the first context: one draft step (EAGLE3 head, draft model), the EAGLE3 fc,
+    verifying k+1 tokens (k = 1..8), a tree verify — each with and without CUDA graphs; and the
+    sampler's share of a round at the target's vocabulary (drawing a token, accepting a chain or a
+    tree) with the bench's sampling parameters (greedy: the argmax paths);
+  - whole speculative rounds: the Generator with each drafter (EAGLE3 chain per gamma, tree,
+    draft model) -> ms/round, measured acceptance length tau, tokens/s and speedup over plain,
+    greedy or (``sampling``) speculative sampling with a fixed seed;
+    and, beside them, the speedup a given tau would give (tau * decode / round), which is what
+    synthetic weights can say (random heads accept nothing);
+  - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights;
+  - the prefill of the longest context's prompt (TTFT) against the matmul rate measured in the run.
+Timings use CUDA events (or the host clock on the CPU), after warm-up, median of repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from xcompile.runtime.common import logs
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.drafters import causal, prompt_inputs
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
+from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams
+from xcompile.runtime.decoding.speculative import Block, accept_chain, accept_tree, ancestors, chain_block
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.engines.graphs import CudaGraphCapture, GraphedEngine, GraphUnavailable
+from xcompile.runtime.engines.load import EngineSet
+
+_log = logs.logger("bench")
+PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
+
+
+@dataclass
+class BenchOptions:
+    contexts: tuple[int, ...] = (128, 1024, 4096)
+    gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
+    tree: TreeShape | None = field(default_factory=TreeShape)
+    new_tokens: int = 64            # per generation
+    repeats: int = 20               # per step timing
+    peer: bool = False
+    num_prompts: int = 2
+    text_tokens: list[int] | None = None    # real text (e.g. held-out data): prompts are windows of it
+    taus: tuple[float, ...] = (2.0, 3.0, PUBLISHED_TAU)
+    sampling: SamplingParams = GREEDY       # prompt i is sample i of the seed (give one: runs repeat)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 4 if device.type == "cuda" else 2**26
+    src = torch.randn(n, device=device)        # random, never zeros (METHOD.md)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), device, repeats=10)
+    return 2 * src.numel() * src.element_size() / (ms / 1e3)
+
+
+def weight_bytes(config: dict, dtype: str) -> int:
+    """Bytes of weights one decoded token reads, from a Qwen3 config: every layer's projections and
+    norms, the final norm and lm_head; of the input embedding only one row (negligible), unless tied,
+    when it is the lm_head itself."""
+    c = config
+    h, d = c["hidden_size"], c["head_dim"]
+    layer = _projections(c) + 2 * h + 2 * d                            # + input/post-attention and q/k norms
+    params = c["num_hidden_layers"] * layer + h + c["vocab_size"] * h
+    return params * {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+
+
+def _projections(config: dict) -> int:
+    """Weights of one Qwen3 layer's projections: q/k/v, o, gate/up/down."""
+    c = config
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"]
+
+
+def prefill_flops(config: dict, tokens: int) -> int:
+    """Matmul FLOPs of a Qwen3 prompt pass over ``tokens`` tokens that returns one logit row: every layer's
+    projections for every token, lm_head for the one row, attention's QK^T and PV over the causal half."""
+    c = config
+    projections = c["num_hidden_layers"] * _projections(c)
+    attention = 2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * tokens * tokens
+    return 2 * projections * tokens + 2 * c["vocab_size"] * c["hidden_size"] + attention
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of one square matmul in ``dtype`` (8192 on a GPU; 1024 in fp32 on a CPU)."""
+    n, dtype = (8192, dtype) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / (timed(lambda: a @ a, device, repeats=5) / 1e3)
+
+
+def prefill_cost(es: EngineSet, ctx: int) -> dict:
+    """TTFT of a ``ctx``-token prompt pass of the target (eager, as the Generator runs prompts) against
+    the matmul rate measured here."""
+    dev, engine = es.device, es.engines[TARGET]
+    config = es.manifest.models[TARGET].config
+    if not engine.kv and engine.kv_shape:
+        engine.new_kv()
+    prompt = prompt_inputs(torch.randint(0, config["vocab_size"], (1, ctx), device=dev))
+    ms = timed(lambda: engine.run(**prompt), dev, repeats=5, warmup=1)
+    rate = matmul_rate(dev, engine.dtype)
+    achieved = prefill_flops(config, ctx) / (ms / 1e3)
+    return {"tokens": ctx, "ttft_ms": ms, "tflops": achieved / 1e12, "matmul_tflops": rate / 1e12,
+            "fraction_of_matmul": achieved / rate}
+
+
+def _step_inputs(tokens: int, write_index: int, vocab: int, device: torch.device) -> dict:
+    i64 = dict(dtype=torch.int64, device=device)
+    return dict(input_ids=torch.randint(0, vocab, (1, tokens), **i64),
+                position_ids=write_index + torch.arange(tokens, **i64)[None],
+                write_index=torch.full((1,), write_index, **i64), tree_mask=causal(tokens, device),
+                logit_rows=torch.arange(tokens, **i64)[None])
+
+
+def step_sizes(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> dict[str, list[int]]:
+    """graph -> the token counts ``step_costs`` times it at (graphs the dir holds)."""
+    sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
+             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
+    return {graph: tokens for graph, tokens in sizes.items() if graph in es.engines}
+
+
+def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | None,
+               tick: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """Milliseconds of single engine steps at KV length ``ctx``, eager and (on CUDA) graphed;
+    ``tick(label)`` after each."""
+    dev, rows = es.device, []
+    capture = CudaGraphCapture()
+    for engine in es.engines.values():
+        if not engine.kv and engine.kv_shape:
+            engine.new_kv()
+    for graph, tokens_list in step_sizes(es, opts, tree_tokens).items():
+        engine = es.engines[graph]
+        graphed = GraphedEngine(engine, set(tokens_list), capture) if dev.type == "cuda" else None
+        for s in tokens_list:
+            if graph == EAGLE3_FC:
+                inputs = {"hidden_taps": torch.randn(1, s, _taps_width(es), device=dev, dtype=engine.dtype)}
+            else:
+                inputs = _step_inputs(s, ctx, es.manifest.models[TARGET].config["vocab_size"], dev)
+                if graph == EAGLE3:
+                    inputs["hidden_states"] = torch.randn(1, s, _hidden(es), device=dev, dtype=engine.dtype)
+            row = {"graph": graph, "tokens": s, "eager_ms": timed(lambda: engine.run(**inputs), dev, opts.repeats)}
+            if graphed is not None:
+                # the step's graph replayed with its inputs in place, as inside a round's graph (copying
+                # the inputs in on every call would add host-side launches to a 0.2 ms draft step)
+                replay = graphed.replay_of(**inputs) or (lambda: graphed.run(**inputs))
+                row["graph_ms"] = timed(replay, dev, opts.repeats)
+            rows.append(row)
+            tick(f"{graph} x{s}")
+        if graphed is not None:
+            graphed.graphs.clear()
+    return rows
+
+
+def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
+    """Milliseconds of the sampler's work in a round at the target's vocabulary and dtype, eager and
+    (on CUDA) replayed from a graph: one token drawn; a chain block of k+1 accepted (with draft
+    distributions over the whole vocabulary, as the draft model's); a tree accepted (deterministic picks)."""
+    dev, repeats = es.device, opts.repeats
+    vocab = es.manifest.models[TARGET].config["vocab_size"]
+    dtype = es.engines[TARGET].dtype
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler(dev)
+    sampler.reset(opts.sampling)
+
+    def logits(s):
+        return torch.randn(1, s, vocab, generator=g).to(dev, dtype)
+
+    cases = [("sample", 1, lambda x=logits(1): sampler.sample(x[:, 0]))]
+    for k in opts.gammas:
+        block = chain_block(torch.randint(0, vocab, (1, k + 1), generator=g).to(dev))
+        if not sampler.greedy:
+            block.q = torch.softmax(torch.randn(1, k + 1, vocab, generator=g), -1).to(dev)
+            block.q_tok = block.q.gather(2, block.tokens[:, :, None])[:, :, 0]
+        cases.append(("accept chain", k + 1, lambda b=block, x=logits(k + 1): accept_chain(b, x, sampler)))
+    if tree_tokens:
+        depth = opts.tree.depth
+        parents, level = [0], [0]
+        for i in range(1, tree_tokens):        # random attachment under nodes above the last level
+            open_ = [j for j in range(i) if level[j] < depth]
+            parents.append(open_[int(torch.randint(0, len(open_), (1,), generator=g))])
+            level.append(level[parents[-1]] + 1)
+        par = torch.tensor([parents], device=dev)
+        mask, d = ancestors(par, depth)
+        block = Block(torch.randint(0, vocab, (1, tree_tokens), generator=g).to(dev), par, mask, d, depth, False)
+        cases.append(("accept tree", tree_tokens, lambda b=block, x=logits(tree_tokens): accept_tree(b, x, sampler)))
+    capture = CudaGraphCapture() if dev.type == "cuda" else None
+    rows = []
+    for name, s, fn in cases:
+        row = {"graph": name, "tokens": s, "eager_ms": timed(fn, dev, repeats)}
+        if capture is not None:
+            try:
+                replay, _ = capture(fn, dev)
+                row["graph_ms"] = timed(replay, dev, repeats)
+            except (GraphUnavailable, RuntimeError) as e:
+                row["graph_error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    return rows
+
+
+def _hidden(es: EngineSet) -> int:
+    return es.manifest.models[EAGLE3].config["hidden_size"]
+
+
+def _taps_width(es: EngineSet) -> int:
+    return 3 * es.manifest.models[EAGLE3].config["target_hidden_size"]
+
+
+def drafters(es: EngineSet, opts: BenchOptions) -> list[tuple[str, Callable[[], object]]]:
+    """(label, make) of plain decoding and each drafter the dir holds: every chain of ``opts.gammas``,
+    and the tree for drafters that draft trees."""
+    specs = [DrafterSpec("none")]
+    for name, kind in DRAFTERS.items():
+        if kind.graphs and kind.holds(es):
+            specs += [DrafterSpec(name, g) for g in opts.gammas]
+            if kind.tree and opts.tree:
+                specs.append(DrafterSpec(name, tree=opts.tree))
+    return [(s.label, lambda s=s: make_drafter(es, s)) for s in specs]
+
+
+def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bool, prompts: list[list[int]],
+                    which: list[tuple[str, Callable]], tick: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """One row per drafter of ``which``: whole generations over ``prompts``; ``tick(name)`` after each."""
+    rows = []
+    max_seq_len = es.manifest.max_seq_len
+    if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (backends/ort.py)
+        for engine in es.engines.values():
+            engine.cuda_graphs = cuda_graphs
+    for name, make in which:
+        gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
+                        cuda_graphs=cuda_graphs)
+        gen.generate(prompts[0], 4, sampling=opts.sampling)             # warm-up, graph capture
+        decode_s = tokens = rounds = drafted = accepted = 0
+        accepted_at = [0] * gen.drafter.max_depth
+        for i, p in enumerate(prompts):
+            r = gen.generate(p, opts.new_tokens, sampling=opts.sampling, index=i)
+            s = r.stats
+            decode_s += s.decode_s
+            tokens += s.new_tokens - 1                  # the rounds' tokens: tau's numerator (Stats)
+            rounds += s.rounds
+            drafted += s.drafted
+            accepted += s.accepted
+            accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)]
+        rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
+                     "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
+                     "tokens_per_s": tokens / decode_s if decode_s else 0.0,
+                     "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
+                     "acceptance_by_position": [a / rounds for a in accepted_at] if rounds else []})
+        for engine in gen.drafter.engines:
+            if isinstance(engine, GraphedEngine):
+                engine.graphs.clear()
+        if isinstance(gen.target, GraphedEngine):
+            gen.target.graphs.clear()
+        tick(name)
+    return rows
+
+
+def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = print,
+              peer: Callable[[list[int], int], float] | None = None) -> dict:
+    dev = es.device
+    s = opts.sampling
+    report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                    "dtype": es.manifest.dtype, "backend": es.backend, "model": es.manifest.name,
+                    "max_seq_len": es.manifest.max_seq_len,
+                    "sampling": "greedy" if s.greedy else f"temperature {s.temperature} top_k {s.top_k} top_p {s.top_p} "
+                                                          f"min_p {s.min_p} seed {s.seed}"}
+    log("measuring copy bandwidth ...")
+    bw = copy_bandwidth(dev)
+    report["copy_bandwidth_gbs"] = bw / 1e9
+    wb = weight_bytes(es.manifest.models[TARGET].config, es.manifest.dtype)
+    report["weight_bytes_per_token"] = wb
+    report["floor_ms_per_token"] = 1e3 * wb / bw
+    g = torch.Generator().manual_seed(0)
+    vocab = es.manifest.models[TARGET].config["vocab_size"]
+    graphs = dev.type == "cuda"
+    tree_tokens = opts.tree.total_tokens if opts.tree and EAGLE3 in es.engines else None
+    report["steps"] = []
+    report["generation"] = []
+    with logs.progress("bench", _measurements(es, opts, graphs, tree_tokens, peer is not None), "measurements") as bar:
+        _measure(es, opts, report, graphs, tree_tokens, g, vocab, log, peer, bar)
+    if es.backend == "ort" and dev.type == "cuda":
+        report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
+                                     for g, e in es.engines.items()}
+        log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
+    if not report["generation"]:
+        raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
+                          f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")
+    _derive(report, opts)
+    return report
+
+
+def _measurements(es: EngineSet, opts: BenchOptions, graphs: bool, tree_tokens: int | None, peer: bool) -> int:
+    """How many measurements ``_measure`` makes, for the progress bar: every drafter (in both graph
+    modes on CUDA), the step costs and the peer at the first context that fits; plain decoding at
+    the others."""
+    fits = sum(context_fits(c, opts.new_tokens, es.manifest.max_seq_len) for c in opts.contexts)
+    first = len(drafters(es, opts)) * (2 if graphs else 1) + sum(map(len, step_sizes(es, opts, tree_tokens).values()))
+    return (first + peer + fits - 1 + 1) if fits else 0        # + 1: the prefill
+
+
+def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree_tokens: int | None,
+             g: torch.Generator, vocab: int, log: Callable[[str], None], peer, bar) -> None:
+    """The measurements of ``run_bench`` into ``report``; the first context that fits gets them all, the
+    longest one that fits a prefill."""
+    first, longest = True, 0
+    for ctx in opts.contexts:
+        if not context_fits(ctx, opts.new_tokens, es.manifest.max_seq_len):
+            log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
+            continue
+        prompts = _prompts(opts, ctx, vocab, g)
+        if prompts is None:
+            log(f"context {ctx}: skipped, the text holds fewer than {opts.num_prompts} windows of {ctx} tokens")
+            continue
+        which = drafters(es, opts) if first else drafters(es, opts)[:1]
+        for use_graphs in ([True, False] if graphs and first else [graphs]):
+            log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
+            report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which,
+                                                    tick=lambda name: _tick(bar, f"{ctx}: {name}"))
+        if first:
+            log(f"context {ctx}: step costs ...")
+            report["steps"] += [{"context": ctx, **r} for r in step_costs(
+                es, ctx, opts, tree_tokens, tick=lambda step: _tick(bar, f"{ctx}: step {step}"))]
+            report["steps"] += [{"context": ctx, **r} for r in sampler_costs(es, opts, tree_tokens)]
+        if peer is not None and first:
+            log(f"context {ctx}: peer (transformers generate, static cache) ...")
+            report["peer_ms_per_token"] = peer(prompts[0], opts.new_tokens)
+            _tick(bar, f"{ctx}: peer")
+        first = False
+        longest = max(longest, ctx)
+    if longest:
+        log(f"prefill of {longest} tokens ...")
+        report["prefill"] = prefill_cost(es, longest)
+        _tick(bar, f"prefill {longest}")
+
+
+def _tick(bar, what: str) -> None:
+    """One measurement done: the bar advances (a terminal), a debug line says which (-v, any output)."""
+    bar.advance(note=what)
+    _log.debug(f"measured {what}")
+
+
+def context_fits(ctx: int, new_tokens: int, max_seq_len: int) -> bool:
+    """Whether a context of ``ctx`` tokens leaves an engine of ``max_seq_len`` room for the generation
+    (at least 64 tokens) and a round's lookahead (64)."""
+    return ctx + max(64, new_tokens) + 64 <= max_seq_len
+
+
+def _prompts(opts: BenchOptions, ctx: int, vocab: int, g: torch.Generator) -> list[list[int]] | None:
+    """``num_prompts`` prompts of ``ctx`` tokens: consecutive windows of the text, else random ids."""
+    if opts.text_tokens is None:
+        return [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(opts.num_prompts)]
+    t = opts.text_tokens
+    if len(t) < opts.num_prompts * ctx:
+        return None
+    return [t[i * ctx:(i + 1) * ctx] for i in range(opts.num_prompts)]
+
+
+def _derive(report: dict, opts: BenchOptions) -> None:
+    """Speedups over plain decoding at the same context and graph mode, measured and at given taus."""
+    plain = {(r["context"], r["cuda_graphs"]): r for r in report["generation"] if r["drafter"] == "plain"}
+    for r in report["generation"]:
+        base = plain.get((r["context"], r["cuda_graphs"]))
+        if base is None:
+            continue
+        r["speedup_e2e"] = base["ms_per_token"] / r["ms_per_token"] if r["ms_per_token"] else 0.0
+        r["round_over_decode"] = r["ms_per_round"] / base["ms_per_token"] if base["ms_per_token"] else 0.0
+        if r["drafter"] != "plain":
+            r["speedup_at_tau"] = {str(t): t / r["round_over_decode"] for t in opts.taus if r["round_over_decode"]}
+    if "floor_ms_per_token" in report:
+        for r in report["generation"]:
+            if r["drafter"] == "plain":
+                r["fraction_of_floor"] = report["floor_ms_per_token"] / r["ms_per_token"]
+
+
+def format_report(report: dict) -> str:
+    lines = [f"device {report['device']}  backend {report['backend']}  dtype {report['dtype']}  "
+             f"model {report['model']}  max_seq_len {report['max_seq_len']}  sampling: {report['sampling']}",
+             f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
+    if "floor_ms_per_token" in report:
+        lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
+                     f"{report['floor_ms_per_token']:.3f} ms/token ({1e3 / report['floor_ms_per_token']:.0f} tok/s)")
+    if report.get("prefill"):
+        p = report["prefill"]
+        lines.append(f"prefill {p['tokens']} tokens: TTFT {p['ttft_ms']:.1f} ms, {p['tflops']:.1f} TFLOP/s = "
+                     f"{100 * p['fraction_of_matmul']:.0f} % of the {p['matmul_tflops']:.1f} TFLOP/s matmul rate measured here")
+    if report.get("peer_ms_per_token"):
+        lines.append(f"peer: transformers generate (static cache) {report['peer_ms_per_token']:.3f} ms/token "
+                     f"({1e3 / report['peer_ms_per_token']:.0f} tok/s)")
+    if report["steps"]:
+        lines += ["", f"{'step':<14}{'tokens':>7}{'eager ms':>10}{'graph ms':>10}"]
+        for r in report["steps"]:
+            lines.append(f"{r['graph']:<14}{r['tokens']:>7}{r['eager_ms']:>10.3f}{r.get('graph_ms', float('nan')):>10.3f}"
+                         + (f"  ({r['graph_error']})" if "graph_error" in r else ""))
+    taus = sorted({t for r in report["generation"] for t in r.get("speedup_at_tau", {})}, key=float)
+    head = f"{'ctx':>6} {'graphs':>6} {'drafter':<26}{'ms/round':>9}{'ms/tok':>8}{'tok/s':>8}{'tau':>6}{'speedup_e2e':>12}"
+    lines += ["", head + "".join(f"{'x@tau=' + t:>12}" for t in taus)]
+    for r in report["generation"]:
+        extra = "".join(f"{r.get('speedup_at_tau', {}).get(t, float('nan')):>12.2f}" for t in taus)
+        note = f"  ({100 * r['fraction_of_floor']:.1f}% of floor)" if "fraction_of_floor" in r else ""
+        lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
+                     f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
+                     f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
+    by_pos = [r for r in report["generation"] if r.get("acceptance_by_position")]
+    if by_pos:
+        lines += ["", "acceptance by position (rounds whose draft at depth i was accepted / rounds)"]
+        for r in by_pos:
+            lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
+                         + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]))
+    return "\n".join(lines)

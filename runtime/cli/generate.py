@@ -1,0 +1,156 @@
+"""``xrun generate`` as a function: engine dir + request in, streamed text and stats out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from xcompile.runtime.common import logs
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.generator import Generator, Result
+from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3
+from xcompile.runtime.enginedir.manifest import Manifest
+from xcompile.runtime.enginedir.text import Text
+from xcompile.runtime.engines.load import EngineSet, open_engine_dir
+
+log = logs.logger("generate")
+
+
+@dataclass
+class GenerateRequest:
+    """What ``xrun generate`` asks for: one of prompt / prompt_ids / chat, and how to run it."""
+
+    engine_dir: str
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    chat: str | None = None
+    max_new_tokens: int = 128
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
+    stop: list[str] = field(default_factory=list)
+    backend: str = "auto"
+    device: str | None = None
+    cuda_graphs: bool = True
+    verify: bool = False                # hash every byte of the dir's files (default: sampled blocks)
+    # sampling: None = not given; ``sample`` starts from the dir's generation_config.json
+    sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_samples: int | None = None
+
+    def sampling(self) -> SamplingParams:
+        """The request's SamplingParams (EngineError on a bad value; reads only generation_config.json)."""
+        return sampling_params(self.engine_dir, self.sample, temperature=self.temperature, top_k=self.top_k,
+                               top_p=self.top_p, min_p=self.min_p, seed=self.seed, n=self.num_samples)
+
+
+def stats_dict(result: Result) -> dict:
+    """A generation's stats as the JSON ``xrun generate --json`` prints (rounded)."""
+    s = result.stats
+    return {
+        "acceptance_length": round(s.acceptance_length, 4),
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "target_forwards": s.target_forwards,
+        "rounds": s.rounds,
+        "tokens_per_s": round(s.tokens_per_s, 2),
+        "decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
+        "prefill_s": round(s.prefill_s, 6),
+        "decode_s": round(s.decode_s, 6),
+        "prompt_tokens": s.prompt_tokens,
+        "new_tokens": s.new_tokens,
+        "acceptance_by_position": [round(x, 4) for x in s.acceptance_by_position],
+        "finish_reason": result.finish_reason,
+        "seed": result.seed,
+        "sample": result.index,
+    }
+
+
+def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[int]:
+    if req.prompt_ids is not None:
+        vocab = es.manifest.models["target"].config["vocab_size"]
+        if req.prompt_ids and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab):
+            raise EngineError(f"--prompt-ids: ids must lie in [0, {vocab}) for this model")
+        return list(req.prompt_ids)
+    return text.chat(req.chat) if req.chat is not None else text.encode(req.prompt)
+
+
+def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
+    """Refuse a tree the drafter ``req.drafter`` resolves to in this dir would ignore (``auto`` picks as
+    ``make_drafter`` does), before any engine is loaded. (An explicit --gamma with ``none`` is the CLI's
+    to refuse: a DrafterSpec always carries a gamma.)"""
+    spec = req.drafter
+    drafter = spec.name
+    if drafter == "auto":
+        drafter = "eagle3" if EAGLE3 in manifest.graphs else "draft-model" if DRAFT in manifest.graphs else "none"
+    auto = f" (--drafter auto picks {drafter} for {req.engine_dir})" if spec.name == "auto" else ""
+    if drafter == "none" and spec.tree:
+        raise EngineError(f"--tree-* would do nothing: no drafter runs{auto}")
+    if drafter == "draft-model" and spec.tree:
+        raise EngineError(f"--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens{auto}")
+
+
+def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> list[Result]:
+    """Open the dir, encode the prompt, generate its n samples one after another (streaming text
+    unless ``as_json``), print stats."""
+    sampling = req.sampling()                       # bad values fail here, before anything is loaded
+    device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_drafter_options(req, Manifest.load(req.engine_dir))
+    with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs, verify=req.verify) as es:
+        log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
+        text = Text(es.directory) if req.prompt_ids is None or req.stop else None
+        ids = prompt_ids(req, es, text)
+        drafter = make_drafter(es, req.drafter)
+        gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
+                        detokenize=text.decode if text else None,
+                        cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
+        stream = None
+        if not as_json and text is not None:
+            done: dict[int, list[int]] = {}
+
+            def stream(index: int, tokens: list[int]) -> None:
+                # decode the whole output each time: byte-level BPE pieces only form text together
+                seen = done.setdefault(index, [])
+                if not seen and sampling.n > 1:
+                    echo(f"--- sample {index} ---")
+                before = text.decode(seen)
+                seen.extend(tokens)
+                echo(text.decode(seen)[len(before):], nl=False)
+
+        results = gen.generate_n(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream, sampling=sampling)
+    outs = []
+    for result in results:
+        stats = stats_dict(result)
+        stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name or "none",
+                     sampling=sampling_dict(sampling))
+        outs.append({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None, "stats": stats})
+    if as_json:
+        echo(json.dumps(outs[0] if sampling.n == 1 else {"samples": outs}))
+        return results
+    for result, out in zip(results, outs):
+        stats = out["stats"]
+        if text is None:
+            if sampling.n > 1:
+                echo(f"--- sample {result.index} ---")
+            echo(" ".join(map(str, result.tokens)), nl=False)
+        echo("")
+        seed = "" if result.seed is None else f", seed {result.seed} sample {result.index}"
+        log.info(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
+                 f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
+                 f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target "
+                 f"forwards), finish: {stats['finish_reason']}{seed}")
+    return results
+
+
+def sampling_dict(p: SamplingParams) -> dict:
+    """What the stats report of the sampling (greedy: just that)."""
+    if p.greedy:
+        return {"temperature": 0.0}
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}

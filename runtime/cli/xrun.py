@@ -1,0 +1,222 @@
+"""``xrun``: run engine dirs (generate, bench, serve). Thin commands; heavy imports happen inside them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import click
+
+from xcompile.runtime.cli.group import cli_group_class
+from xcompile.runtime.cli.options import IntList, given, refuse_inert, stop_strings, text_or_stdin, writable_file
+from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
+from xcompile.runtime.engines.load import BACKEND_CHOICES
+
+
+@click.group(cls=cli_group_class())
+@click.version_option(package_name="xcompile")
+def main() -> None:
+    """Run xcompile engine dirs with speculative decoding."""
+
+
+def _ids(ctx, param, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected token ids like '1 2 3' or '1,2,3', got {text!r}") from None
+    if not ids:
+        raise click.BadParameter("no token ids given; pass at least one, e.g. '1,2,3'")
+    return ids
+
+
+def _check_drafter_options(drafter: str, gamma: int | None, tree: dict) -> None:
+    """Conflicting or inert drafter options, refused with the reason (the dir's own drafter, for
+    --drafter auto, is checked by run_generate before it loads anything)."""
+    if drafter == "none" and (gamma or tree):
+        raise click.UsageError("--drafter none drafts nothing, so --gamma / --tree-* would do nothing; drop them "
+                               "or pick a drafter")
+    if gamma and tree:
+        raise click.UsageError("--gamma sets the EAGLE3 chain's length, --tree-* select the EAGLE3 tree instead "
+                               "(its size is --tree-tokens); give one or the other")
+    if tree and drafter == "draft-model":
+        raise click.UsageError("--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens")
+    if tree:
+        _check_tree(tree, "--tree-topk", "--tree-depth", "--tree-tokens")
+
+
+def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> None:
+    """A tree shape (missing fields take the defaults) whose every level can be verified and whose
+    size fits its candidates: depth + 1 <= total_tokens <= 1 + topk + (depth-1) * topk^2."""
+    defaults = TreeShape()
+    t = {"topk": defaults.topk, "depth": defaults.depth, "total_tokens": defaults.total_tokens, **tree}
+    k, d, n = t["topk"], t["depth"], t["total_tokens"]
+
+    def opt(name: str, flag: str) -> str:
+        return f"{flag} {t[name]}" + ("" if name in tree else " (the default)")
+    if n < d + 1:
+        raise click.UsageError(f"{opt('total_tokens', tokens_opt)} verifies the root and {n - 1} drafts, so with "
+                               f"{opt('depth', depth_opt)} the levels past {n - 1} are drafted but never verified; "
+                               f"raise {tokens_opt} to at least {d + 1} or lower {depth_opt}")
+    pool = 1 + k + (d - 1) * k * k
+    if n > pool:
+        raise click.UsageError(f"{opt('total_tokens', tokens_opt)} exceeds the {pool} nodes a tree of "
+                               f"{opt('topk', topk_opt)} and {opt('depth', depth_opt)} can hold (1 + topk + "
+                               f"(depth-1)*topk^2); lower {tokens_opt} or widen the tree")
+
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=str))
+@click.option("--prompt", callback=text_or_stdin,
+              help="Prompt text (encoded with the dir's tokenizer); '-' reads stdin.")
+@click.option("--prompt-ids", callback=_ids, help="Prompt token ids, e.g. '1,2,3'.")
+@click.option("--chat", callback=text_or_stdin,
+              help="One user message, wrapped in the tokenizer's chat template; '-' reads stdin.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto",
+              show_default=True, help="auto: eagle3 if the dir has a head, else the draft model, else none.")
+@click.option("--gamma", type=click.IntRange(min=1),
+              help="Draft tokens per round of the EAGLE3 chain or the draft model  [default: 4]")
+@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node  [default: 10]")
+@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round  [default: 6]")
+@click.option("--tree-tokens", type=click.IntRange(min=2),
+              help="EAGLE3 tree: tokens verified per round, the root included  [default: 32]")
+@click.option("--stop", multiple=True, callback=stop_strings,
+              help="Stop string (repeatable); the text up to it is kept.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--sample", is_flag=True,
+              help="Sample with the checkpoint's generation_config.json values (the flags below override).")
+@click.option("--temperature", type=float, help="0: greedy (the default without --sample).")
+@click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, help="Keep the smallest set with this much probability (1: off).")
+@click.option("--min-p", type=float, help="Drop tokens below min_p times the top token's probability (0: off).")
+@click.option("--seed", type=int, help="Random seed (default: a fresh one, printed with the stats).")
+@click.option("--num-samples", type=int, help="Independent samples of the prompt, generated one after another.")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
+@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
+def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
+             stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed, num_samples,
+             as_json, verify):
+    """Generate from ENGINE_DIR with speculative decoding: greedy (the same tokens as plain greedy
+    decoding), or sampled (each token distributed as plain sampling would draw it).
+
+    The text (or --json) goes to stdout; the stats line and messages to stderr."""
+    from xcompile.runtime.cli.generate import GenerateRequest, run_generate
+
+    if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
+        raise click.UsageError("give exactly one of --prompt, --prompt-ids, --chat")
+    tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
+    _check_drafter_options(drafter, gamma, tree)
+    spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
+    req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
+                          drafter=spec, stop=list(stop), backend=backend, device=device,
+                          cuda_graphs=not no_cuda_graphs, verify=verify, sample=sample, temperature=temperature,
+                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, num_samples=num_samples)
+    run_generate(req, as_json=as_json, echo=click.echo)
+
+
+def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> None:
+    if (engine_dir is None) == (synthetic is None):
+        raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
+    if synthetic is None:
+        refuse_inert(ctx, ["draft_model", "dtype"], "apply to --synthetic weights only (an engine dir has its own)")
+    elif prompts is not None:
+        raise click.UsageError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
+    if synthetic is not None and backend not in ("auto", "torch", "fast"):
+        raise click.UsageError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX "
+                               "from)")
+    if given(ctx, "peer") and backend not in ("auto", "torch", "fast"):
+        raise click.UsageError("--peer compares on the reference modules' weights; use --backend torch or fast")
+    if tree:
+        _check_tree(dict(zip(("topk", "depth", "total_tokens"), tree)), "--tree TOPK", "DEPTH", "TOKENS")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib: pip install 'xcompile[plot]'")
+
+
+@main.command()
+@click.argument("engine_dir", required=False, type=click.Path(path_type=str))
+@click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
+@click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="With --synthetic.")
+@click.option("--gammas", type=IntList(), default="1,2,4,6,8", show_default=True,
+              help="Chain lengths to measure ('' for none).")
+@click.option("--tree", type=IntList(length=3), default="10,6,32", show_default=True,
+              help="EAGLE3 tree topk,depth,tokens ('' for none).")
+@click.option("--contexts", type=IntList(empty="no prompt length given, so nothing would be measured"),
+              default="128,1024,4096", show_default=True, help="Prompt lengths.")
+@click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--peer", is_flag=True, help="Also time transformers generate() with a static cache on the same weights.")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+              help="Text whose consecutive windows are the prompts (real text gives real acceptance).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=writable_file,
+              help="Write the full report as JSON here.")
+@click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file,
+              help="Write a PNG of tokens/s per drafter (pip install 'xcompile[plot]').")
+@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Sample (speculative sampling) instead of greedy decoding.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
+@click.pass_context
+def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats,
+          peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
+    """Measure plain and speculative decoding speed against the device's bandwidth floor.
+
+    The report goes to stdout; progress and messages to stderr."""
+    _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot)
+    from xcompile.runtime.bench.command import BenchRequest, run
+    from xcompile.runtime.decoding.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
+                     TreeShape(*tree) if tree else None, contexts, new_tokens,
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling), echo=click.echo)
+
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=str))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
+@click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto", show_default=True)
+@click.option("--gamma", type=click.IntRange(min=1), help="Draft tokens per round (chain drafters).")
+@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node.")
+@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round.")
+@click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 tree: draft tokens verified per round.")
+@click.option("--served-model-name", help="Model id clients send (default: the engine dir's model name).")
+@click.option("--api-key", envvar="XRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait behind the running one; more get 429.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds from arrival to the last token; later requests end with an error. Default: none.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve as Ray Serve replicas behind Ray's proxy.")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --ray: replicas (one GPU each on CUDA).")
+def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
+          served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, use_ray, replicas):
+    """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming), one request at a time."""
+    from xcompile.runtime.serve.run import serve_http, serve_ray
+    from xcompile.runtime.serve.scheduler import ServeConfig
+
+    if replicas != 1 and not use_ray:
+        raise click.UsageError("--replicas needs --ray (one process serves one engine set)")
+    tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
+    _check_drafter_options(drafter, gamma, tree)
+    config = ServeConfig(engine_dir, backend, device, DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth,
+                                                                               tree_tokens),
+                         served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs)
+    if use_ray:
+        serve_ray(config, host, port, replicas)
+    else:
+        serve_http(config, host, port)

@@ -1,0 +1,474 @@
+"""Drafters: what proposes the block the target verifies each round, each owning its KV buffers.
+
+    none         plain decoding: the block is the root alone
+    draft-model  a small Qwen3 (contract graph ``draft``) with its own KV proposes k tokens
+    eagle3       EAGLE3 head, chain of k tokens (graphs ``eagle3`` + ``eagle3_fc``)
+    eagle3-tree  EAGLE3 head, EAGLE-2 dynamic tree (top-k, depth, total tokens)
+
+Chain drafters pick each token with the request's sampler (``bind``): the argmax when greedy, else a
+draw from the warped draft distribution q, whose row they record in the block (``Block.q``) for
+verification. The tree's children are the draft's top-k whatever the sampler (deterministic picks).
+
+Life of a request: after the target's prefill ``start(prompt, taps, root)``; then per round
+``propose(root, length) -> Block``, the target verifies it, and ``commit(block, accepted, taps, length)``
+hands the drafter the target's verify outputs. ``length`` [B] (a device tensor) is the target's KV
+length: every committed token except the root, which is written by the next verify. Every step has a
+fixed shape given the drafter's parameters (only the prompt passes depend on the prompt length).
+
+EAGLE3 rules (reference/eagle3_semantics.md §3-4): draft position t pairs the target feature at t with
+the token at t+1; ``fc`` applies to target taps only, the head's own pre-norm output is fed back as is;
+the persistent draft KV holds only entries computed from target features; tree-expansion entries are
+temporary, written past the persistent length, and the next round's update overwrites them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.sampling import Sampler
+from xcompile.runtime.decoding.speculative import (
+    Accepted,
+    Block,
+    chain_block,
+    expand_level,
+    select_tree,
+    target_table,
+    to_target,
+    topk_children,
+)
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.engines import kernels
+from xcompile.runtime.engines.base import Engine
+
+if TYPE_CHECKING:
+    from xcompile.runtime.decoding.kernels.accept import GreedyPick
+
+Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its fixed-shape steps) -> engine
+
+
+def causal(s: int, device: torch.device, batch: int = 1) -> torch.Tensor:
+    """A causal tree_mask [batch, s, s]: token i sees tokens 0..i."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(batch, s, s)
+
+
+def prompt_inputs(prompt: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Step inputs of a causal pass over a whole prompt [B, L] written at 0, logits of the last row."""
+    b, n = prompt.shape
+    dev = prompt.device
+    return dict(input_ids=prompt, position_ids=torch.arange(n, device=dev).expand(b, n),
+                write_index=torch.zeros(b, dtype=torch.int64, device=dev), tree_mask=causal(n, dev, b),
+                logit_rows=torch.full((b, 1), n - 1, dtype=torch.int64, device=dev))
+
+
+class Drafter(ABC):
+    """Proposes the block the target verifies each round and owns its engines' KV (module docstring)."""
+
+    name = ""
+    needs_taps = False          # start/commit read the target's hidden_taps
+
+    def __init__(self, max_depth: int, block_size: int, lookahead: int, engines: tuple[Engine, ...] = ()):
+        self.max_depth = max_depth          # longest drafted path
+        self.block_size = block_size        # tokens per verify pass, the root included
+        self.lookahead = lookahead          # KV slots past `length` that one round writes (target included)
+        self.engines = engines
+        self.sampler = Sampler()
+        self.picks: dict[int, GreedyPick] | None = None     # the fused greedy picks (bind)
+        self.track = True           # keep the committed KV length on the device (caches(); bind)
+
+    def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
+             fused: bool | None = None, track: bool = True) -> None:
+        """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
+        (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
+        each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter);
+        ``track``: keep the committed KV lengths that ``caches`` reports (two launches a round; the
+        generator's debug checks read them, nothing else does)."""
+        self.sampler = sampler or Sampler(device, batch)
+        self.track = track
+        self.picks = {} if batch == 1 and kernels.use_fused(fused, device) else None
+        for e in self.engines:
+            if e.device != device:
+                raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
+            if e.kv_shape is not None:
+                if e.kv_shape.max_seq_len < max_seq_len or e.kv_shape.batch != batch:
+                    raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine holds {e.kv_shape.batch} x "
+                                      f"{e.kv_shape.max_seq_len} KV slots, the generator needs {batch} x {max_seq_len}; "
+                                      "rebuild the engine dir with a larger --max-seq-len or lower it here")
+                if not e.kv:
+                    e.new_kv()
+        self._alloc(device, batch)
+
+    def _alloc(self, device: torch.device, batch: int) -> None:
+        """Preallocate the buffers ``propose`` writes by index."""
+
+    def start(self, prompt: torch.Tensor, taps: torch.Tensor | None, root: torch.Tensor) -> None:
+        """After the target's prefill over prompt [B, L] (taps [B, L, 3H]); root [B] is its greedy token."""
+
+    @abstractmethod
+    def propose(self, root: torch.Tensor, length: torch.Tensor) -> Block:
+        """The block to verify at write_index ``length``; root [B] is the last committed token."""
+
+    def commit(self, block: Block, acc: Accepted, taps: torch.Tensor | None, length: torch.Tensor) -> None:
+        """After verification at ``length`` (the old KV length) accepted ``acc``."""
+
+    def caches(self) -> list[tuple[list[torch.Tensor], torch.Tensor, int]]:
+        """Per KV cache, for the debug checks: (buffers, committed length [B], how many rows at the end of
+        the committed prefix the next round rewrites before reading them); the lengths are kept only when
+        bound with ``track``."""
+        return []
+
+    def use_graphs(self, wrap: Wrap) -> None:
+        """Replace each engine by ``wrap(engine, token counts of its fixed-shape steps)``."""
+
+    def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """Draft token i of ``block`` (target ids, ``targets`` the draft->target lookup of
+        speculative.target_table) from draft logits [B, Vq], written into block.tokens[:, i]: the argmax
+        when greedy (one launch where ``bind`` put the kernels), else a draw from the warped q, with q's
+        row and q(token) written into the block."""
+        s = self.sampler
+        if s.greedy:
+            if (self.picks is not None and logits.stride(-1) == 1 and logits.dtype != torch.float64
+                    and (targets is None or (targets.is_contiguous() and targets.dtype == torch.int64))):
+                pick = self.picks.get(logits.shape[-1])
+                if pick is None:            # made by the first round, which runs eagerly
+                    from xcompile.runtime.decoding.kernels.accept import GreedyPick
+                    pick = self.picks[logits.shape[-1]] = GreedyPick(logits.shape[-1], logits.device)
+                pick(logits, targets, block.tokens[:, i])
+            else:
+                block.tokens[:, i] = to_target(logits.argmax(-1), targets)
+            return
+        w = s.warp(logits)
+        col = s.draw(w)                                                         # [B] column of q
+        q = w.probs()
+        if block.q is None:                 # made on the first sampled round (the vocab is the logits')
+            b, n = block.tokens.shape
+            block.q = q.new_zeros(b, n, q.shape[-1])
+            block.q_tok = q.new_ones(b, n)
+            block.q_ids = targets
+        block.q[:, i] = q
+        block.q_tok[:, i] = q.gather(1, col[:, None])[:, 0]
+        block.tokens[:, i] = to_target(col, targets)
+
+
+class NoDrafter(Drafter):
+    """Plain decoding: the block is the root alone."""
+
+    name = "none"
+
+    def __init__(self):
+        super().__init__(max_depth=0, block_size=1, lookahead=1)
+
+    def _alloc(self, device, batch):
+        self.block = chain_block(torch.zeros(batch, 1, dtype=torch.int64, device=device))
+
+    def propose(self, root, length):
+        self.block.tokens[:, 0] = root
+        return self.block
+
+
+class DraftModelDrafter(Drafter):
+    """A small Qwen3 with the target's tokenizer drafts k tokens, one forward each.
+
+    Its KV tracks the target's: after a round it holds the committed tokens, except that when every
+    draft was accepted the last one was never run. So each round's first step runs [token before the
+    root, root] at length-1 (S=2, fixed): it rewrites a row that may be stale and resyncs for free.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, engine: Engine, k: int):
+        if engine.spec.graph not in (DRAFT, TARGET):
+            raise EngineError(f"draft-model drafter needs a '{DRAFT}' graph engine, got '{engine.spec.graph}'")
+        if k < 1:
+            raise EngineError(f"draft-model drafter: k must be >= 1, got {k}")
+        super().__init__(max_depth=k, block_size=k + 1, lookahead=k + 1, engines=(engine,))
+        self.engine, self.k = engine, k
+
+    def _alloc(self, device, batch):
+        self.block = chain_block(torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device))
+        self.pair = torch.zeros(batch, 2, dtype=torch.int64, device=device)     # [token before the root, root]
+        self.pair_mask = causal(2, device, batch)
+        self.one_mask = causal(1, device, batch)
+        self.offsets = torch.arange(-1, self.k, device=device)                 # positions of the steps - length
+        self.row0 = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.row1 = self.row0 + 1
+        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
+
+    def start(self, prompt, taps, root):
+        self.engine.run(**prompt_inputs(prompt))
+        self.pair[:, 0] = prompt[:, -1]
+        self.length.fill_(prompt.shape[1])
+
+    def propose(self, root, length):
+        t = self.block.tokens
+        t[:, 0] = root
+        self.pair[:, 1] = root
+        pos = length[:, None] + self.offsets                                    # [B, k+1]
+        out = self.engine.run(input_ids=self.pair, position_ids=pos[:, :2], write_index=pos[:, 0],
+                              tree_mask=self.pair_mask, logit_rows=self.row1)
+        self._pick(self.block, 1, out["logits"][:, 0])
+        for i in range(1, self.k):
+            # draft token i at position length+i predicts draft token i+1
+            out = self.engine.run(input_ids=t[:, i:i + 1], position_ids=pos[:, i + 1:i + 2],
+                                  write_index=pos[:, i + 1], tree_mask=self.one_mask, logit_rows=self.row0)
+            self._pick(self.block, i + 1, out["logits"][:, 0])
+        return self.block
+
+    def commit(self, block, acc, taps, length):
+        # the last accepted node (the root when nothing was accepted) precedes the next root
+        self.pair[:, 0] = block.tokens.gather(1, acc.count[:, None])[:, 0]
+        if self.track:
+            advance(self.length, length, acc)
+
+    def caches(self):
+        # the row before the next root is rewritten by the next propose (it is stale after a full accept)
+        return [(self.engine.kv, self.length, 1)]
+
+    def use_graphs(self, wrap):
+        self.engine = wrap(self.engine, {1, 2})
+        self.engines = (self.engine,)
+
+
+class _Eagle3(Drafter):
+    """What the chain and the tree share: the prompt pass, the per-round update, the d2t map."""
+
+    needs_taps = True
+
+    def __init__(self, eagle3: Engine, fc: Engine, d2t: torch.Tensor | None, max_depth: int, block_size: int,
+                 lookahead: int):
+        if eagle3.spec.graph != EAGLE3 or fc.spec.graph != EAGLE3_FC:
+            raise EngineError(f"EAGLE3 drafter needs '{EAGLE3}' and '{EAGLE3_FC}' engines, got "
+                              f"'{eagle3.spec.graph}' and '{fc.spec.graph}'")
+        super().__init__(max_depth, block_size, lookahead, engines=(eagle3, fc))
+        self.eagle3, self.fc = eagle3, fc
+        self.d2t = None if d2t is None else check_d2t(d2t).to(eagle3.device)
+        self.targets = target_table(self.d2t)                 # draft id -> target id, one lookup
+
+    def _alloc(self, device, batch):
+        d = self.max_depth
+        self.update_mask = causal(d + 1, device, batch)
+        self.update_offsets = torch.arange(d + 1, device=device)
+        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
+        # made by the first _seed (the engines do not declare the hidden width)
+        self.hidden = None          # [B, 1, H] pre-norm draft output at the last persistent position
+        self.logits = None          # [B, 1, Vd] its draft logits (the first draft token's scores)
+
+    def _seed(self, out: dict[str, torch.Tensor], row: torch.Tensor) -> None:
+        """Keep the draft output at ``row`` [B] (copied: an engine may reuse its output buffers): its hidden,
+        and its logits unless ``_early_pick`` used them."""
+        h = out["hidden_out"]
+        index = row[:, None, None].expand(-1, 1, h.shape[-1])
+        if self.hidden is None:
+            self.hidden = h.gather(1, index)
+        else:
+            torch.gather(h, 1, index, out=self.hidden)                          # one launch: no copy after
+        if self._early_pick(out["logits"]):
+            return
+        if self.logits is None:
+            self.logits = out["logits"].clone()
+        else:
+            self.logits.copy_(out["logits"])
+
+    def _early_pick(self, logits: torch.Tensor) -> bool:
+        """Whether the next round's first draft was taken from ``logits`` [B, 1, Vd] now (so they need not
+        be kept)."""
+        return False
+
+    def start(self, prompt, taps, root):
+        # pairing: feature t goes with token t+1, so the prompt shifted left with the root appended
+        tokens = torch.cat((prompt[:, 1:], root[:, None]), dim=1)
+        inputs = prompt_inputs(tokens)
+        hidden = self.fc.run(hidden_taps=taps)["hidden_states"]
+        out = self.eagle3.run(hidden_states=hidden, **inputs)
+        self._seed(out, inputs["logit_rows"][:, 0])
+        self.length.fill_(prompt.shape[1])
+
+    def commit(self, block, acc, taps, length):
+        # Persistent update over the accepted path: the feature of path node j (position length+j) pairs
+        # with the token at length+j+1, i.e. the next accepted draft or, at j = a, the bonus: acc.tokens.
+        # Fixed S = max_depth+1: rows past a come from padding and write KV past the new length, which
+        # nothing reads before the next round's update overwrites it.
+        # A chain's path is its nodes 0..D in order (speculative.Block): the taps as they are, and the verify's
+        # positions (write_index + depth) are the update's too.
+        d1 = acc.path.shape[1]
+        chain = block.chain and taps.shape[1] == d1
+        feats = taps if chain else taps.gather(1, acc.path[:, :, None].expand(-1, -1, taps.shape[-1]))  # [B, D+1, 3H]
+        hidden = self.fc.run(hidden_taps=feats)["hidden_states"]
+        pos = block.positions if chain and block.positions is not None else length[:, None] + self.update_offsets
+        out = self.eagle3.run(input_ids=acc.tokens, hidden_states=hidden, position_ids=pos, write_index=length,
+                              tree_mask=self.update_mask, logit_rows=acc.count[:, None])
+        self._seed(out, acc.count)
+        if self.track:
+            advance(self.length, length, acc)
+
+    def caches(self):
+        return [(self.eagle3.kv, self.length, 0)]
+
+    def _wrap(self, wrap: Wrap, eagle3_tokens: set[int]) -> None:
+        self.eagle3 = wrap(self.eagle3, eagle3_tokens | {self.max_depth + 1})
+        self.fc = wrap(self.fc, {self.max_depth + 1})
+        self.engines = (self.eagle3, self.fc)
+
+
+class Eagle3ChainDrafter(_Eagle3):
+    """k tokens per round: the first from the update's output, then k-1 single-token steps."""
+
+    name = "eagle3"
+
+    def __init__(self, eagle3_engine: Engine, fc_engine: Engine, d2t: torch.Tensor | None, k: int):
+        if k < 1:
+            raise EngineError(f"EAGLE3 chain drafter: k must be >= 1, got {k}")
+        super().__init__(eagle3_engine, fc_engine, d2t, max_depth=k, block_size=k + 1, lookahead=k + 1)
+        self.k = k
+
+    def _alloc(self, device, batch):
+        super()._alloc(device, batch)
+        self.block = chain_block(torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device))
+        self.one_mask = causal(1, device, batch)
+        self.row0 = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        # length + 0..k: the draft steps' positions (the first k-1), the verify's and the update's
+        self.block.positions = torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device)
+
+    def _early_pick(self, logits):
+        # greedy: the first draft is the argmax of the update's logits, so it is picked as they are made (no
+        # copy of them, no launch in the next round); sampling keeps the draw in the round that uses it. A
+        # request's sampler mode is set before its start and holds to its end, so propose sees the same one.
+        if self.sampler.greedy:
+            self._pick(self.block, 1, logits[:, 0], self.targets)
+        return self.sampler.greedy
+
+    def propose(self, root, length):
+        t = self.block.tokens
+        t[:, 0] = root
+        if not self.sampler.greedy:                                             # else _early_pick took it
+            self._pick(self.block, 1, self.logits[:, 0], self.targets)
+        hidden = self.hidden
+        pos = torch.add(length[:, None], self.block.depth, out=self.block.positions)   # [B, k+1], one launch
+        for i in range(1, self.k):
+            # draft position length+i-1 pairs the previous step's output with draft i, predicting draft i+1;
+            # the entry is temporary (past the persistent length)
+            out = self.eagle3.run(input_ids=t[:, i:i + 1], hidden_states=hidden, position_ids=pos[:, i - 1:i],
+                                  write_index=pos[:, i - 1], tree_mask=self.one_mask, logit_rows=self.row0)
+            self._pick(self.block, i + 1, out["logits"][:, 0], self.targets)
+            hidden = out["hidden_out"]
+        return self.block
+
+    def use_graphs(self, wrap):
+        self._wrap(wrap, {1})
+
+
+class Eagle3TreeDrafter(_Eagle3):
+    """EAGLE-2 dynamic tree (eagle3_semantics.md §4.1), with our names:
+
+    topk          children kept per expanded node, and nodes expanded per level
+    depth         longest drafted path (EAGLE's ``depth`` + 1; sglang's ``num_steps``); depth-1 expansions
+    total_tokens  tokens verified per round, the root included (EAGLE's ``total_token``)
+
+    Each expansion is one draft step over the topk nodes of one level, appended to the draft KV
+    after the levels before it (temporary entries past the persistent length). Its tree_mask covers
+    every expanded node so far (the contract's ``mask_keys``: columns from the persistent length on),
+    so a node sees the committed prefix, its ancestors and itself, and neither its siblings nor the
+    other branches.
+    """
+
+    name = "eagle3-tree"
+
+    def __init__(self, eagle3_engine: Engine, fc_engine: Engine, d2t: torch.Tensor | None, topk: int, depth: int,
+                 total_tokens: int, fused: bool | None = None):
+        pool = topk + (depth - 1) * topk * topk
+        if topk < 1 or depth < 1 or not 2 <= total_tokens <= pool + 1:
+            raise EngineError(f"EAGLE3 tree: need topk >= 1, depth >= 1 and 2 <= total_tokens <= {pool + 1} "
+                              f"(1 + topk + (depth-1)*topk^2 candidates), got topk={topk} depth={depth} "
+                              f"total_tokens={total_tokens}")
+        super().__init__(eagle3_engine, fc_engine, d2t, max_depth=depth, block_size=total_tokens,
+                         lookahead=max(total_tokens, topk * (depth - 1), depth + 1))
+        if self.d2t is not None and topk > self.d2t.numel():
+            raise EngineError(f"EAGLE3 tree: topk {topk} exceeds the draft vocabulary ({self.d2t.numel()})")
+        self.topk, self.depth, self.total_tokens, self.pool = topk, depth, total_tokens, pool
+        self.fused = fused          # the tree kernels (None: on a CUDA device with triton; True: also interpreted)
+
+    def _alloc(self, device, batch):
+        super()._alloc(device, batch)
+        k, n = self.topk, self.topk * (self.depth - 1)      # n: expanded nodes, all levels
+        i64 = dict(dtype=torch.int64, device=device)
+        self.scores = torch.zeros(batch, self.pool, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(batch, self.pool, **i64)
+        self.parents = torch.full((batch, self.pool), -1, **i64)    # the root's children keep -1
+        # expanded nodes, level by level (k per level): token, input hidden (made on first use), ancestor mask
+        self.ex_tokens = torch.zeros(batch, n, **i64)
+        self.ex_hidden = None
+        self.ex_mask = torch.eye(n, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+        # a level-j node (j = 1..depth-1) sits at target position length+j and is expanded at draft
+        # position length+j-1 (pairing §3.1), its K/V written at slot length + k*(j-1) + its index
+        self.ex_offsets = torch.arange(n, device=device) // k
+        self.ex_slots = k * torch.arange(max(self.depth - 1, 1), device=device)   # level's first KV slot past length
+        self.ex_rows = torch.arange(k, device=device).expand(batch, k)
+        self.expand_index = torch.arange(k, device=device).repeat(batch, 1)   # pool index of the expanded level 1
+        # With the tree kernels (kernels/topk.py, tree.py: by default on a CUDA device with triton), each
+        # level's top-k and pool update and the selection are a few launches, not torch's small ops; the next
+        # level's scores and pool indices alternate between two buffers
+        self.tree, self.children, self.expand = None, topk_children, expand_level
+        fits = k <= 32 and self.pool <= 2048 and self.total_tokens <= 64     # the kernels' tiles in registers
+        if fits and kernels.use_fused(self.fused, device):
+            from xcompile.runtime.decoding.kernels.tree import TreeBuffers
+            from xcompile.runtime.decoding.kernels import topk
+            self.tree, self.children, self.expand = TreeBuffers(batch, self.total_tokens - 1, device), \
+                topk.topk_children, topk.expand_level
+            self.ex_state = [(torch.zeros(batch, k, device=device), torch.zeros(batch, k, **i64)) for _ in range(2)]
+
+    def propose(self, root, length):
+        k = self.topk
+        fused = self.tree is not None
+        logp, tok = self.children(self.logits, self.targets, k)                # [B, 1, k]: the root's children
+        self.scores[:, :k], self.tokens[:, :k] = logp[:, 0], tok[:, 0]
+        if self.depth > 1:
+            if self.ex_hidden is None:
+                self.ex_hidden = self.hidden.new_zeros(self.hidden.shape[0], self.ex_tokens.shape[1],
+                                                       self.hidden.shape[-1])
+            self.ex_tokens[:, :k] = tok[:, 0]
+            self.ex_hidden[:, :k] = self.hidden
+        ex_score, ex_pool = logp[:, 0], self.expand_index
+        base = k
+        # every level's positions and first KV slot at once (each level takes its slice: no kernel per level)
+        pos, slots = length[:, None] + self.ex_offsets, length[:, None] + self.ex_slots
+        for level in range(1, self.depth):
+            s = k * level                                                        # nodes expanded after this step
+            new = slice(s - k, s)                                                # this level's nodes
+            out = self.eagle3.run(input_ids=self.ex_tokens[:, new], hidden_states=self.ex_hidden[:, new],
+                                  position_ids=pos[:, new], write_index=slots[:, level - 1],
+                                  tree_mask=self.ex_mask[:, new, :s], logit_rows=self.ex_rows)
+            logp, tok = self.children(out["logits"], self.targets, k)           # [B, k, k]
+            # the children into the pool; the k best of them (but after the last level) are expanded next
+            into = {"out": self.ex_state[level % 2]} if fused else {}       # the kernel's next-level buffers
+            ex_score, ex_pool = self.expand(logp, tok, ex_score, ex_pool, out["hidden_out"], self.scores,
+                                            self.tokens, self.parents, self.ex_tokens, self.ex_hidden, self.ex_mask,
+                                            base, s, last=level == self.depth - 1, **into)
+            base += k * k
+        if not fused:
+            return select_tree(root, self.scores, self.tokens, self.parents, self.total_tokens - 1, self.depth)
+        from xcompile.runtime.decoding.kernels.tree import select_tree_into
+        t = self.tree
+        select_tree_into(t, root, self.scores, self.tokens, self.parents, self.depth)
+        return Block(t.tokens, t.parents, t.mask, t.depth, self.depth, chain=False)
+
+    def use_graphs(self, wrap):
+        self._wrap(wrap, {self.topk})
+
+
+def advance(committed: torch.Tensor, length: torch.Tensor, acc: Accepted) -> None:
+    """committed <- length + acc.count + 1 (a drafter's KV length after the round), in two launches."""
+    torch.add(length, acc.count, out=committed).add_(1)
+
+
+def check_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """d2t [draft_vocab] int64 offsets: target = draft + d2t[draft] must be injective and >= 0."""
+    if d2t.dim() != 1 or d2t.dtype != torch.int64:
+        raise EngineError(f"d2t must be a 1-D int64 tensor of offsets, got {tuple(d2t.shape)} {d2t.dtype}")
+    target = target_table(d2t)
+    if bool((target < 0).any()) or target.unique().numel() != target.numel():
+        raise EngineError("d2t maps draft ids to negative or repeated target ids; re-export the EAGLE3 head")
+    return d2t

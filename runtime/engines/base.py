@@ -1,0 +1,85 @@
+"""One engine interface over every backend (torch, ort, trt).
+
+Lifecycle: construct (load/deserialize) -> ``bind_kv(buffers)`` once -> ``run(**inputs)`` per step
+-> ``close()``; ``with engine: ...`` closes it on the way out. KV buffers are preallocated by the caller (``new_kv``) and updated in place by every
+run; only the non-KV inputs of the graph's contract are passed to ``run``, and ``run`` returns the
+non-KV outputs by name. Backends differ only in how they execute the graph.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir.contract import DTYPES, GraphSpec, KVShape
+
+# contract dtype name -> torch dtype, and back: the one map every backend and the exporter use
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "int64": torch.int64, "bool": torch.bool}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# manifest dtype ("fp32", "fp16", "bf16") -> torch dtype of an engine's floating tensors
+MODEL_TORCH_DTYPES = {name: TORCH_DTYPES[contract_name] for name, contract_name in DTYPES.items()}
+
+
+
+
+def new_kv(kv: KVShape, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Zeroed buffers in contract order: key_0, value_0, key_1, ...; consecutive slices of one
+    [2 * layers, *kv.shape] tensor, so that work over every buffer (speculative.compact_kv) can be one
+    launch instead of one per buffer."""
+    return list(torch.zeros(2 * kv.layers, *kv.shape, dtype=dtype, device=device).unbind(0))
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so devices compare equal to those of the tensors they hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Engine(ABC):
+    """A compiled graph (or the reference module) that runs one step of the I/O contract."""
+
+    # Whether ``run`` may be recorded into an outer CUDA graph (runtime/engines/graphs.py GraphedEngine): device
+    # work only, no host sync, fixed addresses. The torch backend's steps are; a TensorRT engine replays
+    # graphs of its own launches (recording it again would capture a capture), and an ONNX Runtime run is
+    # host code that may allocate or synchronise. A backend whose steps are capturable sets it True.
+    graph_capturable = False
+
+    def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
+        self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, normalize_device(device)
+        self.kv: list[torch.Tensor] = []
+
+    def bind_kv(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Bind preallocated KV buffers; every later run reads and updates them in place."""
+        want = 2 * (self.kv_shape.layers if self.kv_shape else 0)
+        if len(buffers) != want:
+            raise EngineError(f"{self.spec.graph}: expected {want} KV buffers, got {len(buffers)}")
+        for b in buffers:
+            if tuple(b.shape) != self.kv_shape.shape or b.dtype != self.dtype or b.device != self.device:
+                raise EngineError(f"{self.spec.graph}: KV buffer {tuple(b.shape)} {b.dtype} on {b.device} does not "
+                                  f"match {self.kv_shape.shape} {self.dtype} on {self.device}")
+        self.kv = list(buffers)
+
+    def new_kv(self) -> list[torch.Tensor]:
+        """Allocate and bind fresh zeroed KV buffers for this engine."""
+        buffers = new_kv(self.kv_shape, self.dtype, self.device) if self.kv_shape else []
+        self.bind_kv(buffers)
+        return buffers
+
+    @abstractmethod
+    def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run one step; inputs/outputs are the contract's non-KV tensors, by name, on ``self.device``."""
+
+    def close(self) -> None:
+        self.kv = []
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

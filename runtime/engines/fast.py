@@ -1,0 +1,273 @@
+"""The ``fast`` backend: decode, verify and draft steps on fused Triton kernels (runtime/engines/kernels/).
+
+A fast engine wraps the torch backend's engine of the same graph: it takes the reference module's
+weights (packed once: q/k/v and gate/up concatenated, the module's own parameters re-pointed at the
+packed storage, so no weight is held twice), shares its KV buffers, and runs every step of up to
+``MAX_ROWS`` tokens on the kernels; longer passes (prompts) run the reference module, whose cuBLAS
+matmuls and SDPA are what a prefill needs. Per Qwen3 layer, a step is six launches plus the
+attention reduction:
+
+    linear(norm)   x -> qkv                    RMSNorm + fused QKV projection
+    rope_kv        qkv -> q; k, v -> caches    q/k RMSNorm + RoPE + KV write
+    attention      q, caches -> a              split-KV over the live length + reduction
+    linear(+res)   x += a Wo^T
+    linear(gated)  x -> silu(x Wg^T) * (x Wu^T)  RMSNorm + gate/up + SiLU*mul
+    linear(+res)   x += h Wd^T                 (and the EAGLE3 tap copy)
+
+In steps of several rows the two residual projections also leave x's row sums of squares (RowSums), from
+which the next projection's RMSNorm takes its 1/rms (kernels.SCHEDULE's norm_sums): no norm launch there.
+The step's embedding gather leaves them too, for the first layer's qkv.
+
+Every step is device work with shapes fixed by the token count, so the Generator records whole
+speculative rounds in one CUDA graph (``graph_capturable``). Weights are read by parameter name
+(the HF checkpoint keys the reference modules keep), never through the model classes, so the
+runtime stays free of the compile side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.engines.base import Engine
+from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv, interpreted
+from xcompile.runtime.engines.kernels.attention import attention
+from xcompile.runtime.engines.kernels.linear import RowSums, embedding, linear
+from xcompile.runtime.engines.kernels.norm import embed_norms
+from xcompile.runtime.engines.kernels.rope_kv import rope_kv
+from xcompile.runtime.engines.torch_module import TorchEngine
+
+
+def check_device(device: torch.device) -> None:
+    """EngineError unless the kernels can run on ``device``."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreted()):
+        return
+    raise EngineError(f"--backend fast runs Triton kernels on a CUDA device, not on {device} (tests set "
+                      "TRITON_INTERPRET=1 to run them on the CPU); use --backend torch or ort")
+
+
+class _Packed:
+    """Parameters of a reference module by name, with helpers that pack several into one tensor."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.params = dict(module.named_parameters(remove_duplicate=False))
+        self.buffers = dict(module.named_buffers())
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.params:
+            raise EngineError(f"fast backend: the reference module has no parameter {name!r}")
+        return self.params[name].data
+
+    def has(self, name: str) -> bool:
+        return name in self.params
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        """Concatenate the [n_i, K] weights ``names`` along rows, then re-point each parameter at its
+        rows of the packed tensor (the old storage is freed: no weight is held twice)."""
+        packed = torch.cat([self.get(n) for n in names])
+        start = 0
+        for n in names:
+            rows = self.params[n].shape[0]
+            self.params[n].data = packed[start:start + rows]
+            start += rows
+        return packed
+
+    def fold(self, norm: str, weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        """Fold the RMSNorm weight ``norm`` into the [N, K] ``weight`` it alone feeds (W * g per column, in
+        place, rounded once) and make the norm's weight ones (the module's a copy of its own): RMSNorm(x) W^T
+        is unchanged but for that rounding, and a call whose 1/rms comes from row sums (kernels.SCHEDULE's
+        norm_sums) then needs no prologue. Returns ``unit`` (the RowSums' ones), the fast layer's norm weight."""
+        weight.mul_(self.get(norm)[None, :])
+        self.params[norm].data = unit.clone()          # the module's own ones: ``unit`` is the kernels' token
+        return unit
+
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's RoPE tables cos/sin [positions, D/2] (fp32)."""
+        cos = next((b for n, b in self.buffers.items() if n.endswith("rotary.cos")), None)
+        sin = next((b for n, b in self.buffers.items() if n.endswith("rotary.sin")), None)
+        if cos is None or sin is None:
+            raise EngineError("fast backend: the reference module has no rotary.cos/sin tables")
+        return cos.contiguous(), sin.contiguous()
+
+
+class _Layer:
+    """One decoder layer's packed weights; the RMSNorm weights before gate/up (and, ``qk_norm``, before qkv)
+    folded into them (_Packed.fold)."""
+
+    def __init__(self, p: _Packed, prefix: str, qk_norm: bool, unit: torch.Tensor):
+        a = f"{prefix}self_attn."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if p.has(f"{a}{proj}.bias"):
+                raise EngineError("fast backend: attention biases are not supported; use --backend torch")
+        self.qkv = p.cat([f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"])
+        self.o = p.get(f"{a}o_proj.weight")
+        self.q_norm = p.get(f"{a}q_norm.weight") if qk_norm else None
+        self.k_norm = p.get(f"{a}k_norm.weight") if qk_norm else None
+        self.gate_up = p.cat([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
+        # a Qwen3 layer's input norm feeds qkv alone; the EAGLE3 layer's feeds the embedding half of u
+        self.ln1 = p.fold(f"{prefix}input_layernorm.weight", self.qkv, unit) if qk_norm else \
+            p.get(f"{prefix}input_layernorm.weight")
+        self.ln2 = p.fold(f"{prefix}post_attention_layernorm.weight", self.gate_up, unit)
+        self.down = p.get(f"{prefix}mlp.down_proj.weight")
+
+
+class _FastEngine(Engine):
+    """What the fast engines share: the reference engine for long passes, the KV it shares, the step
+    inputs of batch 1."""
+
+    graph_capturable = True
+
+    def __init__(self, reference: TorchEngine, config: dict):
+        super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
+        check_device(self.device)
+        self.reference, self.config = reference, config
+        self.eps = config["rms_norm_eps"]
+        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.head_dim = config["head_dim"]
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            raise EngineError(f"fast backend: head_dim {self.head_dim} is not a power of two >= 16 (the attention "
+                              "kernel's tile); use --backend torch")
+        self.chunk = 0              # attention's keys per split: 0, chunk_for the cache and the call's rows
+        # the residual stream's row sums of squares, left by the o / down projections of steps of several
+        # rows for the RMSNorm of the projection after them (kernels.SCHEDULE's norm_sums)
+        self.sums = RowSums(config["hidden_size"], self.dtype, self.device)
+        if self.device.type == "cuda" and self.dtype == torch.bfloat16:
+            cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
+
+    def bind_kv(self, buffers) -> None:
+        super().bind_kv(buffers)
+        self.reference.bind_kv(buffers)
+
+    def close(self) -> None:
+        self.reference.close()
+        super().close()
+
+    def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
+        """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
+        q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
+                    self.head_dim, layer.q_norm, layer.k_norm, self.eps)
+        return attention(q, k_cache, v_cache, wi, mask, self.heads, self.chunk)
+
+    @staticmethod
+    def _batch1(inputs: dict[str, torch.Tensor]) -> None:
+        if inputs["input_ids"].shape[0] != 1:
+            raise EngineError(f"fast backend: batch 1 only, got {inputs['input_ids'].shape[0]}")
+
+
+class FastQwen3Engine(_FastEngine):
+    """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels."""
+
+    def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = ()):
+        super().__init__(reference, config)
+        p = _Packed(reference.module)
+        unit = self.sums.unit
+        self.layers = [_Layer(p, f"model.layers.{i}.", qk_norm=True, unit=unit)
+                       for i in range(config["num_hidden_layers"])]
+        self.embed = p.get("model.embed_tokens.weight")
+        self.lm_head = p.get("lm_head.weight")
+        tied = self.lm_head.data_ptr() == self.embed.data_ptr()                # the embedding too: not folded
+        self.norm = p.get("model.norm.weight") if tied else p.fold("model.norm.weight", self.lm_head, unit)
+        self.rope = p.rope()
+        # tap slot(s) of each tapped layer, in the order of the concatenated hidden_taps output
+        self.taps = sorted(taps)
+        self.hidden = config["hidden_size"]
+
+    def run(self, **inputs):
+        ids = inputs["input_ids"]
+        s = ids.shape[1]
+        if s > MAX_ROWS:
+            return self.reference.run(**inputs)
+        self._batch1(inputs)
+        pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
+        sums = self.sums
+        x = embedding(ids[0], self.embed, sums_out=sums)                      # [S, H], and its row sums
+        h = self.hidden
+        taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
+        for i, layer in enumerate(self.layers):
+            qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums)
+            a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)
+            linear(a, layer.o, residual=x, out=x, sums_out=sums)
+            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums)
+            slots = [j for j, t in enumerate(self.taps) if t == i]
+            extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
+            linear(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums)
+            for j in slots[1:]:                                                # duplicate taps (tiny models)
+                taps[0, :, j * h:(j + 1) * h] = x
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0])[None]
+        out = {"logits": logits}
+        if "hidden_taps" in self.spec.output_names:
+            out["hidden_taps"] = taps
+        return out
+
+
+class FastEagle3Engine(_FastEngine):
+    """The ``eagle3`` graph: one EAGLE3 decoder step (reference/eagle3_semantics.md §2-3) on the kernels:
+    embedding + both input norms in one launch, then the layer as above with the hidden as residual."""
+
+    def __init__(self, reference: TorchEngine, config: dict):
+        super().__init__(reference, config)
+        p = _Packed(reference.module)
+        self.layer = _Layer(p, "midlayer.", qk_norm=False, unit=self.sums.unit)
+        self.embed = p.get("embed_tokens.weight")
+        self.hidden_norm = p.get("midlayer.hidden_norm.weight")
+        self.lm_head = p.get("lm_head.weight")
+        self.norm = p.fold("norm.weight", self.lm_head, self.sums.unit)
+        self.rope = p.rope()
+        # speculators / vLLM heads: the attention residual is hidden_norm(hidden) (compile/models/eagle3.py)
+        self.norm_before_residual = bool(config.get("norm_before_residual", False))
+
+    def run(self, **inputs):
+        ids = inputs["input_ids"]
+        if ids.shape[1] > MAX_ROWS:
+            return self.reference.run(**inputs)
+        self._batch1(inputs)
+        pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
+        hidden = inputs["hidden_states"][0]                                    # [S, H]
+        layer = self.layer
+        # u = [input_layernorm(embed(ids)), hidden_norm(hidden)]: embedding first (§3)
+        u = embed_norms(ids[0], self.embed, layer.ln1, hidden, self.hidden_norm, self.eps)
+        qkv = linear(u, layer.qkv)
+        a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope)
+        h = hidden.shape[-1]
+        residual = u[:, h:] if self.norm_before_residual else hidden           # u[:, H:] = hidden_norm(hidden)
+        self.sums.reset()
+        x = linear(a, layer.o, residual=residual, sums_out=self.sums)          # residual = the hidden
+        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums)
+        self.sums.reset()                                                      # x changes next
+        linear(g, layer.down, residual=x, out=x)
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0])[None]
+        return {"logits": logits, "hidden_out": x[None]}
+
+
+class FastFCEngine(_FastEngine):
+    """The ``eagle3_fc`` graph: taps [1, S, 3H] -> [1, S, H], one GEMV."""
+
+    def __init__(self, reference: TorchEngine, config: dict):
+        Engine.__init__(self, reference.spec, None, reference.dtype, reference.device)
+        check_device(self.device)
+        self.reference = reference
+        self.fc = _Packed(reference.module).get("fc.weight")
+
+    def run(self, **inputs):
+        taps = inputs["hidden_taps"]
+        if taps.shape[1] > MAX_ROWS or taps.shape[0] != 1:
+            return self.reference.run(**inputs)
+        return {"hidden_states": linear(taps[0], self.fc)[None]}
+
+
+def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int]) -> dict[str, Engine]:
+    """The torch backend's engines of an engine dir -> fast engines. configs: graph -> its model's
+    config (manifest); taps: the target's tapped layers."""
+    out = {}
+    for graph, engine in engines.items():
+        if not isinstance(engine, TorchEngine):
+            raise EngineError(f"fast backend: {graph} is not a torch-backend engine")
+        if graph in (TARGET, DRAFT):
+            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else ())
+        elif graph == EAGLE3:
+            out[graph] = FastEagle3Engine(engine, configs[graph])
+        elif graph == EAGLE3_FC:
+            out[graph] = FastFCEngine(engine, configs[graph])
+    return out

@@ -1,0 +1,111 @@
+"""q/k RMSNorm + RoPE + KV-cache write for one step's new tokens, in one kernel.
+
+    qkv [M, (Hq + 2 Hkv) * D]  the fused projection's output: q heads, then k heads, then v heads
+    ->  q [M, Hq * D]           normed (Qwen3's q_norm) and rotated
+        k_cache/v_cache [Hkv, S_max, D] (batch 1) rows write_index + m: normed and rotated k, and v
+
+One program per (token, head): each head's D values fit in registers. Rotate-half RoPE (HF
+Qwen3/Llama) at position_ids[m]; tree nodes share their depth's position. The arithmetic rounds where
+the reference modules do (norm output, x*cos, rot(x)*sin, their sum: each to the model dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from xcompile.runtime.engines.kernels import launch, pdl
+from xcompile.runtime.engines.kernels.common import attn_early
+
+
+@triton.jit
+def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.constexpr):
+    """The head vector at ptr+offs (values permuted by offs), RMS-normalised over all D when NORM."""
+    x = tl.load(ptr + offs).to(tl.float32)
+    if NORM:
+        full = tl.load(ptr + tl.arange(0, D)).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(full * full, axis=0) / D + eps)
+        x = (x * rstd * tl.load(w_ptr + offs).to(tl.float32)).to(dt)
+    return x.to(dt)
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, stride_q, stride_ch, eps,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                    FIRST: tl.constexpr):
+    if PDL:
+        if FIRST:
+            tl.extra.cuda.gdc_launch_dependents()           # attn_early: attention may launch before the wait
+        tl.extra.cuda.gdc_wait()
+        if not FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+    m = tl.program_id(0)
+    h = tl.program_id(1)                    # 0..HQ-1: q heads; HQ..HQ+HKV-1: kv heads
+    dt = Q.dtype.element_ty
+    half: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    rot = tl.where(d < half, d + half, d - half)            # rotate-half partner of each lane
+    sign = tl.where(d < half, -1.0, 1.0)
+    pos = tl.load(POS + m)
+    c = tl.load(COS + pos * half + d % half).to(dt).to(tl.float32)
+    s = tl.load(SIN + pos * half + d % half).to(dt).to(tl.float32)
+    row = QKV + m * stride_qkv
+    src = row + h * D                       # q heads, then k heads: head h's D values either way
+    if h < HQ:
+        w = QN
+    else:
+        w = KN
+    x = _normed(src, d, w, eps, D, NORM, dt).to(tl.float32)
+    xr = _normed(src, rot, w, eps, D, NORM, dt).to(tl.float32) * sign
+    y = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
+    if h < HQ:
+        tl.store(Q + m * stride_q + h * D + d, y)
+    else:
+        kv = h - HQ
+        slot = tl.load(WI) + m
+        tl.store(KC + kv * stride_ch + slot * D + d, y)
+        v = tl.load(row + (HQ + HKV + kv) * D + d)
+        tl.store(VC + kv * stride_ch + slot * D + d, v)
+
+
+def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+            head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+            eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [M, (Hq+2Hkv)*D]; position_ids [M]; write_index [1]; cos/sin [P, D/2] fp32; caches
+    [1, Hkv, S_max, D] written in place at rows write_index + 0..M-1 -> q [M, Hq*D]."""
+    m = qkv.shape[0]
+    assert k_cache.shape[0] == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(1) == 1
+    if out is None:
+        out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    norm = q_norm is not None
+    _rope_kv_kernel[(m, heads + kv_heads)](
+        qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
+        k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps,
+        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), FIRST=attn_early(m, "rope_kv"), num_warps=1,
+        **launch())
+    return out
+
+
+def rope_kv_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache, heads, kv_heads, head_dim,
+                      q_norm=None, k_norm=None, eps=1e-6):
+    """What ``rope_kv`` computes, in plain torch ops with the reference modules' rounding (layers.Rotary)."""
+    m, dt = qkv.shape[0], qkv.dtype
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim), v.view(m, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = F.rms_norm(q, (head_dim,), q_norm, eps), F.rms_norm(k, (head_dim,), k_norm, eps)
+    c, s = cos[position_ids][:, None].to(dt), sin[position_ids][:, None].to(dt)       # [M, 1, D/2]
+    c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * c + torch.cat((-x2, x1), dim=-1) * s
+
+    q, k = rotate(q), rotate(k)
+    slots = int(write_index[0]) + torch.arange(m)
+    k_cache[0, :, slots] = k.transpose(0, 1)
+    v_cache[0, :, slots] = v.transpose(0, 1)
+    return q.reshape(m, heads * head_dim)

@@ -1,0 +1,33 @@
+"""The ``torch`` backend: runs a reference module that follows the I/O contract's call signature.
+
+The runtime never imports the model code (it lives on the compile side); a module is handed in,
+or found through the ``xcompile.torch_models`` entry point when loading an engine dir.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xcompile.runtime.enginedir.contract import GraphSpec, KVShape
+from xcompile.runtime.engines.base import Engine
+
+
+class TorchEngine(Engine):
+    """A reference module behind the Engine interface; its steps are plain torch ops, so CUDA graphs can
+    record them (``GraphedEngine``)."""
+
+    graph_capturable = True
+
+    def __init__(self, module: torch.nn.Module, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__(spec, kv, dtype, torch.device(device))
+        self.module = module
+        self._inputs = [t.name for t in spec.step_inputs]
+        self._outputs = [t.name for t in spec.step_outputs]
+
+    @torch.inference_mode()
+    def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.module(*(inputs[n] for n in self._inputs), *self.kv)
+        out = out if isinstance(out, tuple) else (out,)
+        # KV outputs are the bound buffers themselves (written in place by layers.write_kv)
+        return dict(zip(self._outputs, out[: len(self._outputs)]))

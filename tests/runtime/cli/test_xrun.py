@@ -1,0 +1,300 @@
+"""``xrun generate`` and ``xrun bench`` end to end on the tiny engine dir (CPU: ort and torch backends)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+from fixtures import refused
+
+from xcompile.runtime.cli.xrun import main
+
+PROMPT_IDS = "5,17,42,9,100,7"
+
+
+def xrun(*args) -> tuple[int, str]:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def generate_json(engine_dir, *args) -> dict:
+    code, out = xrun("generate", engine_dir, "--device", "cpu", "--json", *args)
+    assert code == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_engine_dir) -> list[int]:
+    out = generate_json(tiny_engine_dir, "--prompt-ids", PROMPT_IDS, "--max-new-tokens", 40, "--drafter", "none",
+                        "--backend", "torch")
+    assert len(out["tokens"]) >= 1
+    return out["tokens"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "ort"])
+@pytest.mark.parametrize("drafter", [
+    ["--drafter", "none"],
+    ["--drafter", "eagle3", "--gamma", "3"],
+    ["--drafter", "eagle3", "--tree-topk", "3", "--tree-depth", "3", "--tree-tokens", "8"],
+    ["--drafter", "draft-model", "--gamma", "2"],
+])
+def test_generate_equals_plain_greedy(tiny_engine_dir, plain, backend, drafter):
+    out = generate_json(tiny_engine_dir, "--prompt-ids", PROMPT_IDS, "--max-new-tokens", 40, "--backend", backend,
+                        *drafter)
+    assert out["tokens"] == plain
+    s = out["stats"]
+    assert s["backend"] == backend and s["new_tokens"] == len(plain)
+    assert s["target_forwards"] == s["rounds"] + 1
+    if drafter[1] != "none":
+        assert s["drafted"] > 0 and s["acceptance_length"] >= 1.0
+
+
+def test_generate_text_prompt_chat_and_stop(tiny_engine_dir):
+    out = generate_json(tiny_engine_dir, "--prompt", "the cat", "--max-new-tokens", 8, "--backend", "ort")
+    assert isinstance(out["text"], str) and len(out["tokens"]) >= 1
+    chat = generate_json(tiny_engine_dir, "--chat", "hello", "--max-new-tokens", 8, "--backend", "ort")
+    assert len(chat["tokens"]) >= 1
+    # a stop string taken from the unstopped output ends generation right there
+    full = generate_json(tiny_engine_dir, "--prompt", "the cat", "--max-new-tokens", 12, "--backend", "ort",
+                         "--drafter", "none")
+    words = full["text"].split()
+    if len(words) >= 3:
+        stopped = generate_json(tiny_engine_dir, "--prompt", "the cat", "--max-new-tokens", 12, "--backend", "ort",
+                                "--stop", words[2])
+        assert stopped["stats"]["finish_reason"] in ("stop", "eos")
+        assert len(stopped["tokens"]) <= len(full["tokens"])
+
+
+def test_streamed_text_output(tiny_engine_dir):
+    code, out = xrun("generate", tiny_engine_dir, "--device", "cpu", "--prompt", "the cat", "--max-new-tokens", 6,
+                     "--backend", "ort")
+    assert code == 0, out
+    assert "tok/s" in out and "tau" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", ",".join(["1"] * 300)], "exceed max_seq_len"),
+    (["--prompt-ids", "1,2", "--backend", "trt"], "engine"),
+    (["--prompt-ids", "1,99999"], "ids must lie in"),
+    (["--prompt-ids", "1,2", "--prompt", "x"], "exactly one of"),
+])
+def test_bad_requests_are_one_line_errors(tiny_engine_dir, args, message):
+    code, out = xrun("generate", tiny_engine_dir, "--device", "cpu", *args)
+    assert code != 0
+    assert message in out
+    assert "Traceback" not in out
+
+
+def test_missing_engine_dir(tmp_path):
+    code, out = xrun("generate", tmp_path / "nope", "--prompt-ids", "1")
+    assert code == 1 and "no such engine dir" in out and "Traceback" not in out
+
+
+def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
+    report_path = tmp_path / "bench.json"
+    code, out = xrun("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "16",
+                     "--gammas", "1,2", "--tree", "3,3,8", "--new-tokens", 8, "--repeats", 2, "--json", report_path)
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    drafters = {r["drafter"] for r in report["generation"]}
+    assert {"plain", "eagle3 chain g=1", "eagle3 chain g=2", "eagle3 tree 3/3/8", "draft-model g=1"} <= drafters
+    assert report["copy_bandwidth_gbs"] > 0 and report["floor_ms_per_token"] > 0
+    for r in report["generation"]:
+        assert r["ms_per_token"] > 0 and r["tau"] >= 1.0
+        if r["drafter"] != "plain":
+            assert set(r["speedup_at_tau"]) == {"2.0", "3.0", "3.7"}
+    steps = {(r["graph"], r["tokens"]) for r in report["steps"]}
+    assert {("target", 1), ("target", 2), ("target", 3), ("eagle3", 1), ("draft", 1)} <= steps
+    assert "speedup_e2e" in out
+    # the longest context's prompt pass against the matmul rate of the same run
+    prefill = report["prefill"]
+    assert prefill["tokens"] == 16 and prefill["ttft_ms"] > 0 and prefill["matmul_tflops"] > 0
+    assert prefill["fraction_of_matmul"] == pytest.approx(prefill["tflops"] / prefill["matmul_tflops"])
+    assert "prefill 16 tokens: TTFT" in out
+
+
+def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
+    from xcompile.runtime.common.errors import EngineError
+    from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+    from xcompile.runtime.engines.load import open_engine_dir
+
+    with open_engine_dir(tiny_engine_dir, "torch", "cpu") as es:
+        es.engines.pop("draft").close()
+        with pytest.raises(EngineError, match="holds no draft model; rebuild with --draft-model, or use --drafter "
+                                              "eagle3"):
+            make_drafter(es, DrafterSpec("draft-model", 2))
+        for graph in ("eagle3", "eagle3_fc"):
+            es.engines.pop(graph).close()
+        with pytest.raises(EngineError, match="holds no EAGLE3 head; rebuild with --eagle3, or use --drafter none"):
+            make_drafter(es, DrafterSpec("eagle3", 2))
+        with pytest.raises(EngineError, match="--tree-\\* needs an EAGLE3 head"):
+            make_drafter(es, DrafterSpec.from_options("auto", tree_topk=2))
+        assert make_drafter(es, "auto").name == "none"
+
+
+# option checks: each bad or inert option fails at parse time (exit 2) or, when it depends on what the
+# dir holds, before any engine loads (exit 1), with one line naming it ---------------------------------
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--drafter", "none", "--gamma", 4], ["--drafter none", "--gamma"]),
+    (["--drafter", "none", "--tree-topk", 2], ["--drafter none"]),
+    (["--gamma", 4, "--tree-depth", 3], ["--gamma", "--tree-", "one or the other"]),
+    (["--drafter", "draft-model", "--tree-tokens", 8], ["--tree-", "draft model"]),
+    (["--tree-tokens", 4], ["--tree-tokens 4", "--tree-depth 6 (the default)", "at least 7"]),
+    (["--tree-topk", 2, "--tree-depth", 2, "--tree-tokens", 8], ["exceeds the 7 nodes"]),
+    (["--tree-tokens", 1], ["--tree-tokens"]),
+    (["--gamma", 0], ["--gamma"]),
+    (["--max-new-tokens", 0], ["--max-new-tokens"]),
+    (["--stop", ""], ["--stop", "empty stop string"]),
+    (["--stop", "\udcfe"], ["--stop", "not valid UTF-8", "0xfe"]),
+])
+def test_generate_option_checks(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--prompt-ids", ""], ["no token ids"]),
+    (["--prompt-ids", " , "], ["no token ids"]),
+    (["--prompt", "caf\udce9"], ["--prompt", "not valid UTF-8", "0xe9"]),
+    (["--chat", "\udcff"], ["--chat", "not valid UTF-8"]),
+])
+def test_prompt_checks(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, *args), *needles)
+
+
+def test_prompt_from_stdin(tiny_engine_dir):
+    want = generate_json(tiny_engine_dir, "--prompt", "the cat sat", "--max-new-tokens", 5, "--backend", "ort")
+    r = run("generate", tiny_engine_dir, "--device", "cpu", "--json", "--prompt", "-", "--max-new-tokens", 5,
+            "--backend", "ort", input="the cat sat")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tokens"] == want["tokens"]
+    refused(run("generate", tiny_engine_dir, "--prompt", "-", input=b"the \xff cat"), "stdin is not valid UTF-8",
+            "0xff")
+
+
+def test_drafter_auto_options_checked_against_the_dir(tiny_engine_dir):
+    """--drafter auto picks from what the dir holds; options that drafter ignores are refused before loading."""
+    from types import SimpleNamespace
+
+    from xcompile.runtime.cli.generate import GenerateRequest, check_drafter_options
+    from xcompile.runtime.common.errors import EngineError
+    from xcompile.runtime.decoding.registry import DrafterSpec
+
+    only_draft = SimpleNamespace(graphs={"target": None, "draft": None})
+    plain = SimpleNamespace(graphs={"target": None})
+    tree = DrafterSpec.from_options(tree_depth=3)
+    with pytest.raises(EngineError, match="--tree-.*draft model.*auto picks draft-model"):
+        check_drafter_options(GenerateRequest("d", drafter=tree), only_draft)
+    with pytest.raises(EngineError, match="would do nothing: no drafter runs.*auto picks none"):
+        check_drafter_options(GenerateRequest("d", drafter=tree), plain)
+    check_drafter_options(GenerateRequest("d", drafter=DrafterSpec(gamma=3)), only_draft)   # the draft model: --gamma
+
+
+def test_help_shows_the_drafter_defaults():
+    from xcompile.runtime.decoding.registry import DEFAULT_GAMMA, TreeShape
+
+    text = " ".join(run("generate", "--help").output.split())
+    assert f"or the draft model [default: {DEFAULT_GAMMA}]" in text
+    for option, key in (("--tree-topk", "topk"), ("--tree-depth", "depth"), ("--tree-tokens", "total_tokens")):
+        help_of = text.split(f"{option} INTEGER RANGE ", 1)[1].split(" --", 1)[0]
+        assert f"[default: {getattr(TreeShape(), key)}]" in help_of, (option, help_of)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--contexts", ""], ["--contexts", "nothing would be measured"]),
+    (["--contexts", "16,0"], ["--contexts", "at least 1"]),
+    (["--gammas", "1,x"], ["--gammas"]),
+    (["--tree", "3,3"], ["--tree", "3 comma-separated"]),
+    (["--tree", "3,5,4"], ["TOKENS 4", "at least 6"]),
+    (["--draft-model", "qwen3-0.6b"], ["--draft-model", "--synthetic"]),
+    (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
+    (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
+    (["--new-tokens", 1], ["--new-tokens"]),
+])
+def test_bench_option_checks(tiny_engine_dir, args, needles):
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", *args), *needles)
+
+
+def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--json", tmp_path / "missing" / "b.json")
+    refused(r, "--json", "does not exist")
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", "--plot", tmp_path), "--plot", "is a directory")
+    refused(run("bench", "--synthetic", "qwen3-0.6b", "--prompts", __file__), "--prompts", "tokenizer")
+    refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
+
+
+def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "4096")
+    refused(r, "--contexts 4096", "none fits", "256 tokens", code=1)
+    assert "loaded" not in r.stderr
+
+
+# sampling ----------------------------------------------------------------------------------------
+
+SAMPLED = ("--prompt-ids", PROMPT_IDS, "--max-new-tokens", 12, "--backend", "torch", "--drafter", "eagle3", "--gamma", 2)
+
+
+def test_generate_samples_reproducibly(tiny_engine_dir, plain):
+    a = generate_json(tiny_engine_dir, *SAMPLED, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3)
+    again = generate_json(tiny_engine_dir, *SAMPLED, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3)
+    assert again["tokens"] == a["tokens"] and again["stats"]["accepted"] == a["stats"]["accepted"]
+    assert a["stats"]["seed"] == 3 and a["stats"]["sampling"] == dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0)
+    many = generate_json(tiny_engine_dir, *SAMPLED, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3,
+                         "--num-samples", 3)["samples"]
+    assert [s["stats"]["sample"] for s in many] == [0, 1, 2]
+    assert many[0]["tokens"] == a["tokens"]                      # sample 0 is the single run's stream
+    assert len({tuple(s["tokens"]) for s in many}) > 1
+    # --sample: the dir's generation_config.json (this one sets no sampling field: transformers' defaults)
+    hf = generate_json(tiny_engine_dir, *SAMPLED, "--sample", "--seed", 1)
+    assert hf["stats"]["sampling"] == dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
+    greedy = generate_json(tiny_engine_dir, *SAMPLED[:-4], "--max-new-tokens", 40, "--sample", "--temperature", 0)
+    assert greedy["tokens"] == plain and greedy["stats"]["seed"] is None
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--temperature", "-1", "temperature must be a finite number >= 0"),
+    ("--top-p", "0", "top_p must be in (0, 1]"),
+    ("--top-p", "1.5", "top_p must be in (0, 1]"),
+    ("--top-k", "-1", "top_k must be an integer >= 0"),
+    ("--min-p", "2", "min_p must be in [0, 1]"),
+    ("--num-samples", "0", "n must be an integer >= 1"),
+    ("--seed", "-5", "seed must be an integer"),
+])
+def test_bad_sampling_values_fail_before_any_work(tmp_path, option, value, message):
+    # the engine dir does not even exist: the value is refused before anything is opened
+    code, out = xrun("generate", tmp_path / "nope", "--prompt-ids", "1", "--temperature", "0.5", option, value)
+    assert code == 1 and message in out and "Traceback" not in out and "no such engine dir" not in out
+
+
+def test_bench_times_a_sampling_round(tiny_engine_dir, tmp_path):
+    report_path = tmp_path / "bench.json"
+    code, out = xrun("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "16",
+                     "--gammas", "2", "--tree", "3,3,8", "--new-tokens", 8, "--repeats", 1, "--json", report_path,
+                     "--temperature", "0.7", "--top-k", "20", "--seed", "1")
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["sampling"].startswith("temperature 0.7 top_k 20")
+    assert {("sample", 1), ("accept chain", 3), ("accept tree", 8)} <= {(r["graph"], r["tokens"]) for r in report["steps"]}
+    assert all(r["tau"] >= 1.0 for r in report["generation"])
+    code, out = xrun("bench", "--synthetic", "qwen3-8b", "--temperature", "-2")
+    assert code == 1 and "temperature must be" in out
+
+
+def test_prefill_flops_of_the_qwen3_8b_shape():
+    """2 x non-embedding projection parameters x tokens, lm_head for one row, causal QK^T and PV: for
+    Qwen3-8B's config at 4096 tokens, the projections are 6.95e9 parameters (36 layers of 4096x6144 qkv,
+    4096x4096 o, 3 x 4096x12288 MLP), lm_head 151936 x 4096, attention 2 x 36 x 4096 x 4096^2."""
+    from xcompile.compile.config import KNOWN_MODELS
+    from xcompile.runtime.bench.measure import prefill_flops
+
+    config = dataclasses.asdict(KNOWN_MODELS["qwen3-8b"].config)
+    projections = 36 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 12288)
+    want = 2 * projections * 4096 + 2 * 151936 * 4096 + 2 * 36 * 4096 * 4096 ** 2
+    assert prefill_flops(config, 4096) == want

@@ -1,0 +1,269 @@
+"""The ``fast`` backend (runtime/engines/fast.py): fused-kernel engines against the torch reference engines.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py), on tiny fp32 models whose
+head_dim is 16 (the attention tile's minimum): every step's outputs and KV writes match the reference
+modules to fp32 rounding, and generation is token-exact against plain greedy decoding for every
+drafter. The interpreter is slow (about a second per target step), so generations here are short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tiny_engines as T
+import torch
+from fixtures import step_inputs
+
+pytest.importorskip("triton", reason="the fast backend needs triton (pip install triton)")
+
+from xcompile.compile.reference import eagle3_engines, qwen3_engine  # noqa: E402
+from xcompile.runtime.common.errors import EngineError  # noqa: E402
+from xcompile.runtime.decoding.drafters import (  # noqa: E402
+    DraftModelDrafter,
+    Eagle3ChainDrafter,
+    Eagle3TreeDrafter,
+    NoDrafter,
+)
+from xcompile.runtime.decoding.generator import Generator  # noqa: E402
+from xcompile.runtime.enginedir.contract import DRAFT  # noqa: E402
+from xcompile.runtime.engines import fast  # noqa: E402
+
+MAX_SEQ_LEN = 96
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> T.Tiny:
+    return T.build(MAX_SEQ_LEN, head_dim=16)
+
+
+def cfg(module) -> dict:
+    return dataclasses.asdict(module.cfg)
+
+
+def fast_target(tiny):
+    return fast.FastQwen3Engine(tiny.target_engine(), cfg(tiny.target), T.TAPS)
+
+
+def fast_eagle3(tiny):
+    e3, fc = tiny.eagle3_engines()
+    return fast.FastEagle3Engine(e3, cfg(tiny.eagle3)), fast.FastFCEngine(fc, cfg(tiny.eagle3))
+
+
+def tree_inputs(tokens: list[int], parents: list[int], start: int) -> dict[str, torch.Tensor]:
+    """Verify inputs of a tree (node i under parents[i]; node 0 the root) written at ``start``."""
+    s = len(tokens)
+    mask = torch.eye(s, dtype=torch.bool)
+    depth = [0] * s
+    for i in range(1, s):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return dict(input_ids=torch.tensor([tokens]), position_ids=start + torch.tensor([depth]),
+                write_index=torch.tensor([start]), tree_mask=mask[None], logit_rows=torch.arange(s)[None])
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item() < tol
+
+
+def test_target_steps_and_kv_match_the_reference(tiny):
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    ref.new_kv()
+    got.new_kv()
+    steps = [step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0),                  # prompt (fused: 5 rows)
+             step_inputs(torch.tensor([[7]]), 5),                                 # decode
+             step_inputs(torch.tensor([[8, 1, 2, 40]]), 6),                       # chain verify
+             tree_inputs([3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 1, 3], 10)]             # tree verify
+    for inputs in steps:
+        want, have = ref.run(**inputs), got.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    for a, b in zip(got.kv, ref.kv):
+        assert close(a[:, :, :16], b[:, :, :16])
+
+
+def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypatch):
+    """The fast engines fold each RMSNorm weight into the weights it feeds (qkv, gate/up, an untied lm_head)
+    and make it ones, for the reference module too; the steps match an unfolded copy of the model. In steps
+    of several rows the norm launch left is the lm_head's (the others take the row sums the embedding and the
+    o / down projections leave; kernels.SCHEDULE's norm_sums and embed_sums; with embed_sums off the first
+    qkv's too); with norm_sums off, one before every projection with a norm; the logits the same to fp32
+    rounding. The EAGLE3 step too (its gate/up and
+    lm_head norms folded)."""
+    import copy
+
+    from xcompile.runtime.engines import kernels
+    from xcompile.runtime.engines.kernels import linear as L
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    unfolded = qwen3_engine(copy.deepcopy(tiny.target))
+    got = fast_target(tiny)
+    names = dict(tiny.target.named_parameters())
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in names.items()
+               if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or n == "model.norm.weight")
+    assert all(layer.ln1 is got.sums.unit and layer.ln2 is got.sums.unit for layer in got.layers)
+    launches = []
+    norm = L.rms_norm
+    monkeypatch.setattr(L, "rms_norm", lambda *a, **kw: launches.append(1) or norm(*a, **kw))
+    logits = []
+    for on, embed_sums in ((True, True), (True, False), (False, True)):
+        monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", on)
+        monkeypatch.setitem(kernels.SCHEDULE, "embed_sums", embed_sums)
+        unfolded.new_kv()
+        got.new_kv()
+        launches.clear()
+        inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
+        have, want = got.run(**inputs), unfolded.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+        assert len(launches) == ((1 if embed_sums else 2) if on else 2 * T.TARGET_CFG.num_hidden_layers + 1)
+        logits.append(have["logits"])
+    assert close(logits[0], logits[1], 1e-5) and close(logits[0], logits[2], 1e-5)
+    monkeypatch.setitem(kernels.SCHEDULE, "embed_sums", True)
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
+    ref = eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0]
+    e3 = fast_eagle3(tiny)[0]
+    assert torch.equal(tiny.eagle3.norm.weight, torch.ones_like(tiny.eagle3.norm.weight))
+    ref.new_kv()
+    e3.new_kv()
+    hidden = torch.randn(1, 4, T.EAGLE3_CFG.hidden_size)
+    want, have = ref.run(hidden_states=hidden, **inputs), e3.run(hidden_states=hidden, **inputs)
+    assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
+
+
+@pytest.mark.parametrize("which", ["tied draft", "eagle3 norm_before_residual"])
+def test_folding_keeps_the_function_of_the_other_models(which):
+    """The draft model ties lm_head to its embedding (only its layers' norms fold; the embedding and the final
+    norm stay as they were); a speculators-format EAGLE3 head adds hidden_norm(hidden) to the attention
+    output (its hidden_norm does not fold). Each fast engine's steps match an unfolded copy of its model."""
+    import copy
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
+    if which == "tied draft":
+        embed, norm = tiny.draft.model.embed_tokens.weight.clone(), tiny.draft.model.norm.weight.clone()
+        ref = qwen3_engine(copy.deepcopy(tiny.draft), DRAFT)
+        got = fast.FastQwen3Engine(tiny.draft_engine(), cfg(tiny.draft))
+        assert torch.equal(tiny.draft.model.embed_tokens.weight, embed) and torch.equal(tiny.draft.model.norm.weight, norm)
+        extra, keys = {}, ("logits",)
+    else:
+        tiny.eagle3.midlayer.norm_before_residual = True
+        ref = eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0]
+        got = fast.FastEagle3Engine(tiny.eagle3_engines()[0], {**cfg(tiny.eagle3), "norm_before_residual": True})
+        extra, keys = {"hidden_states": torch.randn(1, 4, T.EAGLE3_CFG.hidden_size)}, ("logits", "hidden_out")
+    ref.new_kv()
+    got.new_kv()
+    want, have = ref.run(**inputs, **extra), got.run(**inputs, **extra)
+    assert all(close(have[k], want[k]) for k in keys)
+
+
+def test_long_passes_run_the_reference(tiny):
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    ref.new_kv()
+    got.new_kv()
+    prompt = step_inputs(torch.arange(70)[None] % T.VOCAB, 0)                    # > MAX_ROWS tokens
+    assert torch.equal(got.run(**prompt)["logits"], ref.run(**prompt)["logits"])
+
+
+def test_eagle3_steps_match_the_reference(tiny):
+    (ref, ref_fc), (got, got_fc) = tiny.eagle3_engines(), fast_eagle3(tiny)
+    ref.new_kv()
+    got.new_kv()
+    taps = torch.randn(1, 5, 3 * T.EAGLE3_CFG.target_hidden_size)
+    assert close(got_fc.run(hidden_taps=taps)["hidden_states"], ref_fc.run(hidden_taps=taps)["hidden_states"])
+    hidden = ref_fc.run(hidden_taps=taps)["hidden_states"]
+    for inputs in (step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0), tree_inputs([3, 4, 5, 6], [0, 0, 1, 1], 5)):
+        n = inputs["input_ids"].shape[1]
+        want = ref.run(hidden_states=hidden[:, :n], **inputs)
+        have = got.run(hidden_states=hidden[:, :n], **inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
+
+
+def test_eagle3_norm_before_residual_matches_the_reference():
+    """speculators-format heads add hidden_norm(hidden), not the hidden, to the attention output."""
+    import copy
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    tiny.eagle3.midlayer.norm_before_residual = True
+    config = {**cfg(tiny.eagle3), "norm_before_residual": True}
+    ref = tiny.eagle3_engines()[0]
+    got = fast.FastEagle3Engine(tiny.eagle3_engines()[0], config)
+    # the rule ignored, on a copy of the head (a fast engine folds the norms of the module it is given)
+    plain = fast.FastEagle3Engine(eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0], cfg(tiny.eagle3))
+    ref.new_kv()
+    got.new_kv()
+    hidden = torch.randn(1, 5, T.EAGLE3_CFG.hidden_size)
+    inputs = step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0)
+    plain.new_kv()
+    want, have = ref.run(hidden_states=hidden, **inputs), got.run(hidden_states=hidden, **inputs)
+    assert close(have["hidden_out"], want["hidden_out"]) and close(have["logits"], want["logits"])
+    assert not close(plain.run(hidden_states=hidden, **inputs)["hidden_out"], want["hidden_out"], 1e-2)
+
+
+DRAFTERS = {
+    "none": lambda t: NoDrafter(),
+    "eagle3": lambda t: Eagle3ChainDrafter(*fast_eagle3(t), t.d2t, 3),
+    "eagle3-tree": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6),
+    "eagle3-tree-kernels": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6, fused=True),
+    "draft-model": lambda t: DraftModelDrafter(fast.FastQwen3Engine(T.Tiny.draft_engine(t), cfg(t.draft)), 3),
+    "self-draft": lambda t: DraftModelDrafter(fast.FastQwen3Engine(t.self_draft_engine(), cfg(t.target)), 3),
+}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_fast_generation_equals_plain_greedy(name, tiny):
+    prompt = [5, 9, 11, 20, 33, 7]
+    want = T.greedy_reference(tiny.target, prompt, 8)
+    r = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True).generate(prompt, 8)
+    assert r.tokens == want
+    if name == "self-draft":                                                     # always right: full acceptance
+        assert r.stats.accepted == r.stats.drafted
+
+
+def test_fast_refuses_what_its_kernels_cannot_run(tiny, monkeypatch):
+    with pytest.raises(EngineError, match="head_dim 8"):
+        fast.FastQwen3Engine(T.build(MAX_SEQ_LEN).target_engine(), cfg(T.build(MAX_SEQ_LEN).target), T.TAPS)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(EngineError, match="CUDA device"):
+        fast_target(tiny)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["none", "eagle3", "eagle3-tree", "draft-model"])
+def test_fast_round_graphs_equal_eager_on_the_gpu(name):
+    """bf16 on the GPU: whole-round CUDA graphs give the eager fast path's tokens; both equal plain greedy
+    on the same fast engines (row-invariant kernels: a verified token is computed as if decoded alone)."""
+    tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
+    prompts = [[5, 6, 7, 8, 9], [77], [40, 3] * 10]
+    plain = Generator(fast_target(tiny), NoDrafter(), [], 512)
+    eager = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512)
+    graphed = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512, cuda_graphs=True)
+    for p in prompts:
+        want = plain.generate(p, 100).tokens
+        assert eager.generate(p, 100).tokens == want
+        assert graphed.generate(p, 100).tokens == want
+    assert graphed.round_fallback is None and all(g.replay is not None for g in graphed.rounds.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 32])
+def test_kernel_schedule_changes_no_bits_of_a_step_on_the_gpu(tokens, monkeypatch):
+    """kernels.SCHEDULE (evict-first weights, early PDL triggers, attn_early and attn_early_decode, rstd_span,
+    the last with norm_apart off so that the tile kernel runs its own RMSNorm pre-pass) is scheduling only: a
+    bf16 target step and an EAGLE3 step give the same logits, hidden and KV bits with every switch on as with
+    every one off."""
+    from xcompile.runtime.engines import kernels
+    tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
+    target, (e3, _) = fast_target(tiny), fast_eagle3(tiny)
+    inputs = step_inputs(torch.arange(3, 3 + tokens, device="cuda")[None], 40)
+    hidden = {"hidden_states": torch.ones(1, tokens, tiny.eagle3.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)}
+    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)
+    results = []
+    for on in (False, True):
+        for key in ("evict_first", "early_trigger_verify", "early_trigger_decode", "attn_early"):
+            monkeypatch.setitem(kernels.SCHEDULE, key, on)
+        monkeypatch.setitem(kernels.SCHEDULE, "rstd_span", 2048 if on else 0)
+        monkeypatch.setitem(kernels.SCHEDULE, "attn_early_decode", 3 if on else 0)
+        outs = []
+        for engine, extra in ((target, {}), (e3, hidden)):
+            kv = engine.reference.new_kv()
+            engine.bind_kv(kv)
+            outs += list(engine.run(**inputs, **extra).values()) + list(kv)
+        results.append(outs)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
