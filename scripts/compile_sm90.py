@@ -1,7 +1,7 @@
 """Compile every fused kernel the tests launch for sm_90 (the H200) with the installed triton, no GPU needed.
 
     python scripts/compile_sm90.py [--tests-python PY] [--resources NAME] [PYTEST ARGS]
-                                              # default: tests/runtime/test_kernels.py
+                                              # default: the kernel tests
 
 The interpreter (how CI runs the kernels) and a newer triton accept code that the GPU image's triton
 refuses; twice such a kernel first failed on the device (docs/BENCHMARKS.md, eighth and ninth sessions).
@@ -205,7 +205,7 @@ def main() -> None:
         else:
             show = args[1]
         args = args[2:]
-    args = args or ["tests/runtime/test_kernels.py"]
+    args = args or ["tests/runtime/engines/kernels", "tests/runtime/decoding/kernels"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "launches.jsonl"
         path.touch()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.sampling import Sampler
 from xcompile.runtime.decoding.speculative import (
     Accepted,
@@ -42,7 +43,6 @@ from xcompile.runtime.decoding.speculative import (
     topk_children,
 )
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
-from xcompile.runtime.engines import kernels
 from xcompile.runtime.engines.base import Engine
 
 if TYPE_CHECKING:
@@ -414,8 +414,8 @@ class Eagle3TreeDrafter(_Eagle3):
         self.tree, self.children, self.expand = None, topk_children, expand_level
         fits = k <= 32 and self.pool <= 2048 and self.total_tokens <= 64     # the kernels' tiles in registers
         if fits and kernels.use_fused(self.fused, device):
-            from xcompile.runtime.decoding.kernels.tree import TreeBuffers
             from xcompile.runtime.decoding.kernels import topk
+            from xcompile.runtime.decoding.kernels.tree import TreeBuffers
             self.tree, self.children, self.expand = TreeBuffers(batch, self.total_tokens - 1, device), \
                 topk.topk_children, topk.expand_level
             self.ex_state = [(torch.zeros(batch, k, device=device), torch.zeros(batch, k, **i64)) for _ in range(2)]

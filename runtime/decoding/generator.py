@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_inputs
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.speculative import (
@@ -41,7 +42,6 @@ from xcompile.runtime.decoding.speculative import (
     compact_kv,
     for_host,
 )
-from xcompile.runtime.engines import kernels
 from xcompile.runtime.engines.base import Engine
 from xcompile.runtime.engines.graphs import Capture, CudaGraphCapture, GraphedEngine, GraphUnavailable
 
@@ -387,7 +387,7 @@ class Generator:
         else speculative.accept_chain / accept_tree."""
         s, v = block.tokens.shape[1], logits.shape[-1]
         if (self.accepts is not None and block.chain and self.sampler.greedy and block.tokens.shape[0] == 1
-                and s <= kernels.MAX_ROWS and v <= 1 << 20 and logits.stride(-1) == 1
+                and s <= 64 and v <= 1 << 20 and logits.stride(-1) == 1
                 and block.tokens.is_contiguous()):
             # one per (block size, vocabulary), kept for good: a captured round graph writes its buffers
             fused = self.accepts.get((s, v))

@@ -15,8 +15,10 @@ attention reduction:
     linear(+res)   x += h Wd^T                 (and the EAGLE3 tap copy)
 
 In steps of several rows the two residual projections also leave x's row sums of squares (RowSums), from
-which the next projection's RMSNorm takes its 1/rms (kernels.SCHEDULE's norm_sums): no norm launch there.
-The step's embedding gather leaves them too, for the first layer's qkv.
+which the next projection's RMSNorm takes its 1/rms: no norm launch there. The step's embedding gather
+leaves them too, for the first layer's qkv. The kernels' open choices (PDL, the CUDA GEMV, the tile tables)
+are the engines' ``kernels``, a frozen KernelConfig (runtime/engines/kernels/config.py); a benchmark may
+replace it to time one engine under another.
 
 Every step is device work with shapes fixed by the token count, so the Generator records whole
 speculative rounds in one CUDA graph (``graph_capturable``). Weights are read by parameter name
@@ -29,10 +31,12 @@ from __future__ import annotations
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.engines.base import Engine
-from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv, interpreted
+from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
 from xcompile.runtime.engines.kernels.attention import attention
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.linear import RowSums, embedding, linear
 from xcompile.runtime.engines.kernels.norm import embed_norms
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv
@@ -77,8 +81,8 @@ class _Packed:
     def fold(self, norm: str, weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
         """Fold the RMSNorm weight ``norm`` into the [N, K] ``weight`` it alone feeds (W * g per column, in
         place, rounded once) and make the norm's weight ones (the module's a copy of its own): RMSNorm(x) W^T
-        is unchanged but for that rounding, and a call whose 1/rms comes from row sums (kernels.SCHEDULE's
-        norm_sums) then needs no prologue. Returns ``unit`` (the RowSums' ones), the fast layer's norm weight."""
+        is unchanged but for that rounding, and a call whose 1/rms comes from row sums (linear.RowSums) then
+        needs no prologue. Returns ``unit`` (the RowSums' ones), the fast layer's norm weight."""
         weight.mul_(self.get(norm)[None, :])
         self.params[norm].data = unit.clone()          # the module's own ones: ``unit`` is the kernels' token
         return unit
@@ -119,19 +123,18 @@ class _FastEngine(Engine):
 
     graph_capturable = True
 
-    def __init__(self, reference: TorchEngine, config: dict):
+    def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
         check_device(self.device)
-        self.reference, self.config = reference, config
+        self.reference, self.config, self.kernels = reference, config, kernels
         self.eps = config["rms_norm_eps"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_dim = config["head_dim"]
         if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
             raise EngineError(f"fast backend: head_dim {self.head_dim} is not a power of two >= 16 (the attention "
                               "kernel's tile); use --backend torch")
-        self.chunk = 0              # attention's keys per split: 0, chunk_for the cache and the call's rows
         # the residual stream's row sums of squares, left by the o / down projections of steps of several
-        # rows for the RMSNorm of the projection after them (kernels.SCHEDULE's norm_sums)
+        # rows for the RMSNorm of the projection after them
         self.sums = RowSums(config["hidden_size"], self.dtype, self.device)
         if self.device.type == "cuda" and self.dtype == torch.bfloat16:
             cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
@@ -147,8 +150,8 @@ class _FastEngine(Engine):
     def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
         """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
         q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
-                    self.head_dim, layer.q_norm, layer.k_norm, self.eps)
-        return attention(q, k_cache, v_cache, wi, mask, self.heads, self.chunk)
+                    self.head_dim, layer.q_norm, layer.k_norm, self.eps, cfg=self.kernels)
+        return attention(q, k_cache, v_cache, wi, mask, self.heads, cfg=self.kernels)
 
     @staticmethod
     def _batch1(inputs: dict[str, torch.Tensor]) -> None:
@@ -159,8 +162,9 @@ class _FastEngine(Engine):
 class FastQwen3Engine(_FastEngine):
     """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels."""
 
-    def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = ()):
-        super().__init__(reference, config)
+    def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
+                 kernels: KernelConfig = DEFAULT):
+        super().__init__(reference, config, kernels)
         p = _Packed(reference.module)
         unit = self.sums.unit
         self.layers = [_Layer(p, f"model.layers.{i}.", qk_norm=True, unit=unit)
@@ -181,21 +185,21 @@ class FastQwen3Engine(_FastEngine):
             return self.reference.run(**inputs)
         self._batch1(inputs)
         pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
-        sums = self.sums
-        x = embedding(ids[0], self.embed, sums_out=sums)                      # [S, H], and its row sums
+        sums, cfg = self.sums, self.kernels
+        x = embedding(ids[0], self.embed, sums_out=sums, cfg=cfg)             # [S, H], and its row sums
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
         for i, layer in enumerate(self.layers):
-            qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums)
+            qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums, cfg=cfg)
             a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)
-            linear(a, layer.o, residual=x, out=x, sums_out=sums)
-            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums)
+            linear(a, layer.o, residual=x, out=x, sums_out=sums, cfg=cfg)
+            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums, cfg=cfg)
             slots = [j for j, t in enumerate(self.taps) if t == i]
             extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
-            linear(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums)
+            linear(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 taps[0, :, j * h:(j + 1) * h] = x
-        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0])[None]
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
         out = {"logits": logits}
         if "hidden_taps" in self.spec.output_names:
             out["hidden_taps"] = taps
@@ -206,8 +210,8 @@ class FastEagle3Engine(_FastEngine):
     """The ``eagle3`` graph: one EAGLE3 decoder step (reference/eagle3_semantics.md §2-3) on the kernels:
     embedding + both input norms in one launch, then the layer as above with the hidden as residual."""
 
-    def __init__(self, reference: TorchEngine, config: dict):
-        super().__init__(reference, config)
+    def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
+        super().__init__(reference, config, kernels)
         p = _Packed(reference.module)
         self.layer = _Layer(p, "midlayer.", qk_norm=False, unit=self.sums.unit)
         self.embed = p.get("embed_tokens.weight")
@@ -225,49 +229,50 @@ class FastEagle3Engine(_FastEngine):
         self._batch1(inputs)
         pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
         hidden = inputs["hidden_states"][0]                                    # [S, H]
-        layer = self.layer
+        layer, cfg = self.layer, self.kernels
         # u = [input_layernorm(embed(ids)), hidden_norm(hidden)]: embedding first (§3)
-        u = embed_norms(ids[0], self.embed, layer.ln1, hidden, self.hidden_norm, self.eps)
-        qkv = linear(u, layer.qkv)
+        u = embed_norms(ids[0], self.embed, layer.ln1, hidden, self.hidden_norm, self.eps, cfg=cfg)
+        qkv = linear(u, layer.qkv, cfg=cfg)
         a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope)
         h = hidden.shape[-1]
         residual = u[:, h:] if self.norm_before_residual else hidden           # u[:, H:] = hidden_norm(hidden)
         self.sums.reset()
-        x = linear(a, layer.o, residual=residual, sums_out=self.sums)          # residual = the hidden
-        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums)
+        x = linear(a, layer.o, residual=residual, sums_out=self.sums, cfg=cfg)  # residual = the hidden
+        g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums, cfg=cfg)
         self.sums.reset()                                                      # x changes next
-        linear(g, layer.down, residual=x, out=x)
-        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0])[None]
+        linear(g, layer.down, residual=x, out=x, cfg=cfg)
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
         return {"logits": logits, "hidden_out": x[None]}
 
 
 class FastFCEngine(_FastEngine):
     """The ``eagle3_fc`` graph: taps [1, S, 3H] -> [1, S, H], one GEMV."""
 
-    def __init__(self, reference: TorchEngine, config: dict):
+    def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         Engine.__init__(self, reference.spec, None, reference.dtype, reference.device)
         check_device(self.device)
-        self.reference = reference
+        self.reference, self.kernels = reference, kernels
         self.fc = _Packed(reference.module).get("fc.weight")
 
     def run(self, **inputs):
         taps = inputs["hidden_taps"]
         if taps.shape[1] > MAX_ROWS or taps.shape[0] != 1:
             return self.reference.run(**inputs)
-        return {"hidden_states": linear(taps[0], self.fc)[None]}
+        return {"hidden_states": linear(taps[0], self.fc, cfg=self.kernels)[None]}
 
 
-def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int]) -> dict[str, Engine]:
+def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],
+         kernels: KernelConfig = DEFAULT) -> dict[str, Engine]:
     """The torch backend's engines of an engine dir -> fast engines. configs: graph -> its model's
-    config (manifest); taps: the target's tapped layers."""
+    config (manifest); taps: the target's tapped layers; kernels: the kernels' open choices."""
     out = {}
     for graph, engine in engines.items():
         if not isinstance(engine, TorchEngine):
             raise EngineError(f"fast backend: {graph} is not a torch-backend engine")
         if graph in (TARGET, DRAFT):
-            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else ())
+            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (), kernels)
         elif graph == EAGLE3:
-            out[graph] = FastEagle3Engine(engine, configs[graph])
+            out[graph] = FastEagle3Engine(engine, configs[graph], kernels)
         elif graph == EAGLE3_FC:
-            out[graph] = FastFCEngine(engine, configs[graph])
+            out[graph] = FastFCEngine(engine, configs[graph], kernels)
     return out

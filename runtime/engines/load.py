@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from xcompile.runtime.enginedir.manifest import Manifest
     from xcompile.runtime.engines.base import Engine
+    from xcompile.runtime.engines.kernels.config import KernelConfig
 
 AUTO = "auto"
 
@@ -69,6 +70,7 @@ class OpenOptions:
     cuda_graphs: bool = True        # TensorRT engines record graphs of their own launches; ORT on CUDA its own
     max_draft_tokens: int = 64      # rows the drafts' step buffers hold (ORT)
     verify: bool = False            # hash every byte of each file a loader reads (runtime/enginedir/integrity.py)
+    kernels: KernelConfig | None = None     # the fast backend's open kernel choices (None: the defaults)
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,25 +140,28 @@ def _torch_load(directory, manifest, device, options):
 
 
 def _fast_load(directory, manifest, device, options):
-    return fast_engines(manifest, _torch_load(directory, manifest, device, options))
+    return fast_engines(manifest, _torch_load(directory, manifest, device, options), options.kernels)
 
 
 def _fast_auto(manifest, device) -> bool:
     if device.type != "cuda":
         return False
-    from xcompile.runtime.engines import kernels
+    from xcompile.runtime.common.gpu import available
 
-    return kernels.available()
+    return available()
 
 
-def fast_engines(manifest: Manifest, engines: dict[str, Engine]) -> dict[str, Engine]:
-    """The torch backend's engines of ``manifest`` on the fused kernels (runtime/engines/fast.py)."""
+def fast_engines(manifest: Manifest, engines: dict[str, Engine], kernels: KernelConfig | None = None
+                 ) -> dict[str, Engine]:
+    """The torch backend's engines of ``manifest`` on the fused kernels (runtime/engines/fast.py), with the
+    kernel choices ``kernels`` (None: the defaults)."""
     from xcompile.runtime.engines import fast
+    from xcompile.runtime.engines.kernels.config import DEFAULT
 
     fast.check_device(engines[TARGET].device)
     models = manifest.models
     configs = {g: models[EAGLE3 if g == EAGLE3_FC else g].config for g in engines}
-    return fast.wrap(engines, configs, list(models[TARGET].extra.get("taps") or ()))
+    return fast.wrap(engines, configs, list(models[TARGET].extra.get("taps") or ()), kernels or DEFAULT)
 
 
 # order is auto's preference (module docstring)
@@ -189,7 +194,8 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
 
 
 def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "cpu", *,
-                    cuda_graphs: bool = True, max_draft_tokens: int = 64, verify: bool = False) -> EngineSet:
+                    cuda_graphs: bool = True, max_draft_tokens: int = 64, verify: bool = False,
+                    kernels: KernelConfig | None = None) -> EngineSet:
     """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there.
     Use it as a context manager (``with open_engine_dir(...) as es:``) or close it in a ``finally``.
     Every file used is checked against the manifest's sizes and hashes first: sampled blocks, or
@@ -212,7 +218,8 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
         raise EngineError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
                           "machine with an NVIDIA GPU, or --backend ort/torch here")
     manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
-    engines = BACKENDS[backend].load(directory, manifest, dev, OpenOptions(cuda_graphs, max_draft_tokens, verify))
+    engines = BACKENDS[backend].load(directory, manifest, dev, OpenOptions(cuda_graphs, max_draft_tokens, verify,
+                                                                                kernels))
     es = EngineSet(directory, manifest, backend, engines)
     try:
         if EAGLE3 in engines:

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xcompile.runtime.decoding.kernels import launch, pdl
 from xcompile.runtime.decoding.speculative import Accepted
-from xcompile.runtime.engines.kernels import launch, pdl
 
 BLOCK_V = 4096      # logits per program
 

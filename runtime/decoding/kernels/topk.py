@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.engines.kernels import launch, pdl
+from xcompile.runtime.decoding.kernels import launch, pdl
 
 BLOCK_V = 4096      # vocabulary columns per program of the first launch (at most: smaller vocabularies, one block)
 MAX_K = 32          # larger k: the torch ops

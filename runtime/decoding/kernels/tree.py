@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.engines.kernels import launch, pdl
+from xcompile.runtime.decoding.kernels import launch, pdl
 
 
 @triton.jit

@@ -8,46 +8,53 @@ token m sees every key j < origin and key origin + i iff tree_mask[m, i] (W = M:
 and the new ones the mask allows). Only keys below write_index + M are read: the live length
 lives on the device, so the same launch serves every context length inside one CUDA graph.
 
-Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions (chunk: the cache's for the call's rows,
-chunk_for: a call of several rows takes at most SCHEDULE's verify_splits splits, one row MAX_SPLITS; or SCHEDULE's
-short_chunk while write_index + MAX_ROWS keys fit the launch's splits at that size: more splits of one
-BLOCK_S step each, all of whose cached keys load before the PDL wait), one program per (kv head, split,
-tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g,
-head r%g), so each KV tile is read once per head group. Splits past the live length return at once;
-the reduction combines the live ones in a fixed order. Chunks at absolute positions chosen from
-write_index alone, and fixed row tiles, make a row's result independent of how many rows (from 2) the
-call carries (kernels/__init__.py); a token decoded alone and verified as row r of a block at write_index
-wi share the split layout while both are in short_chunk's range (on a 4352-slot cache: wi + 64 <= 1088,
-the verify's 17 splits of 64 keys) and not past it (one row's chunk is 128 keys, several rows' 256).
+Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split, tile
+of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g, head r%g),
+so each KV tile is read once per head group. Splits past the live length return at once; the reduction
+combines the live ones in a fixed order. Chunks at absolute positions chosen from write_index alone, and
+fixed row tiles, make a row's result independent of how many rows (from 2) the call carries.
 
-Launch options (SCHEDULE; none changes a result but attn_warps, which lays the dot products out otherwise):
-attn_maxnreg caps the split kernel's registers for grids of more than four programs a SM at the cache's
-full length (``many``: ~180 registers uncapped, two programs a SM; 128, four); attn_stages, attn_warps and
-attn_prefetch (a bulk L2 prefetch of a split's later cached keys before the PDL wait) were measured without
-gain and stay at 2 / 4 / off. One that changes bits at long contexts (the fp32 sum over the splits in
-another thread layout, the same for every row count): combine_block, the columns of a head each reduction
-program sums (32: a one-row call's reduction on a 4352-slot cache on 128 one-warp programs, not 32 of
-four).
+The chunk: CHUNK keys, or whole BLOCK_S steps such that a call of one row divides the cache into at most
+MAX_SPLITS splits and a call of several rows into at most VERIFY_SPLITS (a decode step at context 4096 wants
+one row's 34 splits of 128 keys on a 4352-slot cache, 4.41 ms against 4.48 at 17; a 7 / 32-token verify at
+context 128 wants 17: 4.40 / 4.99 ms at 34, 4.33 / 4.91 at 17). And SHORT_CHUNK keys while write_index +
+MAX_ROWS keys fit the launch's splits at that size: every split one BLOCK_S step, all of its cached keys
+requested before the PDL wait (1 / 7 / 32 tokens at context 128: 4.32 / 4.61 / 5.20 -> 4.26 / 4.56 /
+5.14 ms). A token decoded alone and verified as row r of a block at write_index wi share the split layout
+while both are in SHORT_CHUNK's range (on a 4352-slot cache: wi + 64 <= 1088) and not past it (one row's
+chunk is 128 keys, several rows' 256), where speculative and plain greedy may part at a near tie.
+
+Launches: the split kernel at 4 warps holds ~180 registers a thread, two programs a SM; grids of more than
+four programs a SM at the cache's full length are capped at MAXNREG (four a SM: a 32-token verify at
+context 4096 7.06 -> 6.73 ms). The reduction sums COMBINE_BLOCK columns of a head a program (a one-row
+call's reduction on a 4352-slot cache on 128 one-warp programs, not 32 of four: 4.56 -> 4.45 ms at
+context 4096). Calls of several rows let the next launch start before their own PDL wait (the o
+projection's programs resident while attention runs: 7 / 32 tokens 4.64 / 5.28 -> 4.60 / 5.18 ms); one-row
+calls only from rope_kv (the split kernel requests its cached keys before rope_kv's wait is over).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, ieee_dot, launch, pdl
-from xcompile.runtime.engines.kernels.common import attn_early, schedule_flags
-from xcompile.runtime.engines.kernels.gemv import sms
+from xcompile.runtime.common.gpu import ieee_dot, interpreted
+from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 
 BLOCK_S = 64        # keys per inner step
-CHUNK = 128         # keys per split (splits past the live length return at once). The Qwen3-8B-shape step
-                    # on the H200 (benchmarks/fast_decode.py --chunks 64,128,256, 2026-12-01), ms at 1 / 32
-                    # tokens: context 128 4.521 / 6.619, 4.565 / 6.269, 4.632 / 6.217; context 4096 4.885 /
-                    # 9.260, 4.798 / 8.198, 4.874 / 7.770
+CHUNK = 128         # keys per split: ms at 1 / 32 tokens on the H200 (Qwen3-8B shape), context 4096: 4.885 /
+                    # 9.260 at 64, 4.798 / 8.198 at 128, 4.874 / 7.770 at 256
 MAX_SPLITS = 128    # longer caches get longer chunks: the reduction holds every split's partial at once
+VERIFY_SPLITS = 17  # the most splits a call of several rows takes (module docstring)
+SHORT_CHUNK = 64    # keys per split while the live keys fit the launch's splits at that size (docstring)
+MAXNREG = 128       # the split kernel's register cap for grids of more than four programs a SM
+COMBINE_BLOCK = 32  # columns of a head each reduction program sums
+WARPS = 4           # of the split kernel (8: within noise at one row, slower at 32 rows)
 
 
 @triton.jit
@@ -78,23 +85,9 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 
 
 @triton.jit
-def _prefetch_l2(P, first, last, ROW_BYTES: tl.constexpr, THREADS: tl.constexpr):
-    """Ask L2 for rows first..last-1 of P (ROW_BYTES apart, contiguous), one bulk prefetch
-    (cp.async.bulk.prefetch.L2, sm_90+) per row and thread: no result, nothing waits for it."""
-    base = P.to(tl.pointer_type(tl.int8))
-    for r0 in range(first, last, THREADS):
-        r = (r0 + tl.arange(0, THREADS)).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], $4; }\n"
-            "mov.u32 $0, 0;", "=r,l,r,r,r",
-            [base + r.to(tl.int64) * ROW_BYTES, r, tl.zeros_like(r) + last.to(tl.int32), tl.zeros_like(r) + ROW_BYTES],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
-    """Keys per split: SMALL while write_index + MAX_M keys fit the launch's splits at that size (SCHEDULE's
-    short_chunk; the same for every row count, so a row's bits stay those of a block's row), else CHUNK."""
+    """Keys per split: SMALL while write_index + MAX_M keys fit the launch's splits at that size (the same for
+    every row count, so a row's bits stay those of a block's row), else CHUNK."""
     chunk = CHUNK + 0 * wi
     if SMALL > 0:
         chunk = tl.where(wi + MAX_M <= SMALL * splits, SMALL, chunk)
@@ -105,10 +98,9 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
                   SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                  EARLY: tl.constexpr, FIRST: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
-                  THREADS: tl.constexpr):
+                  FIRST: tl.constexpr):
     if PDL and FIRST:
-        tl.extra.cuda.gdc_launch_dependents()           # attn_early: the reduction, then the o projection, launch now
+        tl.extra.cuda.gdc_launch_dependents()           # the reduction, then the o projection, launch now
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -132,12 +124,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         k = tl.load(KC + offs, mask=cached[:, None], other=0.0)
         v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
         if PDL:
-            if PREFETCH:                                # the later steps' cached keys, into L2 before the wait
-                last = tl.minimum(end, wi)
-                _prefetch_l2(KC + base, start + BLOCK_S, last, ROW_BYTES, THREADS)
-                _prefetch_l2(VC + base, start + BLOCK_S, last, ROW_BYTES, THREADS)
             tl.extra.cuda.gdc_wait()
-            if EARLY and not FIRST:
+            if not FIRST:
                 tl.extra.cuda.gdc_launch_dependents()
         new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
         k = tl.load(KC + offs, mask=new[:, None], other=k)                  # in place: no second tile live
@@ -155,8 +143,6 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
             v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
                                           l_i, acc, IEEE)
-        if PDL and not EARLY and not FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
         # partials [splits, M, HQ, (D | m, l)]; the combine reads the live splits only
         slot = (split * M + tok) * HQ + head
         tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
@@ -192,59 +178,56 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
     tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
+@functools.cache
+def sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the interpreter: 2)."""
+    return 2 if interpreted() else torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def many(programs: int, device: torch.device) -> bool:
-    """Whether a split launch of ``programs`` programs (at the cache's full length) takes SCHEDULE's
-    attn_maxnreg: more than 4 a SM. Uncapped the split kernel holds ~180 registers a thread at 4 warps,
-    two programs a SM; capped at 128, four (scripts/compile_sm90.py --resources _split_kernel)."""
+    """Whether a split launch of ``programs`` programs (at the cache's full length) takes the register cap:
+    more than 4 a SM (scripts/compile_sm90.py --resources _split_kernel shows the registers)."""
     return programs > 4 * sms(device)
 
 
 def chunk_for(max_seq_len: int, rows: int = 1) -> int:
     """Keys per split for a call of ``rows`` rows on a cache of ``max_seq_len`` slots: CHUNK, or whole
-    BLOCK_S steps such that at most MAX_SPLITS splits (one row) or SCHEDULE's verify_splits (several rows;
-    0: MAX_SPLITS) cover the cache."""
-    splits = int(SCHEDULE["verify_splits"]) if rows > 1 and SCHEDULE["verify_splits"] else MAX_SPLITS
+    BLOCK_S steps such that at most MAX_SPLITS splits (one row) or VERIFY_SPLITS (several rows) cover it."""
+    splits = VERIFY_SPLITS if rows > 1 else MAX_SPLITS
     return max(CHUNK, BLOCK_S * math.ceil(max_seq_len / (splits * BLOCK_S)))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
-              tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
+              cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
-    strided) -> [M, Hq*D]. chunk: keys per split (None or 0: chunk_for the cache and M)."""
+    strided) -> [M, Hq*D]. chunk: keys per split (None: chunk_for the cache and M; the tests set it)."""
     m = q.shape[0]
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
     chunk = chunk or chunk_for(max_seq_len, m)
     splits = math.ceil(max_seq_len / chunk)
-    small = int(SCHEDULE["short_chunk"])
-    assert small % BLOCK_S == 0 and m <= MAX_ROWS
-    small = small if small < chunk else 0                   # a chunk no shorter than the cache's: nothing to switch
+    assert m <= MAX_ROWS
+    small = SHORT_CHUNK if SHORT_CHUNK < chunk else 0       # a chunk no longer than the short one: nothing to switch
     w = tree_mask.shape[1]
     assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
-    warps = int(SCHEDULE["attn_warps"])
-    row_bytes = d * k_cache.element_size()
-    prefetch = (bool(SCHEDULE["attn_prefetch"]) and row_bytes % 16 == 0 and k_cache.stride() == v_cache.stride()
-                and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)    # a bulk prefetch: 16-byte units
     grid = (kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
-    regs = {"maxnreg": int(SCHEDULE["attn_maxnreg"])} if SCHEDULE["attn_maxnreg"] and many(math.prod(grid), q.device) else {}
+    regs = {"maxnreg": MAXNREG} if many(math.prod(grid), q.device) else {}
     partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[grid](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads, D=d,
-        BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=pdl(), EARLY=schedule_flags(m)["EARLY"],
-        FIRST=attn_early(m, "split"), PREFETCH=prefetch, ROW_BYTES=row_bytes,
-        THREADS=32 * warps, num_warps=warps, num_stages=int(SCHEDULE["attn_stages"]), **regs, **launch())
+        BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=cfg.pdl_on, FIRST=m > 1, num_warps=WARPS,
+        num_stages=2, **regs, **cfg.launch())
     if out is None:
         out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
-    db = min(d, int(SCHEDULE["combine_block"]) or d)
+    db = min(d, COMBINE_BLOCK)
     assert d % db == 0, f"combine_block {db} does not divide head_dim {d}"
     _combine_kernel[(m, heads, d // db)](partial, stats, out, write_index, m, out.stride(0), chunk, splits, SMALL=small,
-                                         MAX_M=MAX_ROWS, HQ=heads, D=d, DB=db, SPLITS_P2=p2, PDL=pdl(),
-                                         FIRST=attn_early(m, "combine"), num_warps=min(8, max(1, p2 * db // 2048)),
-                                         **launch())
+                                         MAX_M=MAX_ROWS, HQ=heads, D=d, DB=db, SPLITS_P2=p2, PDL=cfg.pdl_on,
+                                         FIRST=m > 1, num_warps=min(8, max(1, p2 * db // 2048)), **cfg.launch())
     return out
 
 

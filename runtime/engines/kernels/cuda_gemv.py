@@ -1,5 +1,5 @@
-"""One-row bf16 projections in CUDA C++ (gemv.cu): the same operands, epilogues and norm_late rounding
-as gemv.py's Triton GEMV, the weight rows streamed into shared memory by the copy engine (cp.async.bulk)
+"""One-row bf16 projections in CUDA C++ (gemv.cu): the same operands, epilogues and RMSNorm rounding (its
+1/rms applied to the sums) as gemv.py's Triton GEMV, the weight rows streamed into shared memory by the copy engine (cp.async.bulk)
 a few stages ahead, so the bytes in flight are not bounded by the registers (gemv.cu's header).
 
 Built when first asked for (the fast engines ask when they are made, outside any graph capture) with the
@@ -8,8 +8,9 @@ bulk copies are Hopper's), into ``$XCOMPILE_CACHE/cuda`` (else ``~/.cache/xcompi
 sources, the architecture, the flags and nvcc's version, and called through ctypes on torch's current
 stream (so it records into CUDA graphs like any launch); one probe launch at load checks that the device runs
 the build. Without nvcc, on an older GPU, if the build or the probe fails or a launch is refused (a warning says
-why), one-row calls keep the Triton GEMV: ``CUDA_GEMVS`` only says
-which shapes take this kernel where it runs.
+why), one-row calls keep the Triton GEMV: the tile tables' ``cuda`` only says
+which shapes take this kernel where it runs (gate/up: faster there inside the graphed step; qkv was faster
+at context 128 and slower at 4096, o and down slower at both).
 Neither CI nor any CPU runs it: its tests are marked ``gpu``.
 """
 
@@ -23,37 +24,19 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.common.logs import logger
-from xcompile.runtime.engines.kernels import SCHEDULE, interpreted, pdl
+from xcompile.runtime.engines.kernels.config import DEFAULT, CudaGemv, KernelConfig
 
 SOURCES = [Path(__file__).with_name(name) for name in ("common.cuh", "gemv.cu")]
 log = logger(__name__)
 
 
-class CudaGemv(NamedTuple):
-    """A tile of gemv.cu's kernel: ``cols`` output columns a stage (1 or 2; a stage holds their weight rows, all
-    of K), ``warps`` a block, ``stages`` (2-8) in shared memory, ``per_sm`` blocks a SM (0: as many as fit)."""
-    cols: int
-    warps: int
-    stages: int
-    per_sm: int = 0
-
-
 SMEM_LIMIT = 227 * 1024          # shared memory a block may take on sm_90 (the stages, their barriers, the sums)
-
-# Shapes (N_OUT, K) whose one-row calls take gemv.cu's kernel where it runs (bf16, a CUDA device, nvcc).
-# Chosen inside the graphed step (`benchmarks/fast_decode.py --variants "cuda_gate_up=2/4/2;..."`, 13th session,
-# docs/BENCHMARKS.md): gate/up only. The qkv shape was faster on it at context 128 and slower at 4096; o and
-# down slower at both.
-CUDA_GEMVS: dict[tuple[int, int], CudaGemv] = {
-    (12288, 4096): CudaGemv(2, 4, 2),       # Qwen3-8B gate/up (+ RMSNorm, SiLU*mul), the EAGLE3 head's too
-}
-
 
 def check(tile: CudaGemv, n_out: int, k: int, gated: bool = False, smem_limit: int = SMEM_LIMIT) -> CudaGemv:
     """``tile`` (any sequence of CudaGemv's fields) if gemv.cu has a kernel for it at this shape; else EngineError."""
@@ -63,7 +46,7 @@ def check(tile: CudaGemv, n_out: int, k: int, gated: bool = False, smem_limit: i
             or k > 4096 * tile.warps or need > smem_limit):
         raise EngineError(f"CUDA GEMV tile {tuple(tile)} for ({n_out}, {k}): cols must be 1 or 2, warps 1-32, stages "
                           f"2-8, per_sm >= 0, K at most 4096 x warps and the stages ({need} bytes) within "
-                          f"{smem_limit} bytes of shared memory; fix cuda_gemv.CUDA_GEMVS or the variant")
+                          f"{smem_limit} bytes of shared memory; fix the tile tables' cuda entry")
     return tile
 
 
@@ -178,15 +161,12 @@ REFUSED: set[tuple[int, int, CudaGemv]] = set()     # (N_OUT, K, tile) whose lau
 
 
 def tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, norm: torch.Tensor | None,
-             *tensors: torch.Tensor | None) -> CudaGemv | None:
-    """The CUDA GEMV's tile for this one-row call, or None (the shape has none, K not a multiple of 8, not
-    bf16, no CUDA device or no library, x, w or norm not 16-byte aligned, an RMSNorm while SCHEDULE's
-    norm_late is off (this kernel scales late only), more shared memory than the device has, a launch of
-    it refused before)."""
-    tile = CUDA_GEMVS.get((n_out, k))
-    if tile is None or k % 8 or not SCHEDULE["cuda_gemv"] or x.device.type != "cuda" or interpreted():
-        return None
-    if norm is not None and not SCHEDULE["norm_late"]:
+             *tensors: torch.Tensor | None, cfg: KernelConfig = DEFAULT) -> CudaGemv | None:
+    """The CUDA GEMV's tile for this one-row call, or None (``cfg.cuda_gemv`` off, the shape has none, K not a
+    multiple of 8, not bf16, no CUDA device or no library, x, w or norm not 16-byte aligned, more shared
+    memory than the device has, a launch of it refused before)."""
+    tile = cfg.tiles.cuda.get((n_out, k))
+    if tile is None or k % 8 or not cfg.cuda_gemv or x.device.type != "cuda" or interpreted():
         return None
     if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w, norm, *tensors)):
         return None
@@ -204,13 +184,14 @@ def tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, norm: torch.T
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: CudaGemv, *, norm: torch.Tensor | None,
          eps: float, gated: bool, residual: torch.Tensor | None, extra_out: torch.Tensor | None,
-         early: bool) -> torch.Tensor | None:
+         cfg: KernelConfig = DEFAULT) -> torch.Tensor | None:
     """linear() of one row (its docstring) on gemv.cu's kernel: x [1, K] -> out [1, N]; None if the device
     refused the launch (nothing was enqueued; warned once, and the shape stays on Triton from then on)."""
     n_out, k = out.shape[1], x.shape[1]
     lib = library(x.device.index or 0)
     ptrs = [t.data_ptr() if t is not None else None for t in (x, w, out, residual, norm, extra_out)]
-    flags = (norm is not None, gated, residual is not None, extra_out is not None, early, pdl(),
+    # early: the next kernel may launch right after this one's PDL wait, as the Triton kernels do
+    flags = (norm is not None, gated, residual is not None, extra_out is not None, True, cfg.pdl_on,
              torch.cuda.current_stream(x.device).cuda_stream)
     with torch.cuda.device(x.device):                  # the launch goes to the current device
         err = lib.xc_gemv(*ptrs, n_out, k, eps, tile.cols, tile.warps, tile.stages, tile.per_sm, *flags)

@@ -1,33 +1,28 @@
-"""y = epilogue(prologue(x) @ W^T): every projection of a decode/verify step in one kernel.
+"""y = epilogue(norm(x) @ W^T): every projection of a decode/verify step of up to MAX_ROWS rows.
 
     x [M, K] (M <= MAX_ROWS), W [N, K] row-major (K contiguous), y [M, N] (or [M, N/2] when gated)
-    prologue  RMSNorm of each row of x (fp32 statistics, one rounding, as F.rms_norm): 1/rms from a pass
-              over x before the weights stream, SCHEDULE's rstd_span columns of it in flight at a time (or,
-              with norm_late_tile, off, x * g rounded and the 1/rms applied to the fp32 sums instead). With
-              SCHEDULE's norm_apart (on) the tile kernel's calls normalise x in a launch of their own first
-              (kernels/norm.py; its 1/rms summed in another order), so the prologue serves the GEMVs only,
-              except where the call that wrote x left its rows' sums of squares (RowSums, SCHEDULE's
-              norm_sums) and the norm's weight is folded into W: then x is multiplied as it is and the
-              sums are scaled by the 1/rms from them before the epilogue (no launch, no pass over x)
+    norm      an RMSNorm of x (fp32 statistics, one rounding, as F.rms_norm). One-row calls of the GEMV shapes
+              take it as the GEMV's prologue (gemv.py, cuda_gemv.py). Calls on the tile kernel take each row's
+              1/rms from the sums of squares the call that wrote x left (``RowSums``; the norm's weight folded
+              into W at load, backends' job) and scale the fp32 sums by it before the epilogue, or else
+              normalise x in a launch of their own (norm.rms_norm): no pass over x in every column block
+              (32 tokens 5.62 -> 5.31 ms a step on the H200)
     epilogue  gated: W stacks [gate; up] (each N/2 rows): y = silu(x Wg^T) * (x Wu^T)
               residual: y = r + x W^T (r may be y itself: each program reads its tile before writing it)
               extra: also store y into a second buffer (the EAGLE3 taps)
               sums: also leave each row's sum of squares of y, one fp32 partial per column block (RowSums)
 
 Memory-bound at these M: every weight byte is read once, by the program that owns its BLOCK_N output
-columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all
-of them. With SCHEDULE's tma (on sm_90, and in the interpreter) the weight tiles come by tensor descriptor:
-the copy engine's 2-D tile copies into shared memory, ``num_stages`` tiles ahead, not loads through the
-registers (the same bits: the same tiles meet the same dot in the same order). Rounding follows the
-reference modules (each matmul output rounded to the model dtype before the next elementwise op), so the
-reference below is what the kernel is tested against.
-One-row calls of the shapes gemv.py has tiles for run its CUDA-core GEMVs instead (cuda_gemv.py's CUDA C++
-kernel for the shapes it lists, where it is built, else gemv.py's Triton GEMV).
+columns; the rows of x ride along in tiles of 16 (tl.dot's smallest M) so one weight tile serves all of
+them. On sm_90 (and in the interpreter) the weight tiles come by tensor descriptor: the copy engine's 2-D
+copies into shared memory, ``num_stages`` tiles ahead, where loads would go through the registers (the
+same bits; a 7-token verify 4.40 -> 4.33 ms). The first weight tile is requested before the PDL wait and
+the next kernel may launch right after it (7-token verify 4.94 -> 4.84 ms). Rounding follows the reference
+modules (each matmul output rounded to the model dtype before the next elementwise op), so
+``linear_reference`` is what the kernel is tested against.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,22 +30,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE, SCHEDULE, cuda_gemv, ieee_dot, interpreted, launch, pdl
-from xcompile.runtime.engines.kernels.common import (
-    _counters,
-    _epilogue,
-    _load_w,
-    _load_x,
-    _load_xg,
-    _sq,
-    norm_late,
-    rstd_unroll,
-    schedule_flags,
-)
-from xcompile.runtime.engines.kernels.gemv import gemv, gemv_tile, sms
+from xcompile.runtime.common.gpu import ieee_dot, interpreted
+from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE, cuda_gemv
+from xcompile.runtime.engines.kernels.common import _epilogue, _load_w, _load_x, counters
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig, Tile, Tiles
+from xcompile.runtime.engines.kernels.gemv import gemv, gemv_tile
 from xcompile.runtime.engines.kernels.norm import embedding_rows, rms_norm
 
 SUM_ROWS = tl.constexpr(MAX_ROWS)    # a row sums buffer's stride: one partial of every row a column block
+DEFAULT_TILE = Tile(32, 512, 4, 3)   # shapes without a tuned tile
 
 
 @triton.jit
@@ -63,80 +51,35 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(X, stride_xm, G, M, K, ks, rows, s, NORM: tl.constexpr, EVEN_K: tl.constexpr, LATE: tl.constexpr):
-    """One row tile of x at columns ks and its statistic s: LATE, x * g and s + x^2 (per lane, [BLOCK_M,
-    BLOCK_K]); else x RMS-normalised with the 1/rms s (when NORM)."""
-    if LATE:
-        x, ss = _load_xg(X, stride_xm, rows, M, ks, K, G, EVEN_K)
-        s = s + ss
-    else:
-        x = _load_x(X, stride_xm, rows, M, ks, K, s, G, NORM, EVEN_K)
-    return x, s
-
-
-@triton.jit
-def _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1, a2, a3, u0, u1, u2, u3,
-         BLOCK_M: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-         EVEN_K: tl.constexpr, TILES: tl.constexpr, LATE: tl.constexpr):
-    """Accumulate one K step of every row tile against the weight tile(s) (and, LATE, the row tiles'
-    sums of squares s*)."""
+def _mac(X, stride_xm, M, K, ks, w, wu, a0, a1, a2, a3, u0, u1, u2, u3, BLOCK_M: tl.constexpr, GATED: tl.constexpr,
+         IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr):
+    """Accumulate one K step of every row tile (a*: gate or plain, u*: up) against the weight tile(s)."""
     r0 = tl.arange(0, BLOCK_M)
-    x, s0 = _row_tile(X, stride_xm, G, M, K, ks, r0, s0, NORM, EVEN_K, LATE)
+    x = _load_x(X, stride_xm, r0, M, ks, K, EVEN_K)
     a0 = _dot(x, w, a0, IEEE)
     if GATED:
         u0 = _dot(x, wu, u0, IEEE)
     if TILES > 1:
-        x, s1 = _row_tile(X, stride_xm, G, M, K, ks, r0 + BLOCK_M, s1, NORM, EVEN_K, LATE)
+        x = _load_x(X, stride_xm, r0 + BLOCK_M, M, ks, K, EVEN_K)
         a1 = _dot(x, w, a1, IEEE)
         if GATED:
             u1 = _dot(x, wu, u1, IEEE)
     if TILES > 2:
-        x, s2 = _row_tile(X, stride_xm, G, M, K, ks, r0 + 2 * BLOCK_M, s2, NORM, EVEN_K, LATE)
+        x = _load_x(X, stride_xm, r0 + 2 * BLOCK_M, M, ks, K, EVEN_K)
         a2 = _dot(x, w, a2, IEEE)
         if GATED:
             u2 = _dot(x, wu, u2, IEEE)
     if TILES > 3:
-        x, s3 = _row_tile(X, stride_xm, G, M, K, ks, r0 + 3 * BLOCK_M, s3, NORM, EVEN_K, LATE)
+        x = _load_x(X, stride_xm, r0 + 3 * BLOCK_M, M, ks, K, EVEN_K)
         a3 = _dot(x, w, a3, IEEE)
         if GATED:
             u3 = _dot(x, wu, u3, IEEE)
-    return a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3
-
-
-@triton.jit
-def _tile_rstds(X, stride_xm, r0, M, K, eps, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                TILES: tl.constexpr, UNROLL: tl.constexpr):
-    """Per-row 1/rms of each of the TILES row tiles (zeros, unused, without NORM), in one pass over x: every
-    tile's loads of UNROLL steps in flight together; each row's sums in column order (as _rstd's)."""
-    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s1 = s0
-    s2 = s0
-    s3 = s0
-    if NORM:
-        for k0 in range(0, K, UNROLL * BLOCK_K):
-            for u in tl.static_range(UNROLL):
-                ks = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
-                s0 += _sq(X, stride_xm, r0, M, ks, K)
-                if TILES > 1:
-                    s1 += _sq(X, stride_xm, r0 + BLOCK_M, M, ks, K)
-                if TILES > 2:
-                    s2 += _sq(X, stride_xm, r0 + 2 * BLOCK_M, M, ks, K)
-                if TILES > 3:
-                    s3 += _sq(X, stride_xm, r0 + 3 * BLOCK_M, M, ks, K)
-        s0, s1 = tl.rsqrt(s0 / K + eps), tl.rsqrt(s1 / K + eps)
-        s2, s3 = tl.rsqrt(s2 / K + eps), tl.rsqrt(s3 / K + eps)
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def _late_rstd(s, K, eps):
-    """norm_late: the rows' 1/rms from their x^2 per lane over all of K, s [BLOCK_M, BLOCK_K]."""
-    return tl.rsqrt(tl.sum(s, axis=1) / K + eps)
+    return a0, a1, a2, a3, u0, u1, u2, u3
 
 
 @triton.jit
 def _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, r0, r1, r2, r3, TILES: tl.constexpr):
-    """norm_late: each row tile's accumulators times its rows' 1/rms r*."""
+    """Each row tile's accumulators times its rows' 1/rms r*."""
     a0, u0 = a0 * r0[:, None], u0 * r0[:, None]
     if TILES > 1:
         a1, u1 = a1 * r1[:, None], u1 * r1[:, None]
@@ -155,31 +98,27 @@ def _zero_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_wt(w_ptr, u_ptr, n0, k0, ks, K, N_OUT, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr,
-             TMA: tl.constexpr):
+def _load_wt(w_ptr, u_ptr, n0, k0, ks, K, N_OUT, GATED: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """The weight tile(s) at output columns n0.. and K columns ks (= k0..): TMA, by the tensor descriptor
-    w_ptr (the copy engine's 2-D tile copy; rows and columns past the weight read as zeros); else _load_w."""
+    w_ptr (rows and columns past the weight read as zeros); else _load_w."""
     if TMA:
         w = w_ptr.load([n0, k0])
         wu = w
         if GATED:
             wu = u_ptr.load([n0 + N_OUT, k0])
     else:
-        w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K, EVICT)
+        w, wu = _load_w(w_ptr, u_ptr, ks, K, GATED, EVEN_K)
     return w, wu
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm,
-                   stride_y2m, eps, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                   EXTRA: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr,
-                   PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr,
-                   UNROLL: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr,
-                   TMA: tl.constexpr):
+def _linear_kernel(X, W, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, stride_xm, stride_ym, stride_rm,
+                   stride_y2m, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr, TMA: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over
-    # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split). LATE (no
-    # split): the RMSNorm's 1/rms is applied to the accumulators, its sums of squares gathered on the way.
+    # the K_SPLIT columns of x starting at program_id(1) * K_SPLIT (all of K unless split).
     # NSUM > 0 (the norm's weight folded into W, x loaded as it is): the sums scaled by each row's 1/rms
     # before the epilogue, from the NSUM partial sums of squares SQ [NSUM, MAX_ROWS] that the call which wrote
     # x left. SUMS: this call leaves its own result's partials in SQO [blocks, MAX_ROWS]
@@ -193,35 +132,22 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
         wrows = tl.where(cols < N_OUT, cols, 0)             # clamp instead of masking the weight loads
         w_ptr = W + wrows[:, None] * K
         u_ptr = W + (wrows[:, None] + N_OUT) * K            # gated: the up rows follow the N_OUT gate rows
-    # the weights never depend on the previous kernel: fetch the first tile before waiting for it
-    # (programmatic dependent launch: this kernel may start while the previous one drains)
+    # the weights never depend on the previous kernel: fetch the first tile before waiting for it, and let
+    # the next kernel launch (and fetch its own weights) once the wait is over
     ks = k_begin + tl.arange(0, BLOCK_K)
-    w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k_begin, ks, K, N_OUT, GATED, EVEN_K, EVICT, TMA)
+    w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k_begin, ks, K, N_OUT, GATED, EVEN_K, TMA)
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     r0 = tl.arange(0, BLOCK_M)
-    if LATE:                                                # x^2 per lane of each row tile
-        s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
-    else:
-        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES, UNROLL)
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
-    a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0, a1,
-                                                          a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED, IEEE,
-                                                          EVEN_K, TILES, LATE)
+    a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, M, K, ks, w, wu, a0, a1, a2, a3, u0, u1, u2, u3, BLOCK_M,
+                                          GATED, IEEE, EVEN_K, TILES)
     for k0 in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k0, ks, K, N_OUT, GATED, EVEN_K, EVICT, TMA)
-        a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0,
-                                                              a1, a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED,
-                                                              IEEE, EVEN_K, TILES, LATE)
-    if PDL and not EARLY:
-        tl.extra.cuda.gdc_launch_dependents()               # the next kernel may launch (and wait) now
-    if LATE:
-        a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, _late_rstd(s0, K, eps),
-                                                     _late_rstd(s1, K, eps), _late_rstd(s2, K, eps),
-                                                     _late_rstd(s3, K, eps), TILES)
+        w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k0, ks, K, N_OUT, GATED, EVEN_K, TMA)
+        a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, M, K, ks, w, wu, a0, a1, a2, a3, u0, u1, u2, u3,
+                                              BLOCK_M, GATED, IEEE, EVEN_K, TILES)
     if SPLIT == 1:
         if NSUM > 0:
             q0, q1, q2, q3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
@@ -253,54 +179,6 @@ def _linear_kernel(X, W, Y, R, G, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, st
 
 
 @triton.jit
-def _linear_stream_kernel(X, W, Y, R, G, Y2, M, N_OUT, K, stride_xm, stride_ym, stride_rm, stride_y2m, eps,
-                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
-                          IEEE: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr,
-                          LATE: tl.constexpr, UNROLL: tl.constexpr):
-    # a fixed number of programs (a few per SM), each over the column blocks pid, pid + P, ... in one
-    # loop of (column block, K block) steps, so the software pipeline streams weight tiles across column
-    # blocks and a program's fixed costs (the RMSNorm pass, the pipeline's fill) are paid once; each
-    # column block is reduced as _linear_kernel reduces it with the same tile (same bits). K % BLOCK_K == 0.
-    # LATE: the rows' 1/rms from the sums of squares of the first column block's pass (q*), as _linear_kernel
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    KT = K // BLOCK_K
-    n_it = tl.cdiv(tl.cdiv(N_OUT, BLOCK_N) - pid, P) * KT
-    if PDL:
-        tl.extra.cuda.gdc_wait()                            # x is loaded inside the pipelined loop
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    r0 = tl.arange(0, BLOCK_M)
-    q0 = tl.zeros([BLOCK_M], dtype=tl.float32)              # LATE: the rows' 1/rms, from the first block
-    q1, q2, q3 = q0, q0, q0
-    if LATE:                                                # x^2 per lane of each row tile
-        s0, s1, s2, s3, _, _, _, _ = _zero_accs(BLOCK_M, BLOCK_K)
-    else:
-        s0, s1, s2, s3 = _tile_rstds(X, stride_xm, r0, M, K, eps, NORM, BLOCK_M, BLOCK_K, TILES, UNROLL)
-    a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
-    for it in range(0, n_it):
-        cols = (pid + (it // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
-        wrows = tl.where(cols < N_OUT, cols, 0)
-        ks = (it % KT) * BLOCK_K + tl.arange(0, BLOCK_K)
-        w, wu = _load_w(W + wrows[:, None] * K, W + (wrows[:, None] + N_OUT) * K, ks, K, GATED, True, EVICT)
-        a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _mac(X, stride_xm, G, M, K, ks, w, wu, s0, s1, s2, s3, a0,
-                                                              a1, a2, a3, u0, u1, u2, u3, BLOCK_M, NORM, GATED,
-                                                              IEEE, True, TILES, LATE)
-        if it % KT == KT - 1:                               # the column block is done
-            if LATE:
-                if it < KT:
-                    q0, q1 = _late_rstd(s0, K, eps), _late_rstd(s1, K, eps)
-                    q2, q3 = _late_rstd(s2, K, eps), _late_rstd(s3, K, eps)
-                a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
-            _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, Y, 0, r0, cols,
-                       M, N_OUT, GATED, RESIDUAL, EXTRA, False, BLOCK_M, TILES)
-            a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
-    if PDL and not EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0, cols, M,
                N_OUT, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, SUMS: tl.constexpr,
                BLOCK_M: tl.constexpr, TILES: tl.constexpr):
@@ -326,16 +204,16 @@ def _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, 
 
 @triton.jit
 def _store_sums(SQO, y, pid_n, rows, cols, M, N_OUT):
-    """norm_sums: each row's sum of squares of this program's columns of the stored result y [BLOCK_M,
-    BLOCK_N] (fp32, the columns in the tile's reduction order) into SQO [blocks, SUM_ROWS] at row pid_n."""
+    """Each row's sum of squares of this program's columns of the stored result y [BLOCK_M, BLOCK_N] (fp32, the
+    columns in the tile's reduction order) into SQO [blocks, SUM_ROWS] at row pid_n."""
     yf = tl.where(cols[None, :] < N_OUT, y.to(tl.float32), 0.0)
     tl.store(SQO + pid_n * SUM_ROWS + rows, tl.sum(yf * yf, axis=1), mask=rows < M)
 
 
 @triton.jit
 def _sums_rstd(SQ, rows, M, K, eps, NSUM: tl.constexpr, NSUM_P2: tl.constexpr):
-    """norm_sums: the rows' 1/rms from the NSUM partial sums of squares SQ [NSUM, SUM_ROWS] of their K
-    columns, added in one fixed order (the same at every row count)."""
+    """The rows' 1/rms from the NSUM partial sums of squares SQ [NSUM, SUM_ROWS] of their K columns, added in
+    one fixed order (the same at every row count)."""
     b = tl.arange(0, NSUM_P2)
     s = tl.load(SQ + b[:, None] * SUM_ROWS + rows[None, :], mask=(b[:, None] < NSUM) & (rows[None, :] < M),
                 other=0.0)
@@ -345,7 +223,7 @@ def _sums_rstd(SQ, rows, M, K, eps, NSUM: tl.constexpr, NSUM_P2: tl.constexpr):
 @triton.jit
 def _sums_rstds(SQ, r0, M, K, eps, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                 TILES: tl.constexpr):
-    """_sums_rstd of each of the TILES row tiles (as _tile_rstds gives them)."""
+    """_sums_rstd of each of the TILES row tiles."""
     s0 = _sums_rstd(SQ, r0, M, K, eps, NSUM, NSUM_P2)
     s1 = s0
     s2 = s0
@@ -403,58 +281,11 @@ def _sum_partials(WS, offset, SPLIT: tl.constexpr, r0, cols, M, N_OUT, BLOCK_M: 
     return a0, a1, a2, a3
 
 
-class Tile(NamedTuple):
-    """A tile-kernel tile: BLOCK_N output columns x BLOCK_K of K per step, num_warps, num_stages, the
-    split of K (_linear_kernel), or per_sm > 0: _linear_stream_kernel with per_sm programs per SM."""
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
-    split: int = 1
-    per_sm: int = 0
-
-
-# Tiles per weight shape (N_OUT, K); never per row count, so a row's reduction order is the same at every
-# row count the tile kernel serves. For shapes whose one row runs on a GEMV (gemv.GEMV_TILES), the fastest
-# at 7 + 32 rows (chain and tree verify) of `python benchmarks/kernels.py --gemv` on the H200 (2026-12-01,
-# fourth session); for the others the fastest at one row of `--sweep` (first session, docs/BENCHMARKS.md);
-# DEFAULT_TILE elsewhere. The figures: us at 1 / 7 / 32 rows in the sixth session's sweep, which calls each
-# shape as the engines do (its RMSNorm still as a prologue, rstd_span 2048; the fourth session timed every
-# shape with one, hence its slower o / down figures), against the best other tile of that run; the lm_head
-# and EAGLE3 qkv tiles faster alone there changed nothing in the step, so they stay. The streaming kernel
-# was fastest alone for qkv and lm_head but slower inside the step (32 tokens 5.600 -> 5.997 ms): it cannot
-# fetch weights before the PDL wait (its pipelined loop also loads x). The sixteenth session swept 24 other
-# tiles of the four 8B projections inside the step (`fast_decode.py --variants "tile_qkv=..."`, norm_sums on):
-# none faster at 7 tokens, whose step they would have shortened (docs/BENCHMARKS.md). The seventeenth swept
-# 15 deeper-pipelined ones (none faster) and tried a stream-K form of the kernel for qkv, o and down (the
-# units of every column block shared evenly by 1-2 programs a SM, split blocks added up by the last to
-# arrive): slower at every tile, 7 tokens 4.371 -> 4.48-5.00 ms; it was not kept (branch wip/stream-k-verify).
-# The nineteenth, with the weight tiles by tensor descriptor (SCHEDULE's tma), swept 7 more in the step (4 stages,
-# 8 warps, BLOCK_K 128): none faster at 7 tokens; 2 stages was far slower (5.365 against 4.328 ms).
-DEFAULT_TILE = Tile(32, 512, 4, 3)
-TILES: dict[tuple[int, int], Tile] = {
-    (6144, 4096): Tile(64, 256, 4, 3, 2),           # Qwen3-8B qkv: 17.6 / 21.0 / 28.0 (64/256: 18.3 / 21.3 / 27.8)
-    (4096, 4096): Tile(64, 256, 4, 3, 4),           # Qwen3-8B o_proj: 11.5 / 11.4 / 14.3 (split 2: 12.5 / 11.9 / 13.9)
-    (12288, 4096): Tile(128, 128, 8, 3),            # Qwen3-8B gate/up (2 x 12288 rows): 54.6 / 58.2 / 60.9
-    (4096, 12288): Tile(64, 256, 4, 3, 4),          # Qwen3-8B down_proj, EAGLE3 fc: 27.3 / 27.7 / 31.6
-    (151936, 4096): Tile(128, 128, 8, 3),           # Qwen3-8B lm_head: 298.4 / 301.3 / 327.7 (256/128: 293.4 / ..)
-    (6144, 8192): Tile(64, 256, 4, 3, 2),           # EAGLE3 qkv ([embedding, hidden]): 28.5 / 31.0 / 34.7
-    (32000, 4096): Tile(128, 128, 8, 3),            # EAGLE3 lm_head (draft vocabulary): 76.2 / 68.7 / 72.8
-    (4096, 1024): Tile(32, 256, 4, 3),              # Qwen3-0.6B qkv
-    (1024, 2048): Tile(32, 256, 4, 3, 2),           # Qwen3-0.6B o_proj
-    (3072, 1024): Tile(64, 256, 4, 3, 2),           # Qwen3-0.6B gate/up
-    (1024, 3072): Tile(32, 256, 4, 3, 2),           # Qwen3-0.6B down_proj
-    (151936, 1024): Tile(128, 128, 8, 3),           # Qwen3-0.6B lm_head
-}
-
-
-def tile_for(n_out: int, k: int) -> Tile:
-    """The tile kernel's tile for this shape (any sequence of Tile's fields, as a JSON table holds them):
-    BLOCK_K at most K's power of two; a split covers whole K blocks; streaming needs K % BLOCK_K == 0."""
-    tile = Tile(*TILES.get((n_out, k), DEFAULT_TILE))
+def tile_for(n_out: int, k: int, tiles: Tiles) -> Tile:
+    """The tile kernel's tile for this shape: the table's or DEFAULT_TILE, BLOCK_K at most K's power of two,
+    a split only where it covers whole K blocks."""
+    tile = tiles.tile.get((n_out, k), DEFAULT_TILE)
     tile = tile._replace(block_k=min(tile.block_k, max(16, triton.next_power_of_2(k))))
-    if tile.per_sm > 0:
-        tile = tile._replace(split=1, per_sm=tile.per_sm if k % tile.block_k == 0 else 0)
     if k % (tile.split * tile.block_k):
         tile = tile._replace(split=1)
     return tile
@@ -462,13 +293,13 @@ def tile_for(n_out: int, k: int) -> Tile:
 
 class RowSums:
     """The rows' sums of squares of one call's result, left by the tile kernel's epilogue as one fp32 partial
-    per column block ([blocks, MAX_ROWS]), for the RMSNorm of the call that reads that result next
-    (SCHEDULE's norm_sums), whose norm weight the caller folded into its W (W * g, packed once) and gives as
-    ``unit`` (ones): that call multiplies x as it is and scales each row's sums by its 1/rms from these before
-    the epilogue, with no norm launch and no pass over x. ``source`` names the result they belong to (its
-    address, rows, columns, row stride); None when the last call given these sums to write did not (a GEMV,
-    the streaming kernel, norm_sums off), and then the reader takes its norm as without them (an RMSNorm
-    of weight ones). A step resets it first, so no sums outlive it."""
+    per column block ([blocks, MAX_ROWS]), for the RMSNorm of the call that reads that result next, whose
+    norm weight the caller folded into its W (W * g, packed once) and gives as ``unit`` (ones): that call
+    multiplies x as it is and scales each row's sums by its 1/rms from these before the epilogue, with no
+    norm launch and no pass over x (71 fewer launches a 36-layer verify step). ``source`` names the result
+    they belong to (its address, rows, columns, row stride); None when the last call given these sums to
+    write did not (a GEMV), and then the reader takes its norm as without them (an RMSNorm of weight ones).
+    A step resets it first, so no sums outlive it."""
 
     def __init__(self, n: int, dtype: torch.dtype, device: torch.device):
         self.buf = torch.zeros(triton.cdiv(n, 16), MAX_ROWS, dtype=torch.float32, device=device)
@@ -488,18 +319,15 @@ class RowSums:
         return t.data_ptr(), t.shape[0], t.shape[1], t.stride(0)
 
 
-def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None = None) -> torch.Tensor:
-    """F.embedding(ids, embed) for ids [M] -> [M, H] in one launch (norm.embedding_rows); with sums_out and
-    SCHEDULE's norm_sums and embed_sums on, its rows' sums of squares too, one partial a row, so that a
-    projection of several rows reading it next (the first qkv, its norm weight folded) takes its 1/rms from
-    them: no norm launch. embed_sums off: torch's F.embedding, no sums."""
+def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None = None,
+              cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """F.embedding(ids, embed) for ids [M] -> [M, H] in one launch (norm.embedding_rows); with sums_out, its
+    rows' sums of squares too, one partial a row, so that a projection of several rows reading it next (the
+    first qkv, its norm weight folded) takes its 1/rms from them: no norm launch."""
     if sums_out is not None:
         sums_out.reset()
-    if not SCHEDULE["embed_sums"]:
-        return F.embedding(ids, embed)
-    write = sums_out is not None and SCHEDULE["norm_sums"]
-    x = embedding_rows(ids, embed, sums_out.buf if write else None)
-    if write:
+    x = embedding_rows(ids, embed, sums_out.buf if sums_out is not None else None, cfg)
+    if sums_out is not None:
         sums_out.left_by(x, 1)
     return x
 
@@ -507,88 +335,79 @@ def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None =
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            extra_out: torch.Tensor | None = None, sums: RowSums | None = None,
-           sums_out: RowSums | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+           sums_out: RowSums | None = None, rows: torch.Tensor | None = None,
+           cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     """x [M, K] -> [M, N] (module docstring). w [N, K] (gated: [2N, K], gate rows then up rows);
-    norm [K]: RMSNorm weight of the prologue; residual [M, N] (may be ``out``); extra_out [M, N]
-    (any row stride): a second copy of the result. Rows of x may be strided; columns contiguous.
+    norm [K]: the RMSNorm weight; residual [M, N] (may be ``out``); extra_out [M, N] (any row stride): a
+    second copy of the result. Rows of x may be strided; columns contiguous.
     sums: x's row sums (RowSums) for a norm of weight ``sums.unit``, used where they are x's; sums_out:
-    where this call leaves its result's (on the tile kernel, norm_sums on). rows (int64 [R]): multiply
-    x[rows] only (the lm_heads' logit rows) -> [R, N]; gathered by the norm launch where there is one (not
-    at all for one row of x and one of rows, which can only be row 0)."""
+    where this call leaves its result's (on the tile kernel). rows (int64 [R]): multiply x[rows] only (the
+    lm_heads' logit rows) -> [R, N]; gathered by the norm launch where there is one (not at all for one row
+    of x and one of rows, which can only be row 0)."""
     n_out = w.shape[0] // 2 if gated else w.shape[0]
+    tiles = cfg.tiles
     assert rows is None or (residual is None and out is None and extra_out is None), "rows: a new result only"
     if rows is not None and not (x.shape[0] == 1 and rows.shape == (1,)):    # else the only row: x itself
         rows = rows.contiguous()
-        one_row_gemv = rows.shape[0] == 1 and (gemv_tile(n_out, x.shape[1]) is not None
-                                               or (n_out, x.shape[1]) in cuda_gemv.CUDA_GEMVS)
-        if norm is not None and SCHEDULE["norm_apart"] and not one_row_gemv:
-            x, norm = rms_norm(x, norm, eps, rows=rows), None     # gathered and normalised in one launch
+        k = x.shape[1]
+        one_row_gemv = rows.shape[0] == 1 and (gemv_tile(n_out, k, tiles) is not None or (n_out, k) in tiles.cuda)
+        if norm is not None and not one_row_gemv:
+            x, norm = rms_norm(x, norm, eps, rows=rows, cfg=cfg), None     # gathered and normalised in one launch
         else:
             x = x.index_select(0, rows)
     m, k = x.shape
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    dummy = out
     assert sums is None or sums is not sums_out, "one RowSums to read and to write"
     if sums_out is not None:
         sums_out.reset()                                      # set again below if this call writes them
-    cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, norm, out, residual, extra_out) if m == 1 else None
-    if cuda_tile is not None and cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated,
-                                                residual=residual, extra_out=extra_out,
-                                                early=schedule_flags(1)["EARLY"]) is not None:
-        return out
-    tile = gemv_tile(n_out, k) if m == 1 else None
-    if tile is not None:
-        return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out)
-    t = tile_for(n_out, k)
-    # norm_sums: the per-block kernel takes x's 1/rms from the sums the call that wrote x left (a norm of
-    # weight ones: the caller folded it into w)
-    from_sums = (sums is not None and norm is sums.unit and sums.source == RowSums.key(x) and t.per_sm == 0
-                 and SCHEDULE["norm_sums"])
+    if m == 1:
+        cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, norm, out, residual, extra_out, cfg=cfg)
+        if cuda_tile is not None and cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated,
+                                                    residual=residual, extra_out=extra_out, cfg=cfg) is not None:
+            return out
+        tile = gemv_tile(n_out, k, tiles)
+        if tile is not None:
+            return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out,
+                        cfg=cfg)
+    t = tile_for(n_out, k, tiles)
+    # x's 1/rms from the sums the call that wrote x left (a norm of weight ones: the caller folded it into w),
+    # else x normalised once, by a launch of its own
+    from_sums = sums is not None and norm is sums.unit and sums.source == RowSums.key(x)
     if from_sums:
-        norm = None                                           # x as it is; its rows' 1/rms at the end
-    elif norm is not None and SCHEDULE["norm_apart"]:
-        x, norm = rms_norm(x, norm, eps), None                # normalised once, not by every column block
-    blocks, tiles = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
-    ptrs = (x, w, out, residual if residual is not None else dummy, norm if norm is not None else dummy,
-            extra_out if extra_out is not None else dummy)
-    strides = (x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-               extra_out.stride(0) if extra_out is not None else 0)
-    flags = dict(NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None,
-                 IEEE=ieee_dot(x.dtype), TILES=tiles, PDL=pdl(), BLOCK_M=ROW_TILE, BLOCK_N=t.block_n,
-                 BLOCK_K=t.block_k, UNROLL=rstd_unroll(k, t.block_k, tiles), **schedule_flags(m), num_warps=t.warps,
-                 num_stages=t.stages, **launch())
-    if t.per_sm > 0:
-        programs = min(blocks, t.per_sm * sms(x.device))
-        late = norm_late(norm is not None, 1, False)
-        _linear_stream_kernel[(programs,)](*ptrs, m, n_out, k, *strides, eps, LATE=late, **flags)
-        return out
-    ws = torch.empty(t.split, 2, tiles * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
+        norm = None
+    elif norm is not None:
+        x, norm = rms_norm(x, norm, eps, cfg=cfg), None
+    blocks, tiles_m = triton.cdiv(n_out, t.block_n), triton.cdiv(m, ROW_TILE)
+    dummy = out
+    ws = torch.empty(t.split, 2, tiles_m * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if t.split > 1 \
         else dummy
-    cnt = _counters(x.device, blocks) if t.split > 1 else dummy
-    late = norm_late(norm is not None, t.split, False)
+    cnt = counters(x.device, blocks) if t.split > 1 else dummy
     nsum = sums.blocks if from_sums else 0
-    write = sums_out is not None and SCHEDULE["norm_sums"]
+    write = sums_out is not None
     if write:
         assert blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
     tma = use_tma(w)
-    if tma:
-        ptrs = (x, weight_descriptor(w, t.block_n, t.block_k), *ptrs[2:])
-    _linear_kernel[(blocks, t.split)](*ptrs, ws, cnt, sums.buf if from_sums else dummy,
-                                      sums_out.buf if write else dummy, m, n_out, k, k // t.split,
-                                      *strides, eps, EVEN_K=k % t.block_k == 0, SPLIT=t.split, LATE=late,
-                                      NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=write,
-                                      TMA=tma, **flags)
+    _linear_kernel[(blocks, t.split)](
+        x, weight_descriptor(w, t.block_n, t.block_k) if tma else w, out,
+        residual if residual is not None else dummy, extra_out if extra_out is not None else dummy, ws, cnt,
+        sums.buf if from_sums else dummy, sums_out.buf if write else dummy, m, n_out, k, k // t.split,
+        x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        extra_out.stride(0) if extra_out is not None else 0, eps, GATED=gated, RESIDUAL=residual is not None,
+        EXTRA=extra_out is not None, IEEE=ieee_dot(x.dtype), EVEN_K=k % t.block_k == 0, TILES=tiles_m,
+        PDL=cfg.pdl_on, SPLIT=t.split, BLOCK_M=ROW_TILE, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NSUM=nsum,
+        NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=write, TMA=tma, num_warps=t.warps, num_stages=t.stages,
+        **cfg.launch())
     if write:
         sums_out.left_by(out, blocks)
     return out
 
 
 def use_tma(w: torch.Tensor) -> bool:
-    """Whether the tile kernel loads w's tiles by tensor descriptor (SCHEDULE's tma; the copy engine's 2-D copies
-    need sm_90 or the interpreter, and a 16-byte aligned weight)."""
-    if (not SCHEDULE["tma"] or w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.data_ptr() % 16
+    """Whether the tile kernel loads w's tiles by tensor descriptor: the copy engine's 2-D copies need sm_90
+    (or the interpreter) and a 16-byte aligned weight."""
+    if (w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.data_ptr() % 16
             or (w.shape[1] * w.element_size()) % 16):
         return False
     return interpreted() or (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xcompile.runtime.engines.kernels import launch, pdl
-from xcompile.runtime.engines.kernels.common import attn_early
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 
 
 @triton.jit
@@ -33,14 +32,11 @@ def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.c
 
 @triton.jit
 def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, stride_q, stride_ch, eps,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                    FIRST: tl.constexpr):
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        if FIRST:
-            tl.extra.cuda.gdc_launch_dependents()           # attn_early: attention may launch before the wait
+        # attention may launch (and request the cached keys, which this kernel does not write) before the wait
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
     h = tl.program_id(1)                    # 0..HQ-1: q heads; HQ..HQ+HKV-1: kv heads
     dt = Q.dtype.element_ty
@@ -73,7 +69,7 @@ def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, strid
 def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
             head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-            eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float = 1e-6, out: torch.Tensor | None = None, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     """qkv [M, (Hq+2Hkv)*D]; position_ids [M]; write_index [1]; cos/sin [P, D/2] fp32; caches
     [1, Hkv, S_max, D] written in place at rows write_index + 0..M-1 -> q [M, Hq*D]."""
     m = qkv.shape[0]
@@ -84,8 +80,7 @@ def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Te
     _rope_kv_kernel[(m, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
         k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps,
-        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=pdl(), FIRST=attn_early(m, "rope_kv"), num_warps=1,
-        **launch())
+        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=cfg.pdl_on, num_warps=1, **cfg.launch())
     return out
 
 

@@ -248,8 +248,8 @@ def test_eagle3_chain_follows_the_pairing_rule(fused, tiny, prompts):
     """Every round's drafts equal a from-scratch EAGLE3 computation over the committed tokens: the
     prompt pass, the per-round update (features of the accepted path + the next tokens) and positions;
     fused: the greedy picks (argmax and the d2t lookup) on kernels/accept.py, in the interpreter."""
-    from xcompile.runtime.engines import kernels
-    if fused and not kernels.interpreted():
+    from xcompile.runtime.common import gpu
+    if fused and not gpu.interpreted():
         pytest.skip("the tiny engines are on the CPU: the fused kernels run there in Triton's interpreter only")
     k, p = 3, prompts[2]
     g = Generator(tiny.target_engine(), RecordingChain(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN,
@@ -533,8 +533,8 @@ def test_fused_accept_gives_the_same_generation(name, tiny, prompts, reference):
     only): the same draws as on a generator without the kernels."""
     from tiny_engines import RoundRecorder
 
-    from xcompile.runtime.engines import kernels
-    if not kernels.interpreted():
+    from xcompile.runtime.common import gpu
+    if not gpu.interpreted():
         pytest.skip("the tiny engines are on the CPU: the fused kernels run there in Triton's interpreter only")
     p = prompts[2]
     sampled = SamplingParams(temperature=0.8, seed=1)

@@ -85,14 +85,10 @@ def test_target_steps_and_kv_match_the_reference(tiny):
 def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypatch):
     """The fast engines fold each RMSNorm weight into the weights it feeds (qkv, gate/up, an untied lm_head)
     and make it ones, for the reference module too; the steps match an unfolded copy of the model. In steps
-    of several rows the norm launch left is the lm_head's (the others take the row sums the embedding and the
-    o / down projections leave; kernels.SCHEDULE's norm_sums and embed_sums; with embed_sums off the first
-    qkv's too); with norm_sums off, one before every projection with a norm; the logits the same to fp32
-    rounding. The EAGLE3 step too (its gate/up and
-    lm_head norms folded)."""
+    of several rows the only norm launch left is the lm_head's: the others take the row sums the embedding
+    and the o / down projections leave. The EAGLE3 step too (its gate/up and lm_head norms folded)."""
     import copy
 
-    from xcompile.runtime.engines import kernels
     from xcompile.runtime.engines.kernels import linear as L
     tiny = T.build(MAX_SEQ_LEN, head_dim=16)
     unfolded = qwen3_engine(copy.deepcopy(tiny.target))
@@ -104,21 +100,12 @@ def test_norm_weights_are_folded_and_row_sums_replace_the_norm_launches(monkeypa
     launches = []
     norm = L.rms_norm
     monkeypatch.setattr(L, "rms_norm", lambda *a, **kw: launches.append(1) or norm(*a, **kw))
-    logits = []
-    for on, embed_sums in ((True, True), (True, False), (False, True)):
-        monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", on)
-        monkeypatch.setitem(kernels.SCHEDULE, "embed_sums", embed_sums)
-        unfolded.new_kv()
-        got.new_kv()
-        launches.clear()
-        inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
-        have, want = got.run(**inputs), unfolded.run(**inputs)
-        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
-        assert len(launches) == ((1 if embed_sums else 2) if on else 2 * T.TARGET_CFG.num_hidden_layers + 1)
-        logits.append(have["logits"])
-    assert close(logits[0], logits[1], 1e-5) and close(logits[0], logits[2], 1e-5)
-    monkeypatch.setitem(kernels.SCHEDULE, "embed_sums", True)
-    monkeypatch.setitem(kernels.SCHEDULE, "norm_sums", True)
+    unfolded.new_kv()
+    got.new_kv()
+    inputs = step_inputs(torch.tensor([[8, 1, 2, 40]]), 0)
+    have, want = got.run(**inputs), unfolded.run(**inputs)
+    assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    assert len(launches) == 1
     ref = eagle3_engines(copy.deepcopy(tiny.eagle3), MAX_SEQ_LEN)[0]
     e3 = fast_eagle3(tiny)[0]
     assert torch.equal(tiny.eagle3.norm.weight, torch.ones_like(tiny.eagle3.norm.weight))
@@ -243,25 +230,19 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 32])
-def test_kernel_schedule_changes_no_bits_of_a_step_on_the_gpu(tokens, monkeypatch):
-    """kernels.SCHEDULE (evict-first weights, early PDL triggers, attn_early and attn_early_decode, rstd_span,
-    the last with norm_apart off so that the tile kernel runs its own RMSNorm pre-pass) is scheduling only: a
-    bf16 target step and an EAGLE3 step give the same logits, hidden and KV bits with every switch on as with
-    every one off."""
-    from xcompile.runtime.engines import kernels
+def test_pdl_changes_no_bits_of_a_step_on_the_gpu(tokens):
+    """Programmatic dependent launch (KernelConfig.pdl) is scheduling only: a bf16 target step and an EAGLE3
+    step give the same logits, hidden and KV bits with it on as off."""
+    from xcompile.runtime.engines.kernels.config import KernelConfig
     tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
     target, (e3, _) = fast_target(tiny), fast_eagle3(tiny)
     inputs = step_inputs(torch.arange(3, 3 + tokens, device="cuda")[None], 40)
     hidden = {"hidden_states": torch.ones(1, tokens, tiny.eagle3.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)}
-    monkeypatch.setitem(kernels.SCHEDULE, "norm_apart", False)
     results = []
-    for on in (False, True):
-        for key in ("evict_first", "early_trigger_verify", "early_trigger_decode", "attn_early"):
-            monkeypatch.setitem(kernels.SCHEDULE, key, on)
-        monkeypatch.setitem(kernels.SCHEDULE, "rstd_span", 2048 if on else 0)
-        monkeypatch.setitem(kernels.SCHEDULE, "attn_early_decode", 3 if on else 0)
+    for pdl in (False, True):
         outs = []
         for engine, extra in ((target, {}), (e3, hidden)):
+            engine.kernels = KernelConfig(pdl=pdl)
             kv = engine.reference.new_kv()
             engine.bind_kv(kv)
             outs += list(engine.run(**inputs, **extra).values()) + list(kv)

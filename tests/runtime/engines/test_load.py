@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from xcompile.runtime.cli.xrun import main
+from xcompile.runtime.common import gpu
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import registry
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.enginedir.contract import TARGET
 from xcompile.runtime.enginedir.manifest import D2T_FILE
-from xcompile.runtime.engines import kernels, load
+from xcompile.runtime.engines import load
 from xcompile.runtime.engines.load import BACKENDS, Backend, open_engine_dir, pick_backend
 
 
@@ -38,7 +39,7 @@ def test_cli_choices_are_the_registries():
 @pytest.mark.parametrize("device, dtype, engines, want", [
     ("cpu", "fp32", {}, "ort"), ("cpu", "fp16", {}, "ort"), ("cpu", "bf16", {}, "torch"),
     # no built engines: trt's test fails before importing TensorRT; then fast when triton imports
-    ("cuda", "bf16", {}, "fast" if kernels.available() else "torch"),
+    ("cuda", "bf16", {}, "fast" if gpu.available() else "torch"),
 ])
 def test_auto_takes_the_first_backend_that_fits(device, dtype, engines, want):
     manifest = SimpleNamespace(dtype=dtype, engines=engines)

@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
 from xcompile.runtime.common.errors import EngineError  # noqa: E402
-from xcompile.runtime.engines import kernels  # noqa: E402
 from xcompile.runtime.engines.kernels import cuda_gemv as C  # noqa: E402
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig  # noqa: E402
 from xcompile.runtime.engines.kernels.linear import linear, linear_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,19 +52,19 @@ def test_check_takes_json_rows_and_counts_gated_rows():
         C.check(down, 4096, 12288, gated=True)
 
 
-def test_the_built_in_tiles_pass_their_checks():
-    """Every CUDA_GEMVS entry has a kernel and fits the H200's shared memory (a bad entry would otherwise only
-    show as the Triton GEMV running)."""
-    assert C.CUDA_GEMVS
-    for (n, k), tile in C.CUDA_GEMVS.items():
+def test_the_shipped_tiles_pass_their_checks():
+    """Every entry of the shipped tables' ``cuda`` has a kernel and fits the H200's shared memory (a bad entry
+    would otherwise only show as the Triton GEMV running)."""
+    assert DEFAULT.tiles.cuda
+    for (n, k), tile in DEFAULT.tiles.cuda.items():
         assert C.check(tile, n, k, gated=(n, k) == (12288, 4096)) == tile
 
 
-def test_cpu_tensors_and_ragged_k_stay_on_the_triton_path(monkeypatch):
+def test_cpu_tensors_and_ragged_k_stay_on_the_triton_path():
     for k in (256, 260):
-        monkeypatch.setitem(C.CUDA_GEMVS, (64, k), C.CudaGemv(1, 4, 2))
+        cfg = KernelConfig(tiles=DEFAULT.tiles.replace(cuda={(64, k): C.CudaGemv(1, 4, 2)}))
         x, w = torch.randn(1, k).bfloat16(), torch.randn(64, k).bfloat16()
-        assert C.tile_for(x, w, 64, k, None) is None
+        assert C.tile_for(x, w, 64, k, None, cfg=cfg) is None
 
 
 nvcc = pytest.mark.skipif(C.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
@@ -131,22 +131,21 @@ def test_the_cache_key_covers_the_flags(tmp_path, monkeypatch):
 gpu_only = pytest.mark.gpu
 
 
-def cuda_only(monkeypatch, n: int, k: int, tile: C.CudaGemv) -> None:
-    """(n, k) on the CUDA kernel with ``tile``; fails the test if the library is not there."""
-    monkeypatch.setitem(C.CUDA_GEMVS, (n, k), tile)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", True)
+def cuda_only(n: int, k: int, tile: C.CudaGemv, pdl: bool = True) -> KernelConfig:
+    """A config that runs (n, k) on the CUDA kernel with ``tile``; fails the test if the library is not there."""
     assert C.library(0) is not None, "gemv.cu did not build (nvcc on this GPU machine?)"
+    return KernelConfig(pdl=pdl, tiles=DEFAULT.tiles.replace(cuda={(n, k): tile}))
 
 
 @gpu_only
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "/".join(map(str, t)))
 @pytest.mark.parametrize("kind", ["plain", "norm+residual+extra", "gated", "residual in place", "norm"])
 @pytest.mark.parametrize("n,k", [(83, 2048), (40, 640), (4096, 640)])
-def test_cuda_gemv_matches_reference(n, k, kind, tile, monkeypatch):
+def test_cuda_gemv_matches_reference(n, k, kind, tile):
     """Every flag combination and tile at a ragged column count (a last group partly past the end), at a K
     that ends inside a step (640: 80 chunks, 2.5 warps' worth), and with many groups a block (4096 columns:
     the ring of stages reused, its parity flipped), twice (the launch leaves no state)."""
-    cuda_only(monkeypatch, n, k, tile)
+    cfg = cuda_only(n, k, tile)
     torch.manual_seed(n)
     gated = kind == "gated"
     w = randn(2 * n if gated else n, k, scale=k ** -0.5)
@@ -159,9 +158,9 @@ def test_cuda_gemv_matches_reference(n, k, kind, tile, monkeypatch):
     for _ in range(2):
         if kind == "residual in place":
             got = r.clone()
-            linear(x, w, residual=got, out=got)
+            linear(x, w, residual=got, out=got, cfg=cfg)
         else:
-            got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=extra)
+            got = linear(x, w, norm=norm, gated=gated, residual=r, extra_out=extra, cfg=cfg)
         assert rel(got, want) < 1e-2
     if extra is not None:
         assert torch.equal(extra, got) and not taps[:, :8].any() and not taps[:, 8 + n:].any()
@@ -173,7 +172,7 @@ def test_cuda_gemv_matches_reference(n, k, kind, tile, monkeypatch):
 @pytest.mark.parametrize("tile", [C.CudaGemv(1, 4, 4), C.CudaGemv(2, 8, 3, 1), C.CudaGemv(1, 16, 2),
                                   C.CudaGemv(2, 4, 2)],
                          ids=lambda t: "/".join(map(str, t)))
-def test_cuda_gemv_at_qwen3_8b_shapes(n, k, gated, tile, monkeypatch):
+def test_cuda_gemv_at_qwen3_8b_shapes(n, k, gated, tile):
     """Accurate at the 8B (and EAGLE3 qkv) shapes with the RMSNorm prologue (and the residual where the model has
     one); close to the Triton GEMV's bits; the same bits at every tile of the same warps (the reduction depends on
     them only)."""
@@ -181,35 +180,31 @@ def test_cuda_gemv_at_qwen3_8b_shapes(n, k, gated, tile, monkeypatch):
     w = randn(2 * n if gated else n, k, scale=k ** -0.5)
     x, g, r = randn(1, k), randn(k) + 1, randn(1, n)
     args = dict(norm=g, gated=gated) if k == 4096 and n != 4096 else dict(residual=r)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)
-    triton_out = linear(x, w, **args)
-    cuda_only(monkeypatch, n, k, tile)
-    got = linear(x, w, **args)
+    triton_out = linear(x, w, **args, cfg=KernelConfig(cuda_gemv=False))
+    got = linear(x, w, **args, cfg=cuda_only(n, k, tile))
     assert rel(got, linear_reference(x, w, **args)) < 1e-2
     assert rel(got, triton_out) < 1e-2
-    monkeypatch.setitem(C.CUDA_GEMVS, (n, k), C.CudaGemv(1, tile.warps, 2, 1))
-    assert torch.equal(linear(x, w, **args), got)
+    assert torch.equal(linear(x, w, **args, cfg=cuda_only(n, k, C.CudaGemv(1, tile.warps, 2, 1))), got)
 
 
 @gpu_only
 @pytest.mark.parametrize("pdl", [False, True])
-def test_cuda_gemv_in_a_cuda_graph(pdl, monkeypatch):
+def test_cuda_gemv_in_a_cuda_graph(pdl):
     """A chain of Triton and CUDA GEMVs recorded in one graph (with and without programmatic dependent
     launch): each reads the one before it, and replays give the eager results for new inputs."""
-    monkeypatch.setitem(kernels.PDL, "enabled", pdl)
     n, k = 1024, 1024
-    cuda_only(monkeypatch, n, k, C.CudaGemv(2, 4, 2))
+    cfg = cuda_only(n, k, C.CudaGemv(2, 4, 2), pdl)
     torch.manual_seed(1)
     ws = [randn(n, k, scale=k ** -0.5) for _ in range(3)]
     g = randn(k) + 1
     x = randn(1, k)
 
     def chain():
-        h = linear(x, ws[0], norm=g)                   # CUDA
+        h = linear(x, ws[0], norm=g, cfg=cfg)          # CUDA
         r = x.clone()
-        linear(h, ws[1], residual=r, out=r)            # CUDA, the residual in place
-        h = linear(torch.cat([r, r]), ws[2])[:1]       # two rows: the Triton tile kernel
-        return linear(h, ws[0], norm=g)                # CUDA again
+        linear(h, ws[1], residual=r, out=r, cfg=cfg)   # CUDA, the residual in place
+        h = linear(torch.cat([r, r]), ws[2], cfg=cfg)[:1]   # two rows: the Triton tile kernel
+        return linear(h, ws[0], norm=g, cfg=cfg)       # CUDA again
 
     want = chain()
     torch.cuda.synchronize()
@@ -237,23 +232,20 @@ def test_the_probe_launch_runs_on_this_gpu():
 
 @gpu_only
 def test_cuda_gemv_falls_back_to_triton(monkeypatch):
-    """An RMSNorm with norm_late off (this kernel scales late only), and a launch the device refuses (once:
-    the shape then stays on Triton), give the Triton GEMV's bits; an output not 16-byte aligned (written an
-    element at a time) stays on the CUDA kernel."""
+    """cuda_gemv off, and a launch the device refuses (once: the shape then stays on Triton), give the Triton
+    GEMV's bits; an output not 16-byte aligned (written an element at a time) stays on the CUDA kernel."""
     n, k = 256, 1024
-    cuda_only(monkeypatch, n, k, C.CudaGemv(2, 4, 2))
+    cfg = cuda_only(n, k, C.CudaGemv(2, 4, 2))
     torch.manual_seed(5)
     w, x, g = randn(n, k, scale=k ** -0.5), randn(1, k), randn(k) + 1
-    assert C.tile_for(x, w, n, k, g) is not None
+    assert C.tile_for(x, w, n, k, g, cfg=cfg) is not None
     out = torch.empty(1, n + 1, dtype=torch.bfloat16, device=DEV)[:, 1:]
-    assert out.data_ptr() % 16 and C.tile_for(x, w, n, k, g, out) is not None
-    monkeypatch.setitem(kernels.SCHEDULE, "norm_late", False)
-    assert C.tile_for(x, w, n, k, g) is None
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", False)
-    triton_out = linear(x, w)
-    monkeypatch.setitem(kernels.SCHEDULE, "cuda_gemv", True)
+    assert out.data_ptr() % 16 and C.tile_for(x, w, n, k, g, out, cfg=cfg) is not None
+    off = KernelConfig(cuda_gemv=False, tiles=cfg.tiles)
+    assert C.tile_for(x, w, n, k, g, cfg=off) is None
+    triton_out = linear(x, w, cfg=off)
     monkeypatch.setattr(C, "REFUSED", set())
     lib = C.library(0)
     monkeypatch.setattr(lib, "xc_gemv", lambda *args: 1)           # cudaErrorInvalidValue, nothing launched
-    assert torch.equal(linear(x, w), triton_out)
-    assert C.REFUSED == {(n, k, C.CudaGemv(2, 4, 2))} and C.tile_for(x, w, n, k, None) is None
+    assert torch.equal(linear(x, w, cfg=cfg), triton_out)
+    assert C.REFUSED == {(n, k, C.CudaGemv(2, 4, 2))} and C.tile_for(x, w, n, k, None, cfg=cfg) is None

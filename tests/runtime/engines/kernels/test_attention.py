@@ -1,0 +1,187 @@
+"""Split-KV attention (runtime/engines/kernels/attention.py) against its plain-torch reference: in Triton's
+interpreter on the CPU at small caches that still cover short and long chunks, several splits, ragged live
+lengths and tree masks; compiled at the Qwen3-8B shapes on a GPU (``gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
+
+from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
+from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (scale * torch.randn(*shape, device=DEV)).to(dtype)
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,write_index,rows", [(4, 2, 0, 5), (8, 2, 517, 1), (8, 4, 100, 7),
+                                                              (4, 1, 200, 33), (4, 4, 63, 64)])
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, chunk):
+    """chunk None: the default (128 keys). Most splits are past the live length; at write_index 63 and
+    517 a split's first block mixes cached keys (read before the wait for rope_kv) and this step's new
+    ones (read after it)."""
+    torch.manual_seed(write_index + rows)
+    d, s_max = 64, 640
+    kc, vc = randn(1, kv_heads, s_max, d, dtype=dtype), randn(1, kv_heads, s_max, d, dtype=dtype)
+    q = randn(rows, heads * d, dtype=dtype)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=chunk)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
+
+
+def attention_640(write_index: int, rows: int):
+    """Attention of ``rows`` tokens at ``write_index`` over a 640-slot fp32 cache (8 heads on 2, d 64, 128-key
+    chunks), checked accurate and a row alone checked to keep its block row's bits; its inputs and result."""
+    torch.manual_seed(write_index + rows)
+    d, heads = 64, 8
+    kc, vc = randn(1, 2, 640, d, dtype=torch.float32), randn(1, 2, 640, d, dtype=torch.float32)
+    q = randn(rows, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=128)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+    assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128)[0], got[0])
+    return (q, kc, vc, wi, tm, heads), got
+
+
+def test_chunk_for_takes_fewer_splits_for_several_rows():
+    """One row: at most MAX_SPLITS splits over the cache; several rows: at most VERIFY_SPLITS."""
+    assert [A.chunk_for(4352, r) for r in (1, 2, 64)] == [128, 256, 256]         # 34 splits, then 17
+    assert A.chunk_for(512, 7) == A.chunk_for(512) == 128                        # no chunk shorter than CHUNK
+    assert A.chunk_for(40960) == 320 and A.chunk_for(40960, 7) == 2432
+
+
+@pytest.mark.parametrize("write_index", [40, 300, 570])
+def test_attention_verify_splits(write_index, monkeypatch):
+    """Calls of several rows split the cache into fewer, longer chunks (here 2 of 320 keys
+    on a 640-slot cache, short_chunk's 64 keys only below write_index 65) and one-row calls keep the cache's
+    128: accurate either way, every row count from 2 gives a row the same bits, and a row alone gets those
+    of a one-row call with the cache's chunk."""
+    monkeypatch.setattr(A, "VERIFY_SPLITS", 2)                               # the 4352-slot cache's split, small
+    torch.manual_seed(write_index)
+    d, heads = 64, 8
+    kc, vc = randn(1, 2, 640, d, dtype=torch.float32), randn(1, 2, 640, d, dtype=torch.float32)
+    q = randn(7, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(7, 7, device=DEV) < 0.5) | torch.eye(7, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+    assert torch.equal(attention(q, kc, vc, wi, tm, heads, chunk=320), got)
+    assert torch.equal(attention(q[:2], kc, vc, wi, tm[:2, :2], heads)[0], got[0])
+    one = attention(q[:1], kc, vc, wi, tm[:1, :1], heads)
+    assert torch.equal(one, attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128))
+    assert rel(one, attention_reference(q[:1], kc, vc, wi, tm[:1, :1], heads)) < 1e-5
+
+
+@pytest.mark.parametrize("write_index,rows", [(100, 1), (100, 7), (256, 64), (256, 1), (257, 7), (500, 33),
+                                             (300, 33), (290, 64)])
+def test_attention_short_chunk(write_index, rows, monkeypatch):
+    """SHORT_CHUNK (64 keys per split while write_index + MAX_ROWS keys fit the launch's splits at
+    that size; here five splits of the 640-slot cache, so up to write_index 256, which with 64 rows fills
+    all five): accurate on both sides of the switch, and a row alone gets a block row's bits (the choice
+    does not depend on the row count)."""
+    args, got = attention_640(write_index, rows)
+    # the switch itself: short splits up to write_index 256 (fp32 sums in another order: other bits), the
+    # cache's chunk past it (the same bits as without short chunks)
+    monkeypatch.setattr(A, "SHORT_CHUNK", 0)
+    assert torch.equal(attention(*args, chunk=128), got) == (write_index > 256)
+
+
+def test_attention_register_cap_takes_grids_of_more_than_four_programs_a_sm(monkeypatch):
+    monkeypatch.setattr(A, "sms", lambda device: 132)
+    assert not A.many(8 * 34 * 1, torch.device("cuda"))     # the 8B decode step on a 4352-slot cache
+    assert A.many(8 * 34 * 2, torch.device("cuda"))         # 7 rows on 34 splits (verify_splits 0)
+    assert not A.many(8 * 4 * 8, torch.device("cuda"))      # 32 rows on a 512-slot cache
+
+
+def test_attention_reads_nothing_past_the_live_length():
+    """Stale rows past write_index + rows (NaN here) change nothing: the loop stops at the live length."""
+    d, heads = 32, 4
+    kc, vc = randn(1, 2, 300, d, dtype=torch.float32), randn(1, 2, 300, d, dtype=torch.float32)
+    kc[:, :, 150:], vc[:, :, 150:] = float("nan"), float("nan")
+    q, tm, wi = randn(3, heads * d, dtype=torch.float32), torch.ones(3, 3, dtype=torch.bool, device=DEV).tril(), \
+        torch.tensor([147], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=64)
+    assert not got.isnan().any() and rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+
+
+def test_attention_tree_mask_rows_may_be_strided():
+    d, heads, rows = 32, 4, 6
+    kc, vc = randn(1, 2, 256, d, dtype=torch.float32), randn(1, 2, 256, d, dtype=torch.float32)
+    q = randn(rows, heads * d, dtype=torch.float32)
+    big = torch.eye(10, dtype=torch.bool, device=DEV)
+    big[:, 0] = True
+    tm = big[:rows, :rows]                                                       # row stride 10
+    wi = torch.tensor([40], device=DEV)
+    assert rel(attention(q, kc, vc, wi, tm, heads), attention_reference(q, kc, vc, wi, tm.contiguous(), heads)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,keys,write_index", [(4, 12, 30), (8, 40, 70), (1, 5, 4), (16, 64, 200)])
+@pytest.mark.parametrize("chunk", [64, None])
+def test_attention_mask_columns_may_reach_before_write_index(rows, keys, write_index, dtype, chunk):
+    """tree_mask [M, W > M] (the eagle3 contract's mask_keys): its columns start at write_index + M - W,
+    so keys of earlier temporary entries are visible only where the mask says (a tree level appended
+    after the levels before it). chunk None: the 384-slot cache's 128 keys, and SHORT_CHUNK's 64 at
+    write_index <= 128 (all but 200)."""
+    torch.manual_seed(rows + keys)
+    d, heads = 64, 4
+    kc, vc = randn(1, 2, 384, d, dtype=dtype), randn(1, 2, 384, d, dtype=dtype)
+    q = randn(rows, heads * d, dtype=dtype)
+    big = torch.rand(rows + 3, keys, device=DEV) < 0.4
+    big[torch.arange(rows), keys - rows + torch.arange(rows)] = True             # each new token sees itself
+    tm = big[:rows]                                                              # strided rows
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, chunk=chunk)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm.contiguous(), heads)) < TOL[dtype]
+    # hidden earlier keys are as good as absent: the same as a cache where they carry no weight
+    ones = torch.ones(rows, keys, dtype=torch.bool, device=DEV)
+    ones[:, keys - rows:] = tm[:, keys - rows:]
+    square = attention(q, kc, vc, wi, tm[:, keys - rows:].contiguous(), heads, chunk=chunk)
+    assert torch.equal(attention(q, kc, vc, wi, ones, heads, chunk=chunk), square)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1, 128, 4095])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_attention_at_qwen3_8b_shapes(ctx, rows):
+    """Accurate; every row count from 2 gives a row the same bits (the short chunk is picked from
+    write_index alone, the several rows' split count from the cache alone)."""
+    torch.manual_seed(ctx + rows)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q = randn(rows, 32 * 128, dtype=torch.bfloat16)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.3) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([ctx], device=DEV)
+    got = attention(q, kc, vc, wi, tm, 32)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
+    if rows > 2:
+        assert torch.equal(attention(q[:2], kc, vc, wi, tm[:2, :2], 32)[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1, 4000])
+def test_attention_tree_level_mask_at_qwen3_8b_head_shape(ctx):
+    """An EAGLE3 tree level (10 new nodes after 40 earlier ones) at the 8B head's shapes."""
+    torch.manual_seed(ctx)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q = randn(10, 32 * 128, dtype=torch.bfloat16)
+    tm = torch.rand(10, 50, device=DEV) < 0.2
+    tm[torch.arange(10), 40 + torch.arange(10)] = True
+    wi = torch.tensor([ctx + 40], device=DEV)
+    assert rel(attention(q, kc, vc, wi, tm, 32), attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
