@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from xcompile.runtime.decoding.drafters import NoDrafter, causal, prompt_inputs
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines import kernels
@@ -107,7 +107,7 @@ def run(args, ref_es, fast_es) -> list[float]:
     prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
     ref_t, fast_t = ref_es.engines["target"], fast_es.engines["target"]
     other = fast_es.backend
-    ref_gen = Generator(ref_t, NoDrafter(), [], ref_es.manifest.max_seq_len, cuda_graphs=True)
+    ref_gen = Generator(ref_t, NoDrafter(), [], ref_es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
     positions = disagreements = 0
     gaps, all_gaps = [], []
     with torch.inference_mode():
@@ -129,12 +129,12 @@ def run(args, ref_es, fast_es) -> list[float]:
     print(f"teacher-forced: {positions - disagreements}/{positions} positions agree "
           f"({100 * (positions - disagreements) / positions:.2f} %); {disagreements} disagreements, reference top-2 "
           f"gaps there: {[round(g, 4) for g in sorted(gaps)]}; positions with a gap <= {eps:.4f}: {near}")
-    fast_plain = Generator(fast_t, NoDrafter(), [], fast_es.manifest.max_seq_len, cuda_graphs=True)
+    fast_plain = Generator(fast_t, NoDrafter(), [], fast_es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
     for spec in (DrafterSpec("eagle3", 4), DrafterSpec("eagle3", 6), DrafterSpec("eagle3", tree=TreeShape(10, 6, 32))):
         name = spec.label
         taus = {}
         for label, es in (("torch", ref_es), (other, fast_es)):
-            gen = Generator(es.engines["target"], make_drafter(es, spec), [], es.manifest.max_seq_len, cuda_graphs=True)
+            gen = Generator(es.engines["target"], make_drafter(es, spec), [], es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
             runs = [gen.generate(p, args.new_tokens) for p in prompts]
             # tau as Stats.acceptance_length defines it: tokens the rounds emitted, over the rounds
             taus[label] = sum(r.stats.new_tokens - 1 for r in runs) / sum(r.stats.rounds for r in runs)

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from xcompile.runtime.decoding.drafters import NoDrafter
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.load import open_engine_dir
@@ -41,7 +41,7 @@ def main() -> None:
                      for p in prompts]
             for spec in specs:
                 eager = Generator(t, make_drafter(es, spec), [], es.manifest.max_seq_len)
-                graphed = Generator(t, make_drafter(es, spec), [], es.manifest.max_seq_len, cuda_graphs=True)
+                graphed = Generator(t, make_drafter(es, spec), [], es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
                 e = [eager.generate(p, args.new_tokens).tokens for p in prompts]
                 g = [graphed.generate(p, args.new_tokens).tokens for p in prompts]
                 print(f"{backend:<6} {spec.label:<22} eager==graphs {sum(x == y for x, y in zip(e, g))}/{len(prompts)} "

@@ -25,7 +25,7 @@ from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, NoDrafter
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     for name in args.drafters.split(","):
         make = drafters[name]
         for fused, pipeline in modes:
-            gen = Generator(fast, make(), [], max_seq_len, cuda_graphs=True, pipeline=pipeline, fused=fused)
+            gen = Generator(fast, make(), [], max_seq_len, options=LoopOptions(cuda_graphs=True, pipeline=pipeline, fused=fused))
             gen.generate(prompt, 16)                                            # warm-up, round graph capture
             label = "eagle3 chain g=6" if name == "chain" else name
             gens[f"{label:<18} fused={int(fused)} pipeline={int(pipeline)}"] = gen

@@ -146,13 +146,10 @@ class RoundRecorder:
         return replay, None
 
 
-# drafter, and the token counts each engine captures; the target's 1 comes from a one-token prompt (a decode
-# step), which the prompts below include; the EAGLE3 head's prompt pass of one token is its chain step
+# one drafter of each kind over the tiny engines
 DRAFTERS = {
-    "none": (lambda t: NoDrafter(), {"target": {1}}),
-    "draft": (lambda t: DraftModelDrafter(t.noisy_draft_engine(), 3), {"target": {1, 4}, "draft": {1, 2}}),
-    "eagle3": (lambda t: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, 3),
-               {"target": {1, 4}, "eagle3": {1, 4}, "eagle3_fc": {4}}),
-    "eagle3-tree": (lambda t: Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, 4, 3, 12),
-                    {"target": {1, 12}, "eagle3": {4}, "eagle3_fc": {4}}),
+    "none": lambda t: NoDrafter(),
+    "draft": lambda t: DraftModelDrafter(t.noisy_draft_engine(), 3),
+    "eagle3": lambda t: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, 3),
+    "eagle3-tree": lambda t: Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, 4, 3, 12),
 }

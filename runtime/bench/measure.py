@@ -30,7 +30,7 @@ import torch
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal, prompt_inputs
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams
 from xcompile.runtime.decoding.speculative import Block, accept_chain, accept_tree, ancestors, chain_block
@@ -257,8 +257,7 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
         for engine in es.engines.values():
             engine.cuda_graphs = cuda_graphs
     for name, make in which:
-        gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len,
-                        cuda_graphs=cuda_graphs)
+        gen = Generator(es.engines[TARGET], make(), es.manifest.eos_token_ids and [], max_seq_len, options=LoopOptions(cuda_graphs=cuda_graphs))
         gen.generate(prompts[0], 4, sampling=opts.sampling)             # warm-up, graph capture
         decode_s = tokens = rounds = drafted = accepted = 0
         accepted_at = [0] * gen.drafter.max_depth
@@ -276,11 +275,6 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
                      "tokens_per_s": tokens / decode_s if decode_s else 0.0,
                      "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
                      "acceptance_by_position": [a / rounds for a in accepted_at] if rounds else []})
-        for engine in gen.drafter.engines:
-            if isinstance(engine, GraphedEngine):
-                engine.graphs.clear()
-        if isinstance(gen.target, GraphedEngine):
-            gen.target.graphs.clear()
         tick(name)
     return rows
 

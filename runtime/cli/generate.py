@@ -10,7 +10,8 @@ import torch
 
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.generator import Generator, Result
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
+from xcompile.runtime.decoding.outcome import Result
 from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3
@@ -109,8 +110,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
         ids = prompt_ids(req, es, text)
         drafter = make_drafter(es, req.drafter)
         gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
-                        detokenize=text.decode if text else None,
-                        cuda_graphs=req.cuda_graphs and es.device.type == "cuda")
+                        detokenize=text.decode if text else None, options=LoopOptions(cuda_graphs=req.cuda_graphs and es.device.type == "cuda"))
         stream = None
         if not as_json and text is not None:
             done: dict[int, list[int]] = {}

@@ -24,7 +24,6 @@ temporary, written past the persistent length, and the next round's update overw
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,9 +47,6 @@ from xcompile.runtime.engines.base import Engine
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.kernels.accept import GreedyPick
 
-Wrap = Callable[[Engine, set[int]], Engine]     # (engine, token counts of its fixed-shape steps) -> engine
-
-
 def causal(s: int, device: torch.device, batch: int = 1) -> torch.Tensor:
     """A causal tree_mask [batch, s, s]: token i sees tokens 0..i."""
     return torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(batch, s, s)
@@ -70,6 +66,7 @@ class Drafter(ABC):
 
     name = ""
     needs_taps = False          # start/commit read the target's hidden_taps
+    chains = True               # its blocks are chains (node i's parent is i-1), not trees
 
     def __init__(self, max_depth: int, block_size: int, lookahead: int, engines: tuple[Engine, ...] = ()):
         self.max_depth = max_depth          # longest drafted path
@@ -120,9 +117,6 @@ class Drafter(ABC):
         the committed prefix the next round rewrites before reading them); the lengths are kept only when
         bound with ``track``."""
         return []
-
-    def use_graphs(self, wrap: Wrap) -> None:
-        """Replace each engine by ``wrap(engine, token counts of its fixed-shape steps)``."""
 
     def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> None:
         """Draft token i of ``block`` (target ids, ``targets`` the draft->target lookup of
@@ -228,9 +222,6 @@ class DraftModelDrafter(Drafter):
         # the row before the next root is rewritten by the next propose (it is stale after a full accept)
         return [(self.engine.kv, self.length, 1)]
 
-    def use_graphs(self, wrap):
-        self.engine = wrap(self.engine, {1, 2})
-        self.engines = (self.engine,)
 
 
 class _Eagle3(Drafter):
@@ -308,11 +299,6 @@ class _Eagle3(Drafter):
     def caches(self):
         return [(self.eagle3.kv, self.length, 0)]
 
-    def _wrap(self, wrap: Wrap, eagle3_tokens: set[int]) -> None:
-        self.eagle3 = wrap(self.eagle3, eagle3_tokens | {self.max_depth + 1})
-        self.fc = wrap(self.fc, {self.max_depth + 1})
-        self.engines = (self.eagle3, self.fc)
-
 
 class Eagle3ChainDrafter(_Eagle3):
     """k tokens per round: the first from the update's output, then k-1 single-token steps."""
@@ -357,9 +343,6 @@ class Eagle3ChainDrafter(_Eagle3):
             hidden = out["hidden_out"]
         return self.block
 
-    def use_graphs(self, wrap):
-        self._wrap(wrap, {1})
-
 
 class Eagle3TreeDrafter(_Eagle3):
     """EAGLE-2 dynamic tree (eagle3_semantics.md §4.1), with our names:
@@ -376,6 +359,7 @@ class Eagle3TreeDrafter(_Eagle3):
     """
 
     name = "eagle3-tree"
+    chains = False
 
     def __init__(self, eagle3_engine: Engine, fc_engine: Engine, d2t: torch.Tensor | None, topk: int, depth: int,
                  total_tokens: int, fused: bool | None = None):
@@ -454,9 +438,6 @@ class Eagle3TreeDrafter(_Eagle3):
         t = self.tree
         select_tree_into(t, root, self.scores, self.tokens, self.parents, self.depth)
         return Block(t.tokens, t.parents, t.mask, t.depth, self.depth, chain=False)
-
-    def use_graphs(self, wrap):
-        self._wrap(wrap, {self.topk})
 
 
 def advance(committed: torch.Tensor, length: torch.Tensor, acc: Accepted) -> None:

@@ -1,5 +1,6 @@
-"""CUDA graphs for the fixed-shape steps of any Engine whose ``run`` is capturable (the torch backend),
-and the capture that both this wrapper and the trt backend (which records its own launches) use.
+"""CUDA graphs for the fixed-shape steps of any Engine whose ``run`` is capturable (the torch and fast backends),
+and the capture that this wrapper, the generation loop's whole-round graphs (runtime/decoding/rounds.py) and the
+trt backend (which records its own launches) use. ``xrun bench`` times single steps through the wrapper.
 
 ``GraphedEngine`` wraps an engine and is one itself. On the first call whose token count is one of
 its fixed-shape steps it clones the inputs into static buffers, warms up, captures one graph for

@@ -202,8 +202,8 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     every byte with ``verify`` (runtime/enginedir/integrity.py).
 
     ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches, and to ORT on
-    CUDA (its ``enable_cuda_graph``); torch- and fast-backend steps are recorded by the Generator
-    (``Generator(cuda_graphs=...)``, runtime/engines/graphs.py)."""
+    CUDA (its ``enable_cuda_graph``); torch- and fast-backend rounds are recorded by the generation loop
+    (``LoopOptions(cuda_graphs=...)``, runtime/decoding/rounds.py)."""
     import torch
 
     from xcompile.runtime.enginedir.manifest import D2T_FILE, Manifest

@@ -7,8 +7,8 @@ directions, dtypes, static KV shape, every ``present_*`` aliased to its ``past_*
 Binding: every non-KV tensor owns one flat buffer sized for the largest profile; a step views its
 first ``numel`` elements in the step's shape, so tensor addresses never change and a fixed-shape
 step can be replayed from a CUDA graph. The engine records those graphs itself, one per decode/verify
-shape (``runtime.graphs.CudaGraphCapture`` over one launch), so it is not ``graph_capturable``: the
-generator never wraps it in a GraphedEngine. KV outputs are bound to their input's address (the engine's
+shape (``engines.graphs.CudaGraphCapture`` over one launch), so it is not ``graph_capturable``: the
+generation loop never records it into a graph of its own. KV outputs are bound to their input's address (the engine's
 KVCacheUpdate layers write in place). One execution context per optimization profile, all sharing
 one user-managed scratch allocation (they never run concurrently: one stream).
 """

@@ -49,7 +49,7 @@ class EngineWorker:
     def __init__(self, config: ServeConfig):
         import torch
 
-        from xcompile.runtime.decoding.generator import Generator
+        from xcompile.runtime.decoding.generator import Generator, LoopOptions
         from xcompile.runtime.enginedir.text import Text
 
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,8 +60,7 @@ class EngineWorker:
             self.spec = config.drafter.resolve(self.es)
             self.drafter = make_drafter(self.es, self.spec)
             self.gen = Generator(self.es.engines["target"], self.drafter, m.eos_token_ids, m.max_seq_len,
-                                 detokenize=self.text.decode if self.text else None,
-                                 cuda_graphs=config.cuda_graphs and self.es.device.type == "cuda")
+                                 detokenize=self.text.decode if self.text else None, options=LoopOptions(cuda_graphs=config.cuda_graphs and self.es.device.type == "cuda"))
             self.model_name = config.served_model_name or m.name
             self.max_seq_len = m.max_seq_len
             self.vocab_size = m.models["target"].config["vocab_size"]

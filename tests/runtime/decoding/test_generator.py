@@ -20,7 +20,8 @@ from xcompile.runtime.decoding.drafters import (
     Eagle3TreeDrafter,
     NoDrafter,
 )
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
+from xcompile.runtime.decoding.rounds import FusedChainVerifier
 from xcompile.runtime.decoding.sampling import SamplingParams
 from xcompile.runtime.decoding.speculative import Block, chain_block
 
@@ -81,7 +82,7 @@ def test_greedy_equivalence(name, tiny, prompts, reference):
 def test_kv_invariants_and_stale_rows_never_read(name, tiny, prompts, reference):
     """debug=True: after every round each cache's length equals the committed tokens (minus the root) and
     every row past it is overwritten with a huge value; the output must not change."""
-    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True)
+    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, options=LoopOptions(debug=True))
     for p in prompts[:3]:
         assert g.generate(p, NEW).tokens == reference[tuple(p)][:NEW]
 
@@ -90,19 +91,20 @@ def test_poisoning_a_committed_row_is_detected(tiny, prompts, reference):
     """Control for the test above: the same poison one row lower (a committed row) changes the output."""
 
     class Leaky(Generator):
-        def _check_kv(self, n, length, drafter):
-            super()._check_kv(n, length, drafter)
+        def _check_kv(self, n, drafter):
+            super()._check_kv(n, drafter)
             for buf in self.target.kv:
                 buf[:, :, n - 1] = gen.POISON
 
-    g = Leaky(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, debug=True)
+    g = Leaky(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, options=LoopOptions(debug=True))
     assert g.generate(prompts[2], NEW).tokens != reference[tuple(prompts[2])][:NEW]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
 def test_target_as_its_own_draft_accepts_everything(k, tiny, prompts, reference):
     rounds = 8
-    g = Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), [], MAX_SEQ_LEN, debug=True)
+    g = Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), [], MAX_SEQ_LEN,
+                  options=LoopOptions(debug=True))
     for p in prompts[1:4]:
         r = g.generate(p, 1 + rounds * (k + 1))
         assert r.tokens == reference[tuple(p)][:1 + rounds * (k + 1)]
@@ -167,7 +169,7 @@ def test_scripted_drafter_accepts_exactly_as_expected(tree, k, wrong, prompts, r
     p = prompts[3]
     ref = reference[tuple(p)]
     drafter = ScriptedDrafter(ref, len(p), k, wrong, tree)
-    r = Generator(tiny.target_engine(), drafter, [], MAX_SEQ_LEN, debug=True).generate(p, 48)
+    r = Generator(tiny.target_engine(), drafter, [], MAX_SEQ_LEN, options=LoopOptions(debug=True)).generate(p, 48)
     assert r.tokens == ref[:48]
     assert drafter.counts == expected_counts(k, wrong, 48)
     assert r.stats.accepted_at == [sum(c > i for c in drafter.counts) for i in range(k)]
@@ -253,7 +255,7 @@ def test_eagle3_chain_follows_the_pairing_rule(fused, tiny, prompts):
         pytest.skip("the tiny engines are on the CPU: the fused kernels run there in Triton's interpreter only")
     k, p = 3, prompts[2]
     g = Generator(tiny.target_engine(), RecordingChain(*tiny.eagle3_engines(), tiny.d2t, k), [], MAX_SEQ_LEN,
-                  fused=fused)
+                  options=LoopOptions(fused=fused))
     r = g.generate(p, 24)
     assert bool(g.drafter.picks) == fused
     assert_reference_drafts(tiny, p + r.tokens, g.drafter.proposed[:10], k)
@@ -360,7 +362,7 @@ def test_a_sampled_request_between_greedy_ones(k, tiny, prompts, reference):
 def test_sampled_rounds_keep_the_kv_invariants(name, tiny, prompts):
     """debug=True while sampling: KV lengths checked and stale rows poisoned every round, and the
     tokens equal the same seed's without debug (a sampled path never reads a stale row either)."""
-    checked = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True)
+    checked = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, options=LoopOptions(debug=True))
     plain = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
     for p in prompts[1:3]:
         r = checked.generate(p, NEW, sampling=SAMPLED)
@@ -375,7 +377,8 @@ def test_target_as_its_own_draft_accepts_everything_when_sampling(k, tiny, promp
     """q = p: min(1, p/q) = 1, every sampled draft is kept (p and q come from passes of different
     lengths, so they could round apart by an ulp: then one draft in ~1e6 is not)."""
     rounds = 6
-    g = Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), [], MAX_SEQ_LEN, debug=True)
+    g = Generator(tiny.target_engine(), DraftModelDrafter(tiny.self_draft_engine(), k), [], MAX_SEQ_LEN,
+                  options=LoopOptions(debug=True))
     r = g.generate(prompts[2], 1 + rounds * (k + 1), sampling=SAMPLED)
     assert (r.stats.rounds, r.stats.accepted) == (rounds, rounds * k)
 
@@ -484,7 +487,8 @@ def test_tau_counts_only_the_tokens_rounds_emit(stop, tiny, prompts, reference):
 def test_cache_full_ends_like_plain_decoding(name, tiny, prompts, reference):
     """Near the end of the cache the drafter's round no longer fits: plain steps finish the job."""
     p, limit = prompts[2], 48
-    r = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit, debug=True).generate(p, 200)
+    r = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit,
+                  options=LoopOptions(debug=True)).generate(p, 200)
     assert r.finish_reason == "max_seq_len"
     assert r.tokens == reference[tuple(p)][:limit - len(p) + 1]
 
@@ -502,7 +506,7 @@ def test_tree_kernels_give_the_same_generation(shape, tiny, prompts, reference):
 
 @pytest.mark.parametrize("name", ["none", "eagle3-k4", "tree-4x4x16"])
 def test_pipelined_rounds_give_the_same_generation(name, tiny, prompts, reference):
-    """Rounds launched before the previous outcome is read (Generator(pipeline=True); off by default)
+    """Rounds launched before the previous outcome is read (LoopOptions(pipeline=True); off on the CPU)
     give the same tokens, finish reasons and round counts: at max_new_tokens, at an EOS the host cannot
     foresee (a round ran past it, unread; the next request on the same generator is unaffected), and
     where the cache fills up (the drafter hands over to plain steps)."""
@@ -513,7 +517,7 @@ def test_pipelined_rounds_give_the_same_generation(name, tiny, prompts, referenc
         runs = []
         for pipeline in (False, True):
             g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), kwargs.get("eos_ids", []), limit,
-                          pipeline=pipeline)
+                          options=LoopOptions(pipeline=pipeline))
             runs.append([(r.tokens, r.finish_reason, r.stats.rounds, r.stats.accepted)
                          for r in (g.generate(p, n), g.generate(prompts[1], 7))])
         assert runs[0] == runs[1], (kwargs, limit)
@@ -525,7 +529,7 @@ def test_pipelined_rounds_give_the_same_generation(name, tiny, prompts, referenc
 @pytest.mark.parametrize("name", ["none", "draft-k4", "eagle3-k4", "tree-4x4x16"])
 def test_fused_accept_gives_the_same_generation(name, tiny, prompts, reference):
     """Greedy chain verification and the chain drafters' greedy picks on kernels/accept.py
-    (Generator(fused=True): the default on a GPU, here in the interpreter) give the torch ops' tokens,
+    (LoopOptions(fused=True): the default on a GPU, here in the interpreter) give the torch ops' tokens,
     rounds and acceptances, pipelined or not, through
     whole-round graphs (recorded and replayed, its host row the graph's output buffer) or not, and where
     the cache fills up (the drafter hands over to plain steps: both block sizes on the kernels); the tree
@@ -542,14 +546,16 @@ def test_fused_accept_gives_the_same_generation(name, tiny, prompts, reference):
         runs = []
         for fused, pipeline, graphs in ((False, False, False), (True, False, False), (True, True, False),
                                         (True, True, True)):
-            g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit, fused=fused, pipeline=pipeline,
-                          cuda_graphs=graphs, capture=RoundRecorder() if graphs else None)
+            g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], limit,
+                          options=LoopOptions(fused=fused, pipeline=pipeline, cuda_graphs=graphs, capture=RoundRecorder() if graphs else None))
             r = g.generate(p, n)
             s = g.generate(p, 8, sampling=sampled)
             runs.append((r.tokens, r.finish_reason, r.stats.rounds, r.stats.accepted, s.tokens, s.stats.accepted))
             if fused:
                 chain = set() if name.startswith("tree") else {g.drafter.block_size}
-                assert {s for s, _ in g.accepts} == (chain | {1} if limit == 48 else chain)
+                fused_sizes = {e.round.drafter.block_size for e in g._executors.values()
+                               if isinstance(e.round.verifier, FusedChainVerifier)}
+                assert fused_sizes == (chain | {1} if limit == 48 else chain)
                 assert bool(g.drafter.picks) == (name in ("draft-k4", "eagle3-k4"))     # the drafts' picks
         assert all(run == runs[0] for run in runs), limit
         assert runs[0][0] == reference[tuple(p)][:len(runs[0][0])]

@@ -13,7 +13,7 @@ import tiny_engines as T
 import torch
 
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, NoDrafter
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.engines.graphs import GraphedEngine
 
 MAX_SEQ_LEN = 128
@@ -27,43 +27,20 @@ def tiny() -> T.Tiny:
     return T.build(MAX_SEQ_LEN)
 
 
-def graph_token_counts(engine: GraphedEngine) -> set[int]:
-    return {dict((n, s) for n, s, _ in key)["input_ids" if "input_ids" in engine.spec.input_names else "hidden_taps"][1]
-            for key in engine.graphs}
-
-
-@pytest.mark.parametrize("name", DRAFTERS)
-def test_generate_with_emulated_graphs_matches_eager(name, tiny):
-    make, shapes = DRAFTERS[name]
-    prompts = [[5, 6, 7, 8, 9], [40, 3], [77]]
-    eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
-    capture = Emulated()
-    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, round_graphs=False,
-                        capture=capture, debug=True)
-    for p in prompts:
-        assert graphed.generate(p, 40).tokens == eager.generate(p, 40).tokens
-    engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
-    for graph, counts in shapes.items():
-        assert isinstance(engines[graph], GraphedEngine) and engines[graph].fallback is None
-        assert graph_token_counts(engines[graph]) == counts, graph
-    assert capture.replays > 3 * capture.captures
-
-
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_whole_round_graphs_replay_one_recording_per_drafter(name, tiny):
-    make, _ = DRAFTERS[name]
+    make = DRAFTERS[name]
     prompts = [[5, 6, 7, 8, 9], [40, 3], [77]]
     eager = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
     capture = RoundRecorder()
-    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture,
-                        debug=True)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN,
+                        options=LoopOptions(cuda_graphs=True, capture=capture, debug=True))
     rounds = 0
     for p in prompts:
         got, want = graphed.generate(p, 40), eager.generate(p, 40)
         assert got.tokens == want.tokens and got.stats.accepted_at == want.stats.accepted_at
         rounds += got.stats.rounds
-    assert graphed.target is not None and not isinstance(graphed.target, GraphedEngine)
-    assert capture.captures == len(graphed.rounds) == 1              # one drafter, recorded once
+    assert capture.captures == len(graphed._executors) == 1          # one drafter, recorded once
     assert capture.replays == rounds - 1                             # every round but the first (eager)
 
 
@@ -71,7 +48,7 @@ def test_round_graphs_are_dropped_when_kv_is_rebound(tiny):
     """A round graph writes the KV buffers it was recorded with: after Engine.bind_kv it is re-recorded."""
     capture = RoundRecorder()
     target = tiny.target_engine()
-    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
+    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, options=LoopOptions(cuda_graphs=True, capture=capture))
     want = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 12).tokens
     assert g.generate([5, 6, 7], 12).tokens == want and capture.captures == 1
     target.new_kv()                                                  # fresh buffers: the graph's are stale
@@ -84,7 +61,8 @@ def test_a_warming_capture_records_rounds_without_running_them(tiny):
     from xcompile.runtime.engines.graphs import CudaGraphCapture
 
     warming = CudaGraphCapture(warmup=2)
-    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=warming)
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN,
+                  options=LoopOptions(cuda_graphs=True, capture=warming))
     assert g.capture.warmup == 0 and g.capture.error_mode == warming.error_mode
 
 
@@ -94,37 +72,30 @@ def test_round_graphs_are_recorded_per_sampler_mode(tiny):
 
     capture = RoundRecorder()
     g = Generator(tiny.target_engine(), Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3), [], MAX_SEQ_LEN,
-                  cuda_graphs=True, capture=capture)
+                  options=LoopOptions(cuda_graphs=True, capture=capture))
     g.generate([5, 6, 7], 12)
     g.generate([5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, top_k=5, seed=1))
     g.generate([5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=1))
     g.generate([5, 6, 7], 12)
-    assert len(g.rounds) == capture.captures == 3
+    assert len(g._executors) == capture.captures == 3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", DRAFTERS)
-@pytest.mark.parametrize("round_graphs", [False, True])
-def test_cuda_graphs_give_identical_tokens(name, dtype, round_graphs):
+def test_cuda_graphs_give_identical_tokens(name, dtype):
     tiny = T.build(512, device="cuda", dtype=dtype)
-    make, shapes = DRAFTERS[name]
+    make = DRAFTERS[name]
     prompts = [[5, 6, 7, 8, 9], [77], [40, 3] * 10]
     eager = Generator(tiny.target_engine(), make(tiny), [], 512)
-    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True, round_graphs=round_graphs)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, options=LoopOptions(cuda_graphs=True))
     for p in prompts:
         want = eager.generate(p, 200)
         got = graphed.generate(p, 200)
         assert got.tokens == want.tokens
         assert got.stats.accepted_at == want.stats.accepted_at
-    if round_graphs:
-        assert graphed.round_fallback is None, graphed.round_fallback
-        assert all(g.replay is not None for g in graphed.rounds.values())
-    else:
-        engines = {"target": graphed.target, **{e.spec.graph: e for e in graphed.drafter.engines}}
-        for graph, counts in shapes.items():
-            assert engines[graph].fallback is None, engines[graph].fallback
-            assert graph_token_counts(engines[graph]) == counts, graph
+    assert graphed.graph_fallback is None, graphed.graph_fallback
+    assert all(e.replay is not None for e in graphed._executors.values())
     t0 = time.perf_counter()
     eager.generate(prompts[0], 200)
     t1 = time.perf_counter()
@@ -142,15 +113,15 @@ def test_round_graphs_between_sampler_modes_give_identical_tokens():
     from xcompile.runtime.decoding.sampling import SamplingParams
 
     tiny = T.build(512, device="cuda", dtype=torch.float32)
-    make, _ = DRAFTERS["eagle3"]
+    make = DRAFTERS["eagle3"]
     eager = Generator(tiny.target_engine(), make(tiny), [], 512)
-    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, cuda_graphs=True)
+    graphed = Generator(tiny.target_engine(), make(tiny), [], 512, options=LoopOptions(cuda_graphs=True))
     sampled = SamplingParams(temperature=0.8, top_k=5, seed=1)
     for p, sampling in (([5, 6, 7], None), ([5, 6, 7], sampled), ([40, 3] * 5, None), ([77], sampled), ([77], None)):
         kw = {} if sampling is None else {"sampling": sampling}
         want, got = eager.generate(p, 60, **kw), graphed.generate(p, 60, **kw)
         assert got.tokens == want.tokens and got.stats.accepted_at == want.stats.accepted_at, (p, sampling)
-    assert graphed.round_fallback is None and len(graphed.rounds) == 2
+    assert graphed.graph_fallback is None and len(graphed._executors) == 2
 
 
 def test_dropped_graphs_are_not_recorded_into_their_pool_again(tiny):
@@ -174,7 +145,7 @@ def test_dropped_graphs_are_not_recorded_into_their_pool_again(tiny):
 
     capture = PoolRecorder()
     target = tiny.target_engine()
-    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
+    g = Generator(target, NoDrafter(), [], MAX_SEQ_LEN, options=LoopOptions(cuda_graphs=True, capture=capture))
     g.generate([5, 6, 7], 12)
     target.new_kv()                                                  # the round graph is dropped
     g.generate([5, 6, 7], 12)

@@ -25,7 +25,7 @@ from xcompile.runtime.decoding.drafters import (  # noqa: E402
     Eagle3TreeDrafter,
     NoDrafter,
 )
-from xcompile.runtime.decoding.generator import Generator  # noqa: E402
+from xcompile.runtime.decoding.generator import Generator, LoopOptions  # noqa: E402
 from xcompile.runtime.enginedir.contract import DRAFT  # noqa: E402
 from xcompile.runtime.engines import fast  # noqa: E402
 
@@ -197,7 +197,8 @@ DRAFTERS = {
 def test_fast_generation_equals_plain_greedy(name, tiny):
     prompt = [5, 9, 11, 20, 33, 7]
     want = T.greedy_reference(tiny.target, prompt, 8)
-    r = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], MAX_SEQ_LEN, debug=True).generate(prompt, 8)
+    r = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], MAX_SEQ_LEN,
+                  options=LoopOptions(debug=True)).generate(prompt, 8)
     assert r.tokens == want
     if name == "self-draft":                                                     # always right: full acceptance
         assert r.stats.accepted == r.stats.drafted
@@ -220,12 +221,12 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
     prompts = [[5, 6, 7, 8, 9], [77], [40, 3] * 10]
     plain = Generator(fast_target(tiny), NoDrafter(), [], 512)
     eager = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512)
-    graphed = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512, cuda_graphs=True)
+    graphed = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], 512, options=LoopOptions(cuda_graphs=True))
     for p in prompts:
         want = plain.generate(p, 100).tokens
         assert eager.generate(p, 100).tokens == want
         assert graphed.generate(p, 100).tokens == want
-    assert graphed.round_fallback is None and all(g.replay is not None for g in graphed.rounds.values())
+    assert graphed.graph_fallback is None and all(e.replay is not None for e in graphed._executors.values())
 
 
 @pytest.mark.gpu

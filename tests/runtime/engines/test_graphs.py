@@ -13,7 +13,7 @@ import torch
 from fixtures import step_inputs
 
 from xcompile.runtime.decoding.drafters import NoDrafter
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.engines.graphs import GraphedEngine
 
 MAX_SEQ_LEN = 128
@@ -87,20 +87,23 @@ def test_replay_of_gives_the_bare_replay_with_the_inputs_in_place(tiny):
 
 
 def test_capture_failure_falls_back(tiny):
+    """A step whose capture fails runs eagerly from then on, with a warning and the reason; so does a round."""
     def broken(step, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    want = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 16).tokens
-    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, round_graphs=False,
-                  capture=broken)
+    graphed = GraphedEngine(tiny.target_engine(), {1}, broken)
+    graphed.new_kv()
+    eager = tiny.target_engine()
+    eager.new_kv()
     with pytest.warns(UserWarning, match="not permitted"):
-        tokens = g.generate([5, 6, 7], 16).tokens
-    assert "not permitted" in g.target.fallback
-    assert tokens == want
-    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=broken)
+        got = graphed.run(**block_inputs([5], 0))["logits"]
+    assert "not permitted" in graphed.fallback and torch.equal(got, eager.run(**block_inputs([5], 0))["logits"])
+    want = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN).generate([5, 6, 7], 16).tokens
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN,
+                  options=LoopOptions(cuda_graphs=True, capture=broken))
     with pytest.warns(UserWarning, match="whole-round CUDA graph unavailable"):
         tokens = g.generate([5, 6, 7], 16).tokens
-    assert "not permitted" in g.round_fallback and g.rounds is None
+    assert "not permitted" in g.graph_fallback
     assert tokens == want
 
 
@@ -114,8 +117,8 @@ def test_engines_not_graph_capturable_run_as_they_are(tiny):
     graphed.new_kv()
     graphed.run(**block_inputs([5], 0))
     assert "graph_capturable" in graphed.fallback and capture.captures == 0
-    g = Generator(engine, NoDrafter(), [], MAX_SEQ_LEN, cuda_graphs=True, capture=capture)
-    assert g.target is engine
+    g = Generator(engine, NoDrafter(), [], MAX_SEQ_LEN, options=LoopOptions(cuda_graphs=True, capture=capture))
+    assert not g.graphs
     assert g.generate([5, 6, 7], 8).tokens == Generator(tiny.target_engine(), NoDrafter(), [],
                                                         MAX_SEQ_LEN).generate([5, 6, 7], 8).tokens
     assert capture.captures == 0

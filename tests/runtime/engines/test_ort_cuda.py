@@ -18,7 +18,7 @@ import torch
 from fixtures import exported_dir, step_inputs
 
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DEFAULT_GAMMA, DrafterSpec, make_drafter
 from xcompile.runtime.engines import ort
 from xcompile.runtime.engines.load import open_engine_dir
@@ -123,7 +123,7 @@ def test_ort_cuda_greedy_tokens_equal_the_torch_backend(fp32_dir, cuda_graphs, d
         try:
             spec = DrafterSpec(drafter, gamma or DEFAULT_GAMMA)
             gen = Generator(es.engines["target"], make_drafter(es, spec), [], MAX_SEQ,
-                            cuda_graphs=cuda_graphs)
+                            options=LoopOptions(cuda_graphs=cuda_graphs))
             tokens[backend] = gen.generate(prompt, 24).tokens
             if backend == "ort" and cuda_graphs:
                 fallback = {g: e.graph_fallback for g, e in es.engines.items() if e.graph_fallback}

@@ -1,0 +1,169 @@
+"""The runtime as a library: open an engine dir once, then generate for one or many prompts, or stream.
+
+    from xcompile.runtime import LLM, SamplingParams
+
+    with LLM("engines/qwen3-8b") as llm:                   # backend, device and drafter: auto
+        for c in llm.generate(["The capital of France is", "def fib(n):"], max_new_tokens=64):
+            print(c.text)
+        c = llm.generate("Once upon a time", SamplingParams(temperature=0.6, top_p=0.95, n=2))[0]
+        print([o.text for o in c.outputs])
+        for piece in llm.stream("Explain speculative decoding.", max_new_tokens=200):
+            print(piece, end="", flush=True)
+
+Greedy output is plain greedy decoding's, whatever the drafter; sampling draws every token from the target's
+warped distribution (speculative sampling). Prompts run one after another on the engines' one sequence slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.outcome import Stats
+from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
+from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+
+if TYPE_CHECKING:
+    from xcompile.runtime.engines.kernels.config import KernelConfig
+
+Prompt = str | Sequence[int]           # text (the dir's tokenizer encodes it) or token ids
+
+
+@dataclass
+class Output:
+    """One sample of a prompt."""
+
+    index: int                  # which of the prompt's n samples
+    text: str | None            # None when the engine dir has no tokenizer
+    token_ids: list[int]        # generated tokens, a stopping EOS or stop-string token included
+    finish_reason: str          # "eos" | "stop" | "max_tokens" | "max_seq_len"
+    stats: Stats                # timings, tau, drafts accepted
+    seed: int | None            # the sampling seed (None: greedy); with ``index`` it reproduces the sample
+
+
+@dataclass
+class Completion:
+    """What one prompt gave: its ``SamplingParams.n`` samples."""
+
+    prompt_ids: list[int]
+    outputs: list[Output]
+
+    @property
+    def text(self) -> str | None:
+        """The first sample's text."""
+        return self.outputs[0].text
+
+
+class LLM:
+    """An engine dir opened on one device: its engines, tokenizer, drafter and generation loop."""
+
+    def __init__(self, engine_dir: str | Path, *, backend: str = "auto", device: str | None = None,
+                 drafter: str = "auto", gamma: int | None = None, tree: TreeShape | None = None,
+                 cuda_graphs: bool = True, verify: bool = False, kernels: KernelConfig | None = None):
+        """backend: auto | trt | fast | ort | torch; device: cpu | cuda (None: cuda when there is one); drafter:
+        auto | eagle3 | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3, a
+        ``tree``; cuda_graphs: replay each round from a CUDA graph; verify: hash every byte of the dir's files
+        first (default: sampled blocks); kernels: the fast backend's kernel choices. EngineError (one line
+        naming the file or option) when the dir cannot serve this."""
+        import torch
+
+        from xcompile.runtime.decoding.generator import Generator, LoopOptions
+        from xcompile.runtime.decoding.registry import make_drafter
+        from xcompile.runtime.enginedir.text import Text
+        from xcompile.runtime.engines.load import open_engine_dir
+
+        tree_options = (tree.topk, tree.depth, tree.total_tokens) if tree is not None else (None, None, None)
+        spec = DrafterSpec.from_options(drafter, gamma, *tree_options)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.engines = open_engine_dir(engine_dir, backend, device, cuda_graphs=cuda_graphs, verify=verify,
+                                       kernels=kernels)
+        try:
+            m, directory = self.engines.manifest, self.engines.directory
+            self.tokenizer = Text(directory) if (directory / "tokenizer.json").is_file() else None
+            self.drafter = make_drafter(self.engines, spec)
+            self.generator = Generator(self.engines.engines["target"], self.drafter, m.eos_token_ids, m.max_seq_len,
+                                       detokenize=self.tokenizer.decode if self.tokenizer else None,
+                                       options=LoopOptions(cuda_graphs=cuda_graphs and self.device.type == "cuda"))
+        except BaseException:
+            self.engines.close()
+            raise
+
+    @property
+    def device(self):
+        return self.engines.device
+
+    @property
+    def backend(self) -> str:
+        return self.engines.backend
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt (the dir's tokenizer), or the ids given, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError(f"{self.engines.directory}: no tokenizer.json; give the prompt as token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.engines.manifest.models["target"].config["vocab_size"]
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise EngineError(f"prompt token ids must lie in [0, {vocab}) for this model")
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams = GREEDY, *,
+                 max_new_tokens: int = 128, stop: Sequence[str] = ()) -> list[Completion]:
+        """One Completion per prompt (a text, token ids, or a list of either), each with ``sampling.n``
+        samples; every prompt is checked before any is generated."""
+        many = isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], int)
+        ids = [self.encode(p) for p in (prompts if many else [prompts])]
+        for p in ids:
+            self.generator.check_request(p, max_new_tokens, stop, sampling)
+        return [self._complete(p, sampling, max_new_tokens, stop) for p in ids]
+
+    def chat(self, messages: str | list[dict], sampling: SamplingParams = GREEDY, *, max_new_tokens: int = 128,
+             stop: Sequence[str] = ()) -> Completion:
+        """The assistant's reply to one user message, or to OpenAI-style messages ``[{"role": ..., "content":
+        ...}]``, under the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise EngineError(f"{self.engines.directory}: no tokenizer.json, so no chat template")
+        ids = self.tokenizer.chat(messages)
+        self.generator.check_request(ids, max_new_tokens, stop, sampling)
+        return self._complete(ids, sampling, max_new_tokens, stop)
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams = GREEDY, *, max_new_tokens: int = 128,
+               stop: Sequence[str] = ()) -> Iterator[str]:
+        """The text of one sample, piece by piece as rounds commit it (needs the dir's tokenizer)."""
+        if self.tokenizer is None:
+            raise EngineError(f"{self.engines.directory}: no tokenizer.json, so no text to stream; use generate")
+        if sampling.n != 1:
+            raise EngineError(f"stream gives one sample; got SamplingParams(n={sampling.n}): use generate")
+        ids = self.encode(prompt)
+        run = self.generator.stream(ids, max_new_tokens, stop, sampling)
+        return self._pieces(run)
+
+    def _pieces(self, run) -> Iterator[str]:
+        # decode the whole output each time: byte-level BPE pieces only form text together
+        tokens, text = [], ""
+        for new in run:
+            tokens += new
+            now = self.tokenizer.decode(tokens)
+            if len(now) > len(text):
+                yield now[len(text):]
+                text = now
+
+    def _complete(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
+                  stop: Sequence[str]) -> Completion:
+        results = self.generator.generate_n(prompt_ids, max_new_tokens, stop, sampling=sampling)
+        decode = self.tokenizer.decode if self.tokenizer else None
+        return Completion(prompt_ids, [Output(r.index, decode(r.tokens) if decode else None, r.tokens, r.finish_reason,
+                                              r.stats, r.seed) for r in results])
+
+    def close(self) -> None:
+        self.engines.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

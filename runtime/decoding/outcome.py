@@ -1,0 +1,92 @@
+"""What a generation returns and when it stops: ``Stats``, ``Result``, and the stop conditions (``Stops``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counts and timings of one ``generate`` call."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0          # prompt passes of target and drafter, to the first token on the host
+    decode_s: float = 0.0           # every round after that
+    target_forwards: int = 0        # prefill included
+    rounds: int = 0                 # verify passes after the prefill
+    drafted: int = 0                # drafted tokens sent to verification
+    accepted: int = 0               # of those, accepted by verification (a stop may drop some after)
+    accepted_at: list[int] = field(default_factory=list)   # [i]: rounds whose draft at depth i+1 was accepted
+
+    def add_round(self, drafted: int, accepted: int) -> None:
+        self.target_forwards += 1
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens over the whole request (prefill included)."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens emitted by the rounds (all but the first) per second of decoding."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ, the one definition used everywhere (bench, train-eagle3, README): tokens emitted per verify
+        round, the bonus token included and tokens dropped by a stop or the length cap excluded. Every
+        emitted token but the first (the prefill's) comes from a round, so τ = (new_tokens - 1) / rounds;
+        ``accepted`` also counts drafts a stop then dropped, so (accepted + rounds) / rounds can be more."""
+        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [n / self.rounds for n in self.accepted_at] if self.rounds else []
+
+
+@dataclass
+class Result:
+    """What ``generate`` returns."""
+
+    tokens: list[int]               # generated tokens, the stopping EOS / stop-string token included
+    stats: Stats
+    finish_reason: str = ""         # "eos" | "stop" | "max_tokens" | "max_seq_len" | "cancelled"
+    seed: int | None = None         # the sampling seed used (None: greedy); with the index, reproduces the run
+    index: int = 0                  # which of the request's n samples this is
+
+
+class Stops:
+    """Applies stop conditions token by token to what a round emits; tokens after a stop are dropped."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: frozenset[int], stop: Sequence[str],
+                 detokenize: Callable[[list[int]], str] | None):
+        self.max_new_tokens, self.eos_ids, self.stop, self.detokenize = max_new_tokens, eos_ids, tuple(stop), detokenize
+        # a stop string of c characters spans at most 4c byte-level tokens: decode only that tail
+        self.window = 4 * max((len(s) for s in self.stop), default=0) + 4
+        self.tokens: list[int] = []
+        self.reason = ""
+
+    def push(self, new: list[int]) -> list[int]:
+        """Append ``new`` up to the first stop; returns the tokens kept."""
+        kept = []
+        for t in new:
+            self.tokens.append(t)
+            kept.append(t)
+            # precedence: EOS, then a stop string, then the length cap (a stop inside the budget wins)
+            if t in self.eos_ids:
+                self.reason = "eos"
+            elif self.stop and any(s in self.detokenize(self.tokens[-self.window:]) for s in self.stop):
+                self.reason = "stop"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.reason = "max_tokens"
+            if self.reason:
+                break
+        return kept
