@@ -158,7 +158,8 @@ def parse_agreement_log(text: str, where: str) -> dict:
     for line in text.splitlines():
         if m := _TEACHER.match(line):
             gaps = [float(g) for g in m["gaps"].split(",") if g.strip()]
-            out["teacher"] = {"same": int(m["same"]), "n": int(m["n"]), "pct": m["pct"], "max_gap": max(gaps, default=0)}
+            out["teacher"] = {"same": int(m["same"]), "n": int(m["n"]), "pct": m["pct"],
+                              "max_gap": max(gaps, default=0)}
         elif m := _AGREE.match(line):
             out["drafters"].append(m.groupdict())
         elif m := _NEAR.match(line):
@@ -259,8 +260,8 @@ def bench_rows(r: dict) -> dict[str, str]:
         if graph == "target" and n == 1:
             rows[f"decode step ({mode})"] = f"{ms:.3f} ms"
             continue
-        label = {("eagle3", 1): "EAGLE3 draft step", ("draft", 1): "draft-model step", ("eagle3_fc", 1): "EAGLE3 fc"}.get(
-            (graph, n), names.get(graph, graph + " ({n} tokens)").format(n=n))
+        singles = {("eagle3", 1): "EAGLE3 draft step", ("draft", 1): "draft-model step", ("eagle3_fc", 1): "EAGLE3 fc"}
+        label = singles.get((graph, n), names.get(graph, graph + " ({n} tokens)").format(n=n))
         if graph == "target" and decode:
             rows[label] = f"{ms:.3f} ms = {ms / decode:.3f}× a decode step"
         elif decode:
@@ -301,7 +302,8 @@ def render_bench(table: Table, columns: list[tuple[str, dict]]) -> list[str]:
     labels = [k for c in cells for k in c]
     labels = [k for i, k in enumerate(labels) if k not in labels[:i]
               and (not table.rows or k.startswith(table.rows))]
-    return _grid(["quantity", *(label for label, _ in columns)], [[k, *(c.get(k, "—") for c in cells)] for k in labels])
+    return _grid(["quantity", *(label for label, _ in columns)],
+                 [[k, *(c.get(k, "—") for c in cells)] for k in labels])
 
 
 def render_tau(columns: list[tuple[str, dict]]) -> list[str]:
@@ -320,8 +322,8 @@ def render_agreement(a: dict) -> list[str]:
     lines += _grid(["drafter", "τ, torch backend", "τ, fast backend", "outputs identical to plain greedy (fast)"],
                    [[d["drafter"], d["torch"], d["fast"], f"{d['same']} / {d['n']}"] for d in a["drafters"]])
     if n := a.get("near"):
-        lines += ["", f"Where speculative and plain greedy part on the fast backend, {n['near']} of {n['all']} partings "
-                      f"are at a near tie (top-2 gap ≤ {n['gap']})."]
+        lines += ["", f"Where speculative and plain greedy part on the fast backend, {n['near']} of {n['all']} "
+                      f"partings are at a near tie (top-2 gap ≤ {n['gap']})."]
     return lines
 
 
