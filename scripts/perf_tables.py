@@ -1,0 +1,451 @@
+#!/usr/bin/env python3
+"""Rewrite the figure tables of docs/performance.md and README.md from the raw results kept in docs/perf/.
+
+    python3 scripts/perf_tables.py            # rewrite every table in place
+    python3 scripts/perf_tables.py --check    # exit 1, naming the tables, when a page differs from its results
+
+A page holds generated text only between ``<!-- table:NAME -->`` and ``<!-- /table -->``; NAME is a key of
+TABLES. docs/perf/sources.json describes every result file: the tables it feeds (``tables``), when, where and
+how it was measured (``date``, ``machine``, ``command``, required) and optionally its column ``label`` (a list for
+a log holding several reports) and a ``note``. A table is built from the files tagged with its source tag that
+share the newest date among them, one column per report, so a newer result tagged the same way replaces the
+older ones. A file no table reads is an error (docs/perf keeps what the current tables stand on, nothing else).
+
+Result files: ``xrun bench --json FILE`` reports (*.json, runtime/bench/measure.py ``run_bench``) or logs
+(*.log) of xrun bench's text report (``format_report``; a log may hold several), of
+benchmarks/fast_agreement.py, of scripts/demo.sh, or of a benchmarks/ script that ends with a JSON report
+(export_8b.py, verify_speed.py). Standard library only: the check runs in CI in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PERF = ROOT / "docs" / "perf"
+PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
+SOURCES = "sources.json"
+REQUIRED = ("tables", "date", "machine", "command")
+
+
+@dataclass(frozen=True)
+class Table:
+    source: str                     # the tag in sources.json
+    kind: str                       # bench | tau | agreement | demo | json
+    rows: tuple[str, ...] = ()      # bench: keep only rows whose label starts with one of these (empty: all)
+    # json: (label, key, format, scale) of the rows, read from the last JSON object a script printed
+    fields: tuple[tuple[str, str, str, float], ...] = ()
+
+
+TABLES = {
+    "bench-8b": Table("bench-8b", "bench"),
+    "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
+                                           "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
+    "draft-model": Table("draft-model", "bench", ("decode floor", "plain decode, context", "decode step",
+                                                  "draft-model")),
+    "peer": Table("peer", "bench", ("transformers",)),
+    "demo-agreement": Table("demo-agreement", "agreement"),
+    "demo-cpu": Table("demo-cpu", "demo"),
+    "drafters-cpu": Table("drafters-cpu", "tau"),
+    "sampling-cpu": Table("sampling-cpu", "tau"),
+    "export-cpu": Table("export-cpu", "json", fields=(
+        ("wall time, `xcompile export` as a child process", "wall_s", "{:.0f} s", 1),
+        ("its peak resident memory", "peak_rss_gb_child", "{:.2f} GiB", 1))),
+    "verify-cpu": Table("verify-cpu", "json", fields=(
+        ("engine dir", "bytes", "{:.2f} GB", 1e-9),
+        ("default check (every load), files in the page cache", "fast_warm_s", "{:.3f} s", 1),
+        ("default check, files evicted from the page cache", "fast_cold_s", "{:.3f} s", 1),
+        ("full check (`--verify`, `xcompile verify`), files in the page cache", "full_warm_s", "{:.2f} s", 1))),
+}
+
+
+class PerfError(Exception):
+    """A result file, sources.json or a page that the tables cannot be built from (the message says which)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading results
+
+
+_NUM = r"(?:[\d.]+|nan)"
+_HEADER = re.compile(r"^device (?P<device>.+?)  backend (?P<backend>\S+)  dtype (?P<dtype>\S+)  model (?P<model>\S+)"
+                     r"  max_seq_len (?P<max_seq_len>\d+)(?:  sampling: (?P<sampling>.+))?$")
+_BANDWIDTH = re.compile(r"^copy bandwidth (?P<gbs>[\d.]+) GB/s$")
+_FLOOR = re.compile(r"^weights/token (?P<gb>[\d.]+) GB -> floor (?P<ms>[\d.]+) ms/token")
+_PREFILL = re.compile(r"^prefill (?P<tokens>\d+) tokens: TTFT (?P<ms>[\d.]+) ms, (?P<tflops>[\d.]+) TFLOP/s = "
+                      r"(?P<pct>\d+) % of the (?P<rate>[\d.]+) TFLOP/s matmul rate")
+_PEER = re.compile(r"^peer: transformers generate \(static cache\) (?P<ms>[\d.]+) ms/token")
+_STEP = re.compile(rf"^(?P<graph>\S.*?)\s+(?P<tokens>\d+)\s+(?P<eager>{_NUM})\s+(?P<graphed>{_NUM})(?:\s+\(.*\))?$")
+_GEN = re.compile(rf"^\s*(?P<ctx>\d+)\s+(?P<graphs>yes|no)\s+(?P<drafter>\S.*?)\s+(?P<round>[\d.]+)\s+(?P<tok>[\d.]+)"
+                  rf"\s+(?P<tps>[\d.]+)\s+(?P<tau>[\d.]+)\s+(?P<e2e>{_NUM})(?P<taus>(?:\s+{_NUM})*)"
+                  r"(?:\s+\((?P<floor>[\d.]+)% of floor\))?\s*$")
+_POSITION = re.compile(r"^\s*\d+\s+(yes|no)\s+\S.*?(\s+[\d.]+)+\s*$")
+
+
+def _f(text: str) -> float:
+    return float(text)
+
+
+def parse_bench_log(text: str, where: str) -> list[dict]:
+    """Every ``format_report`` in a log, as run_bench's dict (the keys its JSON has). Progress (#), command ($)
+    and blank lines are skipped; any other line after a report's header must be one of the report's."""
+    reports: list[dict] = []
+    r, section, taus = None, None, []
+    for n, line in enumerate(text.splitlines(), 1):
+        if m := _HEADER.match(line):
+            r = {k: m[k] for k in ("device", "backend", "dtype", "model")}
+            r.update(max_seq_len=int(m["max_seq_len"]), sampling=m["sampling"] or "greedy", steps=[], generation=[])
+            reports.append(r)
+            section = None
+            continue
+        if r is None or not line.strip() or line.startswith(("#", "$")):
+            continue
+        if m := _BANDWIDTH.match(line):
+            r["copy_bandwidth_gbs"] = _f(m["gbs"])
+        elif m := _FLOOR.match(line):
+            r["weight_bytes_per_token"], r["floor_ms_per_token"] = _f(m["gb"]) * 1e9, _f(m["ms"])
+        elif m := _PREFILL.match(line):
+            r["prefill"] = {"tokens": int(m["tokens"]), "ttft_ms": _f(m["ms"]), "tflops": _f(m["tflops"]),
+                            "matmul_tflops": _f(m["rate"]), "fraction_of_matmul": int(m["pct"]) / 100}
+        elif m := _PEER.match(line):
+            r["peer_ms_per_token"] = _f(m["ms"])
+        elif line.startswith("step "):
+            section = "steps"
+        elif line.lstrip().startswith("ctx "):
+            section, taus = "generation", re.findall(r"x@tau=(\S+)", line)
+        elif line.startswith("acceptance by position"):
+            section = "position"
+        elif section == "steps" and (m := _STEP.match(line)):
+            row = {"graph": m["graph"], "tokens": int(m["tokens"]), "eager_ms": _f(m["eager"])}
+            if m["graphed"] != "nan":
+                row["graph_ms"] = _f(m["graphed"])
+            r["steps"].append(row)
+        elif section == "generation" and (m := _GEN.match(line)):
+            row = {"context": int(m["ctx"]), "cuda_graphs": m["graphs"] == "yes", "drafter": m["drafter"],
+                   "ms_per_round": _f(m["round"]), "ms_per_token": _f(m["tok"]), "tokens_per_s": _f(m["tps"]),
+                   "tau": _f(m["tau"]), "speedup_e2e": _f(m["e2e"])}
+            values = m["taus"].split()
+            row["speedup_at_tau"] = {t: _f(v) for t, v in zip(taus, values) if v != "nan"}
+            if m["floor"]:
+                row["fraction_of_floor"] = _f(m["floor"]) / 100
+            r["generation"].append(row)
+        elif section == "position" and _POSITION.match(line):
+            continue
+        else:
+            raise PerfError(f"{where}:{n}: not a line of xrun bench's report: {line!r}")
+    if not reports:
+        raise PerfError(f"{where}: no xrun bench report in it (its first line is 'device ...  backend ...')")
+    return reports
+
+
+_TEACHER = re.compile(r"^teacher-forced: (?P<same>\d+)/(?P<n>\d+) positions agree \((?P<pct>[\d.]+) %\); "
+                      r"(?P<diff>\d+) disagreements, reference top-2 gaps there: \[(?P<gaps>.*)\]")
+_AGREE = re.compile(r"^(?P<drafter>\S.*?): tau (?P<torch>[\d.]+) on the torch backend, (?P<fast>[\d.]+) on the fast "
+                    r"backend; fast: (?P<same>\d+)/(?P<n>\d+) outputs identical to plain greedy")
+_NEAR = re.compile(r"^near ties \(top-2 gap <= (?P<gap>[\d.]+)\): (?P<near>\d+) of (?P<all>\d+) partings")
+
+
+def parse_agreement_log(text: str, where: str) -> dict:
+    """benchmarks/fast_agreement.py's summary: teacher-forced agreement, τ and identical outputs per drafter."""
+    out: dict = {"drafters": []}
+    for line in text.splitlines():
+        if m := _TEACHER.match(line):
+            gaps = [float(g) for g in m["gaps"].split(",") if g.strip()]
+            out["teacher"] = {"same": int(m["same"]), "n": int(m["n"]), "pct": m["pct"],
+                              "max_gap": max(gaps, default=0)}
+        elif m := _AGREE.match(line):
+            out["drafters"].append(m.groupdict())
+        elif m := _NEAR.match(line):
+            out["near"] = m.groupdict()
+    if "teacher" not in out or not out["drafters"]:
+        raise PerfError(f"{where}: not a benchmarks/fast_agreement.py log (no 'teacher-forced:' or drafter lines)")
+    return out
+
+
+_SECTION = re.compile(r"^==== (?P<what>.*)$")
+_STATS = re.compile(r"^\[(?P<drafter>\S+) on (?P<backend>\S+)\] (?P<n>\d+) tokens, (?P<tps>[\d.]+) tok/s, tau "
+                    r"(?P<tau>[\d.]+) tokens per verify round \((?P<acc>\d+)/(?P<drafted>\d+) drafts accepted, "
+                    r"(?P<fw>\d+) target forwards\)")
+_DONE = re.compile(r"^==== done in (?P<s>\d+) s")
+
+
+def parse_demo_log(text: str, where: str) -> dict:
+    """scripts/demo.sh's output: each generate section's stats line, diff's verdict, the total time."""
+    out: dict = {"runs": [], "diff": None, "seconds": None}
+    section = ""
+    for line in text.splitlines():
+        if m := _DONE.match(line):
+            out["seconds"] = int(m["s"])
+        elif m := _SECTION.match(line):
+            section = m["what"]
+        elif m := _STATS.match(line):
+            label = section.removeprefix("generate: ").split(" (")[0]
+            out["runs"].append({"label": label, **m.groupdict()})
+        elif section.startswith("diff") and line.strip() in ("PASSED", "FAILED"):
+            out["diff"] = line.strip()
+    if not out["runs"]:
+        raise PerfError(f"{where}: not a scripts/demo.sh log (no '[drafter on backend] ... tau' stats lines)")
+    return out
+
+
+def parse_json_log(text: str, where: str) -> dict:
+    """The last JSON object a script printed (benchmarks/export_8b.py, verify_speed.py end with one)."""
+    start = text.rfind("\n{")
+    try:
+        return json.JSONDecoder().raw_decode(text[start + 1:])[0] if start >= 0 else json.loads(text)
+    except ValueError:
+        raise PerfError(f"{where}: no JSON object at its end (the report of a benchmarks/ script)") from None
+
+
+def read_result(path: Path, kind: str) -> list:
+    """The reports in ``path`` for a table of ``kind``: a list (one column each)."""
+    where = str(path.relative_to(ROOT))
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else [data]
+    text = path.read_text()
+    if kind in ("bench", "tau"):
+        return parse_bench_log(text, where)
+    if kind == "json":
+        return [parse_json_log(text, where)]
+    return [parse_agreement_log(text, where) if kind == "agreement" else parse_demo_log(text, where)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rendering
+
+
+def _graph_mode(report: dict) -> bool:
+    """The generation rows a table shows: with CUDA graphs where the report has them (a GPU), else eager."""
+    return any(g["cuda_graphs"] for g in report["generation"])
+
+
+def _ms(step: dict) -> float:
+    return step.get("graph_ms", step["eager_ms"])
+
+
+def bench_rows(r: dict) -> dict[str, str]:
+    """Row label -> cell of one bench report: the floor, plain decode per context, step costs against a decode
+    step, round costs against plain decoding (and what a head of the published τ would give), prefill, peer."""
+    rows: dict[str, str] = {}
+    graphs = _graph_mode(r)
+    floor = r.get("floor_ms_per_token")
+    if floor:
+        rows["decode floor (weights / copy bandwidth)"] = (f"{r['weight_bytes_per_token'] / 1e9:.2f} GB / "
+                                                           f"{r['copy_bandwidth_gbs']:.0f} GB/s = {floor:.3f} ms/token")
+    gen = [g for g in r["generation"] if g["cuda_graphs"] == graphs]
+    plain = {g["context"]: g for g in gen if g["drafter"] == "plain"}
+    for ctx, g in plain.items():
+        frac = g.get("fraction_of_floor") or (floor / g["ms_per_token"] if floor else None)
+        rows[f"plain decode, context {ctx}"] = (f"{g['ms_per_token']:.3f} ms/token, {g['tokens_per_s']:.1f} tok/s"
+                                                + (f", {100 * frac:.1f} % of the floor" if frac else ""))
+    if graphs:
+        for g in r["generation"]:
+            if not g["cuda_graphs"] and g["drafter"] == "plain":
+                rows[f"plain decode without CUDA graphs, context {g['context']}"] = f"{g['ms_per_token']:.3f} ms/token"
+    steps = [s for s in r["steps"] if not s["graph"].startswith(("sample", "accept")) or r["sampling"] != "greedy"]
+    decode = next((_ms(s) for s in steps if s["graph"] == "target" and s["tokens"] == 1), None)
+    mode = "graphed" if graphs else "eager"
+    names = {"target": "verify {n} tokens", "eagle3": "EAGLE3 step over {n} tokens (a tree level)",
+             "draft": "draft-model step over {n} tokens", "eagle3_fc": "EAGLE3 fc over {n} tokens"}
+    for s in steps:
+        ms, n, graph = _ms(s), s["tokens"], s["graph"]
+        if graph == "target" and n == 1:
+            rows[f"decode step ({mode})"] = f"{ms:.3f} ms"
+            continue
+        singles = {("eagle3", 1): "EAGLE3 draft step", ("draft", 1): "draft-model step", ("eagle3_fc", 1): "EAGLE3 fc"}
+        label = singles.get((graph, n), names.get(graph, graph + " ({n} tokens)").format(n=n))
+        if graph == "target" and decode:
+            rows[label] = f"{ms:.3f} ms = {ms / decode:.3f}× a decode step"
+        elif decode:
+            rows[label] = f"{ms:.3f} ms = {100 * ms / decode:.1f} % of a decode step"
+        else:
+            rows[label] = f"{ms:.3f} ms"
+    first = min(plain) if plain else None
+    base = plain.get(first)
+    for g in gen:
+        if g["drafter"] == "plain" or g["context"] != first or base is None:
+            continue
+        ratio = g.get("round_over_decode") or g["ms_per_round"] / base["ms_per_token"]
+        name = g["drafter"].replace("eagle3 ", "EAGLE3 ").replace("tree", "tree round").replace(" g=", " round γ = ")
+        cell = f"{g['ms_per_round']:.3f} ms = {ratio:.3f}× plain"
+        if g["tau"] > 1:
+            cell += f"; τ {g['tau']:.2f}, {g['speedup_e2e']:.2f}× plain's tokens/s"
+        rows[name] = cell
+        if g["tau"] == 1 and g.get("speedup_at_tau"):
+            t = max(g["speedup_at_tau"], key=float)
+            rows[f"{name} at τ {t}"] = (
+                f"{g['speedup_at_tau'][t]:.2f}× plain, {float(t) / g['ms_per_round'] * 1e3:.0f} tok/s")
+    if p := r.get("prefill"):
+        rows[f"prefill of {p['tokens']} tokens"] = (f"{p['ttft_ms']:.1f} ms TTFT, {p['tflops']:.1f} TFLOP/s = "
+                                                    f"{100 * p['fraction_of_matmul']:.0f} % of the "
+                                                    f"{p['matmul_tflops']:.1f} TFLOP/s matmul rate of the run")
+    if r.get("peer_ms_per_token"):
+        ms = r["peer_ms_per_token"]
+        rows["transformers generate() (static cache), same weights"] = f"{ms:.3f} ms/token, {1e3 / ms:.0f} tok/s"
+    return rows
+
+
+def _grid(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render_bench(table: Table, columns: list[tuple[str, dict]]) -> list[str]:
+    cells = [bench_rows(r) for _, r in columns]
+    labels = [k for c in cells for k in c]
+    labels = [k for i, k in enumerate(labels) if k not in labels[:i]
+              and (not table.rows or k.startswith(table.rows))]
+    return _grid(["quantity", *(label for label, _ in columns)],
+                 [[k, *(c.get(k, "—") for c in cells)] for k in labels])
+
+
+def render_tau(columns: list[tuple[str, dict]]) -> list[str]:
+    taus = [{g["drafter"]: g["tau"] for g in r["generation"] if g["cuda_graphs"] == _graph_mode(r)} for _, r in columns]
+    names = [d for t in taus for d in t]
+    names = [d for i, d in enumerate(names) if d not in names[:i]]
+    return _grid(["drafter", *(label for label, _ in columns)],
+                 [[d, *(f"{t[d]:.2f}" if d in t else "—" for t in taus)] for d in names])
+
+
+def render_agreement(a: dict) -> list[str]:
+    t = a["teacher"]
+    lines = [f"Teacher-forced, the fast backend's greedy token equals the reference modules' at {t['same']} of "
+             f"{t['n']} positions ({t['pct']} %); at each of the {t['n'] - t['same']} others the reference's top-2 "
+             f"logits are within {t['max_gap']:g}.", ""]
+    lines += _grid(["drafter", "τ, torch backend", "τ, fast backend", "outputs identical to plain greedy (fast)"],
+                   [[d["drafter"], d["torch"], d["fast"], f"{d['same']} / {d['n']}"] for d in a["drafters"]])
+    if n := a.get("near"):
+        lines += ["", f"Where speculative and plain greedy part on the fast backend, {n['near']} of {n['all']} "
+                      f"partings are at a near tie (top-2 gap ≤ {n['gap']})."]
+    return lines
+
+
+def render_demo(d: dict) -> list[str]:
+    lines = _grid(["`xrun generate`", "τ", "drafts accepted", "target forwards", "tokens/s"],
+                  [[r["label"], r["tau"], f"{r['acc']} / {r['drafted']}", r["fw"], r["tps"]] for r in d["runs"]])
+    tail = []
+    if d["diff"]:
+        tail.append(f"`xcompile diff`: {d['diff']}.")
+    if d["seconds"] is not None:
+        tail.append(f"The whole script took {d['seconds']} s, setup included.")
+    return lines + ([""] + [" ".join(tail)] if tail else [])
+
+
+def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -> list[str]:
+    """The generated lines of table ``name`` from files [(file name, its sources.json entry)] on ``page``."""
+    columns: list[tuple[str, dict]] = []
+    for fname, meta in files:
+        reports = read_result(PERF / fname, table.kind)
+        labels = meta.get("label", [])
+        labels = [labels] if isinstance(labels, str) else labels
+        if labels and len(labels) != len(reports):
+            raise PerfError(f"docs/perf/{SOURCES}: {fname}: 'label' names {len(labels)} reports, the file holds "
+                            f"{len(reports)}")
+        columns += [(labels[i] if labels else Path(fname).stem, rep) for i, rep in enumerate(reports)]
+    if table.kind == "bench":
+        lines = render_bench(table, columns)
+    elif table.kind == "tau":
+        lines = render_tau(columns)
+    elif table.kind == "json":
+        lines = _grid(["quantity", *(label for label, _ in columns)],
+                      [[label, *(fmt.format(rep[key] * scale) for _, rep in columns)]
+                       for label, key, fmt, scale in table.fields])
+    elif table.kind == "agreement":
+        lines = [x for _, rep in columns for x in render_agreement(rep)]
+    else:
+        lines = [x for _, rep in columns for x in render_demo(rep)]
+    link = os.path.relpath(PERF, page.parent)
+    lines.append("")
+    for fname, meta in files:
+        lines.append(f"- [{fname}]({link}/{fname}): {meta['date']}, {meta['machine']}; `{meta['command']}`"
+                     + (f"; {meta['note']}" if meta.get("note") else ""))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pages
+
+
+_BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def load_sources() -> dict[str, dict]:
+    path = PERF / SOURCES
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PerfError(f"docs/perf/{SOURCES}: cannot read its 'files' object ({e})") from None
+    for fname, meta in files.items():
+        missing = [k for k in REQUIRED if not meta.get(k)]
+        if missing:
+            raise PerfError(f"docs/perf/{SOURCES}: {fname} lacks {', '.join(missing)} (every figure names its date, "
+                            "machine and command)")
+        if not (PERF / fname).is_file():
+            raise PerfError(f"docs/perf/{SOURCES}: {fname} is described but not in docs/perf")
+    kept = {p.name for p in PERF.iterdir() if p.suffix in (".log", ".json") and p.name != SOURCES}
+    if undescribed := sorted(kept - set(files)):
+        raise PerfError(f"docs/perf: {', '.join(undescribed)} not described in {SOURCES} (add its date, machine, "
+                        "command and tables)")
+    return files
+
+
+def newest(tag: str, sources: dict[str, dict]) -> list[tuple[str, dict]]:
+    """The files tagged ``tag`` that share the newest date among them, in sources.json order."""
+    tagged = [(f, m) for f, m in sources.items() if tag in m["tables"]]
+    if not tagged:
+        raise PerfError(f"docs/perf/{SOURCES}: no file is tagged {tag!r}")
+    date = max(m["date"] for _, m in tagged)
+    return [(f, m) for f, m in tagged if m["date"] == date]
+
+
+def build(page: Path, sources: dict[str, dict], used: set[str]) -> str:
+    """``page``'s text with its tables regenerated; the file names read go into ``used``."""
+    text = page.read_text()
+
+    def block(m: re.Match) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            raise PerfError(f"{page.relative_to(ROOT)}: unknown table {name!r} (scripts/perf_tables.py TABLES: "
+                            f"{', '.join(TABLES)})")
+        files = newest(TABLES[name].source, sources)
+        used.update(f for f, _ in files)
+        return m[1] + "\n".join(render(name, TABLES[name], files, page)) + "\n" + m[4]
+
+    return _BLOCK.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a page is stale")
+    args = parser.parse_args(argv)
+    try:
+        sources = load_sources()
+        used: set[str] = set()
+        stale = []
+        for page in PAGES:
+            new = build(page, sources, used)
+            if new != page.read_text():
+                stale.append(page)
+                if not args.check:
+                    page.write_text(new)
+        if unused := sorted(set(sources) - used):
+            raise PerfError(f"docs/perf: {', '.join(unused)} feed no current table (a newer result replaced them, or "
+                            "no page shows their tag): remove them, history is in git")
+    except PerfError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for page in stale:
+        print(f"{page.relative_to(ROOT)}: {'stale; run python3 scripts/perf_tables.py' if args.check else 'rewritten'}",
+              file=sys.stderr)
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
