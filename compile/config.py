@@ -21,7 +21,7 @@ EAGLE_REPO_ARCHITECTURE = "LlamaForCausalLM"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 HEAD_ARCHITECTURES = (*EAGLE3_ARCHITECTURES, EAGLE_REPO_ARCHITECTURE, SPECULATORS_ARCHITECTURE)
 
-# Where a head's tap ids come from, and what they count (reference/eagle3_semantics.md §1.2):
+# Where a head's tap ids come from, and what they count (docs/eagle3.md §1.2):
 #   top level   HF hidden_states indices = the input of that layer. vLLM reads the field as is and its
 #               targets capture ``hidden_states + residual`` before layer i (gpu_model_runner
 #               _get_eagle3_aux_layers_from_config); speculators' default is [2, L//2, L-3]
@@ -64,7 +64,7 @@ class Qwen3Config:
     @property
     def default_tap_layers(self) -> tuple[int, int, int]:
         """EAGLE3 taps as 0-based *output-of-layer* ids: layers 1, L/2-1, L-4 (HF hidden_states
-        indices 2, L/2, L-3; [1, 17, 32] for Qwen3-8B). See reference/eagle3_semantics.md §1.2."""
+        indices 2, L/2, L-3; [1, 17, 32] for Qwen3-8B). See docs/eagle3.md §1.2."""
         n = self.num_hidden_layers
         return (1, n // 2 - 1, n - 4) if n >= 5 else (0, n // 2, n - 1)
 

@@ -235,7 +235,7 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
     if EAGLE3 in graphs:
         fc = runs[EAGLE3_FC] = _Recorder(graphs[EAGLE3_FC], keep)
         hidden = fc("fc", {"hidden_taps": prefill["hidden_taps"]})
-        # pairing: draft position t reads target feature t and token t+1 (eagle3_semantics §3)
+        # pairing: draft position t reads target feature t and token t+1 (docs/eagle3.md §3.1)
         shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1)
         head = runs[EAGLE3] = _Recorder(graphs[EAGLE3], keep)
         out = head("prompt", step_feed(shifted, 0, [n - 1], hidden["hidden_states"]))

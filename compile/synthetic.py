@@ -6,7 +6,7 @@ RAM) and still give the same weights as a fully built ``synthetic_qwen3``.
 
 Init: projections and embeddings N(0, std) with std 0.02 (HF ``initializer_range`` of Qwen3), RMSNorm
 weights 1, so residual activations stay O(1..100) and finite in bf16. An EAGLE3 head's d2t is a
-valid offset table: sorted distinct target ids minus arange (eagle3_semantics.md §2).
+valid offset table: sorted distinct target ids minus arange (docs/eagle3.md §2).
 
 An engine dir exported from synthetic weights records each model's source as
 ``synthetic:<name>:<seed>`` (``source``/``parse_source``): the target draws from the request's seed,

@@ -1,6 +1,6 @@
 """Distil an EAGLE3 head from a Qwen3 target with the "training-time test" recipe.
 
-reference/eagle3_semantics.md §8 (EAGLE ``traineagle3/cnets.py``, AngelSlim ``eagle3_trainer.py``):
+docs/eagle3.md §8 (EAGLE ``traineagle3/cnets.py``, AngelSlim ``eagle3_trainer.py``):
   - the target (frozen) gives its three taps F [B, T, 3H] and logits for a window of tokens x;
   - pairing (§3): draft index t consumes F_t and token x_{t+1} and predicts x_{t+2};
   - ``ttt_steps`` unrolled steps: step 0 runs on fc(F), step j > 0 on step j-1's pre-norm output

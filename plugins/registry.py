@@ -2,7 +2,7 @@
 
 Standard opset-24 ops (TensorScatter, Attention, RotaryEmbedding, RMSNormalization) cover Qwen3 and
 EAGLE3, so ``PLUGINS`` is empty; a plugin joins it with a torch reference, an ONNX custom-op export
-and a test (DESIGN.md). Builder and runtime call ``load_plugins(trt)`` before parsing or
+and a test (docs/design.md). Builder and runtime call ``load_plugins(trt)`` before parsing or
 deserializing, with whichever TensorRT module (tensorrt or tensorrt_rtx) they use; plugins import
 nothing from runtime or compile, so the module is passed in.
 """

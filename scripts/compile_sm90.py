@@ -4,7 +4,7 @@
                                               # default: the kernel tests
 
 The interpreter (how CI runs the kernels) and a newer triton accept code that the GPU image's triton
-refuses; twice such a kernel first failed on the device (docs/BENCHMARKS.md, eighth and ninth sessions).
+refuses; twice such a kernel first failed on the device (CHANGELOG.md, the eighth and ninth H200 sessions).
 This runs the tests in Triton's interpreter in a subprocess, records each launch (the kernel, its
 arguments' types, its constexprs, num_warps / num_stages), then compiles every distinct launch for
 GPUTarget("cuda", 90, 32) as the GPU would run it: programmatic dependent launch on (PDL=True) and, for

@@ -102,7 +102,7 @@ def qwen3_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def eagle3_config(target_cfg: dict, overrides: dict | None = None) -> dict:
-    """AngelSlim-layout head config.json (eagle3_semantics.md §6.1) for a target config.json dict."""
+    """AngelSlim-layout head config.json (docs/eagle3.md §6.1) for a target config.json dict."""
     cfg = {
         "architectures": ["Eagle3LlamaForCausalLM"], "model_type": "llama", "target_model_type": "qwen3",
         "hidden_size": target_cfg["hidden_size"], "intermediate_size": 96, "num_hidden_layers": 1,

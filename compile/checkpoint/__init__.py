@@ -61,7 +61,7 @@ def build_qwen3(source: WeightSource, cfg: Qwen3Config, max_seq_len: int, taps: 
 def build_eagle3(source: WeightSource, cfg: Eagle3Config, target: Qwen3, max_seq_len: int,
                  rope_theta: float | None = None) -> Eagle3:
     """An EAGLE3 head of config ``cfg`` from ``source``, sharing the target's embedding tensor (so in
-    the target's dtype and on its device). ``rope_theta`` overrides the config's θ (eagle3_semantics §6.3)."""
+    the target's dtype and on its device). ``rope_theta`` overrides the config's θ (docs/eagle3.md §6.3)."""
     embed = target.model.embed_tokens.weight
     with torch.device("meta"):
         head = Eagle3(cfg, max_seq_len, rope_theta).to(embed.dtype)
@@ -95,7 +95,7 @@ def load_draft_model(path: Path, target_cfg: Qwen3Config, max_seq_len: int, dtyp
 def load_eagle3(path: Path, target: Qwen3, max_seq_len: int, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None, rope_theta: float | None = None) -> Eagle3:
     """An EAGLE3 head for ``target``, sharing its embedding tensor (so by default in the target's
-    dtype and on its device). ``rope_theta`` overrides the config's θ (eagle3_semantics §6.3)."""
+    dtype and on its device). ``rope_theta`` overrides the config's θ (docs/eagle3.md §6.3)."""
     path = Path(path)
     config = path / "config.json"
     cfg = parse_eagle3(config)

@@ -1,6 +1,6 @@
 """EAGLE3 draft head: one Llama-style decoder layer over [embedding, hidden] with its own KV cache.
 
-Semantics (reference/eagle3_semantics.md §2-3; SafeAILab/EAGLE cnets.py, AngelSlim llama3_eagle3.py):
+Semantics (docs/eagle3.md §2-3; SafeAILab/EAGLE cnets.py, AngelSlim llama3_eagle3.py):
   - ``fc`` (3H -> H) applies only to the target's tapped features; the head's own output (H) is fed
     back as is. ``fc`` is its own graph (``eagle3_fc``) so this step takes one hidden width.
   - q/k/v see concat[input_layernorm(embed(token)), hidden_norm(hidden)], embedding first; the
@@ -56,7 +56,7 @@ def _check_d2t(cfg: Eagle3Config, d2t: torch.Tensor, where: str) -> None:
 
 
 def key_map(cfg: Eagle3Config) -> KeyMap:
-    """AngelSlim / EAGLE / SpecForge layout (reference/eagle3_semantics.md §5-6: ``midlayer.*``), or the
+    """AngelSlim / EAGLE / SpecForge layout (docs/eagle3.md §5-6: ``midlayer.*``), or the
     speculators one (``layers.0.*``: speculators Eagle3Speculator, which vLLM loads after renaming
     ``midlayer.`` to ``layers.0.``, llama_eagle3.py load_weights). The embedding is the target's."""
     def t2d(read: Reader) -> torch.Tensor:
@@ -66,7 +66,7 @@ def key_map(cfg: Eagle3Config) -> KeyMap:
     return KeyMap(
         {n: n.replace("midlayer.", f"{cfg.layout}.", 1) for n in _NAMES},
         ignored={
-            r"(model\.)?embed_tokens\.weight": "the head embeds tokens with the target's table (eagle3_semantics §6.2)",
+            r"(model\.)?embed_tokens\.weight": "the head embeds tokens with the target's table (docs/eagle3.md §6.2)",
             rf"{layer}\.self_attn\.rotary_emb\.inv_freq": ROPE_CACHE,
             # speculators training keeps a frozen copy of the verifier's final norm and lm_head (Eagle3DraftModel)
             r"verifier_(norm|lm_head)\.weight": "the target's own norm/lm_head, copied for training only",

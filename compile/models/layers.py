@@ -187,7 +187,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 # Decode/verify steps (few queries, the whole static cache as keys): plain batched matmuls (cuBLAS
 # spreads the cache reads over the SMs), as HF's eager attention computes. Prefill keeps SDPA.
-# Measured in the model on an H200 (docs/BENCHMARKS.md): attention is a small share of a decode step.
+# Measured in the model on an H200 (CHANGELOG.md, 2026-11-29): attention is a small share of a decode step.
 MATMUL_ATTENTION_MAX_QUERIES = 64
 
 

@@ -75,7 +75,7 @@ class Qwen3(nn.Module):
       -> logits [B,R,V], hidden_taps [B,S,3H] (if taps), present_key_0, present_value_0, ...
 
     ``taps`` are 0-based output-of-layer ids: the raw residual stream after those layers, before
-    the final norm, concatenated low to high (reference/eagle3_semantics.md §1.2).
+    the final norm, concatenated low to high (docs/eagle3.md §1.2).
     """
 
     kind = KIND

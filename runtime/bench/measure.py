@@ -1,6 +1,6 @@
 """``xrun bench``: plain and speculative decoding speed against the bandwidth floor, in one run.
 
-What one run measures (docs/BENCHMARKS.md has figures):
+What one run measures (docs/performance.md has today's figures):
   - the device's copy bandwidth (bytes read + written per second) and, from the target's weight
     bytes per token, the decode floor;
   - plain greedy decode ms/token at each context length (the Generator with no drafter);
@@ -39,7 +39,7 @@ from xcompile.runtime.engines.graphs import CudaGraphCapture, GraphedEngine, Gra
 from xcompile.runtime.engines.load import EngineSet
 
 _log = logs.logger("bench")
-PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (reference/eagle3_semantics.md §7)
+PUBLISHED_TAU = 3.7     # AngelSlim/Qwen3-8B_eagle3, mean acceptance length (docs/eagle3.md §7)
 
 
 @dataclass
@@ -79,7 +79,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
     n = int(gib * 2**30) // 4 if device.type == "cuda" else 2**26
-    src = torch.randn(n, device=device)        # random, never zeros (METHOD.md)
+    src = torch.randn(n, device=device)        # random data, never zeros, so the copy moves real data
     dst = torch.empty_like(src)
     ms = timed(lambda: dst.copy_(src), device, repeats=10)
     return 2 * src.numel() * src.element_size() / (ms / 1e3)

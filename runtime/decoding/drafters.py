@@ -15,7 +15,7 @@ hands the drafter the target's verify outputs. ``length`` [B] (a device tensor) 
 length: every committed token except the root, which is written by the next verify. Every step has a
 fixed shape given the drafter's parameters (only the prompt passes depend on the prompt length).
 
-EAGLE3 rules (reference/eagle3_semantics.md §3-4): draft position t pairs the target feature at t with
+EAGLE3 rules (docs/eagle3.md §3-4): draft position t pairs the target feature at t with
 the token at t+1; ``fc`` applies to target taps only, the head's own pre-norm output is fed back as is;
 the persistent draft KV holds only entries computed from target features; tree-expansion entries are
 temporary, written past the persistent length, and the next round's update overwrites them.
@@ -345,7 +345,7 @@ class Eagle3ChainDrafter(_Eagle3):
 
 
 class Eagle3TreeDrafter(_Eagle3):
-    """EAGLE-2 dynamic tree (eagle3_semantics.md §4.1), with our names:
+    """EAGLE-2 dynamic tree (docs/eagle3.md §4.1), with our names:
 
     topk          children kept per expanded node, and nodes expanded per level
     depth         longest drafted path (EAGLE's ``depth`` + 1; sglang's ``num_steps``); depth-1 expansions

@@ -25,7 +25,7 @@ DEFAULT_GAMMA = 4       # draft tokens per chain round when none is asked for
 class TreeShape:
     """An EAGLE-2 dynamic tree: ``topk`` children per expanded node, ``depth`` draft steps per round,
     ``total_tokens`` drafts verified per round. Defaults: SGLang's for Qwen3-8B heads
-    (reference/perf_anchors.md: steps 6, top-k 10, 32 draft tokens)."""
+    (docs/eagle3.md §4: steps 6, top-k 10, 32 draft tokens, from the Tengyunw/qwen3_8b_eagle3 model card)."""
 
     topk: int = 10
     depth: int = 6

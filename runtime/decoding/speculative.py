@@ -1,10 +1,10 @@
 """Speculative decoding as pure tensor functions: the block to verify, acceptance, KV compaction.
 
-A round (DESIGN.md "Runtime"): a drafter proposes a ``Block`` (the root plus drafted tokens; a chain
+A round (docs/design.md, "The round"): a drafter proposes a ``Block`` (the root plus drafted tokens; a chain
 is the tree whose node i hangs under node i-1), the target runs the block once, ``accept_chain`` or
 ``accept_tree`` keeps a drafted path plus one bonus token, and ``compact_kv`` moves that path's KV
 rows to contiguous slots. ``select_tree`` builds the EAGLE-2 dynamic tree from the draft's top-k
-candidates (reference/eagle3_semantics.md §4).
+candidates (docs/eagle3.md §4).
 
 Acceptance takes the request's ``Sampler``. Greedy (temperature 0): the longest path the target's
 argmax agrees with, so the output equals plain greedy decoding. Sampling: speculative (rejection)
@@ -282,7 +282,7 @@ def for_host(acc: Accepted) -> torch.Tensor:
 
 
 def target_table(d2t: torch.Tensor | None) -> torch.Tensor | None:
-    """EAGLE3's d2t offsets [Vd] -> the target id of every draft id, draft + d2t[draft] (eagle3_semantics.md
+    """EAGLE3's d2t offsets [Vd] -> the target id of every draft id, draft + d2t[draft] (docs/eagle3.md
     §2), so that mapping ids is one lookup; None (draft and target share the vocabulary) stays None."""
     return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
 

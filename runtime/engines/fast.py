@@ -207,7 +207,7 @@ class FastQwen3Engine(_FastEngine):
 
 
 class FastEagle3Engine(_FastEngine):
-    """The ``eagle3`` graph: one EAGLE3 decoder step (reference/eagle3_semantics.md §2-3) on the kernels:
+    """The ``eagle3`` graph: one EAGLE3 decoder step (docs/eagle3.md §2-3) on the kernels:
     embedding + both input norms in one launch, then the layer as above with the hidden as residual."""
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):

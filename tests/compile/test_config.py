@@ -129,7 +129,7 @@ def test_generation_config(tmp_path):
 
 def test_default_taps_and_known_models():
     qwen3_8b = KNOWN_MODELS["qwen3-8b"].config
-    # outputs of layers 1, 17, 32 = HF hidden_states [2, 18, 33] (eagle3_semantics.md §1.2)
+    # outputs of layers 1, 17, 32 = HF hidden_states [2, 18, 33] (docs/eagle3.md §1.2)
     assert qwen3_8b.default_tap_layers == (1, 17, 32)
     assert (qwen3_8b.num_hidden_layers, qwen3_8b.hidden_size, qwen3_8b.tie_word_embeddings) == (36, 4096, False)
     head = synthetic_eagle3_config(qwen3_8b)

@@ -1,4 +1,4 @@
-"""The EAGLE3 head against an independent reference written here from reference/eagle3_semantics.md §2
+"""The EAGLE3 head against an independent reference written here from docs/eagle3.md §2
 as plain tensor math on the checkpoint's state dict (not through the module's submodules).
 fp32; tolerance 1e-4 absolute."""
 
