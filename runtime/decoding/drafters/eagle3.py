@@ -1,227 +1,28 @@
-"""Drafters: what proposes the block the target verifies each round, each owning its KV buffers.
+"""The EAGLE3 drafters: the head's chain, and the EAGLE-2 dynamic tree (docs/eagle3.md §3-4).
 
-    none         plain decoding: the block is the root alone
-    draft-model  a small Qwen3 (contract graph ``draft``) with its own KV proposes k tokens
-    eagle3       EAGLE3 head, chain of k tokens (graphs ``eagle3`` + ``eagle3_fc``)
-    eagle3-tree  EAGLE3 head, EAGLE-2 dynamic tree (top-k, depth, total tokens)
-
-Chain drafters pick each token with the request's sampler (``bind``): the argmax when greedy, else a
-draw from the warped draft distribution q, whose row they record in the block (``Block.q``) for
-verification. The tree's children are the draft's top-k whatever the sampler (deterministic picks).
-
-Life of a request: after the target's prefill ``start(prompt, taps, root)``; then per round
-``propose(root, length) -> Block``, the target verifies it, and ``commit(block, accepted, taps, length)``
-hands the drafter the target's verify outputs. ``length`` [B] (a device tensor) is the target's KV
-length: every committed token except the root, which is written by the next verify. Every step has a
-fixed shape given the drafter's parameters (only the prompt passes depend on the prompt length).
-
-EAGLE3 rules (docs/eagle3.md §3-4): draft position t pairs the target feature at t with
-the token at t+1; ``fc`` applies to target taps only, the head's own pre-norm output is fed back as is;
-the persistent draft KV holds only entries computed from target features; tree-expansion entries are
-temporary, written past the persistent length, and the next round's update overwrites them.
+Draft position t pairs the target feature at t with the token at t+1; ``fc`` applies to target taps only, the
+head's own pre-norm output is fed back as is; the persistent draft KV holds only entries computed from target
+features; tree-expansion entries are temporary, written past the persistent length, and the next round's update
+overwrites them.
 """
 
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
-from xcompile.runtime.decoding.sampling import Sampler
+from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_inputs
 from xcompile.runtime.decoding.speculative import (
-    Accepted,
     Block,
     chain_block,
     expand_level,
     select_tree,
     target_table,
-    to_target,
     topk_children,
 )
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC
 from xcompile.runtime.engines.base import Engine
-
-if TYPE_CHECKING:
-    from xcompile.runtime.decoding.kernels.accept import GreedyPick
-
-def causal(s: int, device: torch.device, batch: int = 1) -> torch.Tensor:
-    """A causal tree_mask [batch, s, s]: token i sees tokens 0..i."""
-    return torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(batch, s, s)
-
-
-def prompt_inputs(prompt: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Step inputs of a causal pass over a whole prompt [B, L] written at 0, logits of the last row."""
-    b, n = prompt.shape
-    dev = prompt.device
-    return dict(input_ids=prompt, position_ids=torch.arange(n, device=dev).expand(b, n),
-                write_index=torch.zeros(b, dtype=torch.int64, device=dev), tree_mask=causal(n, dev, b),
-                logit_rows=torch.full((b, 1), n - 1, dtype=torch.int64, device=dev))
-
-
-class Drafter(ABC):
-    """Proposes the block the target verifies each round and owns its engines' KV (module docstring)."""
-
-    name = ""
-    needs_taps = False          # start/commit read the target's hidden_taps
-    chains = True               # its blocks are chains (node i's parent is i-1), not trees
-
-    def __init__(self, max_depth: int, block_size: int, lookahead: int, engines: tuple[Engine, ...] = ()):
-        self.max_depth = max_depth          # longest drafted path
-        self.block_size = block_size        # tokens per verify pass, the root included
-        self.lookahead = lookahead          # KV slots past `length` that one round writes (target included)
-        self.engines = engines
-        self.sampler = Sampler()
-        self.picks: dict[int, GreedyPick] | None = None     # the fused greedy picks (bind)
-        self.track = True           # keep the committed KV length on the device (caches(); bind)
-
-    def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
-             fused: bool | None = None, track: bool = True) -> None:
-        """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
-        (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
-        each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter);
-        ``track``: keep the committed KV lengths that ``caches`` reports (two launches a round; the
-        generator's debug checks read them, nothing else does)."""
-        self.sampler = sampler or Sampler(device, batch)
-        self.track = track
-        self.picks = {} if batch == 1 and kernels.use_fused(fused, device) else None
-        for e in self.engines:
-            if e.device != device:
-                raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
-            if e.kv_shape is not None:
-                if e.kv_shape.max_seq_len < max_seq_len or e.kv_shape.batch != batch:
-                    raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine holds {e.kv_shape.batch} x "
-                                      f"{e.kv_shape.max_seq_len} KV slots, the generator needs {batch} x {max_seq_len}; "
-                                      "rebuild the engine dir with a larger --max-seq-len or lower it here")
-                if not e.kv:
-                    e.new_kv()
-        self._alloc(device, batch)
-
-    def _alloc(self, device: torch.device, batch: int) -> None:
-        """Preallocate the buffers ``propose`` writes by index."""
-
-    def start(self, prompt: torch.Tensor, taps: torch.Tensor | None, root: torch.Tensor) -> None:
-        """After the target's prefill over prompt [B, L] (taps [B, L, 3H]); root [B] is its greedy token."""
-
-    @abstractmethod
-    def propose(self, root: torch.Tensor, length: torch.Tensor) -> Block:
-        """The block to verify at write_index ``length``; root [B] is the last committed token."""
-
-    def commit(self, block: Block, acc: Accepted, taps: torch.Tensor | None, length: torch.Tensor) -> None:
-        """After verification at ``length`` (the old KV length) accepted ``acc``."""
-
-    def caches(self) -> list[tuple[list[torch.Tensor], torch.Tensor, int]]:
-        """Per KV cache, for the debug checks: (buffers, committed length [B], how many rows at the end of
-        the committed prefix the next round rewrites before reading them); the lengths are kept only when
-        bound with ``track``."""
-        return []
-
-    def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> None:
-        """Draft token i of ``block`` (target ids, ``targets`` the draft->target lookup of
-        speculative.target_table) from draft logits [B, Vq], written into block.tokens[:, i]: the argmax
-        when greedy (one launch where ``bind`` put the kernels), else a draw from the warped q, with q's
-        row and q(token) written into the block."""
-        s = self.sampler
-        if s.greedy:
-            if (self.picks is not None and logits.stride(-1) == 1 and logits.dtype != torch.float64
-                    and (targets is None or (targets.is_contiguous() and targets.dtype == torch.int64))):
-                pick = self.picks.get(logits.shape[-1])
-                if pick is None:            # made by the first round, which runs eagerly
-                    from xcompile.runtime.decoding.kernels.accept import GreedyPick
-                    pick = self.picks[logits.shape[-1]] = GreedyPick(logits.shape[-1], logits.device)
-                pick(logits, targets, block.tokens[:, i])
-            else:
-                block.tokens[:, i] = to_target(logits.argmax(-1), targets)
-            return
-        w = s.warp(logits)
-        col = s.draw(w)                                                         # [B] column of q
-        q = w.probs()
-        if block.q is None:                 # made on the first sampled round (the vocab is the logits')
-            b, n = block.tokens.shape
-            block.q = q.new_zeros(b, n, q.shape[-1])
-            block.q_tok = q.new_ones(b, n)
-            block.q_ids = targets
-        block.q[:, i] = q
-        block.q_tok[:, i] = q.gather(1, col[:, None])[:, 0]
-        block.tokens[:, i] = to_target(col, targets)
-
-
-class NoDrafter(Drafter):
-    """Plain decoding: the block is the root alone."""
-
-    name = "none"
-
-    def __init__(self):
-        super().__init__(max_depth=0, block_size=1, lookahead=1)
-
-    def _alloc(self, device, batch):
-        self.block = chain_block(torch.zeros(batch, 1, dtype=torch.int64, device=device))
-
-    def propose(self, root, length):
-        self.block.tokens[:, 0] = root
-        return self.block
-
-
-class DraftModelDrafter(Drafter):
-    """A small Qwen3 with the target's tokenizer drafts k tokens, one forward each.
-
-    Its KV tracks the target's: after a round it holds the committed tokens, except that when every
-    draft was accepted the last one was never run. So each round's first step runs [token before the
-    root, root] at length-1 (S=2, fixed): it rewrites a row that may be stale and resyncs for free.
-    """
-
-    name = "draft-model"
-
-    def __init__(self, engine: Engine, k: int):
-        if engine.spec.graph not in (DRAFT, TARGET):
-            raise EngineError(f"draft-model drafter needs a '{DRAFT}' graph engine, got '{engine.spec.graph}'")
-        if k < 1:
-            raise EngineError(f"draft-model drafter: k must be >= 1, got {k}")
-        super().__init__(max_depth=k, block_size=k + 1, lookahead=k + 1, engines=(engine,))
-        self.engine, self.k = engine, k
-
-    def _alloc(self, device, batch):
-        self.block = chain_block(torch.zeros(batch, self.k + 1, dtype=torch.int64, device=device))
-        self.pair = torch.zeros(batch, 2, dtype=torch.int64, device=device)     # [token before the root, root]
-        self.pair_mask = causal(2, device, batch)
-        self.one_mask = causal(1, device, batch)
-        self.offsets = torch.arange(-1, self.k, device=device)                 # positions of the steps - length
-        self.row0 = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-        self.row1 = self.row0 + 1
-        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
-
-    def start(self, prompt, taps, root):
-        self.engine.run(**prompt_inputs(prompt))
-        self.pair[:, 0] = prompt[:, -1]
-        self.length.fill_(prompt.shape[1])
-
-    def propose(self, root, length):
-        t = self.block.tokens
-        t[:, 0] = root
-        self.pair[:, 1] = root
-        pos = length[:, None] + self.offsets                                    # [B, k+1]
-        out = self.engine.run(input_ids=self.pair, position_ids=pos[:, :2], write_index=pos[:, 0],
-                              tree_mask=self.pair_mask, logit_rows=self.row1)
-        self._pick(self.block, 1, out["logits"][:, 0])
-        for i in range(1, self.k):
-            # draft token i at position length+i predicts draft token i+1
-            out = self.engine.run(input_ids=t[:, i:i + 1], position_ids=pos[:, i + 1:i + 2],
-                                  write_index=pos[:, i + 1], tree_mask=self.one_mask, logit_rows=self.row0)
-            self._pick(self.block, i + 1, out["logits"][:, 0])
-        return self.block
-
-    def commit(self, block, acc, taps, length):
-        # the last accepted node (the root when nothing was accepted) precedes the next root
-        self.pair[:, 0] = block.tokens.gather(1, acc.count[:, None])[:, 0]
-        if self.track:
-            advance(self.length, length, acc)
-
-    def caches(self):
-        # the row before the next root is rewritten by the next propose (it is stale after a full accept)
-        return [(self.engine.kv, self.length, 1)]
-
 
 
 class _Eagle3(Drafter):
@@ -438,11 +239,6 @@ class Eagle3TreeDrafter(_Eagle3):
         t = self.tree
         select_tree_into(t, root, self.scores, self.tokens, self.parents, self.depth)
         return Block(t.tokens, t.parents, t.mask, t.depth, self.depth, chain=False)
-
-
-def advance(committed: torch.Tensor, length: torch.Tensor, acc: Accepted) -> None:
-    """committed <- length + acc.count + 1 (a drafter's KV length after the round), in two launches."""
-    torch.add(length, acc.count, out=committed).add_(1)
 
 
 def check_d2t(d2t: torch.Tensor) -> torch.Tensor:

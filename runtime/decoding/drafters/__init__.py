@@ -1,0 +1,8 @@
+"""Drafters: what proposes the block the target verifies each round (base.py has the interface)."""
+
+from xcompile.runtime.decoding.drafters.base import Drafter, NoDrafter, advance, causal, prompt_inputs
+from xcompile.runtime.decoding.drafters.draft_model import DraftModelDrafter
+from xcompile.runtime.decoding.drafters.eagle3 import Eagle3ChainDrafter, Eagle3TreeDrafter, check_d2t
+
+__all__ = ["Drafter", "NoDrafter", "DraftModelDrafter", "Eagle3ChainDrafter", "Eagle3TreeDrafter", "advance",
+           "causal", "check_d2t", "prompt_inputs"]
