@@ -61,11 +61,11 @@ class LLM:
     """An engine dir opened on one device: its engines, tokenizer, drafter and generation loop."""
 
     def __init__(self, engine_dir: str | Path, *, backend: str = "auto", device: str | None = None,
-                 drafter: str = "auto", gamma: int | None = None, tree: TreeShape | None = None,
+                 drafter: str | DrafterSpec = "auto", gamma: int | None = None, tree: TreeShape | None = None,
                  cuda_graphs: bool = True, verify: bool = False, kernels: KernelConfig | None = None):
         """backend: auto | trt | fast | ort | torch; device: cpu | cuda (None: cuda when there is one); drafter:
         auto | eagle3 | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3, a
-        ``tree``; cuda_graphs: replay each round from a CUDA graph; verify: hash every byte of the dir's files
+        ``tree`` (or a whole DrafterSpec); cuda_graphs: replay each round from a CUDA graph; verify: hash every byte of the dir's files
         first (default: sampled blocks); kernels: the fast backend's kernel choices. EngineError (one line
         naming the file or option) when the dir cannot serve this."""
         import torch
@@ -75,15 +75,21 @@ class LLM:
         from xcompile.runtime.enginedir.text import Text
         from xcompile.runtime.engines.load import open_engine_dir
 
-        tree_options = (tree.topk, tree.depth, tree.total_tokens) if tree is not None else (None, None, None)
-        spec = DrafterSpec.from_options(drafter, gamma, *tree_options)
+        if isinstance(drafter, DrafterSpec):
+            if gamma is not None or tree is not None:
+                raise EngineError("give gamma and tree inside the DrafterSpec, not beside it")
+            spec = drafter
+        else:
+            tree_options = (tree.topk, tree.depth, tree.total_tokens) if tree is not None else (None, None, None)
+            spec = DrafterSpec.from_options(drafter, gamma, *tree_options)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.engines = open_engine_dir(engine_dir, backend, device, cuda_graphs=cuda_graphs, verify=verify,
                                        kernels=kernels)
         try:
             m, directory = self.engines.manifest, self.engines.directory
             self.tokenizer = Text(directory) if (directory / "tokenizer.json").is_file() else None
-            self.drafter = make_drafter(self.engines, spec)
+            self.spec = spec.resolve(self.engines)          # auto replaced by what the dir holds
+            self.drafter = make_drafter(self.engines, self.spec)
             self.generator = Generator(self.engines.engines["target"], self.drafter, m.eos_token_ids, m.max_seq_len,
                                        detokenize=self.tokenizer.decode if self.tokenizer else None,
                                        options=LoopOptions(cuda_graphs=cuda_graphs and self.device.type == "cuda"))

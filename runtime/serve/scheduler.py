@@ -21,9 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from xcompile.runtime.common.errors import EngineError, XcompileError
-from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+from xcompile.runtime.decoding.registry import DrafterSpec
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
-from xcompile.runtime.engines.load import open_engine_dir
 from xcompile.runtime.serve.protocol import ServeError
 
 
@@ -47,26 +46,16 @@ class EngineWorker:
     only; ``encode`` and ``check_prompt`` only read and may run on the event loop."""
 
     def __init__(self, config: ServeConfig):
-        import torch
+        from xcompile.runtime.api import LLM
 
-        from xcompile.runtime.decoding.generator import Generator, LoopOptions
-        from xcompile.runtime.enginedir.text import Text
-
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.es = open_engine_dir(config.engine_dir, config.backend, device, cuda_graphs=config.cuda_graphs)
-        try:
-            m = self.es.manifest
-            self.text = Text(self.es.directory) if (self.es.directory / "tokenizer.json").is_file() else None
-            self.spec = config.drafter.resolve(self.es)
-            self.drafter = make_drafter(self.es, self.spec)
-            self.gen = Generator(self.es.engines["target"], self.drafter, m.eos_token_ids, m.max_seq_len,
-                                 detokenize=self.text.decode if self.text else None, options=LoopOptions(cuda_graphs=config.cuda_graphs and self.es.device.type == "cuda"))
-            self.model_name = config.served_model_name or m.name
-            self.max_seq_len = m.max_seq_len
-            self.vocab_size = m.models["target"].config["vocab_size"]
-        except BaseException:
-            self.es.close()
-            raise
+        self.llm = LLM(config.engine_dir, backend=config.backend, device=config.device, drafter=config.drafter,
+                       cuda_graphs=config.cuda_graphs)
+        llm = self.llm
+        self.es, self.text, self.spec, self.drafter, self.gen = llm.engines, llm.tokenizer, llm.spec, llm.drafter, llm.generator
+        m = self.es.manifest
+        self.model_name = config.served_model_name or m.name
+        self.max_seq_len = m.max_seq_len
+        self.vocab_size = m.models["target"].config["vocab_size"]
 
     def encode(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
         """Token ids of a text, token-id or chat-messages prompt, checked against the engine's limits."""
