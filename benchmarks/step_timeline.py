@@ -1,7 +1,9 @@
-"""Where a graphed fast-backend step's time goes, kernel by kernel, on a GPU (the Qwen3-8B shape).
+"""Where a graphed step's time goes, kernel by kernel, on a GPU (the Qwen3-8B shape, random weights).
 
-    python benchmarks/step_timeline.py [--layers 36] [--contexts 128,4096] [--tokens 1,32] [--variants "chunk=64"]
+    python benchmarks/step_timeline.py [--layers 36] [--contexts 128,4096] [--tokens 1,32] [--max-seq-len 4352]
+                                       [--pdl 0|1] [--cuda-gemv 0|1] [--tiles FILE]
     python benchmarks/step_timeline.py --eagle3 [--contexts 128] [--tokens 1,10]     # the EAGLE3 draft step
+    python benchmarks/step_timeline.py --reference [--layers 4]                     # the reference modules' step
 
 The kernel records (CUPTI, through torch.profiler) of a few replays of the graphed step. With programmatic
 dependent launch the kernels overlap, so each is charged its share of the step's critical path: from the
@@ -9,42 +11,27 @@ previous kernel's end to its own end. Printed per kernel (a name launched severa
 by its order there: the one-row GEMVs #0 qkv, #1 o, #2 gate/up, #3 down): launches a step, mean duration (start to
 end), critical µs a step, and how long before the previous kernel's end it started (its early launch).
 The step's span under the profiler is printed beside the graphed time without it. Weights are random,
-drawn on the GPU as in benchmarks/fast_decode.py; ``--variants`` takes fast_decode.py's variants.
-``--eagle3``: the step of an EAGLE3 head of the 8B target's shape instead (one layer: every launch its own row).
+drawn on the GPU as in benchmarks/fast_decode.py. The fast engine runs under the shipped KernelConfig, or
+with PDL / the CUDA GEMV off (``--pdl 0``, ``--cuda-gemv 0``) or another tile tables file (``--tiles``).
+``--eagle3``: the step of an EAGLE3 head of the 8B target's shape instead (one layer: every launch its own
+row). ``--reference``: the reference modules' step (cuBLAS, SDPA) instead of the fast engine's.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import tempfile
 
 import torch
-from fast_decode import (
-    DEV,
-    graphed_ms,
-    parse_variants,
-    random_,
-    step_inputs,
-    variant_gemv,
-    variant_name,
-    variant_schedule,
-)
+from fast_decode import DEV, graphed_ms, head_pairs, int_list, qwen3_8b, step_inputs, target_pair
 from torch.profiler import ProfilerActivity, profile
 
-from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
-from xcompile.compile.models.eagle3 import Eagle3
-from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime.engines import kernels
-from xcompile.runtime.engines.fast import FastEagle3Engine, FastQwen3Engine
+from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.engines.graphs import CudaGraphCapture
-from xcompile.runtime.engines.kernels import cuda_gemv as C
-from xcompile.runtime.engines.kernels import gemv as G
-from xcompile.runtime.engines.kernels import linear as L
+from xcompile.runtime.engines.kernels.config import KernelConfig, Tiles
 
 
 def kernel_records(replay, reps: int) -> list[list[dict]]:
@@ -103,65 +90,55 @@ def table(steps: list[list[dict]], layers: int) -> tuple[list[tuple], float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--contexts", default="128,4096")
-    ap.add_argument("--tokens", default="1,32")
+    ap.add_argument("--contexts", type=int_list, default=[128, 4096])
+    ap.add_argument("--tokens", type=int_list, default=[1, 32])
     ap.add_argument("--max-seq-len", type=int, default=4352)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default="", help="benchmarks/fast_decode.py's --variants")
+    ap.add_argument("--pdl", type=int, choices=(0, 1), default=1, help="programmatic dependent launch")
+    ap.add_argument("--cuda-gemv", type=int, choices=(0, 1), default=1, help="one-row calls on gemv.cu's kernel")
+    ap.add_argument("--tiles", help="a tile tables file (tiles.json's format) instead of the shipped tables")
     ap.add_argument("--eagle3", action="store_true", help="the EAGLE3 head's draft step, not the target's")
+    ap.add_argument("--reference", action="store_true", help="the reference modules' step, not the fast engine's")
     args = ap.parse_args()
-    longest = max(map(int, args.contexts.split(","))) + max(map(int, args.tokens.split(",")))
+    longest = max(args.contexts) + max(args.tokens)
     if longest > args.max_seq_len:
         raise SystemExit(f"--max-seq-len {args.max_seq_len} is shorter than the longest step's end ({longest}); "
                          "raise it or lower --contexts / --tokens")
+    try:
+        tiles = Tiles.load(args.tiles) if args.tiles else None
+    except EngineError as e:
+        raise SystemExit(f"--tiles: {e}") from None
+    if not torch.cuda.is_available():
+        raise SystemExit("step_timeline.py profiles CUDA graphs: no CUDA device is visible here")
+    kernels = KernelConfig(pdl=bool(args.pdl), cuda_gemv=bool(args.cuda_gemv),
+                           **({"tiles": tiles} if tiles is not None else {}))
     torch.manual_seed(0)
-    cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=args.layers)
-    taps = tuple(sorted({1, args.layers // 2 - 1, args.layers - 4}))           # as the EAGLE3 target's graph
+    cfg, taps = qwen3_8b(args.layers)
     if args.eagle3:
-        with torch.device(DEV):
-            head = random_(Eagle3(synthetic_eagle3_config(cfg), args.max_seq_len).to(torch.bfloat16))
-        ref = eagle3_engines(head)[0]
-        fast = FastEagle3Engine(eagle3_engines(head)[0], dataclasses.asdict(head.cfg))
-        args.layers = 1
+        (ref, fast), _ = head_pairs(cfg, args.max_seq_len)
+        layers, what = 1, "EAGLE3 step"
     else:
-        with torch.device(DEV):
-            target = random_(Qwen3(cfg, args.max_seq_len, taps).to(torch.bfloat16))
-        ref = qwen3_engine(target)
-        fast = FastQwen3Engine(qwen3_engine(target), dataclasses.asdict(cfg), taps)
-    fast.bind_kv(ref.new_kv())
-    builtin, chunk, gemv_tiles, cuda_tiles = dict(kernels.SCHEDULE), fast.chunk, dict(G.GEMV_TILES), dict(C.CUDA_GEMVS)
-    tiles = dict(L.TILES)
-    for v in parse_variants(args.variants):
-        kernels.SCHEDULE.update(variant_schedule(v, builtin))
-        fast.chunk = v.get("chunk", chunk)
-        G.GEMV_TILES.clear()
-        G.GEMV_TILES.update(gemv_tiles)
-        L.TILES.clear()
-        L.TILES.update(tiles)
-        variant_gemv(v, cuda_tiles)
-        name = variant_name(v)
-        for ctx in map(int, args.contexts.split(",")):
-            for tokens in map(int, args.tokens.split(",")):
-                inputs = step_inputs(tokens, ctx, cfg.vocab_size)
-                if args.eagle3:
-                    inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-                ms = graphed_ms(fast.run, inputs)
-                replay, _ = CudaGraphCapture(warmup=2)(lambda: fast.run(**inputs), DEV)
-                rows, span = table(kernel_records(replay, args.reps), args.layers)
-                what = "EAGLE3 step" if args.eagle3 else f"{args.layers} layers"
-                print(f"\n== {name}: context {ctx}, {tokens} token(s), {what}, {args.max_seq_len}-slot "
-                      f"cache: graphed {ms:.3f} ms, span under the profiler {span / 1e3:.3f} ms")
-                print(f"{'kernel':<44}{'a step':>7}{'mean us':>9}{'crit us':>10}{'early us':>10}")
-                for kname, n, mean, crit, early in rows:
-                    print(f"{kname[:43]:<44}{n:>7.0f}{mean:>9.2f}{crit:>10.1f}{early:>10.2f}")
-    kernels.SCHEDULE.update(builtin)
-    G.GEMV_TILES.clear()
-    G.GEMV_TILES.update(gemv_tiles)
-    L.TILES.clear()
-    L.TILES.update(tiles)
-    variant_gemv({}, cuda_tiles)
+        ref, fast, _ = target_pair(cfg, taps, args.max_seq_len)
+        layers, what = args.layers, f"{args.layers} layers"
+    fast.kernels = kernels
+    engine = ref if args.reference else fast
+    what += ", reference modules" if args.reference else f", pdl={args.pdl} cuda_gemv={args.cuda_gemv}" + (
+        f" tiles={args.tiles}" if args.tiles else "")
+    for ctx in args.contexts:
+        for tokens in args.tokens:
+            inputs = step_inputs(tokens, ctx, cfg.vocab_size)
+            if args.eagle3:
+                inputs["hidden_states"] = torch.randn(1, tokens, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+            ms = graphed_ms(engine.run, inputs)
+            replay, _ = CudaGraphCapture(warmup=2)(lambda: engine.run(**inputs), DEV)
+            rows, span = table(kernel_records(replay, args.reps), layers)
+            print(f"\n== context {ctx}, {tokens} token(s), {what}, {args.max_seq_len}-slot cache: graphed {ms:.3f} ms, "
+                  f"span under the profiler {span / 1e3:.3f} ms")
+            print(f"{'kernel':<44}{'a step':>7}{'mean us':>9}{'crit us':>10}{'early us':>10}")
+            for kname, n, mean, crit, early in rows:
+                print(f"{kname[:43]:<44}{n:>7.0f}{mean:>9.2f}{crit:>10.1f}{early:>10.2f}")
 
 
 if __name__ == "__main__":
