@@ -12,10 +12,10 @@ trained model (the demo pair).
    (10/6/32), with whole-round CUDA graphs where the backend allows them: identical outputs, or the first
    divergence with its gap. The measured tau of each is printed too.
 
-``--gemv-all BN,BK,WARPS`` runs every one-row projection of the fast engines on a per-block GEMV of that
-tile (where BK divides K), with the built-in schedule (norm_late: 1/rms in the epilogue): the numerics the
-Qwen3-8B shapes get from gemv.GEMV_TILES, tried on the demo's trained weights, whose own shapes have none.
-``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (cuda_gemv.CUDA_GEMVS' numerics).
+``--gemv-all BN,BK,WARPS[,AHEAD]`` runs every one-row projection of the fast engines on the Triton GEMV with that
+tile (where BK divides K; a KernelConfig whose ``gemv`` table lists every weight shape of the engines): the
+numerics the Qwen3-8B shapes get from the shipped tables, tried on the demo's trained weights, whose own shapes
+have none. ``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (its ``cuda`` table).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import NoDrafter, causal, prompt_inputs
 from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines import kernels
-from xcompile.runtime.engines.kernels import cuda_gemv as C
-from xcompile.runtime.engines.kernels import gemv as G
+from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
+from xcompile.runtime.engines.kernels.config import CudaGemv, Gemv, KernelConfig, shipped_tiles
 from xcompile.runtime.engines.load import open_engine_dir
 
 
@@ -52,19 +52,53 @@ def gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-class EveryShape(dict):
-    """A tile table (gemv.GEMV_TILES, cuda_gemv.CUDA_GEMVS) that gives one tile for every shape."""
+def graphed(es, drafter):
+    """A Generator over the engine set's target that records whole rounds as CUDA graphs where the backend allows."""
+    return Generator(es.engines["target"], drafter, [], es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
 
-    def __init__(self, tile):
-        super().__init__()
-        self.tile = tile
 
-    def get(self, key, default=None):
-        return self.tile
+def weight_shapes(engines: dict) -> set[tuple[int, int]]:
+    """(N_OUT, K) of every projection of the fast engines (gate/up: N_OUT is half its rows), as the tile tables
+    key them."""
+    shapes = set()
+    for e in engines.values():
+        layers, others = [], []
+        if isinstance(e, FastQwen3Engine):
+            layers, others = e.layers, [e.lm_head]
+        elif isinstance(e, FastEagle3Engine):
+            layers, others = [e.layer], [e.lm_head]
+        elif isinstance(e, FastFCEngine):
+            others = [e.fc]
+        for layer in layers:
+            n2, k = layer.gate_up.shape
+            shapes |= {tuple(layer.qkv.shape), tuple(layer.o.shape), (n2 // 2, k), tuple(layer.down.shape)}
+        shapes |= {tuple(w.shape) for w in others}
+    return shapes
+
+
+def every_shape_on(engines: dict, gemv: Gemv | None, cuda: CudaGemv | None) -> KernelConfig:
+    """The shipped kernel configuration with every projection shape of ``engines`` in the gemv (and / or cuda)
+    table on one tile."""
+    shapes = weight_shapes(engines)
+    tiles = shipped_tiles().replace(gemv={s: gemv for s in shapes} if gemv else {},
+                                    cuda={s: cuda for s in shapes} if cuda else {})
+    return KernelConfig(tiles=tiles)
+
+
+def tile_arg(kind: type, text: str, option: str):
+    """A tile of ``kind`` from 'a,b,c[,d]' (SystemExit naming the option if malformed)."""
+    try:
+        tile = kind(*map(int, text.split(",")))
+        assert min(tile) >= 0 and min(tile[:3]) > 0 and (kind is not Gemv or 1 <= tile.ahead <= 4)
+        return tile
+    except (ValueError, TypeError, AssertionError):
+        fields = ",".join(kind._fields).upper()
+        raise SystemExit(f"{option} {text!r}: expected {fields} (positive integers, the last optional"
+                         + ("; AHEAD 1-4)" if kind is Gemv else ")")) from None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine_dir")
     ap.add_argument("--prompts", default="data/corpus.heldout.txt")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -75,24 +109,28 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu for a dry run of the flow (--against ort only)")
     ap.add_argument("--max-gap", type=float, help="exit 1 unless every disagreement and divergence is at a near tie: "
                     "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
-    ap.add_argument("--gemv-all", help="BN,BK,WARPS: every one-row projection on this GEMV tile (docstring)")
+    ap.add_argument("--gemv-all", help="BN,BK,WARPS[,AHEAD]: every one-row projection on this GEMV tile (docstring)")
     ap.add_argument("--cuda-all", help="COLS,WARPS,STAGES: every one-row projection on gemv.cu's kernel (docstring)")
-    ap.add_argument("--schedule", default="", help="kernels.SCHEDULE entries to set first: key=0|1,...")
     args = ap.parse_args()
-    kernels.set_schedule(args.schedule)
-    if args.gemv_all:
-        tile = G.Gemv(*map(int, args.gemv_all.split(",")))
-        G.GEMV_TILES = EveryShape(tile)
-        print(f"every one-row projection on GEMV {tuple(tile)} (where {tile.block_k} divides K); schedule "
-              f"{kernels.SCHEDULE}")
-    if args.cuda_all:
-        cuda_tile = C.CudaGemv(*map(int, args.cuda_all.split(",")))
-        C.CUDA_GEMVS = EveryShape(cuda_tile)
-        print(f"every one-row projection on the CUDA GEMV {tuple(cuda_tile)}; schedule {kernels.SCHEDULE}")
-    # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
-    with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
-            open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort") as fast_es:
-        gaps = run(args, ref_es, fast_es)
+    gemv = tile_arg(Gemv, args.gemv_all, "--gemv-all") if args.gemv_all else None
+    cuda = tile_arg(CudaGemv, args.cuda_all, "--cuda-all") if args.cuda_all else None
+    if (gemv or cuda) and args.against != "fast":
+        raise SystemExit("--gemv-all / --cuda-all choose the fast backend's kernels: use them with --against fast")
+    try:
+        # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
+        with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
+                open_engine_dir(args.engine_dir, args.against, args.device,
+                                cuda_graphs=args.against != "ort") as fast_es:
+            if gemv or cuda:
+                kernels = every_shape_on(fast_es.engines, gemv, cuda)
+                for e in fast_es.engines.values():
+                    e.kernels = kernels
+                print(f"every one-row projection of {sorted(weight_shapes(fast_es.engines))} on"
+                      + (f" gemv.cu {tuple(cuda)} where it runs, else" if cuda else "")
+                      + (f" the Triton GEMV {tuple(gemv)}" if gemv else " the shipped tables' kernels"))
+            gaps = run(args, ref_es, fast_es)
+    except EngineError as e:
+        raise SystemExit(f"fast_agreement.py: {e}") from None
     if args.max_gap is not None:
         wide = [g for g in gaps if g > args.max_gap]
         print(f"near ties (top-2 gap <= {args.max_gap}): {len(gaps) - len(wide)} of {len(gaps)} partings"
@@ -107,7 +145,7 @@ def run(args, ref_es, fast_es) -> list[float]:
     prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
     ref_t, fast_t = ref_es.engines["target"], fast_es.engines["target"]
     other = fast_es.backend
-    ref_gen = Generator(ref_t, NoDrafter(), [], ref_es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
+    ref_gen = graphed(ref_es, NoDrafter())
     positions = disagreements = 0
     gaps, all_gaps = [], []
     with torch.inference_mode():
@@ -129,12 +167,12 @@ def run(args, ref_es, fast_es) -> list[float]:
     print(f"teacher-forced: {positions - disagreements}/{positions} positions agree "
           f"({100 * (positions - disagreements) / positions:.2f} %); {disagreements} disagreements, reference top-2 "
           f"gaps there: {[round(g, 4) for g in sorted(gaps)]}; positions with a gap <= {eps:.4f}: {near}")
-    fast_plain = Generator(fast_t, NoDrafter(), [], fast_es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
+    fast_plain = graphed(fast_es, NoDrafter())
     for spec in (DrafterSpec("eagle3", 4), DrafterSpec("eagle3", 6), DrafterSpec("eagle3", tree=TreeShape(10, 6, 32))):
         name = spec.label
         taus = {}
         for label, es in (("torch", ref_es), (other, fast_es)):
-            gen = Generator(es.engines["target"], make_drafter(es, spec), [], es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
+            gen = graphed(es, make_drafter(es, spec))
             runs = [gen.generate(p, args.new_tokens) for p in prompts]
             # tau as Stats.acceptance_length defines it: tokens the rounds emitted, over the rounds
             taus[label] = sum(r.stats.new_tokens - 1 for r in runs) / sum(r.stats.rounds for r in runs)

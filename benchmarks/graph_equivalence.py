@@ -23,8 +23,14 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def generator(es, drafter, cuda_graphs: bool = False):
+    """A Generator over the engine set's target, eager or recording whole rounds as CUDA graphs."""
+    return Generator(es.engines["target"], drafter, [], es.manifest.max_seq_len,
+                     options=LoopOptions(cuda_graphs=cuda_graphs))
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine_dir")
     ap.add_argument("--backends", default="torch,fast")
     ap.add_argument("--num-prompts", type=int, default=4)
@@ -36,12 +42,10 @@ def main() -> None:
              DrafterSpec("eagle3", tree=TreeShape(4, 4, 16))]
     for backend in args.backends.split(","):
         with open_engine_dir(args.engine_dir, backend, "cuda") as es:
-            t = es.engines["target"]
-            plain = [Generator(t, NoDrafter(), [], es.manifest.max_seq_len).generate(p, args.new_tokens).tokens
-                     for p in prompts]
+            plain = [generator(es, NoDrafter()).generate(p, args.new_tokens).tokens for p in prompts]
             for spec in specs:
-                eager = Generator(t, make_drafter(es, spec), [], es.manifest.max_seq_len)
-                graphed = Generator(t, make_drafter(es, spec), [], es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
+                eager = generator(es, make_drafter(es, spec))
+                graphed = generator(es, make_drafter(es, spec), cuda_graphs=True)
                 e = [eager.generate(p, args.new_tokens).tokens for p in prompts]
                 g = [graphed.generate(p, args.new_tokens).tokens for p in prompts]
                 print(f"{backend:<6} {spec.label:<22} eager==graphs {sum(x == y for x, y in zip(e, g))}/{len(prompts)} "
