@@ -1,16 +1,47 @@
-"""The GPU benchmark scripts refuse what their cache cannot hold before they touch a GPU: a clear one-line
-error naming --max-seq-len, a non-zero exit, no traceback (so they run here, on the CPU)."""
+"""The benchmark scripts on the CPU: each parses ``--help``, and refuses a bad option (or what it cannot do here)
+before it touches a GPU: one line naming what is wrong, a non-zero exit, no traceback. dump_logits.py runs the
+tests' tiny model in Triton's interpreter and compares dumps; kernels.py's tables load back as tiles.json."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=BENCHMARKS, env=ENV,
+                          timeout=timeout)
+
+
+def refused(done: subprocess.CompletedProcess, said: str) -> bool:
+    """A non-zero exit with ``said`` in a one-line error and no traceback."""
+    lines = done.stderr.strip().splitlines()
+    return done.returncode != 0 and len(lines) == 1 and said in lines[0] and "Traceback" not in done.stderr
+
+
+def test_every_script_is_checked_here():
+    assert SCRIPTS == ["dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
+                       "graph_equivalence.py", "kernels.py", "ort_layers.py", "step_timeline.py", "verify_speed.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_parses_help_and_refuses_an_unknown_option(script):
+    done = run(script, "--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
+    done = run(script, "--no-such-option")         # argparse: usage, then one error line (this or a missing one)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and f"{script}: error: " in last and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("script,args,said", [
@@ -20,8 +51,62 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
      "--max-seq-len 150 is shorter than the longest step's end (160)"),
 ])
 def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=BENCHMARKS, env=env,
-                         timeout=120)
-    assert run.returncode != 0
-    assert said in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert refused(run(script, *args), said)
+
+
+@pytest.mark.parametrize("script,args,said", [
+    ("fast_decode.py", ["--tiles", "no-such-tiles.json"], "--tiles: no-such-tiles.json: not a tile tables file"),
+    ("step_timeline.py", ["--tiles", "no-such-tiles.json"], "--tiles: no-such-tiles.json: not a tile tables file"),
+    ("fast_decode.py", [], "no CUDA device is visible here"),
+    ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
+    ("kernels.py", [], "no CUDA device is visible here"),
+    ("kernels.py", ["--calls", "8b,70b"], "--calls: '70b' names none of 8b.qkv, 8b.o"),
+    ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,x,4"], "--gemv-all '4,x,4': expected BLOCK_N,BLOCK_K"),
+    ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,64,4,5"], "AHEAD 1-4"),
+    ("fast_agreement.py", ["no-such-dir", "--cuda-all", "2,4,2", "--against", "ort"], "use them with --against fast"),
+    ("fast_agreement.py", ["no-such-dir", "--device", "cpu"], "no-such-dir"),
+    ("dump_logits.py", ["--out", "never-written.pt"], "no CUDA device here"),
+    ("dump_logits.py", ["--compare", "no-such-a.pt", "no-such-b.pt"], "no-such-a.pt: not readable as a dump"),
+])
+def test_what_a_script_cannot_do_here_is_refused_in_one_line(script, args, said):
+    assert refused(run(script, *args), said)
+    assert not (BENCHMARKS / "never-written.pt").exists()
+
+
+def test_dump_logits_runs_the_tiny_model_in_the_interpreter_and_compares_dumps(tmp_path):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    done = run("dump_logits.py", "--tiny", "--layers", "1", "--out", str(a), timeout=300)
+    assert done.returncode == 0, done.stderr
+    dump = torch.load(a, weights_only=True)
+    assert dump["meta"]["tiny"] and dump["meta"]["layers"] == 1
+    assert {"prefill.logits", "decode3.fc", "eagle3.10.hidden_out", "verify7.logits", "verify32.hidden_taps"} \
+        <= set(dump)
+    assert dump["verify32.logits"].shape == (1, 32, 256)
+    done = run("dump_logits.py", "--compare", str(a), str(a))
+    assert done.returncode == 0 and "bit-identical" in done.stdout, done.stdout + done.stderr
+    dump["decode2.logits"][0, 0, 7] = dump["decode2.logits"][0, 0, 7].nextafter(torch.tensor(1.0))   # one ulp
+    torch.save(dump, b)
+    done = run("dump_logits.py", "--compare", str(a), str(b))
+    assert done.returncode == 1 and "first difference: decode2.logits (1, 1, 256)" in done.stdout, done.stdout
+    assert "1 of 256 values differ, the first at (0, 0, 7)" in done.stdout and "1 of 26 tensors differ" in done.stdout
+
+
+def test_the_tuners_tables_load_back_as_tile_tables(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("tuner", BENCHMARKS / "kernels.py")
+    tuner = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tuner", tuner)           # its dataclasses look their module up
+    spec.loader.exec_module(tuner)
+    shipped = tuner.shipped_tiles()
+    qkv, gate_up = (6144, 4096), (12288, 4096)
+    results = [{"n": 6144, "k": 4096, "chosen": {"tile": tuner.Tile(32, 256, 4, 3, 1), "gemv": None, "cuda": None}},
+               {"n": 12288, "k": 4096, "chosen": {"tile": tuner.Tile(64, 256, 4, 3, 2), "gemv": tuner.Gemv(4, 512, 4, 3),
+                                                  "cuda": tuner.CudaGemv(1, 8, 4)}}]
+    tiles = tuner.tuned(shipped, results, "H200, 2026-12-04: python benchmarks/kernels.py --calls 8b.qkv,8b.gate_up")
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(tiles.to_json()))
+    back = tuner.Tiles.load(path)
+    assert back == tiles and back.provenance.startswith("H200")
+    assert back.tile[qkv] == (32, 256, 4, 3, 1) and qkv not in back.gemv            # the GEMV lost: dropped
+    assert back.gemv[gate_up] == (4, 512, 4, 3) and back.cuda[gate_up] == (1, 8, 4, 0)
+    assert {s: t for s, t in back.tile.items() if s not in (qkv, gate_up)} == \
+        {s: t for s, t in shipped.tile.items() if s not in (qkv, gate_up)}            # the others as shipped
