@@ -41,8 +41,8 @@ python3 -c "import onnxruntime as o, torch; print('onnxruntime', o.__version__, 
   | tee -a "$OUT/summary.log"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  step "ORT-CUDA gpu tests (tests/runtime/test_ort_cuda.py)"
-  CHECK="gpu tests"; check bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/test_ort_cuda.py 2>&1 | tee '$OUT/ort_gpu_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
+  step "ORT-CUDA gpu tests (tests/runtime/engines/test_ort_cuda.py)"
+  CHECK="gpu tests"; check bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/engines/test_ort_cuda.py 2>&1 | tee '$OUT/ort_gpu_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
 fi
 
 step "export the demo pair ($DTYPE)"
@@ -52,9 +52,10 @@ step "demo: ORT-$DEVICE greedy tokens == torch-backend tokens (plain, EAGLE3 cha
 python3 - "$DEMO" "$DEVICE" > "$OUT/demo_tokens.log" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
-from xcompile.runtime.decoding.generator import Generator
-from xcompile.runtime.engines.load import DEFAULT_GAMMA, DrafterSpec, make_drafter, open_engine_dir
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
+from xcompile.runtime.decoding.registry import DEFAULT_GAMMA, DrafterSpec, make_drafter
 from xcompile.runtime.enginedir.text import Text
+from xcompile.runtime.engines.load import open_engine_dir
 
 directory, device = sys.argv[1], sys.argv[2]
 text = Text(Path(directory))
@@ -68,8 +69,8 @@ for drafter, gamma in (("none", None), ("eagle3", 4)):
             continue
         es = open_engine_dir(directory, backend, device, cuda_graphs=graphs)
         try:
-            gen = Generator(es.engines["target"], make_drafter(es, DrafterSpec(drafter, gamma or DEFAULT_GAMMA)), [], es.manifest.max_seq_len,
-                            cuda_graphs=graphs)
+            gen = Generator(es.engines["target"], make_drafter(es, DrafterSpec(drafter, gamma or DEFAULT_GAMMA)), [],
+                            es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=graphs))
             results = [gen.generate(p, 128) for p in prompts]
             fallback = {g: e.graph_fallback for g, e in es.engines.items() if getattr(e, "graph_fallback", None)}
         finally:

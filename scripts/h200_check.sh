@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The fast backend checked on the H200, one part a device call (each a few minutes; logs in $OUT):
+#   tests    the gpu-marked tests of tests/runtime/engines and tests/runtime/decoding
+#   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
+#            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
+#   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
+#   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
+#            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
+# Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
+# status is 1 when a step failed. The parts of one call share BUDGET seconds (570; the device stops a command at
+# 600): a step gets what is left, and a step with no time left counts as failed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-570}
+HERE=$PWD
+FAILED=()
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare ... (see its header)"; exit 2; }
+for part in "$@"; do
+  case $part in
+  tests|bench|agree|compare) ;;
+  *) echo "unknown part '$part': tests, bench, agree or compare"; exit 2;;
+  esac
+done
+
+note() { echo "== [$(date +%T)] $*" | tee -a "$OUT/summary.log"; }
+# run NAME SECONDS CMD...: CMD within SECONDS (or what is left of BUDGET), its output in $OUT/NAME.log
+run() {
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then FAILED+=("$name"); note "$name: not run, out of time"; return 1; fi
+  note "$name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  if [ $rc = 0 ]; then echo "   pass" | tee -a "$OUT/summary.log"
+  else FAILED+=("$name"); echo "   FAILED (exit $rc$([ $rc = 124 ] && echo ", over ${limit} s")): $OUT/$name.log" \
+    | tee -a "$OUT/summary.log"; fi
+  return $rc
+}
+# install DIR: the tree in DIR as the installed xcompile (an image whose setuptools predates SPDX license strings,
+# < 77, gets pyproject's license as a table)
+install() {
+  (cd "$1" && { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || {
+    sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/' pyproject.toml &&
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; }; }) ||
+    { note "FAILED: pip install -e $1"; exit 1; }
+}
+BENCH=(--synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree 10,6,32 --num-prompts 1)
+SHOW="^ +(128|4096) +yes|^target|^eagle3|floor"             # the bench lines echoed back
+
+if ls .whl/*.whl >/dev/null 2>&1; then                     # carried wheels (DEVELOPERS.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+install "$HERE"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/summary.log"
+
+for part in "$@"; do
+  case $part in
+  tests)
+    run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/engines tests/runtime/decoding
+    tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+    ;;
+  bench)
+    run bench 300 xrun bench "${BENCH[@]}" --contexts 128,4096 --json "$OUT/bench.json"
+    grep -E "$SHOW" "$OUT/bench.log"
+    run fast_decode 240 python3 benchmarks/fast_decode.py --contexts 128,4096
+    cat "$OUT/fast_decode.log"
+    ;;
+  agree)
+    run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \
+      --force
+    run agree 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
+      --max-gap 0.0625
+    tail -6 "$OUT/agree.log"
+    ;;
+  compare)
+    if [ ! -f "${OLD:-}/pyproject.toml" ]; then
+      FAILED+=(compare); note "compare: OLD=DIR, a tree, not given"; continue
+    fi
+    OLD=$(cd "$OLD" && pwd)
+    for side in old new; do
+      tree=$([ $side = old ] && echo "$OLD" || echo "$HERE")
+      note "compare, $side: $tree"
+      install "$tree"
+      run "logits_$side" 100 python3 "$HERE/benchmarks/dump_logits.py" --out "/tmp/logits_$side.pt"
+      cd "$tree"                                           # each tree's own fast_decode.py
+      run "fast_decode_$side" 150 python3 benchmarks/fast_decode.py --contexts 128
+      cd "$HERE"
+      run "bench_$side" 180 xrun bench "${BENCH[@]}" --contexts 128
+    done
+    run logits_compare 60 python3 benchmarks/dump_logits.py --compare /tmp/logits_old.pt /tmp/logits_new.pt
+    for side in old new; do
+      echo "--- $side"
+      grep -E "^(what|target step|eagle3)" "$OUT/fast_decode_$side.log"
+      grep -E "$SHOW" "$OUT/bench_$side.log"
+    done
+    cat "$OUT/logits_compare.log"
+    ;;
+  esac
+done
+
+if [ ${#FAILED[@]} -eq 0 ]; then note "all passed"; else note "FAILED: ${FAILED[*]}"; exit 1; fi
