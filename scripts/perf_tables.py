@@ -59,10 +59,13 @@ TABLES = {
         ("wall time, `xcompile export` as a child process", "wall_s", "{:.0f} s", 1),
         ("its peak resident memory", "peak_rss_gb_child", "{:.2f} GiB", 1))),
     "refactor": Table("refactor", "json", fields=(
-        ("tensors bit-identical to the code before (of 21)", "bits_identical", "{:.0f}", 1),
-        *((f"graphed {what}, context {c}", f"ctx_{c}_{key}", "{:.3f} ms", 1) for c in (128, 4096)
-          for what, key in (("decode step", "x1"), ("7-token verify", "x7"), ("32-token verify", "x32"),
-                            ("EAGLE3 step", "eagle3_x1"))))),
+        ("tensors bit-identical between the two trees (of 26)", "bits_identical", "{:.0f}", 1),
+        *((f"graphed {what}", f"{kind}_{key}", "{:.3f} ms", 1)
+          for what, kind, key in (("decode step", "fast", "x1"), ("7-token verify", "fast", "x7"),
+                                  ("32-token verify", "fast", "x32"), ("decode step, PDL off", "nopdl", "x1"),
+                                  ("7-token verify, PDL off", "nopdl", "x7"), ("32-token verify, PDL off", "nopdl", "x32"),
+                                  ("EAGLE3 step", "fast", "eagle3_x1"), ("EAGLE3 step over 10 tokens", "fast", "eagle3_x10"),
+                                  ("EAGLE3 fc over 7 tokens", "fast", "fc_x7"))))),
     "verify-cpu": Table("verify-cpu", "json", fields=(
         ("engine dir", "bytes", "{:.2f} GB", 1e-9),
         ("default check (every load), files in the page cache", "fast_warm_s", "{:.3f} s", 1),
