@@ -230,6 +230,15 @@ def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
 
 
+def test_bench_plot_is_a_png(tiny_engine_dir, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (pip install -e '.[plot]')")
+    png = tmp_path / "bench.png"
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", 16, "--gammas", "",
+            "--tree", "", "--new-tokens", 4, "--repeats", 1, "--plot", png)
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
     r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "4096")
     refused(r, "--contexts 4096", "none fits", "256 tokens", code=1)
