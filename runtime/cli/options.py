@@ -31,6 +31,15 @@ def positive_float() -> Finite:
     return Finite(min=0, min_open=True)
 
 
+# the sampling options' types: the ranges SamplingParams checks (runtime/decoding/sampling.py), refused
+# here at parse time as bad options (exit 2) instead of later as a bad request
+TEMPERATURE = Finite(min=0)
+TOP_K = click.IntRange(min=0)
+TOP_P = Finite(min=0, min_open=True, max=1)
+MIN_P = Finite(min=0, max=1)
+SEED = click.IntRange(0, 2**63 - 1)
+
+
 class IntList(click.ParamType):
     """Comma-separated integers, each at least ``min``; ``empty`` says whether '' (none) is allowed
     and, when it is not, why (the message)."""

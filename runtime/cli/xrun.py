@@ -7,7 +7,8 @@ import importlib.util
 import click
 
 from xcompile.runtime.cli.group import cli_group_class
-from xcompile.runtime.cli.options import IntList, given, refuse_inert, stop_strings, text_or_stdin, writable_file
+from xcompile.runtime.cli.options import (MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, IntList, given, refuse_inert,
+                                          stop_strings, text_or_stdin, writable_file)
 from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
 from xcompile.runtime.engines.load import BACKEND_CHOICES
 
@@ -88,12 +89,12 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--sample", is_flag=True,
               help="Sample with the checkpoint's generation_config.json values (the flags below override).")
-@click.option("--temperature", type=float, help="0: greedy (the default without --sample).")
-@click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off).")
-@click.option("--top-p", type=float, help="Keep the smallest set with this much probability (1: off).")
-@click.option("--min-p", type=float, help="Drop tokens below min_p times the top token's probability (0: off).")
-@click.option("--seed", type=int, help="Random seed (default: a fresh one, printed with the stats).")
-@click.option("--num-samples", type=int, help="Independent samples of the prompt, generated one after another.")
+@click.option("--temperature", type=TEMPERATURE, help="0: greedy (the default without --sample).")
+@click.option("--top-k", type=TOP_K, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=TOP_P, help="Keep the smallest set with this much probability (1: off).")
+@click.option("--min-p", type=MIN_P, help="Drop tokens below min_p times the top token's probability (0: off).")
+@click.option("--seed", type=SEED, help="Random seed (default: a fresh one, printed with the stats).")
+@click.option("--num-samples", type=click.IntRange(min=1), help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
@@ -160,12 +161,12 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> No
 @click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file,
               help="Write a PNG of tokens/s per drafter (pip install 'xcompile[plot]').")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
-@click.option("--temperature", type=float, default=0.0, show_default=True,
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
               help="Sample (speculative sampling) instead of greedy decoding.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
+@click.option("--top-k", type=TOP_K, default=0, show_default=True)
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
+@click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats,
           peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
