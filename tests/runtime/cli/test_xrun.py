@@ -217,6 +217,7 @@ def test_help_shows_the_drafter_defaults():
     (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
     (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
     (["--new-tokens", 1], ["--new-tokens"]),
+    (["--top-p", "0.9", "--seed", 2], ["--top-p, --seed: greedy runs", "--temperature T"]),
 ])
 def test_bench_option_checks(tiny_engine_dir, args, needles):
     refused(run("bench", tiny_engine_dir, "--device", "cpu", *args), *needles)
@@ -263,8 +264,27 @@ def test_generate_samples_reproducibly(tiny_engine_dir, plain):
     # --sample: the dir's generation_config.json (this one sets no sampling field: transformers' defaults)
     hf = generate_json(tiny_engine_dir, *SAMPLED, "--sample", "--seed", 1)
     assert hf["stats"]["sampling"] == dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
-    greedy = generate_json(tiny_engine_dir, *SAMPLED[:-4], "--max-new-tokens", 40, "--sample", "--temperature", 0)
+    greedy = generate_json(tiny_engine_dir, *SAMPLED[:-4], "--max-new-tokens", 40, "--temperature", 0)
     assert greedy["tokens"] == plain and greedy["stats"]["seed"] is None
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--top-p", "0.9"], ["--top-p: greedy decoding (temperature 0, the default)", "--temperature T", "--sample"]),
+    (["--top-k", 5, "--min-p", "0.1", "--seed", 3], ["--top-k, --min-p, --seed: greedy decoding", "change nothing"]),
+    (["--num-samples", 3], ["--num-samples: greedy decoding", "identical copies"]),
+    (["--temperature", 0, "--top-p", "0.9"], ["--top-p: greedy decoding (--temperature 0)", "above 0"]),
+    (["--sample", "--temperature", 0], ["--sample: greedy decoding (--temperature 0)"]),
+])
+def test_sampling_options_are_refused_when_decoding_is_greedy(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
+
+
+def test_greedy_is_the_resolved_temperature_so_sample_takes_it_from_the_dir(tmp_path):
+    """--sample's temperature comes from generation_config.json (do_sample is not consulted: --sample asks to
+    sample); one of 0 makes the run greedy, and the options that would then change nothing are refused."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.0}))
+    refused(run("generate", tmp_path, "--prompt-ids", "1", "--sample", "--top-p", "0.9"), "--sample, --top-p:",
+            f"(temperature 0 in {tmp_path}/generation_config.json)", "--temperature above 0")
 
 
 BAD_SAMPLING = [
