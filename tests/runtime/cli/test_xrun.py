@@ -268,6 +268,18 @@ def test_generate_samples_reproducibly(tiny_engine_dir, plain):
     assert greedy["tokens"] == plain and greedy["stats"]["seed"] is None
 
 
+@pytest.mark.parametrize("prompt", [("--prompt", "the cat"), ("--prompt-ids", PROMPT_IDS)])
+def test_samples_print_one_after_another_each_under_its_header(tiny_engine_dir, prompt):
+    """stdout holds each sample's text (or ids) on lines of its own under '--- sample i ---', nothing else."""
+    args = (*prompt, "--max-new-tokens", 6, "--backend", "torch", "--temperature", "0.9", "--seed", 5,
+            "--num-samples", 3)
+    samples = generate_json(tiny_engine_dir, *args)["samples"]
+    r = run("generate", tiny_engine_dir, "--device", "cpu", *args)
+    assert r.exit_code == 0, r.output
+    body = [s["text"] if prompt[0] == "--prompt" else " ".join(map(str, s["tokens"])) for s in samples]
+    assert r.stdout == "".join(f"--- sample {i} ---\n{b}\n" for i, b in enumerate(body))
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--top-p", "0.9"], ["--top-p: greedy decoding (temperature 0, the default)", "--temperature T", "--sample"]),
     (["--top-k", 5, "--min-p", "0.1", "--seed", 3], ["--top-k, --min-p, --seed: greedy decoding", "change nothing"]),
