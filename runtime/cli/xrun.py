@@ -8,7 +8,7 @@ import click
 
 from xcompile.runtime.cli.group import cli_group_class
 from xcompile.runtime.cli.options import (MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, IntList, given, refuse_inert,
-                                          stop_strings, text_or_stdin, writable_file)
+                                          stop_strings, text_or_stdin, utf8_file, writable_file)
 from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
 from xcompile.runtime.engines.load import BACKEND_CHOICES
 
@@ -186,8 +186,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--peer", is_flag=True, help="Also time transformers generate() with a static cache on the same weights.")
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
-              help="Text whose consecutive windows are the prompts (real text gives real acceptance).")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False), callback=utf8_file,
+              help="UTF-8 text whose consecutive windows are the prompts (real text gives real acceptance).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=writable_file,
               help="Write the full report as JSON here.")

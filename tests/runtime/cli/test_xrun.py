@@ -231,6 +231,13 @@ def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
 
 
+def test_bench_prompts_that_are_not_utf8_are_a_bad_option(tiny_engine_dir, tmp_path):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"the cat \xff\xfe sat")
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", "--prompts", binary), "--prompts:",
+            f"{binary} is not valid UTF-8 (byte 0xff at offset 8)")
+
+
 def test_bench_plot_is_a_png(tiny_engine_dir, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the plot extra (pip install -e '.[plot]')")
     png = tmp_path / "bench.png"
