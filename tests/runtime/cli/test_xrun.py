@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import fixtures
 from click.testing import CliRunner
 from fixtures import refused
 
@@ -113,6 +114,28 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
     assert prefill["tokens"] == 16 and prefill["ttft_ms"] > 0 and prefill["matmul_tflops"] > 0
     assert prefill["fraction_of_matmul"] == pytest.approx(prefill["tflops"] / prefill["matmul_tflops"])
     assert "prefill 16 tokens: TTFT" in out
+
+
+def test_bench_says_what_its_prompts_were_and_where_it_measured_speculation(tiny_engine_dir, tmp_path):
+    """Random prompt ids give a meaningless tau, and drafters run at the first context only: the report
+    and its JSON say both, and with --prompts name the text instead."""
+    args = ("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--gammas", 1, "--tree", "",
+            "--new-tokens", 4, "--repeats", 1, "--num-prompts", 1, "--json", tmp_path / "bench.json")
+    code, out = xrun(*args, "--contexts", "16,32")
+    assert code == 0, out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    random_ids = "random token ids (tau on random ids says nothing about real acceptance; give --prompts FILE)"
+    where = "speculative decoding and step costs measured at context 16 only; context 32 ran plain decoding only"
+    assert f"prompts: {random_ids}" in out.splitlines() and f"note: {where}" in out.splitlines()
+    assert (report["prompts"], report["notes"], report["speculation_context"]) == (random_ids, [where], 16)
+    assert {r["drafter"] for r in report["generation"] if r["context"] == 32} == {"plain"}
+    text = tmp_path / "held_out.txt"
+    text.write_text(" ".join(fixtures.WORDS))
+    code, out = xrun(*args, "--contexts", "16", "--prompts", text)
+    assert code == 0, out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["prompts"].startswith(f"windows of {text} (") and report["notes"] == []
+    assert f"prompts: {report['prompts']}" in out and "random token ids" not in out and "note:" not in out
 
 
 def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
