@@ -164,8 +164,7 @@ def _check(body, worker: EngineWorker) -> None:
     if body.model is not None and body.model != worker.model_name:
         raise ServeError(404, f"model {body.model!r} not found; this server serves {worker.model_name!r}",
                          "model", "model_not_found")
-    if (name := body.refused()) is not None:
-        raise ServeError(400, f"{name}: not implemented by this server; leave it out", name)
+    body.check_fields()
 
 
 async def _answer(request: Request, body, kind: str, prompts: list, param: str):
