@@ -268,6 +268,37 @@ def test_fields_not_implemented_at_their_neutral_value_change_nothing(server, ro
     assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"prompt": [5, 6, 7], "max_tokens": 254}, "max_tokens"),
+    ("completions", {"prompt": [[5], [5, 6, 7]], "max_tokens": 254}, "max_tokens"),       # the longest prompt
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 256}, "max_tokens"),
+])
+def test_a_budget_past_the_context_is_refused_not_capped(server, route, body, param):
+    r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, "context_length_exceeded", "invalid_request_error")
+    assert error["message"].startswith(f"{param} {body[param]} after a prompt of ")
+    assert "context of 256 tokens" in error["message"] and "ask for at most" in error["message"]
+
+
+def test_without_a_budget_chat_generates_to_the_context_end(held, worker, monkeypatch):
+    """No max_tokens: chat stops where prompt + completion fill the context (finish_reason "length"), and a
+    completion's default of 16 is capped at the room left; a budget that just fits is honoured."""
+    monkeypatch.setattr(worker.gen, "eos_ids", frozenset())     # the tiny model's EOS comes early: ignore it
+    with httpx.Client(base_url=held.url, headers=AUTH, timeout=120) as c:
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "the " * 230}]}).json()
+        short = c.post("/v1/completions", json={"prompt": [5] * 245}).json()
+        fits = c.post("/v1/completions", json={"prompt": [5] * 245, "max_tokens": 11}).json()
+    usage = chat["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256, usage
+    assert chat["choices"][0]["finish_reason"] == "length"
+    for r in (short, fits):
+        assert r["usage"]["completion_tokens"] == 256 - 245 and r["choices"][0]["finish_reason"] == "length"
+
+
 def test_unknown_route_and_method(server):
     r = httpx.get(f"{server.url}/v1/engines", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
