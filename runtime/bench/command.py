@@ -119,7 +119,7 @@ def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> d
         text_tokens = Text(es.directory).encode(Path(req.prompts).read_text())
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
                         repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens,
-                        sampling=req.sampling)
+                        text_source=str(req.prompts), sampling=req.sampling)
     start = time.perf_counter()
     return run_bench(es, opts, log=lambda m: log.info(f"# [{time.perf_counter() - start:7.1f} s] {m}"), peer=peer)
 

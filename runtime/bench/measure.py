@@ -8,9 +8,10 @@ What one run measures (docs/performance.md has today's figures):
     verifying k+1 tokens (k = 1..8), a tree verify — each with and without CUDA graphs; and the
     sampler's share of a round at the target's vocabulary (drawing a token, accepting a chain or a
     tree) with the bench's sampling parameters (greedy: the argmax paths);
-  - whole speculative rounds: the Generator with each drafter (EAGLE3 chain per gamma, tree,
-    draft model) -> ms/round, measured acceptance length tau, tokens/s and speedup over plain,
-    greedy or (``sampling``) speculative sampling with a fixed seed;
+  - whole speculative rounds at the first context (the others run plain decoding only; the report
+    says so): the Generator with each drafter (EAGLE3 chain per gamma, tree, draft model) -> ms/round,
+    measured acceptance length tau, tokens/s and speedup over plain, greedy or (``sampling``)
+    speculative sampling with a fixed seed;
     and, beside them, the speedup a given tau would give (tau * decode / round), which is what
     synthetic weights can say (random heads accept nothing);
   - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights;
@@ -52,6 +53,7 @@ class BenchOptions:
     peer: bool = False
     num_prompts: int = 2
     text_tokens: list[int] | None = None    # real text (e.g. held-out data): prompts are windows of it
+    text_source: str = "the text"           # where text_tokens came from (a file), for the report
     taus: tuple[float, ...] = (2.0, 3.0, PUBLISHED_TAU)
     sampling: SamplingParams = GREEDY       # prompt i is sample i of the seed (give one: runs repeat)
 
@@ -310,7 +312,26 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
         raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
                           f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")
     _derive(report, opts)
+    report["prompts"], report["notes"] = _caveats(es, opts, report)
     return report
+
+
+def _caveats(es: EngineSet, opts: BenchOptions, report: dict) -> tuple[str, list[str]]:
+    """What the prompts were, and what the figures do not cover, said plainly (report and JSON)."""
+    if opts.text_tokens is not None:
+        prompts = f"windows of {opts.text_source} ({len(opts.text_tokens)} tokens)"
+    elif es.directory is None:
+        prompts = ("random token ids on synthetic weights (their tau says nothing about real acceptance; the "
+                   "x@tau columns give the speedup at a real tau)")
+    else:
+        prompts = "random token ids (tau on random ids says nothing about real acceptance; give --prompts FILE)"
+    notes = []
+    spec = report["speculation_context"]
+    plain_only = sorted({r["context"] for r in report["generation"]} - {spec})
+    if plain_only:
+        notes.append(f"speculative decoding and step costs measured at context {spec} only; context"
+                     f"{'s' if len(plain_only) > 1 else ''} {', '.join(map(str, plain_only))} ran plain decoding only")
+    return prompts, notes
 
 
 def _measurements(es: EngineSet, opts: BenchOptions, graphs: bool, tree_tokens: int | None, peer: bool) -> int:
@@ -335,7 +356,9 @@ def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree
         if prompts is None:
             log(f"context {ctx}: skipped, the text holds fewer than {opts.num_prompts} windows of {ctx} tokens")
             continue
-        which = drafters(es, opts) if first else drafters(es, opts)[:1]
+        which = drafters(es, opts) if first else drafters(es, opts)[:1]       # later contexts: plain only
+        if first:
+            report["speculation_context"] = ctx
         for use_graphs in ([True, False] if graphs and first else [graphs]):
             log(f"context {ctx}: generation ({'CUDA graphs' if use_graphs else 'eager'}) ...")
             report["generation"] += generation_rows(es, ctx, opts, use_graphs, prompts, which,
@@ -399,6 +422,7 @@ def _derive(report: dict, opts: BenchOptions) -> None:
 def format_report(report: dict) -> str:
     lines = [f"device {report['device']}  backend {report['backend']}  dtype {report['dtype']}  "
              f"model {report['model']}  max_seq_len {report['max_seq_len']}  sampling: {report['sampling']}",
+             f"prompts: {report['prompts']}",
              f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
     if "floor_ms_per_token" in report:
         lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
@@ -424,6 +448,7 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
                      f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
                      f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
+    lines += [f"note: {n}" for n in report["notes"]]
     by_pos = [r for r in report["generation"] if r.get("acceptance_by_position")]
     if by_pos:
         lines += ["", "acceptance by position (rounds whose draft at depth i was accepted / rounds)"]

@@ -119,7 +119,8 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                 # decode the whole output each time: byte-level BPE pieces only form text together
                 seen = done.setdefault(index, [])
                 if not seen and sampling.n > 1:
-                    echo(f"--- sample {index} ---")
+                    # the previous sample's text ends its line, so each header starts one
+                    echo(("\n" if index else "") + f"--- sample {index} ---")
                 before = text.decode(seen)
                 seen.extend(tokens)
                 echo(text.decode(seen)[len(before):], nl=False)
@@ -134,13 +135,14 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     if as_json:
         echo(json.dumps(outs[0] if sampling.n == 1 else {"samples": outs}))
         return results
+    if text is not None:
+        echo("")                                    # the last sample's streamed text ends its line
     for result, out in zip(results, outs):
         stats = out["stats"]
         if text is None:
             if sampling.n > 1:
                 echo(f"--- sample {result.index} ---")
-            echo(" ".join(map(str, result.tokens)), nl=False)
-        echo("")
+            echo(" ".join(map(str, result.tokens)))
         seed = "" if result.seed is None else f", seed {result.seed} sample {result.index}"
         log.info(f"[{stats['drafter']} on {stats['backend']}/{stats['device']}] {stats['new_tokens']} tokens, "
                  f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "

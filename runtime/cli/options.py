@@ -31,6 +31,15 @@ def positive_float() -> Finite:
     return Finite(min=0, min_open=True)
 
 
+# the sampling options' types: the ranges SamplingParams checks (runtime/decoding/sampling.py), refused
+# here at parse time as bad options (exit 2) instead of later as a bad request
+TEMPERATURE = Finite(min=0)
+TOP_K = click.IntRange(min=0)
+TOP_P = Finite(min=0, min_open=True, max=1)
+MIN_P = Finite(min=0, max=1)
+SEED = click.IntRange(0, 2**63 - 1)
+
+
 class IntList(click.ParamType):
     """Comma-separated integers, each at least ``min``; ``empty`` says whether '' (none) is allowed
     and, when it is not, why (the message)."""
@@ -71,6 +80,15 @@ def utf8(value: str, option: str) -> str:
     return value
 
 
+def decode_utf8(data: bytes, source: str, option: str) -> str:
+    """``data`` (read from ``source``: stdin or a file) as text, refused when it is not valid UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.BadParameter(f"{source} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                                 "give UTF-8 text", param_hint=option) from None
+
+
 def text_or_stdin(ctx, param, value):
     """Callback: a text option whose value '-' means "read it from stdin" (strict UTF-8 either way)."""
     if value is None:
@@ -80,11 +98,15 @@ def text_or_stdin(ctx, param, value):
         return utf8(value, option)
     stdin = sys.stdin
     data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8", "surrogateescape")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise click.BadParameter(f"stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})",
-                                 param_hint=option) from None
+    return decode_utf8(data, "stdin", option)
+
+
+def utf8_file(ctx, param, value):
+    """Callback: a text file option (its type, a click.Path, checks that it is a readable file), refused when
+    its bytes are not UTF-8, before any work. Returns the path: the command reads the file itself."""
+    if value is not None:
+        decode_utf8(Path(value).read_bytes(), value, param.opts[0])
+    return value
 
 
 def stop_strings(ctx, param, value):

@@ -7,7 +7,8 @@ import importlib.util
 import click
 
 from xcompile.runtime.cli.group import cli_group_class
-from xcompile.runtime.cli.options import IntList, given, refuse_inert, stop_strings, text_or_stdin, writable_file
+from xcompile.runtime.cli.options import (MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, IntList, given, refuse_inert,
+                                          stop_strings, text_or_stdin, utf8_file, writable_file)
 from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
 from xcompile.runtime.engines.load import BACKEND_CHOICES
 
@@ -65,6 +66,31 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
                                f"(depth-1)*topk^2); lower {tokens_opt} or widen the tree")
 
 
+def _check_sampling(ctx, req) -> None:
+    """Sampling options greedy decoding would ignore, refused with the reason. A run is greedy exactly when
+    its resolved temperature is 0: --temperature, else with --sample the dir's generation_config.json
+    (whose do_sample is not consulted: --sample asks to sample), else 0. --num-samples is refused too:
+    greedy samples are identical copies. Reads generation_config.json with --sample (a bad one: exit 1)."""
+    if not req.sampling().greedy:
+        return
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    hit = [flags[n] for n in ("sample", "top_k", "top_p", "min_p", "seed", "num_samples") if given(ctx, n)]
+    if not hit:
+        return
+    if req.temperature is not None:
+        why, fix = "--temperature 0", "give a --temperature above 0"
+    elif req.sample:
+        why, fix = f"temperature 0 in {req.engine_dir}/generation_config.json", "give a --temperature above 0"
+    else:
+        why, fix = "temperature 0, the default", ("add --temperature T (T > 0), or --sample to sample with the dir's "
+                                                  "generation_config.json values")
+    many = len(hit) > 1
+    copies = " (--num-samples would print identical copies)" if given(ctx, "num_samples") else ""
+    raise click.UsageError(f"{', '.join(hit)}: greedy decoding ({why}) does not sample, so "
+                           f"{'they change' if many else 'it changes'} nothing{copies}; {fix}, or drop "
+                           f"{'them' if many else 'it'}", ctx)
+
+
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=str))
 @click.option("--prompt", callback=text_or_stdin,
@@ -88,17 +114,21 @@ def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> N
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--sample", is_flag=True,
               help="Sample with the checkpoint's generation_config.json values (the flags below override).")
-@click.option("--temperature", type=float, help="0: greedy (the default without --sample).")
-@click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off).")
-@click.option("--top-p", type=float, help="Keep the smallest set with this much probability (1: off).")
-@click.option("--min-p", type=float, help="Drop tokens below min_p times the top token's probability (0: off).")
-@click.option("--seed", type=int, help="Random seed (default: a fresh one, printed with the stats).")
-@click.option("--num-samples", type=int, help="Independent samples of the prompt, generated one after another.")
+@click.option("--temperature", type=TEMPERATURE,
+              help="0: greedy (the default without --sample), which the options below would not change, so they "
+                   "are refused then.")
+@click.option("--top-k", type=TOP_K, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=TOP_P, help="Keep the smallest set with this much probability (1: off).")
+@click.option("--min-p", type=MIN_P, help="Drop tokens below min_p times the top token's probability (0: off).")
+@click.option("--seed", type=SEED, help="Random seed (default: a fresh one, printed with the stats).")
+@click.option("--num-samples", type=click.IntRange(min=1),
+              help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
-def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-             stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed, num_samples,
-             as_json, verify):
+@click.pass_context
+def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth,
+             tree_tokens, stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed,
+             num_samples, as_json, verify):
     """Generate from ENGINE_DIR with speculative decoding: greedy (the same tokens as plain greedy
     decoding), or sampled (each token distributed as plain sampling would draw it).
 
@@ -114,12 +144,16 @@ def generate(engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamm
                           drafter=spec, stop=list(stop), backend=backend, device=device,
                           cuda_graphs=not no_cuda_graphs, verify=verify, sample=sample, temperature=temperature,
                           top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, num_samples=num_samples)
+    _check_sampling(ctx, req)
     run_generate(req, as_json=as_json, echo=click.echo)
 
 
-def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> None:
+def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, temperature) -> None:
     if (engine_dir is None) == (synthetic is None):
         raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
+    if temperature == 0:
+        refuse_inert(ctx, ["top_k", "top_p", "min_p", "seed"], "greedy runs (--temperature 0, the default) do not "
+                     "sample, so sampling options change nothing; add --temperature T (T > 0) or drop them")
     if synthetic is None:
         refuse_inert(ctx, ["draft_model", "dtype"], "apply to --synthetic weights only (an engine dir has its own)")
     elif prompts is not None:
@@ -152,27 +186,27 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot) -> No
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--peer", is_flag=True, help="Also time transformers generate() with a static cache on the same weights.")
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
-              help="Text whose consecutive windows are the prompts (real text gives real acceptance).")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False), callback=utf8_file,
+              help="UTF-8 text whose consecutive windows are the prompts (real text gives real acceptance).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=writable_file,
               help="Write the full report as JSON here.")
 @click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file,
               help="Write a PNG of tokens/s per drafter (pip install 'xcompile[plot]').")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
-@click.option("--temperature", type=float, default=0.0, show_default=True,
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
               help="Sample (speculative sampling) instead of greedy decoding.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
+@click.option("--top-k", type=TOP_K, default=0, show_default=True)
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
+@click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats,
           peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
-    _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot)
+    _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, temperature)
     from xcompile.runtime.bench.command import BenchRequest, run
     from xcompile.runtime.decoding.sampling import SamplingParams
 

@@ -75,7 +75,8 @@ GREEDY = SamplingParams()
 
 def generation_defaults(directory: Path | str) -> dict:
     """Sampling fields of an engine dir's generation_config.json (copied from the checkpoint at
-    export), transformers' defaults for those it leaves out."""
+    export), transformers' defaults for those it leaves out. Its do_sample is not read: whether to
+    sample is the caller's choice (``xrun generate --sample``); temperature 0 still means greedy."""
     path = Path(directory) / GENERATION_CONFIG
     if not path.is_file():
         raise EngineError(f"{path}: missing, so --sample has no checkpoint values; give --temperature etc. instead")

@@ -164,8 +164,26 @@ def _check(body, worker: EngineWorker) -> None:
     if body.model is not None and body.model != worker.model_name:
         raise ServeError(404, f"model {body.model!r} not found; this server serves {worker.model_name!r}",
                          "model", "model_not_found")
-    if (name := body.refused()) is not None:
-        raise ServeError(400, f"{name}: not implemented by this server; leave it out", name)
+    body.check_fields()
+
+
+def _max_tokens(body, prompt_tokens: int, max_seq_len: int) -> int:
+    """Tokens each choice may generate after its prompt (the longest: ``prompt_tokens``). A budget the
+    request names (max_completion_tokens, else max_tokens) must fit the engine's context with the prompt,
+    as vLLM and OpenAI check: a 400 context_length_exceeded, not a silent cap. Without one, chat generates
+    to the context's end (finish_reason "length" there) and completions take OpenAI's default of 16,
+    capped at the room left. ``encode`` has checked that the prompt leaves room for a round."""
+    room = max_seq_len - prompt_tokens
+    for name in ("max_completion_tokens", "max_tokens"):
+        asked = getattr(body, name, None)
+        if asked is None or name not in body.model_fields_set:
+            continue
+        if asked > room:
+            raise ServeError(400, f"{name} {asked} after a prompt of {prompt_tokens} tokens exceeds this model's "
+                                  f"context of {max_seq_len} tokens (the engine's max_seq_len); ask for at most "
+                                  f"{room} or shorten the prompt", name, "context_length_exceeded")
+        return asked
+    return room if body.max_tokens is None else min(body.max_tokens, room)
 
 
 async def _answer(request: Request, body, kind: str, prompts: list, param: str):
@@ -173,7 +191,7 @@ async def _answer(request: Request, body, kind: str, prompts: list, param: str):
     worker = sched.ready()
     _check(body, worker)
     ids = [worker.encode(p, param) for p in prompts]
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or worker.max_seq_len
+    max_tokens = _max_tokens(body, max(map(len, ids)), worker.max_seq_len)
     sampling = body.sampling()
     job = Job([Generation(p, max_tokens, body.stop, sampling, j) for p in ids for j in range(body.n)],
               sched.deadline())

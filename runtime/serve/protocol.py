@@ -3,16 +3,26 @@
 Follows the OpenAI API as vLLM implements it (``/v1/completions``, ``/v1/chat/completions``), with two
 extensions vLLM also has: ``top_k``/``min_p`` and ``return_token_ids`` (each choice then carries its
 ``token_ids``); and one of ours: ``usage.xcompile`` with the speculative counts (tau, drafted, accepted).
-Fields the OpenAI API has and this server does not implement are refused when set to anything that
-would change the output, never silently ignored; unknown fields are ignored, as vLLM does.
+
+Which request fields are accepted (``_Request.check_fields``), never silently ignored:
+  - the fields the models below declare, which are implemented;
+  - fields of the OpenAI API or of vLLM's extensions that this server does not implement (``NEUTRAL``:
+    penalties, logprobs, guided decoding, tools, ...), only at a value that leaves the output as it is
+    (``repetition_penalty`` 1, ``logprobs`` false or null, ...), as clients often send defaults; any other
+    value is a 400 naming the field;
+  - ``IGNORED``: fields about who sent the request and how it is tracked or billed (``user``,
+    ``metadata``, ...), which never change what is generated;
+  - anything else is a 400 naming the field (vLLM ignores unknown fields; a typo or an extension we do
+    not know would then change nothing without a word).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from typing import ClassVar, Literal
+from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xcompile.runtime.common.errors import EngineError, XcompileError
 from xcompile.runtime.decoding.sampling import SamplingParams, with_seed
@@ -42,12 +52,46 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code or str(status)}}
 
 
+# Fields of the OpenAI API and of vLLM's extensions this server does not implement -> the values that
+# leave the output as it is (a request may send those). JSON types are told apart (``_neutral``): logprobs
+# 0 asks a completion for the sampled token's logprob, so only false / null are neutral.
+NEUTRAL: dict[str, tuple] = {
+    # OpenAI
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "store": (None, False),
+    # vLLM's sampling and guided-decoding extensions
+    "repetition_penalty": (None, 1), "length_penalty": (None, 1), "use_beam_search": (None, False),
+    "ignore_eos": (None, False), "min_tokens": (None, 0), "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "priority": (None, 0),
+    # vLLM's chat template extensions (the template is the tokenizer's, with the generation prompt)
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+}
+# accepted and ignored: who sent a request and how it is tracked or billed, never what is generated
+IGNORED = frozenset({"user", "metadata", "safety_identifier", "service_tier", "prompt_cache_key"})
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    """Whether ``value`` equals one of ``neutral`` as JSON values (false is not 0; 1 is 1.0)."""
+    def kind(x):
+        return "bool" if isinstance(x, bool) else "number" if isinstance(x, (int, float)) else type(x)
+    return any(kind(value) == kind(n) and value == n for n in neutral)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions; fields not declared are kept for
+    ``check_fields`` (module docstring)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -60,14 +104,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)                  # -1 or 0: off (vLLM's convention)
     min_p: float | None = Field(None, ge=0, le=1)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     return_token_ids: bool = False
-
-    # fields at their "off" value unless a client sets them; any other value is refused (module docstring)
-    not_implemented: ClassVar[tuple[str, ...]] = ("frequency_penalty", "presence_penalty", "logit_bias")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -77,12 +114,18 @@ class _Request(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
-    def refused(self) -> str | None:
-        """The first field set to something this server does not implement, or None."""
-        for name in self.not_implemented:
-            if getattr(self, name) != type(self).model_fields[name].default:
-                return name
-        return None
+    def check_fields(self) -> None:
+        """ServeError 400 naming the first field this server does not implement, unless neutral, or does
+        not know (module docstring)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED or (name in NEUTRAL and _neutral(value, NEUTRAL[name])):
+                continue
+            if name in NEUTRAL:
+                neutral = " or ".join(json.dumps(n) for n in NEUTRAL[name] if n is not None)
+                raise ServeError(400, f"{name}: not implemented by this server; leave it out"
+                                      + (f" (or send {neutral}, which changes nothing)" if neutral else ""), name)
+            raise ServeError(400, f"{name}: unknown field (this server refuses fields it does not implement rather "
+                                  "than ignore them); leave it out", name)
 
     @property
     def include_usage(self) -> bool:
@@ -102,12 +145,6 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)        # OpenAI's default for completions
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int = Field(1, ge=1)
-    logprobs: int | None = None
-
-    not_implemented: ClassVar[tuple[str, ...]] = _Request.not_implemented + ("echo", "suffix", "best_of", "logprobs")
 
     @field_validator("prompt")
     @classmethod
@@ -143,19 +180,6 @@ class Message(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)     # the newer name of max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: dict | None = None
-
-    not_implemented: ClassVar[tuple[str, ...]] = _Request.not_implemented + (
-        "logprobs", "top_logprobs", "tools", "tool_choice", "response_format")
-
-    @field_validator("response_format")
-    @classmethod
-    def _plain_text(cls, v):
-        return None if v == {"type": "text"} else v         # plain text is what every reply is
 
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_tokens": "length", "max_seq_len": "length"}

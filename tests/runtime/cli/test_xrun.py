@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import fixtures
 from click.testing import CliRunner
 from fixtures import refused
 
@@ -115,6 +116,28 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
     assert "prefill 16 tokens: TTFT" in out
 
 
+def test_bench_says_what_its_prompts_were_and_where_it_measured_speculation(tiny_engine_dir, tmp_path):
+    """Random prompt ids give a meaningless tau, and drafters run at the first context only: the report
+    and its JSON say both, and with --prompts name the text instead."""
+    args = ("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--gammas", 1, "--tree", "",
+            "--new-tokens", 4, "--repeats", 1, "--num-prompts", 1, "--json", tmp_path / "bench.json")
+    code, out = xrun(*args, "--contexts", "16,32")
+    assert code == 0, out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    random_ids = "random token ids (tau on random ids says nothing about real acceptance; give --prompts FILE)"
+    where = "speculative decoding and step costs measured at context 16 only; context 32 ran plain decoding only"
+    assert f"prompts: {random_ids}" in out.splitlines() and f"note: {where}" in out.splitlines()
+    assert (report["prompts"], report["notes"], report["speculation_context"]) == (random_ids, [where], 16)
+    assert {r["drafter"] for r in report["generation"] if r["context"] == 32} == {"plain"}
+    text = tmp_path / "held_out.txt"
+    text.write_text(" ".join(fixtures.WORDS))
+    code, out = xrun(*args, "--contexts", "16", "--prompts", text)
+    assert code == 0, out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["prompts"].startswith(f"windows of {text} (") and report["notes"] == []
+    assert f"prompts: {report['prompts']}" in out and "random token ids" not in out and "note:" not in out
+
+
 def test_drafter_the_dir_does_not_hold(tiny_engine_dir):
     from xcompile.runtime.common.errors import EngineError
     from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
@@ -217,6 +240,7 @@ def test_help_shows_the_drafter_defaults():
     (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
     (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
     (["--new-tokens", 1], ["--new-tokens"]),
+    (["--top-p", "0.9", "--seed", 2], ["--top-p, --seed: greedy runs", "--temperature T"]),
 ])
 def test_bench_option_checks(tiny_engine_dir, args, needles):
     refused(run("bench", tiny_engine_dir, "--device", "cpu", *args), *needles)
@@ -228,6 +252,22 @@ def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
     refused(run("bench", tiny_engine_dir, "--device", "cpu", "--plot", tmp_path), "--plot", "is a directory")
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--prompts", __file__), "--prompts", "tokenizer")
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
+
+
+def test_bench_prompts_that_are_not_utf8_are_a_bad_option(tiny_engine_dir, tmp_path):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"the cat \xff\xfe sat")
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", "--prompts", binary), "--prompts:",
+            f"{binary} is not valid UTF-8 (byte 0xff at offset 8)")
+
+
+def test_bench_plot_is_a_png(tiny_engine_dir, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (pip install -e '.[plot]')")
+    png = tmp_path / "bench.png"
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", 16, "--gammas", "",
+            "--tree", "", "--new-tokens", 4, "--repeats", 1, "--plot", png)
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
@@ -254,23 +294,63 @@ def test_generate_samples_reproducibly(tiny_engine_dir, plain):
     # --sample: the dir's generation_config.json (this one sets no sampling field: transformers' defaults)
     hf = generate_json(tiny_engine_dir, *SAMPLED, "--sample", "--seed", 1)
     assert hf["stats"]["sampling"] == dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
-    greedy = generate_json(tiny_engine_dir, *SAMPLED[:-4], "--max-new-tokens", 40, "--sample", "--temperature", 0)
+    greedy = generate_json(tiny_engine_dir, *SAMPLED[:-4], "--max-new-tokens", 40, "--temperature", 0)
     assert greedy["tokens"] == plain and greedy["stats"]["seed"] is None
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--temperature", "-1", "temperature must be a finite number >= 0"),
-    ("--top-p", "0", "top_p must be in (0, 1]"),
-    ("--top-p", "1.5", "top_p must be in (0, 1]"),
-    ("--top-k", "-1", "top_k must be an integer >= 0"),
-    ("--min-p", "2", "min_p must be in [0, 1]"),
-    ("--num-samples", "0", "n must be an integer >= 1"),
-    ("--seed", "-5", "seed must be an integer"),
+@pytest.mark.parametrize("prompt", [("--prompt", "the cat"), ("--prompt-ids", PROMPT_IDS)])
+def test_samples_print_one_after_another_each_under_its_header(tiny_engine_dir, prompt):
+    """stdout holds each sample's text (or ids) on lines of its own under '--- sample i ---', nothing else."""
+    args = (*prompt, "--max-new-tokens", 6, "--backend", "torch", "--temperature", "0.9", "--seed", 5,
+            "--num-samples", 3)
+    samples = generate_json(tiny_engine_dir, *args)["samples"]
+    r = run("generate", tiny_engine_dir, "--device", "cpu", *args)
+    assert r.exit_code == 0, r.output
+    body = [s["text"] if prompt[0] == "--prompt" else " ".join(map(str, s["tokens"])) for s in samples]
+    assert r.stdout == "".join(f"--- sample {i} ---\n{b}\n" for i, b in enumerate(body))
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--top-p", "0.9"], ["--top-p: greedy decoding (temperature 0, the default)", "--temperature T", "--sample"]),
+    (["--top-k", 5, "--min-p", "0.1", "--seed", 3], ["--top-k, --min-p, --seed: greedy decoding", "change nothing"]),
+    (["--num-samples", 3], ["--num-samples: greedy decoding", "identical copies"]),
+    (["--temperature", 0, "--top-p", "0.9"], ["--top-p: greedy decoding (--temperature 0)", "above 0"]),
+    (["--sample", "--temperature", 0], ["--sample: greedy decoding (--temperature 0)"]),
 ])
-def test_bad_sampling_values_fail_before_any_work(tmp_path, option, value, message):
-    # the engine dir does not even exist: the value is refused before anything is opened
-    code, out = xrun("generate", tmp_path / "nope", "--prompt-ids", "1", "--temperature", "0.5", option, value)
-    assert code == 1 and message in out and "Traceback" not in out and "no such engine dir" not in out
+def test_sampling_options_are_refused_when_decoding_is_greedy(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
+
+
+def test_greedy_is_the_resolved_temperature_so_sample_takes_it_from_the_dir(tmp_path):
+    """--sample's temperature comes from generation_config.json (do_sample is not consulted: --sample asks to
+    sample); one of 0 makes the run greedy, and the options that would then change nothing are refused."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.0}))
+    refused(run("generate", tmp_path, "--prompt-ids", "1", "--sample", "--top-p", "0.9"), "--sample, --top-p:",
+            f"(temperature 0 in {tmp_path}/generation_config.json)", "--temperature above 0")
+
+
+BAD_SAMPLING = [
+    ("--temperature", "-1", "-1.0 is not in the range x>=0"),
+    ("--temperature", "nan", "nan is not a finite number"),
+    ("--temperature", "inf", "inf is not a finite number"),
+    ("--top-p", "0", "0.0 is not in the range 0<x<=1"),
+    ("--top-p", "2", "2.0 is not in the range 0<x<=1"),
+    ("--top-k", "-3", "-3 is not in the range x>=0"),
+    ("--min-p", "2", "2.0 is not in the range 0<=x<=1"),
+    ("--seed", "-5", "-5 is not in the range 0<=x"),
+]
+
+
+@pytest.mark.parametrize("option, value, message", BAD_SAMPLING + [("--num-samples", "0", "0 is not in the range x>=1")])
+def test_bad_sampling_values_are_bad_options(tmp_path, option, value, message):
+    # the engine dir does not even exist: the value is refused at parse time, before anything is opened
+    refused(run("generate", tmp_path / "nope", "--prompt-ids", "1", "--temperature", "0.5", option, value),
+            f"'{option}'", message)
+
+
+@pytest.mark.parametrize("option, value, message", BAD_SAMPLING)
+def test_bad_bench_sampling_values_are_bad_options(tmp_path, option, value, message):
+    refused(run("bench", "--synthetic", "qwen3-8b", "--temperature", "0.5", option, value), f"'{option}'", message)
 
 
 def test_bench_times_a_sampling_round(tiny_engine_dir, tmp_path):
@@ -283,8 +363,6 @@ def test_bench_times_a_sampling_round(tiny_engine_dir, tmp_path):
     assert report["sampling"].startswith("temperature 0.7 top_k 20")
     assert {("sample", 1), ("accept chain", 3), ("accept tree", 8)} <= {(r["graph"], r["tokens"]) for r in report["steps"]}
     assert all(r["tau"] >= 1.0 for r in report["generation"])
-    code, out = xrun("bench", "--synthetic", "qwen3-8b", "--temperature", "-2")
-    assert code == 1 and "temperature must be" in out
 
 
 def test_prefill_flops_of_the_qwen3_8b_shape():

@@ -221,6 +221,84 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, route, b
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+BASE = {"completions": {"prompt": PROMPT, "max_tokens": 6, "return_token_ids": True},
+        "chat/completions": {"messages": [{"role": "user", "content": MESSAGE}], "max_tokens": 6,
+                             "return_token_ids": True}}
+
+
+@pytest.mark.parametrize("route, fields, param", [
+    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("completions", {"guided_regex": "[a-z]+"}, "guided_regex"),
+    ("completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    ("completions", {"guided_grammar": 'root ::= "a"'}, "guided_grammar"),
+    ("completions", {"logprobs": 0}, "logprobs"),            # 0 asks for the sampled token's logprob
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": " the end"}, "suffix"),
+    ("completions", {"ignore_eos": True}, "ignore_eos"),
+    ("completions", {"max_completion_tokens": 4}, "max_completion_tokens"),     # chat's field, unknown here
+    ("completions", {"temprature": 0.7}, "temprature"),                         # a typo is not ignored either
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+])
+def test_fields_not_implemented_are_refused_with_a_400_naming_them(server, route, fields, param):
+    r = httpx.post(f"{server.url}/v1/{route}", json={**BASE[route], **fields}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: ") and "leave it out" in error["message"]
+
+
+@pytest.mark.parametrize("route, fields", [
+    ("completions", {"repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+                     "logprobs": None, "best_of": 1, "echo": False, "suffix": None, "guided_json": None,
+                     "ignore_eos": False, "skip_special_tokens": True, "user": "someone", "metadata": {"run": "7"},
+                     "stream_options": {"include_usage": True}}),
+    ("chat/completions", {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
+                          "tool_choice": "none", "add_generation_prompt": True, "service_tier": "auto"}),
+])
+def test_fields_not_implemented_at_their_neutral_value_change_nothing(server, route, fields):
+    plain = httpx.post(f"{server.url}/v1/{route}", json=BASE[route], timeout=60)
+    r = httpx.post(f"{server.url}/v1/{route}", json={**BASE[route], **fields}, timeout=60)
+    assert plain.status_code == 200 and r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"prompt": [5, 6, 7], "max_tokens": 254}, "max_tokens"),
+    ("completions", {"prompt": [[5], [5, 6, 7]], "max_tokens": 254}, "max_tokens"),       # the longest prompt
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 256}, "max_tokens"),
+])
+def test_a_budget_past_the_context_is_refused_not_capped(server, route, body, param):
+    r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, "context_length_exceeded", "invalid_request_error")
+    assert error["message"].startswith(f"{param} {body[param]} after a prompt of ")
+    assert "context of 256 tokens" in error["message"] and "ask for at most" in error["message"]
+
+
+def test_without_a_budget_chat_generates_to_the_context_end(held, worker, monkeypatch):
+    """No max_tokens: chat stops where prompt + completion fill the context (finish_reason "length"), and a
+    completion's default of 16 is capped at the room left; a budget that just fits is honoured."""
+    monkeypatch.setattr(worker.gen, "eos_ids", frozenset())     # the tiny model's EOS comes early: ignore it
+    with httpx.Client(base_url=held.url, headers=AUTH, timeout=120) as c:
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "the " * 230}]}).json()
+        short = c.post("/v1/completions", json={"prompt": [5] * 245}).json()
+        fits = c.post("/v1/completions", json={"prompt": [5] * 245, "max_tokens": 11}).json()
+    usage = chat["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256, usage
+    assert chat["choices"][0]["finish_reason"] == "length"
+    for r in (short, fits):
+        assert r["usage"]["completion_tokens"] == 256 - 245 and r["choices"][0]["finish_reason"] == "length"
+
+
 def test_unknown_route_and_method(server):
     r = httpx.get(f"{server.url}/v1/engines", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
