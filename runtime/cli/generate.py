@@ -5,21 +5,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
-
+from xcompile.runtime.api import LLM
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.outcome import Result
-from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+from xcompile.runtime.decoding.registry import DrafterSpec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import EngineSet, open_engine_dir
+from xcompile.runtime.engines.load import EngineSet
 
 log = logs.logger("generate")
+DEFAULT_NEW_TOKENS = 128
 
 
 @dataclass
@@ -30,7 +30,7 @@ class GenerateRequest:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     chat: str | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # None: DEFAULT_NEW_TOKENS, or what the context leaves if fewer
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     stop: list[str] = field(default_factory=list)
     backend: str = "auto"
@@ -98,19 +98,40 @@ def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
         raise EngineError(f"--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens{auto}")
 
 
+def check_tokenizer(req: GenerateRequest) -> None:
+    """A text prompt, a chat message or stop strings need the dir's tokenizer: say so before anything loads."""
+    if (req.prompt_ids is None or req.stop) and not (Path(req.engine_dir) / "tokenizer.json").is_file():
+        need = "--stop" if req.prompt_ids is not None else "--chat" if req.chat is not None else "--prompt"
+        raise EngineError(f"{need} needs the engine dir's tokenizer, and {req.engine_dir} has no tokenizer.json "
+                          "(a --synthetic export has none); give --prompt-ids and no --stop, or export with a tokenizer")
+
+
+def new_tokens(req: GenerateRequest, prompt: int, max_seq_len: int) -> int:
+    """--max-new-tokens if it fits the context after the prompt (else an error saying what fits); without it,
+    DEFAULT_NEW_TOKENS or the room left, whichever is less."""
+    room = max_seq_len - prompt
+    if req.max_new_tokens is None:
+        return max(1, min(DEFAULT_NEW_TOKENS, room))
+    if req.max_new_tokens > room:
+        raise EngineError(f"--max-new-tokens {req.max_new_tokens}: the prompt's {prompt} tokens and that many new "
+                          f"ones exceed the engine dir's max_seq_len {max_seq_len}; at most {max(room, 0)} fit "
+                          "(or rebuild with a larger --max-seq-len)")
+    return req.max_new_tokens
+
+
 def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[..., None] = print) -> list[Result]:
     """Open the dir, encode the prompt, generate its n samples one after another (streaming text
     unless ``as_json``), print stats."""
     sampling = req.sampling()                       # bad values fail here, before anything is loaded
-    device = req.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_drafter_options(req, Manifest.load(req.engine_dir))
-    with open_engine_dir(req.engine_dir, req.backend, device, cuda_graphs=req.cuda_graphs, verify=req.verify) as es:
+    check_tokenizer(req)
+    with LLM(req.engine_dir, backend=req.backend, device=req.device, drafter=req.drafter,
+             cuda_graphs=req.cuda_graphs, verify=req.verify) as llm:
+        es, gen, drafter = llm.engines, llm.generator, llm.drafter
         log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
-        text = Text(es.directory) if req.prompt_ids is None or req.stop else None
+        text = llm.tokenizer if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
-        drafter = make_drafter(es, req.drafter)
-        gen = Generator(es.engines["target"], drafter, es.manifest.eos_token_ids, es.manifest.max_seq_len,
-                        detokenize=text.decode if text else None, options=LoopOptions(cuda_graphs=req.cuda_graphs and es.device.type == "cuda"))
+        max_new = new_tokens(req, len(ids), es.manifest.max_seq_len)
         stream = None
         if not as_json and text is not None:
             done: dict[int, list[int]] = {}
@@ -125,7 +146,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                 seen.extend(tokens)
                 echo(text.decode(seen)[len(before):], nl=False)
 
-        results = gen.generate_n(ids, req.max_new_tokens, stop=req.stop, on_tokens=stream, sampling=sampling)
+        results = gen.generate_n(ids, max_new, stop=req.stop, on_tokens=stream, sampling=sampling)
     outs = []
     for result in results:
         stats = stats_dict(result)

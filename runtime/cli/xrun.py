@@ -7,8 +7,20 @@ import importlib.util
 import click
 
 from xcompile.runtime.cli.group import cli_group_class
-from xcompile.runtime.cli.options import (MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, IntList, given, refuse_inert,
-                                          stop_strings, text_or_stdin, utf8_file, writable_file)
+from xcompile.runtime.cli.options import (
+    MIN_P,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    IntList,
+    given,
+    refuse_inert,
+    stop_strings,
+    text_or_stdin,
+    utf8_file,
+    writable_file,
+)
 from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
 from xcompile.runtime.engines.load import BACKEND_CHOICES
 
@@ -98,7 +110,9 @@ def _check_sampling(ctx, req) -> None:
 @click.option("--prompt-ids", callback=_ids, help="Prompt token ids, e.g. '1,2,3'.")
 @click.option("--chat", callback=text_or_stdin,
               help="One user message, wrapped in the tokenizer's chat template; '-' reads stdin.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1),
+              help="New tokens at most; one that does not fit the context is refused  [default: 128, or what the "
+                   "context leaves]")
 @click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto",
               show_default=True, help="auto: eagle3 if the dir has a head, else the draft model, else none.")
 @click.option("--gamma", type=click.IntRange(min=1),

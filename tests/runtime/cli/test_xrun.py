@@ -376,3 +376,26 @@ def test_prefill_flops_of_the_qwen3_8b_shape():
     projections = 36 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 12288)
     want = 2 * projections * 4096 + 2 * 151936 * 4096 + 2 * 36 * 4096 * 4096 ** 2
     assert prefill_flops(config, 4096) == want
+
+
+def test_a_max_new_tokens_past_the_context_is_refused_and_the_default_fits(tiny_engine_dir, tmp_path):
+    """--max-new-tokens that cannot fit after the prompt is refused in one line naming it and what fits (the tiny
+    dir holds 256 tokens); without it, the default 128 is cut to the room left and finishes at max_tokens there."""
+    long = ",".join(["5"] * 200)
+    code, out = xrun("generate", tiny_engine_dir, "--device", "cpu", "--backend", "ort", "--drafter", "none",
+                     "--prompt-ids", long, "--max-new-tokens", 100)
+    assert code == 1 and "--max-new-tokens 100" in out and "at most 56 fit" in out and "Traceback" not in out
+    got = generate_json(tiny_engine_dir, "--prompt-ids", long, "--backend", "ort", "--drafter", "none")
+    assert got["stats"]["new_tokens"] == 56 and got["stats"]["finish_reason"] == "max_tokens"
+
+
+def test_a_text_prompt_on_a_dir_without_tokenizer_fails_before_loading(tiny_engine_dir, tmp_path):
+    """A --prompt, --chat or --stop needs tokenizer.json: one line naming it, before any engine loads (the dir's
+    graphs are broken here, so loading would fail otherwise)."""
+    import shutil
+    bare = shutil.copytree(tiny_engine_dir, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    (bare / "target.onnx").write_bytes(b"not loaded")
+    for args in (["--prompt", "hi"], ["--chat", "hi"], ["--prompt-ids", "1,2", "--stop", "x"]):
+        code, out = xrun("generate", bare, "--device", "cpu", "--backend", "ort", *args)
+        assert code == 1 and "no tokenizer.json" in out and "target.onnx" not in out, out
