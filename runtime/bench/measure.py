@@ -255,7 +255,7 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
     """One row per drafter of ``which``: whole generations over ``prompts``; ``tick(name)`` after each."""
     rows = []
     max_seq_len = es.manifest.max_seq_len
-    if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (backends/ort.py)
+    if es.backend == "ort":                     # ORT's own CUDA graphs follow the row's mode (engines/ort.py)
         for engine in es.engines.values():
             engine.cuda_graphs = cuda_graphs
     for name, make in which:
@@ -420,9 +420,10 @@ def _derive(report: dict, opts: BenchOptions) -> None:
 
 
 def format_report(report: dict) -> str:
+    """The report as text (a report saved before 2026-12-04 has no ``prompts`` line)."""
     lines = [f"device {report['device']}  backend {report['backend']}  dtype {report['dtype']}  "
              f"model {report['model']}  max_seq_len {report['max_seq_len']}  sampling: {report['sampling']}",
-             f"prompts: {report['prompts']}",
+             *([f"prompts: {report['prompts']}"] if "prompts" in report else []),
              f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
     if "floor_ms_per_token" in report:
         lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
@@ -448,7 +449,7 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
                      f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
                      f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
-    lines += [f"note: {n}" for n in report["notes"]]
+    lines += [f"note: {n}" for n in report.get("notes", [])]
     by_pos = [r for r in report["generation"] if r.get("acceptance_by_position")]
     if by_pos:
         lines += ["", "acceptance by position (rounds whose draft at depth i was accepted / rounds)"]

@@ -10,21 +10,10 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
+from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
+
 from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
 from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def randn(*shape, dtype, scale=1.0):
-    return (scale * torch.randn(*shape, device=DEV)).to(dtype)
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -70,7 +59,7 @@ def test_chunk_for_takes_fewer_splits_for_several_rows():
 @pytest.mark.parametrize("write_index", [40, 300, 570])
 def test_attention_verify_splits(write_index, monkeypatch):
     """Calls of several rows split the cache into fewer, longer chunks (here 2 of 320 keys
-    on a 640-slot cache, short_chunk's 64 keys only below write_index 65) and one-row calls keep the cache's
+    on a 640-slot cache, SHORT_CHUNK's 64 keys only below write_index 65) and one-row calls keep the cache's
     128: accurate either way, every row count from 2 gives a row the same bits, and a row alone gets those
     of a one-row call with the cache's chunk."""
     monkeypatch.setattr(A, "VERIFY_SPLITS", 2)                               # the 4352-slot cache's split, small
@@ -106,7 +95,7 @@ def test_attention_short_chunk(write_index, rows, monkeypatch):
 def test_attention_register_cap_takes_grids_of_more_than_four_programs_a_sm(monkeypatch):
     monkeypatch.setattr(A, "sms", lambda device: 132)
     assert not A.many(8 * 34 * 1, torch.device("cuda"))     # the 8B decode step on a 4352-slot cache
-    assert A.many(8 * 34 * 2, torch.device("cuda"))         # 7 rows on 34 splits (verify_splits 0)
+    assert A.many(8 * 34 * 2, torch.device("cuda"))         # 7 rows on 34 splits (a verify without VERIFY_SPLITS)
     assert not A.many(8 * 4 * 8, torch.device("cuda"))      # 32 rows on a 512-slot cache
 
 

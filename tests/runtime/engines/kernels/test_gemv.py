@@ -9,27 +9,11 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
+from kernel_checks import DEV, DTYPES, TOL, randn, rel, with_tiles  # noqa: E402
+
 from xcompile.runtime.engines.kernels import gemv as G  # noqa: E402
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig, Tiles  # noqa: E402
 from xcompile.runtime.engines.kernels.linear import linear, linear_reference  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def randn(*shape, dtype, scale=1.0):
-    return (scale * torch.randn(*shape, device=DEV)).to(dtype)
-
-
-def with_tiles(**entries) -> KernelConfig:
-    """The default kernel config with some tile-table entries replaced (shape -> tile)."""
-    return KernelConfig(tiles=DEFAULT.tiles.replace(**entries))
-
 
 GEMVS = {"ahead 1": G.Gemv(8, 256, 4), "ahead 3": G.Gemv(8, 256, 4, ahead=3), "wide": G.Gemv(16, 512, 8, ahead=2)}
 

@@ -8,21 +8,10 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
+from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
+
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def randn(*shape, dtype, scale=1.0):
-    return (scale * torch.randn(*shape, device=DEV)).to(dtype)
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
