@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from xcompile.runtime.engines.kernels.config import KernelConfig
 
 Prompt = str | Sequence[int]           # text (the dir's tokenizer encodes it) or token ids
+DEFAULT_NEW_TOKENS = 128
 
 
 @dataclass
@@ -118,26 +119,25 @@ class LLM:
         return ids
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams = GREEDY, *,
-                 max_new_tokens: int = 128, stop: Sequence[str] = ()) -> list[Completion]:
+                 max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> list[Completion]:
         """One Completion per prompt (a text, token ids, or a list of either), each with ``sampling.n``
-        samples; every prompt is checked before any is generated."""
+        samples; every prompt is checked before any is generated. max_new_tokens: None is DEFAULT_NEW_TOKENS or
+        the room the context leaves, if less; one that does not fit after a prompt is refused."""
         many = isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], int)
         ids = [self.encode(p) for p in (prompts if many else [prompts])]
-        for p in ids:
-            self.generator.check_request(p, max_new_tokens, stop, sampling)
-        return [self._complete(p, sampling, max_new_tokens, stop) for p in ids]
+        budgets = [self._budget(p, max_new_tokens, stop, sampling) for p in ids]
+        return [self._complete(p, sampling, n, stop) for p, n in zip(ids, budgets)]
 
-    def chat(self, messages: str | list[dict], sampling: SamplingParams = GREEDY, *, max_new_tokens: int = 128,
-             stop: Sequence[str] = ()) -> Completion:
+    def chat(self, messages: str | list[dict], sampling: SamplingParams = GREEDY, *,
+             max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> Completion:
         """The assistant's reply to one user message, or to OpenAI-style messages ``[{"role": ..., "content":
         ...}]``, under the tokenizer's chat template."""
         if self.tokenizer is None:
             raise EngineError(f"{self.engines.directory}: no tokenizer.json, so no chat template")
         ids = self.tokenizer.chat(messages)
-        self.generator.check_request(ids, max_new_tokens, stop, sampling)
-        return self._complete(ids, sampling, max_new_tokens, stop)
+        return self._complete(ids, sampling, self._budget(ids, max_new_tokens, stop, sampling), stop)
 
-    def stream(self, prompt: Prompt, sampling: SamplingParams = GREEDY, *, max_new_tokens: int = 128,
+    def stream(self, prompt: Prompt, sampling: SamplingParams = GREEDY, *, max_new_tokens: int | None = None,
                stop: Sequence[str] = ()) -> Iterator[str]:
         """The text of one sample, piece by piece as rounds commit it (needs the dir's tokenizer)."""
         if self.tokenizer is None:
@@ -145,8 +145,21 @@ class LLM:
         if sampling.n != 1:
             raise EngineError(f"stream gives one sample; got SamplingParams(n={sampling.n}): use generate")
         ids = self.encode(prompt)
-        run = self.generator.stream(ids, max_new_tokens, stop, sampling)
+        run = self.generator.stream(ids, self._budget(ids, max_new_tokens, stop, sampling), stop, sampling)
         return self._pieces(run)
+
+    def _budget(self, ids: list[int], max_new_tokens: int | None, stop: Sequence[str],
+                sampling: SamplingParams) -> int:
+        """The request checked (Generator.check_request) and its token budget: ``max_new_tokens`` if it fits the
+        context after the prompt, else EngineError; None: DEFAULT_NEW_TOKENS or the room left, if less."""
+        room = self.generator.max_seq_len - len(ids)
+        budget = max(1, min(DEFAULT_NEW_TOKENS, room)) if max_new_tokens is None else max_new_tokens
+        self.generator.check_request(ids, budget, stop, sampling)
+        if budget > room:
+            raise EngineError(f"max_new_tokens {budget}: the prompt's {len(ids)} tokens and that many new ones "
+                              f"exceed the engine dir's max_seq_len {self.generator.max_seq_len}; at most "
+                              f"{max(room, 0)} fit")
+        return budget
 
     def _pieces(self, run) -> Iterator[str]:
         # decode the whole output each time: byte-level BPE pieces only form text together

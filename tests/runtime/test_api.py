@@ -105,6 +105,16 @@ def test_bad_requests_are_one_line_errors_before_any_work(llm, call, match):
         call(llm)
 
 
+def test_a_budget_past_the_context_is_refused_and_the_default_fits(llm):
+    """The tiny dir holds 256 tokens: 200 prompt ids leave 56; asking 100 is refused naming max_new_tokens, the
+    default is cut to the 56 that fit."""
+    ids = [5] * 200
+    with pytest.raises(EngineError, match="max_new_tokens 100: .* at most 56 fit"):
+        llm.generate(ids, max_new_tokens=100)
+    out = llm.generate(ids)[0].outputs[0]
+    assert len(out.token_ids) == 56 and out.finish_reason == "max_tokens"
+
+
 def test_bad_options_fail_when_opening(tiny_engine_dir, tmp_path):
     with pytest.raises(EngineError, match="--gamma sets a chain, --tree-\\* a tree"):
         LLM(tiny_engine_dir, backend="ort", device="cpu", gamma=2, tree=TreeShape())
