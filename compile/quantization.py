@@ -62,8 +62,8 @@ class Quantization:
     groups        (group name, scheme, targets) in the config's order; a target is ``Linear`` (every
                   linear) or a pattern
     ignore        patterns of modules left in the checkpoint's float dtype
-    Patterns are regexes matched from the start of a checkpoint module name (``re.match``), the methods'
-    own rules translated at parse time (``_patterns``).
+    Patterns are regexes matched from the start of a checkpoint module name (``re.match``): each method's own
+    matching rule translated at parse time (``_fp8``, ``_awq``, ``_ct_pattern``).
     """
 
     method: str
@@ -176,8 +176,8 @@ def _fp8(f: _Config) -> Quantization:
     # transformers' rule (quantizers_utils.should_convert_module): a name matches from its start up to a
     # module boundary, as a regex, or as a suffix; the output projection is never quantized (vLLM's
     # lm_head is not a linear of the method)
-    skip = [*f.patterns("modules_to_not_convert"), *f.patterns("ignored_layers")]
-    ignore = [rf"(?:{_regex(f, 'modules_to_not_convert', p)})(?:(?<=\.)|(?=\.|$))|.*{re.escape(p)}$" for p in skip]
+    skip = [(name, p) for name in ("modules_to_not_convert", "ignored_layers") for p in f.patterns(name)]
+    ignore = [rf"(?:{_regex(f, name, p)})(?:(?<=\.)|(?=\.|$))|.*{re.escape(p)}$" for name, p in skip]
     scheme = WeightScheme(FP8_BLOCK, 8, (block[0], block[1]))
     return Quantization(FP8, (("weights", scheme, ("Linear",)),), (rf"{LM_HEAD}$", *ignore), "dynamic", f.path)
 
