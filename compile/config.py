@@ -321,6 +321,8 @@ _REFUSED = {
     "norm_output": "the normed hidden fed back to the next step (EAGLE-3.1; SpecForge)",
     "attention_bias": "q/k/v/o biases in the draft layer",
     "mlp_bias": "MLP biases in the draft layer",
+    "quantization_config": "quantized weights (xcompile reads quantized Qwen3 targets and draft models; a head "
+                           "loads in its float dtype)",
 }
 
 

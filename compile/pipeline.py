@@ -21,6 +21,7 @@ import torch
 
 from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
+from xcompile.compile.checkpoint.quantized import linear_weights
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
     TAP_DEFAULT,
@@ -136,6 +137,9 @@ def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan
     graphs = sum(len(p.module.graphs(p.key)) for p in parts)
     with logs.progress("export", graphs, "graphs") as bar:
         for p in parts:
+            if "quantization" in p.entry.extra:
+                log(f"{p.key}: {p.entry.extra['quantization']['method']} checkpoint, its weights dequantized to "
+                    f"{req.dtype} as they are read")
             for graph, module in p.module.graphs(p.key):
                 log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
                 bar.update(note=graph)
@@ -211,12 +215,14 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
     with torch.device("meta"):
         target = Qwen3(cfg, max_seq_len, tuple(taps)).to(dtype)
     parts = [_Part(TARGET, target, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source,
-                                                      {"taps": list(target.taps)}))]
+                                                      _extra(source, target, taps=list(target.taps))))]
     if head is not None:
         field = TAP_OVERRIDE if req.eagle3_taps else head[0].tap_field or TAP_DEFAULT
         parts.append(_head_part(head[0], head[1], parts[0], dtype, field))
     if req.draft_model is not None:
         parts.append(_draft_part(req, cfg, max_seq_len, dtype, target_dir))
+    for p in parts:
+        p.source.check(p.module)        # every key, shape and dtype (quantized tensors too), before any work
     return parts, target_dir
 
 
@@ -261,7 +267,16 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
                            f"{cfg.max_position_embeddings} of {where}")
     with torch.device("meta"):
         draft = Qwen3(cfg, max_seq_len).to(dtype)
-    return _Part(DRAFT, draft, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source))
+    return _Part(DRAFT, draft, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source, _extra(source, draft)))
+
+
+def _extra(source: WeightSource, module: torch.nn.Module, **extra) -> dict:
+    """A model's manifest ``extra``, with how its checkpoint is quantized (compile/quantization.py) where it is:
+    the graphs hold the weights dequantized; exporters of quantized graphs read the scheme from here."""
+    if source.quantization is not None:
+        linears = [name for _, name in linear_weights(module.key_map(), module)]
+        extra["quantization"] = source.quantization.record(linears)
+    return extra
 
 
 def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:

@@ -40,18 +40,21 @@ def _few(names: list[str]) -> str:
 
 
 def plan(checkpoint: Checkpoint, model: nn.Module, key_map: KeyMap) -> dict[str, str]:
-    """Check the checkpoint against the module before reading a weight; returns name -> key, in the
-    module's state order."""
+    """Check the checkpoint against the module before reading a weight; returns name -> key (a packed
+    tensor's first key), in the module's state order."""
     state = module_state(model)
     wanted = set(state) - key_map.external
-    assert wanted == set(key_map.tensors), sorted(wanted ^ set(key_map.tensors))   # map and module agree
+    filled = set(key_map.tensors) | set(key_map.packed)
+    assert wanted == filled, sorted(wanted ^ filled)      # map and module agree
     config = checkpoint.path / "config.json"
     keys = set(checkpoint.keys())
+    stored = {s.key: s for p in key_map.packed.values() for s in p.stored}
     missing = sorted(k for n, k in key_map.tensors.items() if k not in keys and n not in key_map.derived)
+    missing += sorted(k for k in stored if k not in keys)
     if missing:
         raise CompileError(f"{checkpoint.path}: missing tensor {_few(missing)} that {config.name} implies; the "
                            f"checkpoint is incomplete or not of this model: {refetch_hint(checkpoint.path)}")
-    mapped = set(key_map.tensors.values())
+    mapped = set(key_map.tensors.values()) | set(stored)
     unexpected = sorted(k for k in keys - mapped if not any(re.fullmatch(p, k) for p in key_map.ignored))
     if unexpected:
         raise CompileError(f"{checkpoint.file(unexpected[0])}: unexpected tensor {_few(unexpected)}; the weights "
@@ -69,7 +72,15 @@ def plan(checkpoint: Checkpoint, model: nn.Module, key_map: KeyMap) -> dict[str,
         if not ok:
             expected = "a floating-point dtype" if want.is_floating_point() else str(want.dtype)
             raise CompileError(f"{checkpoint.file(key)}: tensor '{key}' is {dtype}, expected {expected}")
-    return {name: key_map.tensors[name] for name in state if name in key_map.tensors}
+    for key, s in stored.items():
+        if checkpoint.shape(key) != s.shape:
+            raise CompileError(f"{checkpoint.file(key)}: tensor '{key}' has shape {list(checkpoint.shape(key))}, "
+                               f"expected {list(s.shape)} ({s.why}, from {config})")
+        if checkpoint.dtype(key) not in s.dtypes:
+            raise CompileError(f"{checkpoint.file(key)}: tensor '{key}' is {checkpoint.dtype(key)}, expected "
+                               f"{' or '.join(map(str, s.dtypes))} ({s.why})")
+    first = {name: p.stored[0].key for name, p in key_map.packed.items()}
+    return {name: key_map.tensors.get(name) or first[name] for name in state if name in wanted}
 
 
 def materialize(model: nn.Module, state: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,

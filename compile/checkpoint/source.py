@@ -2,7 +2,8 @@
 and tensors, so no caller branches on "checkpoint or synthetic".
 
     CheckpointSource(dir)          a checkpoint dir (compile/checkpoint/files.py), read through the
-                                   module's key map, checked strictly before the first tensor is read
+                                   module's key map, checked strictly before the first tensor is read;
+                                   a quantized one (config.json's quantization_config) is dequantized
     SyntheticSource(name, seed)    seeded random weights (compile/synthetic.py)
 
 Every tensor a source hands out passes through ``WeightSource._read`` (the one place for per-tensor
@@ -23,8 +24,11 @@ from torch import nn
 
 from xcompile.compile.checkpoint.files import Checkpoint, weight_file_names
 from xcompile.compile.checkpoint.keymap import module_state, plan
+from xcompile.compile.checkpoint.quantized import quantized_key_map
+from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap
+from xcompile.compile.quantization import Quantization, parse_quantization
 from xcompile.runtime.enginedir import integrity
 
 Weights = Iterator[tuple[str, torch.Tensor]]
@@ -67,18 +71,31 @@ class WeightSource(ABC):
         """The part of the fingerprint that is not a file: empty for checkpoints (their files say it all)."""
         return ""
 
+    @property
+    def quantization(self) -> Quantization | None:
+        """How the weights are quantized (compile/quantization.py), None when they are not."""
+        return None
+
+    def key_map(self, model: nn.Module) -> KeyMap:
+        """``model``'s key map as this source stores its weights (quantized linears: their stored tensors)."""
+        return model.key_map()
+
+    def check(self, model: nn.Module) -> None:
+        """Raise now, before any weight is read, where this source cannot fill ``model`` (keys, shapes, dtypes)."""
+        self._names(model, self.key_map(model))
+
     def tensors(self, model: nn.Module) -> Weights:
         """Stream (module state name, tensor) for ``model`` (which may live on the meta device), one
         tensor in memory at a time, floating-point tensors cast to the model's dtype. External state
         (an EAGLE3 head's ``embed_tokens.weight``: the target's) is not yielded."""
-        key_map = model.key_map()
+        key_map = self.key_map(model)
         state = module_state(model)
         for name in self._names(model, key_map):
             yield name, self._read(model, key_map, name, state[name])
 
     def tensor(self, model: nn.Module, name: str) -> torch.Tensor:
         """One state tensor of ``model`` (e.g. an EAGLE3 head's ``d2t``, a target's embedding), in its dtype."""
-        return self._read(model, model.key_map(), name, module_state(model)[name])
+        return self._read(model, self.key_map(model), name, module_state(model)[name])
 
     def _read(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> torch.Tensor:
         """Every tensor of every source passes here: fetched, value-checked by the key map (d2t's range),
@@ -131,11 +148,25 @@ class CheckpointSource(WeightSource):
     def files(self) -> dict[str, Path]:
         return {name: self.path / name for name in weight_file_names(self.path)}
 
+    @cached_property
+    def quantization(self) -> Quantization | None:
+        return parse_quantization(self.path / "config.json", read_json(self.path / "config.json"))
+
+    def key_map(self, model: nn.Module) -> KeyMap:
+        key_map = model.key_map()
+        if self.quantization is None:
+            return key_map
+        return quantized_key_map(key_map, self.quantization, model, self.checkpoint)
+
     def _names(self, model: nn.Module, key_map: KeyMap) -> list[str]:
         return list(plan(self.checkpoint, model, key_map))
 
     def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
-        ckpt, key = self.checkpoint, key_map.tensors[name]
+        ckpt = self.checkpoint
+        if name in key_map.packed:                  # a quantized linear, dequantized here
+            packed = key_map.packed[name]
+            return packed.build(ckpt.get, lambda k: str(ckpt.file(k))), str(ckpt.file(packed.stored[0].key))
+        key = key_map.tensors[name]
         if key in ckpt:
             return ckpt.get(key), str(ckpt.file(key))
         return key_map.derived[name](ckpt.get), str(ckpt.path)

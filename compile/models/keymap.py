@@ -15,6 +15,25 @@ ROPE_CACHE = "RoPE tables are recomputed from rope_theta"
 
 
 @dataclass(frozen=True)
+class Stored:
+    """One checkpoint tensor of a weight stored as several (a quantized linear's codes, scales, zeros)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    why: str                        # where the shape comes from, for errors
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A module tensor built from several checkpoint tensors when it is read (a quantized linear's weight,
+    dequantized): ``build(read, where)``, ``where(key)`` naming the file that holds ``key``."""
+
+    stored: tuple[Stored, ...]
+    build: Callable[[Reader, Callable[[str], str]], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class KeyMap:
     """How a module's state (unique parameters + persistent buffers) is filled from a checkpoint.
 
@@ -23,6 +42,7 @@ class KeyMap:
     external  module state filled from another model, not from this checkpoint
     derived   module state name -> builds it from other keys (through the reader) when its key is absent
     checks    module state name -> validates the tensor's values (tensor, where) after reading
+    packed    module state name -> the checkpoint tensors it is built from (compile/checkpoint/quantized.py)
     """
 
     tensors: dict[str, str]
@@ -30,3 +50,4 @@ class KeyMap:
     external: frozenset[str] = frozenset()
     derived: dict[str, Callable[[Reader], torch.Tensor]] = field(default_factory=dict)
     checks: dict[str, Callable[[torch.Tensor, str], None]] = field(default_factory=dict)
+    packed: dict[str, Packed] = field(default_factory=dict)
