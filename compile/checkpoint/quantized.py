@@ -1,6 +1,7 @@
 """Quantized linear weights in the key map: a linear stored as codes and scales (and zero points) becomes one
-``Packed`` entry of the key map whose build dequantizes it, one linear at a time, so an 8B checkpoint
-still streams in 24 GB of RAM. The formats and their fields are in compile/quantization.py.
+``Packed`` entry of the key map, read into the canonical form of runtime/engines/qweight.py and dequantized
+from it, one linear at a time, so an 8B checkpoint still streams in 24 GB of RAM. The formats and their
+fields are in compile/quantization.py.
 
 The arithmetic runs in fp32, as transformers and compressed-tensors dequantize, and the weight source
 rounds the result once to the model's dtype: (q - z) * s is exact in fp32 for int4 codes with fp16 or bf16
@@ -20,6 +21,7 @@ from xcompile.compile.checkpoint.keymap import module_state
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap, Packed, Reader, Stored
 from xcompile.compile.quantization import AWQ_GEMM, CT_FLOAT, CT_PACKED, FP8_BLOCK, Quantization, WeightScheme
+from xcompile.runtime.engines.qweight import FP8, INT4, QWeight
 
 Fail = Callable[[str, str], CompileError]       # (checkpoint key, why) -> the error naming its file
 Where = Callable[[str], str]                    # checkpoint key -> the file that holds it
@@ -60,14 +62,6 @@ def quantized_key_map(key_map: KeyMap, q: Quantization, model: nn.Module, checkp
     return replace(key_map, tensors=tensors, packed=packed)
 
 
-def _expand(grid: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
-    """Per-block values [ceil(N/rows), ceil(K/cols)] spread over the weight [N, K] (0: the whole dim);
-    blocks at the bottom and right edges may be partial."""
-    n, k = shape
-    rows, cols = block[0] or n, block[1] or k
-    return grid.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
-
-
 def _scales(read: Reader, where: Where, key: str) -> torch.Tensor:
     """A scale tensor; a NaN, Inf or zero scale makes its whole block NaN or zero: refused by name."""
     s = read(key)
@@ -99,9 +93,9 @@ def _fp8_block(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: 
     scale = Stored(f"{module}.weight_scale_inv", (-(-n // bn), -(-k // bk)), _FLOATS,
                    f"one scale per [{bn}, {bk}] block of the [{n}, {k}] weight, partial blocks at the edges")
 
-    def build(read: Reader, where: Where) -> torch.Tensor:
-        return read(weight.key).float() * _expand(_scales(read, where, scale.key), scheme.block, shape)
-    return Packed((weight, scale), build)
+    def quantized(read: Reader, where: Where) -> QWeight:
+        return QWeight(FP8, read(weight.key), _scales(read, where, scale.key).float(), (bn, bk))
+    return Packed((weight, scale), quantized)
 
 
 def _awq_gemm(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: Fail) -> Packed:
@@ -114,12 +108,16 @@ def _awq_gemm(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: F
     qzeros = Stored(f"{module}.qzeros", (k // g, n // 8), _INT32, f"int4 zero points per group of {g} inputs")
     scales = Stored(f"{module}.scales", (k // g, n), _FLOATS, f"one scale per group of {g} inputs")
 
-    def build(read: Reader, where: Where) -> torch.Tensor:
+    def quantized(read: Reader, where: Where) -> QWeight:
         q = _unpack_int4(read(qweight.key))[:, _awq_order(n)]          # [K, N]
         z = _unpack_int4(read(qzeros.key))[:, _awq_order(n)]           # [K/g, N]
         s = _scales(read, where, scales.key)                           # [K/g, N]
-        return (q.T.float() - _expand(z.T, (1, g), shape)) * _expand(s.T, (1, g), shape)
-    return Packed((qweight, qzeros, scales), build)
+        return QWeight(INT4, _u8(q.T), s.T.float().contiguous(), (1, g), _u8(z.T))
+    return Packed((qweight, qzeros, scales), quantized)
+
+
+def _u8(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.uint8).contiguous()
 
 
 def _awq_order(n: int) -> torch.Tensor:
@@ -138,10 +136,10 @@ def _ct_float(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: F
     scale = Stored(f"{module}.weight_scale", (1,) if grid == (1, 1) and not bn else grid, _FLOATS,
                    f"one scale per [{bn or n}, {bk or k}] block of the [{n}, {k}] weight")
 
-    def build(read: Reader, where: Where) -> torch.Tensor:
+    def quantized(read: Reader, where: Where) -> QWeight:
         s = _scales(read, where, scale.key).reshape(grid)
-        return read(weight.key).float() * _expand(s, scheme.block, shape)
-    return Packed((weight, scale), build)
+        return QWeight(FP8, read(weight.key), s.float(), (bn or n, bk or k))
+    return Packed((weight, scale), quantized)
 
 
 def _ct_packed(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: Fail) -> Packed:
@@ -155,17 +153,16 @@ def _ct_packed(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: 
     size = Stored(f"{module}.weight_shape", (2,), (torch.int64, torch.int32), "the weight's [N, K]")
     zero = Stored(f"{module}.weight_zero_point", (-(-n // 8), k // g), _INT32, "int4 zero points, 8 rows per int32")
 
-    def build(read: Reader, where: Where) -> torch.Tensor:
+    def quantized(read: Reader, where: Where) -> QWeight:
         if read(size.key).tolist() != [n, k]:
             raise CompileError(f"{where(size.key)}: tensor '{size.key}' holds {read(size.key).tolist()}, expected "
                                f"[{n}, {k}], the shape of {module}")
-        q = _unpack_int4(read(packed.key))[:, :k] - 8                                    # [N, K]
-        s = _expand(_scales(read, where, scale.key), (1, g), shape)
-        if not scheme.zero_point:
-            return q.float() * s
-        z = (_unpack_int4(read(zero.key).T.contiguous())[:, :n] - 8).T                 # [N, K/g]
-        return (q.float() - _expand(z, (1, g), shape)) * s
-    return Packed((packed, scale, size, zero) if scheme.zero_point else (packed, scale, size), build)
+        q = _unpack_int4(read(packed.key))[:, :k]                      # [N, K], the signed value + 8
+        s = _scales(read, where, scale.key).float()                    # [N, K/g]
+        # the stored zero point is signed + 8 too, so (q - 8) - (z - 8) = q - z; symmetric: z = 0, stored 8
+        z = _unpack_int4(read(zero.key).T.contiguous())[:, :n].T if scheme.zero_point else torch.full_like(s, 8)
+        return QWeight(INT4, _u8(q), s, (1, g), _u8(z))
+    return Packed((packed, scale, size, zero) if scheme.zero_point else (packed, scale, size), quantized)
 
 
 _LAYOUTS = {FP8_BLOCK: _fp8_block, AWQ_GEMM: _awq_gemm, CT_FLOAT: _ct_float, CT_PACKED: _ct_packed}

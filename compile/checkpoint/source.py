@@ -30,6 +30,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.quantization import Quantization, parse_quantization
 from xcompile.runtime.enginedir import integrity
+from xcompile.runtime.engines.qweight import QWeight
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
@@ -79,6 +80,11 @@ class WeightSource(ABC):
     def key_map(self, model: nn.Module) -> KeyMap:
         """``model``'s key map as this source stores its weights (quantized linears: their stored tensors)."""
         return model.key_map()
+
+    def quantized(self, model: nn.Module, name: str) -> QWeight | None:
+        """State ``name`` of ``model`` in its quantized form (runtime/engines/qweight.py), None where the source
+        stores it unquantized."""
+        return None
 
     def check(self, model: nn.Module) -> None:
         """Raise now, before any weight is read, where this source cannot fill ``model`` (keys, shapes, dtypes)."""
@@ -160,6 +166,13 @@ class CheckpointSource(WeightSource):
 
     def _names(self, model: nn.Module, key_map: KeyMap) -> list[str]:
         return list(plan(self.checkpoint, model, key_map))
+
+    def quantized(self, model: nn.Module, name: str) -> QWeight | None:
+        packed = self.key_map(model).packed.get(name)
+        if packed is None:
+            return None
+        ckpt = self.checkpoint
+        return packed.quantized(ckpt.get, lambda k: str(ckpt.file(k)))
 
     def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
         ckpt = self.checkpoint

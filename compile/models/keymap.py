@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xcompile.runtime.engines.qweight import QWeight
+
 Reader = Callable[[str], torch.Tensor]          # checkpoint key -> tensor, as the weight source reads it
 
 ROPE_CACHE = "RoPE tables are recomputed from rope_theta"
@@ -26,11 +28,15 @@ class Stored:
 
 @dataclass(frozen=True)
 class Packed:
-    """A module tensor built from several checkpoint tensors when it is read (a quantized linear's weight,
-    dequantized): ``build(read, where)``, ``where(key)`` naming the file that holds ``key``."""
+    """A module tensor built from several checkpoint tensors when it is read: a quantized linear's weight.
+    ``quantized(read, where)`` gives its canonical form (runtime/engines/qweight.py), ``where(key)`` naming the
+    file that holds ``key``; ``build`` the weight dequantized (float32)."""
 
     stored: tuple[Stored, ...]
-    build: Callable[[Reader, Callable[[str], str]], torch.Tensor]
+    quantized: Callable[[Reader, Callable[[str], str]], QWeight]
+
+    def build(self, read: Reader, where: Callable[[str], str]) -> torch.Tensor:
+        return self.quantized(read, where).dequantize()
 
 
 @dataclass(frozen=True)
