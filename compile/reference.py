@@ -24,6 +24,7 @@ from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
 from xcompile.runtime.enginedir.manifest import Manifest, ModelEntry
+from xcompile.runtime.engines import qweight
 from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES, Engine
 from xcompile.runtime.engines.torch_module import TorchEngine
 
@@ -63,11 +64,12 @@ def weight_source(entry: ModelEntry) -> WeightSource:
 
 
 def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
-                      verify: bool = False) -> dict[str, Engine]:
+                      verify: bool = False, quantized: bool = False) -> dict[str, Engine]:
     """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft), with the
     weights its sources name, in ``dtype`` (default: the manifest's). Each model's kind picks its family.
     A checkpoint must still be what the export read (its recorded sizes and hashes: sampled blocks, or
-    every byte with ``verify``), else these would not be the exported weights."""
+    every byte with ``verify``), else these would not be the exported weights. ``quantized``: a quantized
+    checkpoint's modules also keep its linears' codes (``Qwen3.quantized``, for the fast kernels)."""
     dtype = dtype or MODEL_TORCH_DTYPES[manifest.dtype]
     modules: dict[str, torch.nn.Module] = {}
     for role in sorted(manifest.models, key=lambda r: r != TARGET):     # the target first: a head shares its embedding
@@ -77,15 +79,23 @@ def reference_engines(manifest: Manifest, device: torch.device | str, dtype: tor
         fam = family(entry.kind)
         cfg = fam.config_from(entry.config, f"manifest model {role!r}")
         modules[role] = fam.load(source, cfg, manifest.max_seq_len, dtype, device, modules.get(TARGET), entry.extra)
+        if quantized and source.quantization is not None:
+            module = modules[role]
+            module.quantized = {name: source.quantized(module, name).to(device)
+                                for name in source.key_map(module).packed}
     return {graph: engine for role, module in modules.items() for graph, engine in torch_engines(module, role).items()}
 
 
 def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
-                      verify: bool = False) -> dict[str, Engine]:
+                      verify: bool = False, quantized: bool = False) -> dict[str, Engine]:
     """The engine dir's (or an in-memory manifest's) graphs as torch-backend engines (``verify``: hash
-    every byte of the checkpoints, not sampled blocks)."""
+    every byte of the checkpoints, not sampled blocks; ``quantized``: keep quantized linears' codes too)."""
     manifest = source if isinstance(source, Manifest) else Manifest.load(source)
-    return reference_engines(manifest, device, dtype, verify)
+    return reference_engines(manifest, device, dtype, verify, quantized)
+
+
+# synthetic quantization: what Qwen/Qwen3-8B-FP8 (128 x 128 blocks) and Qwen/Qwen3-8B-AWQ (groups of 128) hold
+SYNTHETIC_SCHEMES = {qweight.FP8: (128, 128), qweight.INT4: (1, 128)}
 
 
 def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,
@@ -109,12 +119,33 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
 
 
 def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device | str, eagle3: bool = True,
-                   draft: str | None = None, seed: int = 0) -> tuple[Manifest, dict[str, Engine], torch.Tensor | None]:
-    """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the head's d2t."""
+                   draft: str | None = None, seed: int = 0, quantize: str | None = None
+                   ) -> tuple[Manifest, dict[str, Engine], torch.Tensor | None]:
+    """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the head's d2t.
+    ``quantize`` (``fp8`` or ``int4``): the target's decoder linears rounded to that scheme (SYNTHETIC_SCHEMES),
+    as a quantized checkpoint of that shape would hold them; the head stays in ``dtype``."""
     manifest = synthetic_manifest(name, max_seq_len, dtype, eagle3, draft, seed)
     engines = reference_engines(manifest, device)
+    if quantize is not None:
+        block = SYNTHETIC_SCHEMES[quantize]
+        quantize_linears(engines[TARGET].module, quantize, block)
+        manifest.models[TARGET].extra["quantization"] = {"method": "synthetic round-to-nearest", "kind": quantize,
+                                                         "block": list(block)}
     d2t = engines[EAGLE3].module.d2t if EAGLE3 in engines else None
     return manifest, engines, d2t
+
+
+@torch.no_grad()
+def quantize_linears(model: Qwen3, kind: str, block: tuple[int, int]) -> None:
+    """Round ``model``'s decoder-layer linears to ``kind`` in ``block``s (runtime/engines/qweight.py), in place:
+    each parameter becomes its dequantized rounding and ``model.quantized`` holds the codes, as when a quantized
+    checkpoint is loaded for the fast kernels (lm_head and the embedding stay, as quantized Qwen3 releases keep
+    them)."""
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            q = qweight.quantize(module.weight, kind, block)
+            module.weight.copy_(q.dequantize())
+            model.quantized[f"model.layers.{name}.weight"] = q
 
 
 def hf_peer(engines: dict[str, Engine]):

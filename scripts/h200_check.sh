@@ -4,6 +4,9 @@
 #   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
 #            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
 #   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
+#   quant    the quantized kernels' gpu tests, then benchmarks/qlinear_tiles.py (their tiles at the 8B shapes)
+#   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
+#            tree 10/6/32)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -15,11 +18,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare ... (see its header)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench ... (see its header)"; exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|compare) ;;
-  *) echo "unknown part '$part': tests, bench, agree or compare"; exit 2;;
+  tests|bench|agree|compare|quant|qbench) ;;
+  *) echo "unknown part '$part': tests, bench, agree, compare, quant or qbench"; exit 2;;
   esac
 done
 
@@ -69,6 +72,18 @@ for part in "$@"; do
     grep -E "$SHOW" "$OUT/bench.log"
     run fast_decode 240 python3 benchmarks/fast_decode.py --contexts 128,4096
     cat "$OUT/fast_decode.log"
+    ;;
+  quant)
+    run qlinear_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/engines/kernels/test_qlinear.py
+    tail -1 "$OUT/qlinear_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/qlinear_tests.log" | head -20
+    run qlinear_tiles 300 python3 benchmarks/qlinear_tiles.py
+    grep -E "^BEST" "$OUT/qlinear_tiles.log"
+    ;;
+  qbench)
+    for q in fp8 int4; do
+      run "bench_$q" 270 xrun bench "${BENCH[@]}" --contexts 128 --quantize "$q" --json "$OUT/bench_$q.json"
+      grep -E "$SHOW|quantized" "$OUT/bench_$q.log"
+    done
     ;;
   agree)
     run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \

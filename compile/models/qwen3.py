@@ -14,6 +14,7 @@ from xcompile.compile.config import Qwen3Config
 from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap
 from xcompile.compile.models.layers import MLP, Attention, RMSNorm, Rotary, Step, make_step, select_rows
 from xcompile.runtime.enginedir.contract import DRAFT, TARGET, GraphSpec, KVShape, graph_spec
+from xcompile.runtime.engines.qweight import QWeight
 
 KIND = "qwen3"          # manifest ModelEntry.kind (compile/families.py)
 
@@ -84,6 +85,10 @@ class Qwen3(nn.Module):
         super().__init__()
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.taps = tuple(sorted(taps)) if taps else ()     # duplicates allowed (tiny models)
+        # a quantized checkpoint's linears as codes and scales (runtime/engines/qweight.py) by state name, for
+        # the fast kernels, when the loader is asked to keep them (compile/reference.py); the parameters
+        # always hold the weights dequantized
+        self.quantized: dict[str, QWeight] = {}
         assert all(0 <= t < cfg.num_hidden_layers for t in self.taps), self.taps
         self.model = Qwen3Body(cfg, max_seq_len)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

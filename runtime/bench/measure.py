@@ -288,12 +288,14 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "dtype": es.manifest.dtype, "backend": es.backend, "model": es.manifest.name,
                     "max_seq_len": es.manifest.max_seq_len,
+                    "quantization": es.manifest.models[TARGET].extra.get("quantization"),
                     "sampling": "greedy" if s.greedy else f"temperature {s.temperature} top_k {s.top_k} top_p {s.top_p} "
                                                           f"min_p {s.min_p} seed {s.seed}"}
     log("measuring copy bandwidth ...")
     bw = copy_bandwidth(dev)
     report["copy_bandwidth_gbs"] = bw / 1e9
-    wb = weight_bytes(es.manifest.models[TARGET].config, es.manifest.dtype)
+    # the fast engines count the bytes they read (quantized projections as stored); else the dtype's
+    wb = es.engines[TARGET].weight_bytes() or weight_bytes(es.manifest.models[TARGET].config, es.manifest.dtype)
     report["weight_bytes_per_token"] = wb
     report["floor_ms_per_token"] = 1e3 * wb / bw
     g = torch.Generator().manual_seed(0)
@@ -419,11 +421,19 @@ def _derive(report: dict, opts: BenchOptions) -> None:
                 r["fraction_of_floor"] = report["floor_ms_per_token"] / r["ms_per_token"]
 
 
+def _scheme(q: dict) -> str:
+    """One line of a manifest's quantization record (a checkpoint's, or the synthetic bench's)."""
+    if "kind" in q:
+        return f"{q['kind']} blocks {q['block']} ({q['method']})"
+    return f"{q['method']}, " + ", ".join(f"{w['bits']}-bit {w['layout']} blocks {w['block']}" for w in q["weights"])
+
+
 def format_report(report: dict) -> str:
     """The report as text (a report saved before 2026-12-04 has no ``prompts`` line)."""
     lines = [f"device {report['device']}  backend {report['backend']}  dtype {report['dtype']}  "
              f"model {report['model']}  max_seq_len {report['max_seq_len']}  sampling: {report['sampling']}",
              *([f"prompts: {report['prompts']}"] if "prompts" in report else []),
+             *([f"quantized: {_scheme(report['quantization'])}"] if report.get("quantization") else []),
              f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
     if "floor_ms_per_token" in report:
         lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "

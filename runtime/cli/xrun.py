@@ -169,7 +169,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
         refuse_inert(ctx, ["top_k", "top_p", "min_p", "seed"], "greedy runs (--temperature 0, the default) do not "
                      "sample, so sampling options change nothing; add --temperature T (T > 0) or drop them")
     if synthetic is None:
-        refuse_inert(ctx, ["draft_model", "dtype"], "apply to --synthetic weights only (an engine dir has its own)")
+        refuse_inert(ctx, ["draft_model", "dtype", "quantize"], "apply to --synthetic weights only (an engine dir "
+                     "has its own)")
     elif prompts is not None:
         raise click.UsageError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
     if synthetic is not None and backend not in ("auto", "torch", "fast"):
@@ -191,6 +192,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
               help="With --synthetic.")
+@click.option("--quantize", type=click.Choice(["fp8", "int4"]),
+              help="With --synthetic: the target's decoder linears in FP8 (128x128 blocks) or INT4 (groups of 128).")
 @click.option("--gammas", type=IntList(), default="1,2,4,6,8", show_default=True,
               help="Chain lengths to measure ('' for none).")
 @click.option("--tree", type=IntList(length=3), default="10,6,32", show_default=True,
@@ -215,8 +218,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 @click.pass_context
-def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gammas, tree, contexts, new_tokens, repeats,
-          peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
+def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, quantize, gammas, tree, contexts, new_tokens,
+          repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
@@ -227,7 +230,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, gamma
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize), echo=click.echo)
 
 
 @main.command()

@@ -75,6 +75,10 @@ class Engine(ABC):
     def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Run one step; inputs/outputs are the contract's non-KV tensors, by name, on ``self.device``."""
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights one decoded token reads, where the engine knows them (the fast engines), else None."""
+        return None
+
     def close(self) -> None:
         self.kv = []
 

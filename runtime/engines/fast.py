@@ -39,7 +39,9 @@ from xcompile.runtime.engines.kernels.attention import attention
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.linear import RowSums, embedding, linear
 from xcompile.runtime.engines.kernels.norm import embed_norms
+from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv
+from xcompile.runtime.engines.qweight import QWeight
 from xcompile.runtime.engines.torch_module import TorchEngine
 
 
@@ -52,12 +54,24 @@ def check_device(device: torch.device) -> None:
 
 
 class _Packed:
-    """Parameters of a reference module by name, with helpers that pack several into one tensor."""
+    """Parameters of a reference module by name, with helpers that pack several into one tensor; ``quantized``:
+    the codes of its quantized linears by parameter name (runtime/engines/qweight.py)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, quantized: dict[str, QWeight] | None = None):
         self.module = module
         self.params = dict(module.named_parameters(remove_duplicate=False))
         self.buffers = dict(module.named_buffers())
+        self.quantized = quantized or {}
+
+    def weights(self, names: list[str]) -> torch.Tensor | QLinear:
+        """The [n_i, K] weights ``names`` stacked along rows: quantized (QLinear) where each of them is and the
+        kernels take its blocks, else the parameters (``cat``)."""
+        if all(n in self.quantized for n in names):
+            try:
+                return QLinear.pack([self.quantized[n] for n in names])
+            except (ValueError, AssertionError):
+                pass                        # blocks the kernels do not tile: the dequantized parameters
+        return self.cat(names) if len(names) > 1 else self.get(names[0])
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.params:
@@ -98,23 +112,40 @@ class _Packed:
 
 class _Layer:
     """One decoder layer's packed weights; the RMSNorm weights before gate/up (and, ``qk_norm``, before qkv)
-    folded into them (_Packed.fold)."""
+    folded into them (_Packed.fold) unless they are quantized (the kernel then applies the norm's weight)."""
 
     def __init__(self, p: _Packed, prefix: str, qk_norm: bool, unit: torch.Tensor):
         a = f"{prefix}self_attn."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if p.has(f"{a}{proj}.bias"):
                 raise EngineError("fast backend: attention biases are not supported; use --backend torch")
-        self.qkv = p.cat([f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"])
-        self.o = p.get(f"{a}o_proj.weight")
+        self.qkv = p.weights([f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"])
+        self.o = p.weights([f"{a}o_proj.weight"])
         self.q_norm = p.get(f"{a}q_norm.weight") if qk_norm else None
         self.k_norm = p.get(f"{a}k_norm.weight") if qk_norm else None
-        self.gate_up = p.cat([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
+        self.gate_up = p.weights([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
         # a Qwen3 layer's input norm feeds qkv alone; the EAGLE3 layer's feeds the embedding half of u
-        self.ln1 = p.fold(f"{prefix}input_layernorm.weight", self.qkv, unit) if qk_norm else \
+        self.ln1 = p.fold(f"{prefix}input_layernorm.weight", self.qkv, unit) if qk_norm and _dense(self.qkv) else \
             p.get(f"{prefix}input_layernorm.weight")
-        self.ln2 = p.fold(f"{prefix}post_attention_layernorm.weight", self.gate_up, unit)
-        self.down = p.get(f"{prefix}mlp.down_proj.weight")
+        ln2 = f"{prefix}post_attention_layernorm.weight"
+        self.ln2 = p.fold(ln2, self.gate_up, unit) if _dense(self.gate_up) else p.get(ln2)
+        self.down = p.weights([f"{prefix}mlp.down_proj.weight"])
+
+    def projections(self) -> list[torch.Tensor | QLinear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
+
+def _dense(w: torch.Tensor | QLinear) -> bool:
+    return isinstance(w, torch.Tensor)
+
+
+def project(x: torch.Tensor, w: torch.Tensor | QLinear, **kwargs) -> torch.Tensor:
+    """linear() for a dense weight, qlinear() for a quantized one (the same arguments)."""
+    return linear(x, w, **kwargs) if _dense(w) else qlinear(x, w, **kwargs)
+
+
+def nbytes(w: torch.Tensor | QLinear) -> int:
+    return w.numel() * w.element_size() if _dense(w) else w.nbytes()
 
 
 class _FastEngine(Engine):
@@ -165,7 +196,7 @@ class FastQwen3Engine(_FastEngine):
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
                  kernels: KernelConfig = DEFAULT):
         super().__init__(reference, config, kernels)
-        p = _Packed(reference.module)
+        p = _Packed(reference.module, reference.module.quantized)
         unit = self.sums.unit
         self.layers = [_Layer(p, f"model.layers.{i}.", qk_norm=True, unit=unit)
                        for i in range(config["num_hidden_layers"])]
@@ -190,13 +221,13 @@ class FastQwen3Engine(_FastEngine):
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
         for i, layer in enumerate(self.layers):
-            qkv = linear(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums, cfg=cfg)
+            qkv = project(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums, cfg=cfg)
             a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)
-            linear(a, layer.o, residual=x, out=x, sums_out=sums, cfg=cfg)
-            g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums, cfg=cfg)
+            project(a, layer.o, residual=x, out=x, sums_out=sums, cfg=cfg)
+            g = project(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums, cfg=cfg)
             slots = [j for j, t in enumerate(self.taps) if t == i]
             extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
-            linear(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
+            project(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 taps[0, :, j * h:(j + 1) * h] = x
         logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
@@ -204,6 +235,14 @@ class FastQwen3Engine(_FastEngine):
         if "hidden_taps" in self.spec.output_names:
             out["hidden_taps"] = taps
         return out
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decoded token reads: every projection as stored, the norms, lm_head (one
+        embedding row, negligible, is left out unless tied)."""
+        norms = sum(t.numel() * t.element_size() for layer in self.layers
+                    for t in (layer.ln1, layer.ln2, layer.q_norm, layer.k_norm))
+        return (sum(nbytes(w) for layer in self.layers for w in layer.projections()) + norms
+                + nbytes(self.lm_head) + nbytes(self.norm))
 
 
 class FastEagle3Engine(_FastEngine):

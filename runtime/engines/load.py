@@ -140,7 +140,9 @@ def _torch_load(directory, manifest, device, options):
 
 
 def _fast_load(directory, manifest, device, options):
-    return fast_engines(manifest, _torch_load(directory, manifest, device, options), options.kernels)
+    # a quantized checkpoint's modules keep its codes too, for the quantized kernels (kernels/qlinear.py)
+    engines = torch_models().load_torch_models(manifest, device, verify=options.verify, quantized=True)
+    return fast_engines(manifest, engines, options.kernels)
 
 
 def _fast_auto(manifest, device) -> bool:

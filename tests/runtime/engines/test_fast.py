@@ -249,3 +249,31 @@ def test_pdl_changes_no_bits_of_a_step_on_the_gpu(tokens):
             outs += list(engine.run(**inputs, **extra).values()) + list(kv)
         results.append(outs)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("kind, block", [("fp8", (32, 32)), ("int4", (1, 32))])
+def test_quantized_target_steps_match_the_reference_and_greedy_speculation_is_plain_greedy(kind, block):
+    """A target whose decoder linears are quantized runs them on the quantized kernels (runtime/engines/kernels/
+    qlinear.py), their norms unfolded, and matches the reference module on the dequantized weights; the
+    weights it reads are the codes' bytes; an EAGLE3 chain gives plain greedy's tokens on it."""
+    from xcompile.compile.reference import quantize_linears
+    from xcompile.runtime.engines.kernels.qlinear import QLinear
+
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    quantize_linears(tiny.target, kind, block)
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    assert all(isinstance(w, QLinear) for layer in got.layers for w in layer.projections())
+    assert all(layer.ln1 is not got.sums.unit for layer in got.layers)
+    dense = sum(p.numel() for n, p in tiny.target.named_parameters() if "layers" in n and "proj" in n)
+    assert got.weight_bytes() < fast_target(T.build(MAX_SEQ_LEN, head_dim=16)).weight_bytes() - dense * 4 * 0.6
+    ref.new_kv()
+    got.new_kv()
+    for inputs in [step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0), step_inputs(torch.tensor([[7]]), 5),
+                   tree_inputs([3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 1, 3], 6)]:
+        want, have = ref.run(**inputs), got.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    prompt = [5, 9, 11, 20, 33, 7]
+    want = T.greedy_reference(tiny.target, prompt, 8)
+    r = Generator(fast_target(tiny), DRAFTERS["eagle3"](tiny), [], MAX_SEQ_LEN,
+                  options=LoopOptions(debug=True)).generate(prompt, 8)
+    assert r.tokens == want

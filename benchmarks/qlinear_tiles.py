@@ -1,0 +1,100 @@
+"""Time the quantized projections (runtime/engines/kernels/qlinear.py) at the Qwen3-8B shapes, per candidate tile.
+
+    python benchmarks/qlinear_tiles.py [--kinds fp8,int4] [--rows 1,7]
+
+For each kind (FP8 in 128 x 128 blocks, INT4 in groups of 128, as the published Qwen3-8B checkpoints store
+them) and each decoder projection, called as the fast engines call it (qkv and gate/up with the norm's weight
+and the 1/rms from row sums, o and down adding into their output), every candidate tile is
+checked against qlinear_reference, then timed: the median µs of one call inside a CUDA graph of calls over
+rotating weight copies (L2 never holds the weights), with GB/s of the bytes the call reads. The last lines are
+each kind's best tile by the time of one decoder layer at each row count, which is what ``qlinear.GEMV_TILE`` (one
+row) and ``qlinear.TILE`` (several) ship.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from xcompile.runtime.engines.kernels import qlinear as Q
+from xcompile.runtime.engines.kernels.linear import RowSums
+from xcompile.runtime.engines.qweight import FP8, INT4, quantize
+
+DEV, DT = torch.device("cuda"), torch.bfloat16
+BLOCKS = {FP8: (128, 128), INT4: (1, 128)}
+# (name, N, K, parts stacked, gated, norm from sums, residual)
+CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False, False, True),
+         ("gate_up", 12288, 4096, 2, True, True, False), ("down", 4096, 12288, 1, False, False, True)]
+# the GEMV's (BLOCK_N, chunks a step, warps, stages) at one row, the tile kernel's (BLOCK_N, warps, stages)
+# at several (tl.dot needs BLOCK_N >= 16)
+CANDIDATES = {True: list(itertools.product((4, 8, 16), (2, 4), (4, 8), (2, 4))),
+              False: list(itertools.product((16, 32, 64), (4, 8), (2, 4)))}
+COPIES, CALLS_PER_GRAPH = 4, 32
+
+
+def graph_us(fn, calls: int) -> float:
+    """Median µs of one ``fn(i)`` over replays of a CUDA graph of ``calls`` of them."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default="fp8,int4")
+    ap.add_argument("--rows", default="1,7")
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    shipped = {1: dict(Q.GEMV_TILE), 0: dict(Q.TILE)}
+    for kind in args.kinds.split(","):
+        layer = {r: {c: 0.0 for c in CANDIDATES[r == 1]} for r in rows_list}
+        for name, n, k, parts, gated, norm, residual in CALLS:
+            qws = [quantize(torch.randn(n, k, device=DEV) * k ** -0.5, kind, BLOCKS[kind]) for _ in range(parts)]
+            copies = [Q.QLinear.pack(qws) for _ in range(COPIES)]
+            g = torch.randn(k, device=DEV).to(DT) + 1 if norm else None
+            for rows in rows_list:
+                x = torch.randn(rows, k, device=DEV).to(DT)
+                sums = RowSums(k, DT, DEV)
+                if norm:                                    # the row sums a previous call would have left
+                    sums.buf[0, :rows] = x.float().pow(2).sum(1)
+                    sums.left_by(x, 1)
+                res = torch.randn(rows, n, device=DEV).to(DT)
+                out = torch.empty(rows, n, device=DEV, dtype=DT)
+                kw = dict(norm=g, sums=sums if norm else None, gated=gated)
+                want = Q.qlinear_reference(x, qws, norm=g, gated=gated)
+                table = Q.GEMV_TILE if rows == 1 else Q.TILE
+                for c in CANDIDATES[rows == 1]:
+                    table[kind] = c
+                    got = Q.qlinear(x, copies[0], **kw)
+                    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    if err > 2e-2:
+                        raise SystemExit(f"{kind} {name} rows {rows} tile {c}: relative error {err:.3g}")
+                    us = graph_us(lambda i: Q.qlinear(x, copies[i % COPIES], residual=res if residual else None,
+                                                      out=out, **kw), CALLS_PER_GRAPH)
+                    layer[rows][c] += us
+                    print(f"{kind:5} {name:8} rows {rows:2} tile {c}: {us:7.1f} us "
+                          f"{copies[0].nbytes() / us / 1e3:6.0f} GB/s", flush=True)
+        for rows in rows_list:
+            best = min(layer[rows], key=layer[rows].get)
+            ship = shipped[rows == 1][kind]
+            print(f"BEST {kind} rows {rows}: tile {best}, one layer's projections {layer[rows][best]:.1f} us "
+                  f"(shipped {ship}: {layer[rows][ship]:.1f} us)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Weight-only quantized projections (W8A16 FP8, W4A16 INT4): linear()'s operands and epilogues with W stored as
+codes and per-block scales (runtime/engines/qweight.py), for every row count up to MAX_ROWS.
+
+Batch-1 decoding reads every weight once a token, so a byte saved is time saved: FP8 reads half of bf16's
+bytes, INT4 a quarter (plus a scale, and a zero point, per group). One program owns BLOCK_N output columns for
+all rows; each K step loads the codes tile of one scale column, converts the codes (exact in the activation
+dtype: an e4m3 value or an integer 0..15) and multiplies them with the rows of x on the tensor cores, then
+scales the fp32 block sums per output column:
+
+    fp8    acc += s[n, b] * (x . c[n, b-block])
+    int4   acc += s[n, b] * (x . q[n, b-block] - z[n, b] * sum(x[b-block]))
+
+so no dequantized weight is ever rounded, and each row's sums run in the same order at any row count above
+one. One row (decode) runs a GEMV on the CUDA cores instead: each lane multiplies the scaled codes by x in fp32
+and reduces once at the end, where a tile of the tensor cores' 16-row minimum would convert every code through
+shared memory for one useful row; its sums round in another order (as bf16's GEMV, kernels/gemv.py).
+
+The INT4 codes are packed for this K step (``chunk``): byte j of a chunk holds code j in its low nibble and code
+j + chunk/2 in its high one, so a loaded tile splits into two halves that each meet a contiguous half of x, with
+no shuffle.
+
+A norm is not folded into quantized weights (it would change their codes): x is multiplied by the norm's
+weight as it is loaded and each row's sums are scaled by its 1/rms, from the row sums the call that wrote x
+left (``RowSums``), else x is normalised by a launch of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from xcompile.runtime.common.gpu import ieee_dot, interpreted
+from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
+from xcompile.runtime.engines.kernels.common import _epilogue, _load_x
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
+from xcompile.runtime.engines.kernels.linear import (
+    RowSums,
+    _dot,
+    _epilogues,
+    _scale_rows,
+    _store_sums,
+    _sums_rstd,
+    _sums_rstds,
+    _zero_accs,
+)
+from xcompile.runtime.engines.kernels.norm import rms_norm
+from xcompile.runtime.engines.qweight import FP8, INT4, QWeight
+
+# by kind: the tile kernel's (BLOCK_N, warps, stages) for several rows, the one-row GEMV's (BLOCK_N, chunks a
+# step, warps, stages); the fastest for one decoder layer's projections on the H200 (benchmarks/qlinear_tiles.py)
+TILE = {FP8: (32, 4, 4), INT4: (64, 4, 4)}
+GEMV_TILE = {FP8: (8, 4, 8, 4), INT4: (8, 4, 4, 2)}
+
+
+@dataclass(frozen=True)
+class QLinear:
+    """Codes and scales of one or more stacked linears [N, K], laid out for the kernel (module docstring)."""
+
+    kind: str
+    codes: torch.Tensor         # FP8: uint8 [N, K] (e4m3 bits); INT4: uint8 [N, K/2] packed by chunk
+    scale: torch.Tensor         # fp32 [ceil(N/rows), K/cols]
+    zero: torch.Tensor          # INT4: fp32 zero points like scale; FP8: scale again (unused)
+    rows: int                   # output rows sharing a scale
+    cols: int                   # inputs sharing a scale (a multiple of chunk)
+    chunk: int                  # inputs per K step
+    shape: tuple[int, int]      # [N, K]
+
+    @staticmethod
+    def pack(weights: list[QWeight]) -> QLinear:
+        """Weights stacked along N (q/k/v, gate/up) in the kernel's layout; each must cover whole scale rows."""
+        first = weights[0]
+        rows, cols = first.block
+        k = first.shape[1]
+        for w in weights:
+            assert w.kind == first.kind and w.block == first.block and w.shape[1] == k, (w.kind, w.block, w.shape)
+            assert len(weights) == 1 or w.shape[0] % rows == 0, f"{w.shape} does not cover whole {rows}-row blocks"
+        chunk = next((c for c in (128, 64, 32) if cols % c == 0 and k % c == 0), None)
+        if chunk is None or k % cols:
+            raise ValueError(f"quantized weight [{sum(w.shape[0] for w in weights)}, {k}] with {first.block} blocks: "
+                             "the fast kernels need groups of a multiple of 32 inputs that tile K")
+        codes = torch.cat([w.codes for w in weights])
+        if first.kind == FP8:
+            codes = codes.view(torch.uint8)
+        else:                                           # [N, K] 0..15 -> [N, K/2]: chunk halves in the nibbles
+            c = codes.reshape(codes.shape[0], k // chunk, 2, chunk // 2)
+            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], k // 2)
+        scale = torch.cat([w.scale for w in weights])
+        zero = torch.cat([w.zero for w in weights]).float() if first.kind == INT4 else scale
+        n = sum(w.shape[0] for w in weights)
+        return QLinear(first.kind, codes.contiguous(), scale.contiguous(), zero.contiguous(), rows, cols, chunk,
+                       (n, k))
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4 + (self.zero.numel() * 4 if self.kind == INT4 else 0)
+
+
+@triton.jit
+def _codes(CODES, X, rows, k0, CK, INT4: tl.constexpr, CHUNK: tl.constexpr, NATIVE: tl.constexpr):
+    """The codes of output rows ``rows`` at inputs k0..k0+CHUNK in x's dtype (exact): FP8 one [BLOCK_N, CHUNK]
+    tile (returned twice); INT4 the tiles of the chunk's first and second halves."""
+    DT = X.dtype.element_ty
+    if INT4:
+        b = tl.load(CODES + rows[:, None] * CK + (k0 // 2 + tl.arange(0, CHUNK // 2))[None, :],
+                    eviction_policy="evict_first")
+        lo = (b & 0xF).to(tl.float32).to(DT)
+        hi = (b >> 4).to(tl.float32).to(DT)
+    else:
+        b = tl.load(CODES + rows[:, None] * CK + (k0 + tl.arange(0, CHUNK))[None, :], eviction_policy="evict_first")
+        lo = _e4m3(b, NATIVE).to(DT)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _e4m3(b, NATIVE: tl.constexpr):
+    """float8 e4m3 bits (uint8) -> their fp32 values."""
+    if NATIVE:
+        w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:       # the interpreter has no float8: e4m3 bits -> fp16 bits (exponent bias 7 -> 15), times 2^8
+        h = ((b & 0x80).to(tl.uint16) << 8) | ((b & 0x7F).to(tl.uint16) << 7)
+        w = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return w
+
+
+@triton.jit
+def _block(X, stride_xm, r, M, k0, G, lo, hi, z, IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
+           CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row tile's fp32 sums over one K step, before the scale: x . c (INT4: x . q - z * sum(x))."""
+    if INT4:
+        half: tl.constexpr = CHUNK // 2
+        ks = k0 + tl.arange(0, half)
+        xa = _load_x(X, stride_xm, r, M, ks, 0, True)
+        xb = _load_x(X, stride_xm, r, M, ks + half, 0, True)
+        if NORM:
+            xa = (xa.to(tl.float32) * tl.load(G + ks).to(tl.float32)[None, :]).to(xa.dtype)
+            xb = (xb.to(tl.float32) * tl.load(G + ks + half).to(tl.float32)[None, :]).to(xb.dtype)
+        acc = _dot(xa, lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        acc = _dot(xb, hi, acc, IEEE)
+        xs = tl.sum(xa.to(tl.float32), axis=1) + tl.sum(xb.to(tl.float32), axis=1)
+        acc = acc - xs[:, None] * z[None, :]
+    else:
+        ks = k0 + tl.arange(0, CHUNK)
+        x = _load_x(X, stride_xm, r, M, ks, 0, True)
+        if NORM:
+            x = (x.to(tl.float32) * tl.load(G + ks).to(tl.float32)[None, :]).to(x.dtype)
+        acc = _dot(x, lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+    return acc
+
+
+@triton.jit
+def _rows(X, stride_xm, r, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a, u, GATED: tl.constexpr, IEEE: tl.constexpr,
+          INT4: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row tile's accumulators (a: plain or gate, u: up) plus one K step, scaled per output column."""
+    a += _block(X, stride_xm, r, M, k0, G, lo, hi, z, IEEE, INT4, NORM, CHUNK, BLOCK_M, BLOCK_N) * s[None, :]
+    if GATED:
+        u += _block(X, stride_xm, r, M, k0, G, ulo, uhi, zu, IEEE, INT4, NORM, CHUNK, BLOCK_M, BLOCK_N) * su[None, :]
+    return a, u
+
+
+@triton.jit
+def _step(X, stride_xm, M, k0, G, CODES, S, Z, cols, srow, urow, SK, CK, N_OUT, a0, a1, a2, a3, u0, u1, u2, u3,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+          INT4: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, NATIVE: tl.constexpr):
+    """One K step of every row tile (a*: plain or gate, u*: up)."""
+    lo, hi = _codes(CODES, X, cols, k0, CK, INT4, CHUNK, NATIVE)
+    s = tl.load(S + srow * SK + k0 // COLS)
+    z = tl.load(Z + srow * SK + k0 // COLS)
+    ulo, uhi, su, zu = lo, hi, s, z
+    if GATED:
+        ulo, uhi = _codes(CODES, X, cols + N_OUT, k0, CK, INT4, CHUNK, NATIVE)
+        su = tl.load(S + urow * SK + k0 // COLS)
+        zu = tl.load(Z + urow * SK + k0 // COLS)
+    r = tl.arange(0, BLOCK_M)
+    a0, u0 = _rows(X, stride_xm, r, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a0, u0, GATED, IEEE, INT4, NORM, CHUNK,
+                   BLOCK_M, BLOCK_N)
+    if TILES > 1:
+        a1, u1 = _rows(X, stride_xm, r + BLOCK_M, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a1, u1, GATED, IEEE, INT4,
+                       NORM, CHUNK, BLOCK_M, BLOCK_N)
+    if TILES > 2:
+        a2, u2 = _rows(X, stride_xm, r + 2 * BLOCK_M, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a2, u2, GATED, IEEE,
+                       INT4, NORM, CHUNK, BLOCK_M, BLOCK_N)
+    if TILES > 3:
+        a3, u3 = _rows(X, stride_xm, r + 3 * BLOCK_M, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a3, u3, GATED, IEEE,
+                       INT4, NORM, CHUNK, BLOCK_M, BLOCK_N)
+    return a0, a1, a2, a3, u0, u1, u2, u3
+
+
+@triton.jit
+def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, M, N_OUT, K, SK, CK, stride_xm, stride_ym, stride_rm,
+                    stride_y2m, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+                    IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr, TILES: tl.constexpr,
+                    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr,
+                    SUMS: tl.constexpr, NATIVE: tl.constexpr):
+    # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), all of K
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wcols = tl.where(cols < N_OUT, cols, 0)            # clamp instead of masking the weight loads
+    srow = wcols // ROWS
+    urow = (wcols + N_OUT) // ROWS
+    if PDL:     # weights never depend on the previous kernel, but x does: its first read waits
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
+    for k0 in range(0, K, CHUNK):
+        a0, a1, a2, a3, u0, u1, u2, u3 = _step(X, stride_xm, M, k0, G, CODES, S, Z, wcols, srow, urow, SK, CK, N_OUT,
+                                               a0, a1, a2, a3, u0, u1, u2, u3, BLOCK_M, BLOCK_N, TILES, GATED, IEEE,
+                                               INT4, NORM, CHUNK, COLS, NATIVE)
+    r0 = tl.arange(0, BLOCK_M)
+    if NSUM > 0:
+        q0, q1, q2, q3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
+        a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
+    _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0, cols,
+               M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
+
+
+@triton.jit
+def _qgemv_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, N_OUT, K, SK, CK, eps, GATED: tl.constexpr,
+                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
+                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                  ROWS: tl.constexpr, COLS: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr,
+                  SUMS: tl.constexpr, NATIVE: tl.constexpr):
+    # one row on the CUDA cores: fp32 products of the scaled codes and x accumulated per lane in [BLOCK_N, SUB,
+    # CHUNK] tiles (SUB chunks a step keep enough bytes in flight), reduced once at the end
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wcols = tl.where(cols < N_OUT, cols, 0)
+    srow = wcols // ROWS
+    urow = (wcols + N_OUT) // ROWS
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N, SUB, CHUNK // 2 if INT4 else CHUNK], dtype=tl.float32)
+    acc2, accu, accu2 = acc, acc, acc
+    for k0 in range(0, K, SUB * CHUNK):
+        acc, acc2 = _gemv_step(X, CODES, S, Z, G, wcols, srow, k0, SK, CK, acc, acc2, INT4, NORM, CHUNK, SUB, COLS,
+                               NATIVE)
+        if GATED:
+            accu, accu2 = _gemv_step(X, CODES, S, Z, G, wcols + N_OUT, urow, k0, SK, CK, accu, accu2, INT4, NORM,
+                                     CHUNK, SUB, COLS, NATIVE)
+    y = tl.sum(tl.sum(acc + acc2, axis=2), axis=1)
+    yu = tl.sum(tl.sum(accu + accu2, axis=2), axis=1)
+    one = tl.arange(0, 1)
+    if NSUM > 0:
+        r = _sums_rstd(SQ, one, 1, K, eps, NSUM, NSUM_P2)
+        y, yu = y * r, yu * r
+    out = _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, one, cols, 1, N_OUT, GATED, RESIDUAL, EXTRA)
+    if SUMS:
+        _store_sums(SQO, out, pid_n, one, cols, 1, N_OUT)
+
+
+@triton.jit
+def _gemv_step(X, CODES, S, Z, G, rows, srow, k0, SK, CK, acc, acc2, INT4: tl.constexpr, NORM: tl.constexpr,
+               CHUNK: tl.constexpr, SUB: tl.constexpr, COLS: tl.constexpr, NATIVE: tl.constexpr):
+    """acc (+ acc2, INT4's second halves) += the scaled codes of ``rows`` at inputs k0..k0+SUB*CHUNK times x."""
+    c = tl.arange(0, SUB)
+    s = tl.load(S + srow[:, None] * SK + (k0 + c * CHUNK)[None, :] // COLS)[:, :, None]       # [BLOCK_N, SUB, 1]
+    if INT4:
+        half: tl.constexpr = CHUNK // 2
+        j = c[:, None] * half + tl.arange(0, half)[None, :]                                   # [SUB, half]
+        b = tl.load(CODES + rows[:, None, None] * CK + (k0 // 2 + j)[None, :, :], eviction_policy="evict_first")
+        zs = tl.load(Z + srow[:, None] * SK + (k0 + c * CHUNK)[None, :] // COLS)[:, :, None] * s
+        ka = k0 + c[:, None] * CHUNK + tl.arange(0, half)[None, :]
+        acc += ((b & 0xF).to(tl.float32) * s - zs) * _gemv_x(X, G, ka, NORM)[None, :, :]
+        acc2 += ((b >> 4).to(tl.float32) * s - zs) * _gemv_x(X, G, ka + half, NORM)[None, :, :]
+    else:
+        ks = k0 + c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]                           # [SUB, CHUNK]
+        b = tl.load(CODES + rows[:, None, None] * CK + ks[None, :, :], eviction_policy="evict_first")
+        acc += _e4m3(b, NATIVE) * s * _gemv_x(X, G, ks, NORM)[None, :, :]
+    return acc, acc2
+
+
+@triton.jit
+def _gemv_x(X, G, ks, NORM: tl.constexpr):
+    """x at inputs ks in fp32 (times the norm's weight, rounded to x's dtype, as _load_xg)."""
+    x = tl.load(X + ks)
+    if NORM:
+        x = (x.to(tl.float32) * tl.load(G + ks).to(tl.float32)).to(X.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
+            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            extra_out: torch.Tensor | None = None, sums: RowSums | None = None, sums_out: RowSums | None = None,
+            rows: torch.Tensor | None = None, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """linear() (its docstring) with a quantized W; ``norm`` is the norm's own weight (never folded)."""
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    if rows is not None:
+        x, norm = (rms_norm(x, norm, eps, rows=rows.contiguous(), cfg=cfg) if norm is not None
+                   else x.index_select(0, rows)), None
+    m, k = x.shape
+    assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1, (x.shape, w.shape)
+    assert not gated or n_out % w.rows == 0, "gated: the up rows start on a scale row"
+    if out is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    assert sums is None or sums is not sums_out, "one RowSums to read and to write"
+    from_sums = norm is not None and sums is not None and sums.source == RowSums.key(x)
+    if sums_out is not None:
+        sums_out.reset()
+    if norm is not None and not from_sums:
+        x, norm = rms_norm(x, norm, eps, cfg=cfg), None
+    block_n, warps, stages = TILE[w.kind]
+    blocks, tiles_m = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
+    nsum = sums.blocks if from_sums else 0
+    if sums_out is not None:
+        assert blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
+    dummy = out
+    if m == 1:
+        block_n, sub, warps, stages = GEMV_TILE[w.kind]
+        while k % (sub * w.chunk):
+            sub //= 2
+        blocks = triton.cdiv(n_out, block_n)
+        _qgemv_kernel[(blocks,)](
+            x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
+            residual if residual is not None else dummy, extra_out if extra_out is not None else dummy,
+            sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, n_out, k,
+            w.scale.shape[1], w.codes.shape[1], eps, GATED=gated, RESIDUAL=residual is not None,
+            EXTRA=extra_out is not None, INT4=w.kind == INT4, NORM=norm is not None, PDL=cfg.pdl_on, BLOCK_N=block_n,
+            CHUNK=w.chunk, SUB=sub, ROWS=w.rows, COLS=w.cols, NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)),
+            SUMS=sums_out is not None, NATIVE=not interpreted(), num_warps=warps, num_stages=stages, **cfg.launch())
+        if sums_out is not None:
+            sums_out.left_by(out, blocks)
+        return out
+    _qlinear_kernel[(blocks,)](
+        x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
+        residual if residual is not None else dummy, extra_out if extra_out is not None else dummy,
+        sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, m, n_out, k,
+        w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
+        GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, IEEE=ieee_dot(x.dtype),
+        INT4=w.kind == INT4, NORM=norm is not None, TILES=tiles_m, PDL=cfg.pdl_on, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
+        CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)),
+        SUMS=sums_out is not None, NATIVE=not interpreted(), num_warps=warps, num_stages=stages, **cfg.launch())
+    if sums_out is not None:
+        sums_out.left_by(out, blocks)
+    return out
+
+
+def qlinear_reference(x: torch.Tensor, w: list[QWeight], **kwargs) -> torch.Tensor:
+    """What ``qlinear`` computes, through linear_reference on the dequantized (fp32) weights stacked."""
+    from xcompile.runtime.engines.kernels.linear import linear_reference
+
+    dense = torch.cat([q.dequantize() for q in w]).to(x.device)
+    return linear_reference(x.float(), dense, **{k: (v.float() if torch.is_tensor(v) else v)
+                                                   for k, v in kwargs.items()}).to(x.dtype)

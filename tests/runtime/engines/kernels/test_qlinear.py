@@ -1,0 +1,80 @@
+"""The quantized projections (runtime/engines/kernels/qlinear.py) against linear_reference on the dequantized
+weights, in Triton's interpreter on the CPU (``gpu`` tests: compiled, at the Qwen3-8B shapes).
+
+Tolerances are the tile kernel's (tests/kernel_checks.py): the kernel scales fp32 block sums where the
+reference multiplies by the dequantized weights, a reordering of float rounding, not a change of weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
+
+from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
+
+from xcompile.runtime.engines.kernels.linear import RowSums  # noqa: E402
+from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear, qlinear_reference  # noqa: E402
+from xcompile.runtime.engines.qweight import FP8, INT4, quantize  # noqa: E402
+
+SCHEMES = [(FP8, (32, 64)), (INT4, (1, 64)), (INT4, (1, 128))]
+
+
+def weights(n: int, k: int, kind: str, block, parts: int = 1):
+    w = [quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * k ** -0.5, kind, block).to(DEV)
+         for i in range(parts)]
+    return w, QLinear.pack(w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 17, 64])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s}")
+@pytest.mark.parametrize("kind", ["plain", "norm+residual", "gated", "stacked"])
+def test_qlinear_matches_the_dequantized_reference(kind, scheme, rows, dtype):
+    torch.manual_seed(rows)
+    n, k = 96, 256
+    gated = kind == "gated"
+    qw, packed = weights(n, k, *scheme, parts=2 if kind in ("gated", "stacked") else 1)
+    x = randn(rows, k, dtype=dtype)
+    norm = randn(k, dtype=dtype) + 1 if kind in ("norm+residual", "gated") else None
+    residual = randn(rows, n, dtype=dtype) if kind == "norm+residual" else None
+    n_out = n if gated or kind == "plain" or kind == "norm+residual" else 2 * n
+    out = torch.full((rows, n_out), float("nan"), dtype=dtype, device=DEV)
+    qlinear(x, packed, norm=norm, gated=gated, residual=residual, out=out)
+    ref = qlinear_reference(x, qw, norm=norm, gated=gated, residual=residual)
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL[dtype]
+
+
+def test_norm_from_row_sums_equals_a_norm_launch():
+    """x's 1/rms from the sums the call that wrote x left, with the norm's weight applied to x as it loads."""
+    dtype = torch.float32
+    qw, packed = weights(64, 128, INT4, (1, 64))
+    _, first = weights(128, 64, FP8, (32, 32))
+    sums = RowSums(128, dtype, torch.device(DEV))
+    a, res = randn(6, 64, dtype=dtype), randn(6, 128, dtype=dtype)
+    x = qlinear(a, first, residual=res, sums_out=sums)
+    assert sums.source == RowSums.key(x)
+    norm = randn(128, dtype=dtype) + 1
+    got = qlinear(x, packed, norm=norm, sums=sums)
+    want = qlinear_reference(x, qw, norm=norm)
+    assert rel(got, want) < TOL[dtype]
+
+
+def test_groups_that_do_not_fit_the_kernels_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QLinear.pack([quantize(torch.randn(16, 96), INT4, (1, 48))])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels at the 8B shapes need a CUDA GPU")
+@pytest.mark.parametrize("scheme", [(FP8, (128, 128)), (INT4, (1, 128))], ids=lambda s: f"{s}")
+@pytest.mark.parametrize("shape, gated", [((6144, 4096), False), ((12288, 4096), True), ((4096, 12288), False)])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_qlinear_at_the_8b_shapes(scheme, shape, gated, rows):
+    n, k = shape
+    qw, packed = weights(n, k, *scheme, parts=2 if gated else 1)
+    x = randn(rows, k, dtype=torch.bfloat16)
+    got = qlinear(x, packed, gated=gated)
+    assert rel(got, qlinear_reference(x, qw, gated=gated)) < TOL[torch.bfloat16]
+
