@@ -9,7 +9,8 @@ file), one engine per graph, recorded in the manifest:
     eagle3, eagle3_fc, draft   one engine each, same two profiles.
 
 Strongly typed (the ONNX dtype is the engine's; TensorRT 11 and TRT-RTX know no other mode); fp32
-graphs mark attention decomposable (no fused fp32 kernel). Full TensorRT reuses a timing cache in
+graphs mark attention decomposable (no fused fp32 kernel). Quantized weights (DequantizeLinear over FP8 or INT4
+codes, compile/qdq.py) need no builder flag either: in a strongly typed network the codes' types say it. Full TensorRT reuses a timing cache in
 the engine dir; TRT-RTX ignores timing caches and builds ahead of time, on CPU-only machines too,
 for the compute capabilities asked. An engine whose inputs (ONNX sha256, flavor, version, targets,
 profiles) are unchanged is kept.

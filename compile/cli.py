@@ -262,7 +262,10 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--save", type=click.Path(file_okay=False), callback=writable_dir,
               help="Save Polygraphy inputs and RunResults here.")
-def diff_cmd(engine_dir, backend, device, prompt, prompt_ids, steps, draft_steps, atol, rtol, as_json, save) -> None:
+@click.option("--unquantized", type=click.Path(), metavar="CKPT_DIR",
+              help="A quantized export's unquantized checkpoint: also report the target's agreement with it.")
+def diff_cmd(engine_dir, backend, device, prompt, prompt_ids, steps, draft_steps, atol, rtol, as_json, save,
+             unquantized) -> None:
     """Compare an engine dir with the PyTorch reference (teacher-forced, through Polygraphy)."""
     if prompt is not None and prompt_ids is not None:
         raise click.UsageError("give --prompt or --prompt-ids, not both")
@@ -273,11 +276,18 @@ def diff_cmd(engine_dir, backend, device, prompt, prompt_ids, steps, draft_steps
     atol, rtol = _tolerances(atol, "--atol"), _tolerances(rtol, "--rtol")
     from pathlib import Path
 
-    from xcompile.compile.diff import DiffOptions, run_diff
+    from xcompile.compile.diff import DiffOptions, check_unquantized, run_diff
+    from xcompile.compile.errors import CompileError
 
+    if unquantized is not None:
+        try:
+            check_unquantized(Path(engine_dir), Path(unquantized))
+        except CompileError as e:       # a bad option: one line, exit 2
+            raise click.BadParameter(str(e).removeprefix("--unquantized: "), param_hint="--unquantized") from None
     opts = DiffOptions(backend=backend, device=device, prompt=prompt, prompt_ids=ids, steps=steps,
                        draft_steps=draft_steps, atol=atol, rtol=rtol,
-                       save=None if save is None else Path(save))
+                       save=None if save is None else Path(save), unquantized=None if unquantized is None
+                       else Path(unquantized))
     report = run_diff(Path(engine_dir), opts)
     click.echo(report.to_json() if as_json else report.table(), nl=not as_json)
     if not report.passed:

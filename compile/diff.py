@@ -70,6 +70,12 @@ class DiffOptions:
     atol: dict[str, float] = field(default_factory=dict)    # output -> max abs error; "" = every output
     rtol: dict[str, float] = field(default_factory=dict)    # output -> max error / max |reference|
     save: Path | None = None
+    unquantized: Path | None = None             # the target's unquantized checkpoint: agreement reported too
+
+
+# the target's config fields that fix every weight shape: an unquantized checkpoint must have the same
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
 @dataclass
@@ -84,6 +90,9 @@ class DiffReport:
     rtol: dict[str, float]
     results: list[StepResult] = field(default_factory=list)
     reproduce: list[str] = field(default_factory=list)     # polygraphy commands re-checking saved files
+    # with --unquantized: the target engine's logits against the unquantized model's on the same feeds (reported,
+    # not judged: the difference is the quantization's error): checkpoint, rows, top1, max_abs
+    unquantized: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -101,6 +110,10 @@ class DiffReport:
                          f"{r.cosine:>9.6f} {t1:>5} {t5:>5}  {'ok' if r.passed else 'FAIL ' + r.why}")
         if self.reproduce:
             lines += ["re-check the saved files with:", *self.reproduce]
+        if self.unquantized is not None:
+            u = self.unquantized
+            lines.append(f"target vs the unquantized model ({u['checkpoint']}): top-1 agreement {u['top1']:.3f} over "
+                         f"{u['rows']} logit rows, max |logit difference| {u['max_abs']:.3g} (reported, not judged)")
         failed = sum(not r.passed for r in self.results)
         lines.append("PASSED" if not failed else f"FAILED: {failed} of {len(self.results)} checks exceed the tolerances "
                      f"(atol {self.atol}, rtol {self.rtol}, min cosine {MIN_COSINE[self.dtype]}; {self.backend} vs "
@@ -247,6 +260,57 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
 
 
 # --------------------------------------------------------------------------------------------
+# against the unquantized model
+
+
+def check_unquantized(directory: Path, checkpoint: Path, manifest: Manifest | None = None) -> None:
+    """Raise where ``--unquantized checkpoint`` cannot be compared with ``directory``'s target: the target is
+    not quantized, or the checkpoint is quantized or of another shape (its config's SHAPE_FIELDS)."""
+    from xcompile.compile.config import read_json
+
+    manifest = manifest or Manifest.load(directory)
+    record = manifest.models[TARGET].extra.get("quantization")
+    if record is None or record.get("loaded_as") != "quantized":
+        raise CompileError(f"--unquantized: {directory}'s target holds no quantized weights (its manifest records no "
+                           "models.target.extra.quantization with loaded_as quantized); it applies to the export of a "
+                           "quantized checkpoint")
+    config = Path(checkpoint) / "config.json"
+    if not config.is_file():
+        raise CompileError(f"--unquantized: {config} not found; give the unquantized checkpoint's directory")
+    data = read_json(config)
+    if "quantization_config" in data:
+        raise CompileError(f"--unquantized: {config} has a quantization_config; give the checkpoint the quantized "
+                           "one was made from (its float weights)")
+    want = manifest.models[TARGET].config
+    differ = [f"{k} {data.get(k)} (the target's {want.get(k)})" for k in SHAPE_FIELDS if data.get(k) != want.get(k)]
+    if differ:
+        raise CompileError(f"--unquantized: {config} is not the target's shape: {', '.join(differ)}; give the "
+                           "checkpoint the quantized one was made from")
+
+
+@torch.inference_mode()
+def unquantized_agreement(checkpoint: Path, graph: _Graph, rec: _Recorder, engine_logits: list[torch.Tensor],
+                          device: str) -> dict:
+    """The unquantized model run on the target's teacher-forced feeds, its logits against the engine's:
+    top-1 agreement over every logit row, and the max absolute difference."""
+    from xcompile.compile.checkpoint import load_qwen3
+
+    module = load_qwen3(Path(checkpoint), graph.module.max_seq_len, dtype=graph.engine.dtype, device=device)
+    engine = TorchEngine(module, graph.spec, graph.kv, graph.engine.dtype, graph.engine.device)
+    engine.new_kv()
+    agree = rows = 0
+    max_abs = 0.0
+    for feed, got in zip(rec.feeds, engine_logits):
+        want = engine.run(**{k: v.to(engine.device) for k, v in feed.items()})["logits"].float().cpu()
+        got = torch.as_tensor(got).float()
+        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+        rows += want[..., 0].numel()
+        max_abs = max(max_abs, float((want - got).abs().max()))
+    engine.close()
+    return {"checkpoint": str(checkpoint), "rows": rows, "top1": agree / rows, "max_abs": max_abs}
+
+
+# --------------------------------------------------------------------------------------------
 # compare
 
 
@@ -260,6 +324,8 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise CompileError(f"--backend {opts.backend} on {device}: no CUDA device here; the engine is not runnable "
                            "on this machine (use --backend ort on cpu)")
+    if opts.unquantized is not None:
+        check_unquantized(directory, opts.unquantized, manifest)
     prompt = _prompt(directory, manifest, opts)
     save = files.staged_dir(opts.save, "xcompile diff", inputs=[directory], replace=True, option="--save") \
         if opts.save is not None else contextlib.nullcontext()
@@ -289,6 +355,9 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
                             tolerances(output, manifest.dtype, opts.atol, opts.rtol))
                     for i, label in enumerate(rec.labels) for output in results[REFERENCE][i]]
             report.results += rows
+            if name == TARGET and opts.unquantized is not None:
+                report.unquantized = unquantized_agreement(
+                    opts.unquantized, g, rec, [results[ENGINE][i]["logits"] for i in range(len(rec.labels))], device)
             if save_dir is not None:
                 with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
                     report.reproduce.append(_save(save_dir, opts.save, directory, manifest, name, rec, results, rows,

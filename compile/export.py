@@ -41,11 +41,13 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from xcompile.compile import qdq
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
 from xcompile.runtime.enginedir import integrity
 from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, DYNAMIC_DIMS, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engines.base import DTYPE_NAMES, TORCH_DTYPES
+from xcompile.runtime.engines.qweight import QWeight
 
 # contract dtype name -> ONNX IR dtype, and IR dtype -> torch dtype (what a weight is written as)
 _IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16,
@@ -59,7 +61,7 @@ _EXAMPLE = {"tokens": 5, "rows": 3, "mask_keys": 7}
 # that runtimes may mmap them page-aligned (the layout onnx_ir used by default before 1.1).
 _ALIGN, _ALIGN_LARGE, _LARGE = 64, 1 << 16, 1 << 20
 
-Weights = Iterable[tuple[str, torch.Tensor]]
+Weights = Iterable[tuple[str, torch.Tensor | QWeight]]     # a QWeight: a quantized linear, kept quantized
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class ExportedGraph:
     dims: dict
     onnx_record: dict           # size and hashes of the .onnx file (runtime/enginedir/integrity.py)
     data_record: dict           # of its external data; the .onnx embeds the data's sha256 as metadata
+    quantized: dict[str, int]   # quantized form (compile/qdq.py's label) -> how many weights it holds in it
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:
@@ -205,10 +208,13 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: Weights) -> str:
+def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: Weights) -> tuple[dict, dict[str, int]]:
     """Write every initializer of ``model`` into ``data_path`` from the ``(name, tensor)`` stream
     (names are ``module``'s parameter names; unused ones are skipped), one tensor at a time, and
-    point the initializers at it. Returns the data file's record (size and hashes, runtime/enginedir/integrity.py)."""
+    point the initializers at it. A stream item whose value is a ``QWeight`` (a quantized linear) replaces its
+    initializer by DequantizeLinear over its codes, scales and zero points (compile/qdq.py), written instead.
+    Returns the data file's record (size and hashes, runtime/enginedir/integrity.py) and how many weights were
+    written in each quantized form (compile/qdq.py's labels)."""
     canonical = _canonical_names(module)
     # initializers are named after one alias of their tensor; key them by the canonical name
     pending = {canonical.get(n, n): v for n, v in model.graph.initializers.items()}
@@ -216,8 +222,21 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     if unknown:
         raise CompileError(f"{data_path.name}: graph constants {unknown[:3]} are not parameters of "
                            f"{type(module).__name__}; was the graph traced with optimize=True?")
-    digest, offset = integrity.Digest(), 0
+    digest, offset, forms = integrity.Digest(), 0, {}
     with open(data_path, "wb") as f:
+
+        def write(value: ir.Value, data: memoryview | bytes, dtype: ir.DataType, shape: ir.Shape) -> None:
+            nonlocal offset
+            pad = -offset % (_ALIGN_LARGE if len(data) > _LARGE else _ALIGN)
+            f.write(b"\0" * pad)
+            digest.update(b"\0" * pad)
+            offset += pad
+            f.write(data)
+            digest.update(data)
+            value.const_value = ir.ExternalTensor(data_path.name, offset, len(data), dtype, shape=shape,
+                                                  name=value.name, base_dir=data_path.parent)
+            offset += len(data)
+
         for name, tensor in itertools.chain(weights, computed_buffers(module)):
             # names outside this graph (the head's fc in the eagle3 step, d2t, aliases) are skipped
             value = pending.pop(canonical.get(name, name), None)
@@ -227,20 +246,18 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
             if tuple(tensor.shape) != tuple(want.shape):
                 raise CompileError(f"{data_path.name}: weight {name!r} has shape {tuple(tensor.shape)}, "
                                    f"the graph expects {tuple(want.shape)}")
-            data = _tensor_bytes(tensor.to(_TORCH_OF_IR[want.dtype]))
-            pad = -offset % (_ALIGN_LARGE if len(data) > _LARGE else _ALIGN)
-            f.write(b"\0" * pad)
-            digest.update(b"\0" * pad)
-            offset += pad
-            f.write(data)
-            digest.update(data)
-            value.const_value = ir.ExternalTensor(data_path.name, offset, len(data), want.dtype, shape=want.shape,
-                                                  name=value.name, base_dir=data_path.parent)
-            offset += len(data)
+            if isinstance(tensor, QWeight):
+                label, added = qdq.replace_weight(model.graph, value, tensor)
+                forms[label] = forms.get(label, 0) + 1
+                for q in added:
+                    write(q.value, q.data, q.value.dtype, q.value.shape)
+                    model.graph.register_initializer(q.value)
+                continue
+            write(value, _tensor_bytes(tensor.to(_TORCH_OF_IR[want.dtype])), want.dtype, want.shape)
     if pending:
         raise CompileError(f"{data_path.name}: no weight given for {sorted(pending)[:5]} "
                            f"({len(pending)} missing); the checkpoint does not fill this graph")
-    return digest.record()
+    return digest.record(), forms
 
 
 def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Weights | None = None,
@@ -259,9 +276,9 @@ def export_graph(module: nn.Module, path: Path, *, max_tokens: int, weights: Wei
         weights = module.named_parameters()
     model = trace(module, spec, dims, max_tokens)
     data_path = path.with_name(path.name + ".data")
-    data = write_weights(model, module, data_path, weights)
+    data, quantized = write_weights(model, module, data_path, weights)
     model.metadata_props.update({"xcompile.graph": spec.graph, "xcompile.contract_version": str(CONTRACT_VERSION),
                                  "xcompile.external_data_sha256": data["sha256"]})
     model.producer_name = "xcompile"
     ir.save(model, path)
-    return ExportedGraph(spec.graph, path, spec, dims, integrity.record_file(path), data)
+    return ExportedGraph(spec.graph, path, spec, dims, integrity.record_file(path), data, quantized)

@@ -94,7 +94,7 @@ class _Part:
 
     def weights(self) -> Weights:
         """A fresh (name, tensor) stream over the whole module: one per exported graph."""
-        return itertools.chain(self.source.tensors(self.module), self.borrowed())
+        return itertools.chain(self.source.tensors(self.module, quantized=True), self.borrowed())
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,10 @@ def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan
     graphs = sum(len(p.module.graphs(p.key)) for p in parts)
     with logs.progress("export", graphs, "graphs") as bar:
         for p in parts:
-            if "quantization" in p.entry.extra:
-                log(f"{p.key}: {p.entry.extra['quantization']['method']} checkpoint, its weights dequantized to "
-                    f"{req.dtype} as they are read")
+            quantization = p.entry.extra.get("quantization")
+            if quantization is not None:
+                log(f"{p.key}: {quantization['method']} checkpoint, its quantized weights kept quantized "
+                    "(DequantizeLinear in the graphs)")
             for graph, module in p.module.graphs(p.key):
                 log(f"exporting {graph} ({type(module).__name__}, {req.dtype}) ...")
                 bar.update(note=graph)
@@ -149,6 +150,8 @@ def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan
                                                     done.onnx_record["sha256"])
                 manifest.files[done.onnx.name] = done.onnx_record
                 manifest.files[f"{done.onnx.name}.data"] = done.data_record
+                if quantization is not None:
+                    quantization["graphs"][graph] = done.quantized
                 bar.advance()
             if p.source.files():
                 log(f"hashing the {p.key} checkpoint files ...")
@@ -271,11 +274,11 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
 
 
 def _extra(source: WeightSource, module: torch.nn.Module, **extra) -> dict:
-    """A model's manifest ``extra``, with how its checkpoint is quantized (compile/quantization.py) where it is:
-    the graphs hold the weights dequantized; exporters of quantized graphs read the scheme from here."""
+    """A model's manifest ``extra``, with how its checkpoint is quantized (compile/quantization.py) where it is;
+    the export adds, per graph, how many weights it holds in each DequantizeLinear form (compile/qdq.py)."""
     if source.quantization is not None:
         linears = [name for _, name in linear_weights(module.key_map(), module)]
-        extra["quantization"] = source.quantization.record(linears)
+        extra["quantization"] = {**source.quantization.record(linears), "graphs": {}}
     return extra
 
 

@@ -11,8 +11,8 @@ Three methods, as quantized Qwen3 checkpoints ship them (one storage layout per 
                                     weight_scale [N, K/g], weight_shape, optional weight_zero_point
                                     (RedHatAI/Qwen3-8B-FP8-dynamic, ...-quantized.w4a16; llm-compressor)
 
-Weights are dequantized at load (compile/checkpoint/quantized.py): the modules compute in their dtype
-(W8A16 / W4A16). Dynamic activation quantization (fp8 ``activation_scheme: dynamic``, compressed-tensors
+The PyTorch reference dequantizes the weights at load (compile/checkpoint/quantized.py) and the export keeps them
+quantized, DequantizeLinear in the graphs (compile/qdq.py): both compute in the model's dtype (W8A16 / W4A16). Dynamic activation quantization (fp8 ``activation_scheme: dynamic``, compressed-tensors
 ``input_activations.dynamic: true``) carries no tensor in the checkpoint: its runtimes quantize each
 activation on the fly, and xcompile computes it unquantized, which the manifest records. Every field that
 would change the weights or needs a tensor xcompile does not read (static activation scales, KV-cache
@@ -85,7 +85,7 @@ class Quantization:
         """What the manifest records (``models.<name>.extra.quantization``) for a model whose linear layers
         are ``linears`` (checkpoint module names)."""
         schemes = [self.scheme_for(m) for m in linears]
-        return {"method": self.method, "loaded_as": "dequantized", "activations": self.activations,
+        return {"method": self.method, "loaded_as": "quantized", "activations": self.activations,
                 "weights": [{**s.to_dict(), "modules": sum(x is s for x in schemes)} for _, s, _ in self.groups],
                 "unquantized": [m for m, s in zip(linears, schemes) if s is None]}
 

@@ -32,7 +32,7 @@ from xcompile.compile.quantization import Quantization, parse_quantization
 from xcompile.runtime.enginedir import integrity
 from xcompile.runtime.engines.qweight import QWeight
 
-Weights = Iterator[tuple[str, torch.Tensor]]
+Weights = Iterator[tuple[str, torch.Tensor | QWeight]]
 
 
 class WeightSource(ABC):
@@ -90,14 +90,23 @@ class WeightSource(ABC):
         """Raise now, before any weight is read, where this source cannot fill ``model`` (keys, shapes, dtypes)."""
         self._names(model, self.key_map(model))
 
-    def tensors(self, model: nn.Module) -> Weights:
+    def tensors(self, model: nn.Module, quantized: bool = False) -> Weights:
         """Stream (module state name, tensor) for ``model`` (which may live on the meta device), one
         tensor in memory at a time, floating-point tensors cast to the model's dtype. External state
-        (an EAGLE3 head's ``embed_tokens.weight``: the target's) is not yielded."""
+        (an EAGLE3 head's ``embed_tokens.weight``: the target's) is not yielded. ``quantized``: a quantized
+        linear comes as its ``QWeight`` (runtime/engines/qweight.py), checked as its dequantized weight would be."""
         key_map = self.key_map(model)
         state = module_state(model)
         for name in self._names(model, key_map):
-            yield name, self._read(model, key_map, name, state[name])
+            q = self.quantized(model, name) if quantized and name in key_map.packed else None
+            if q is None:
+                yield name, self._read(model, key_map, name, state[name])
+                continue
+            # the graph computes with the fp32 dequantized weight rounded to its dtype: NaN codes (e4m3 has
+            # them) or an overflow of that dtype are refused here as for a dequantized read
+            dense = q.dequantize()
+            _check_finite(name, dense, dense.to(state[name].dtype), self._where(model, key_map, name))
+            yield name, q
 
     def tensor(self, model: nn.Module, name: str) -> torch.Tensor:
         """One state tensor of ``model`` (e.g. an EAGLE3 head's ``d2t``, a target's embedding), in its dtype."""
@@ -115,6 +124,10 @@ class WeightSource(ABC):
         cast = tensor.to(like.dtype)
         _check_finite(name, tensor, cast, where)
         return cast
+
+    def _where(self, model: nn.Module, key_map: KeyMap, name: str) -> str:
+        """Where state ``name`` is stored, for error messages."""
+        return self.source
 
     @abstractmethod
     def _names(self, model: nn.Module, key_map: KeyMap) -> list[str]:
@@ -173,6 +186,10 @@ class CheckpointSource(WeightSource):
             return None
         ckpt = self.checkpoint
         return packed.quantized(ckpt.get, lambda k: str(ckpt.file(k)))
+
+    def _where(self, model: nn.Module, key_map: KeyMap, name: str) -> str:
+        packed = key_map.packed.get(name)
+        return str(self.checkpoint.file(packed.stored[0].key if packed else key_map.tensors[name]))
 
     def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
         ckpt = self.checkpoint

@@ -153,7 +153,7 @@ def test_export_of_a_quantized_checkpoint_runs_on_ort_and_diff_passes(name, draf
     manifest = json.loads((out / "manifest.json").read_text())
     record = manifest["models"]["target"]["extra"]["quantization"]
     method = FORMATS[name][0]["quant_method"]
-    assert record["method"] == method and record["loaded_as"] == "dequantized"
+    assert record["method"] == method and record["loaded_as"] == "quantized"
     assert record["unquantized"] == ["lm_head"] and [w["modules"] for w in record["weights"]] == [4 * 7]
     if draft:
         assert manifest["models"]["draft"]["extra"]["quantization"]["method"] == FORMATS[draft][0]["quant_method"]
