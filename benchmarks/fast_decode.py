@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass
 
 import torch
 
 from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.compile.reference import eagle3_engines, qwen3_engine
+from xcompile.compile.reference import SYNTHETIC_SCHEMES, eagle3_engines, quantize_linears, qwen3_engine
 from xcompile.runtime.bench.measure import matmul_rate, prefill_flops, timed
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal, prompt_inputs
@@ -66,10 +65,13 @@ def qwen3_8b(layers: int) -> tuple[Qwen3Config, tuple[int, ...]]:
     return cfg, tuple(sorted({1, layers // 2 - 1, layers - 4}))
 
 
-def target_pair(cfg: Qwen3Config, taps: tuple[int, ...], max_seq_len: int):
-    """(reference engine, fast engine) of one random bf16 target, sharing weights and KV; and the module."""
+def target_pair(cfg: Qwen3Config, taps: tuple[int, ...], max_seq_len: int, quantize: str | None = None):
+    """(reference engine, fast engine) of one random bf16 target, sharing weights and KV; and the module.
+    ``quantize`` (fp8, int4): its decoder linears rounded as ``xrun bench --synthetic --quantize`` does."""
     with torch.device(DEV):
         module = random_(Qwen3(cfg, max_seq_len, taps).to(torch.bfloat16))
+    if quantize:
+        quantize_linears(module, quantize, SYNTHETIC_SCHEMES[quantize])
     ref = qwen3_engine(module)
     fast = FastQwen3Engine(qwen3_engine(module), dataclasses.asdict(cfg), taps)     # re-points the weights
     fast.bind_kv(ref.new_kv())

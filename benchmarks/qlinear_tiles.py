@@ -29,7 +29,7 @@ CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False,
          ("gate_up", 12288, 4096, 2, True, True, False), ("down", 4096, 12288, 1, False, False, True)]
 # the GEMV's (BLOCK_N, chunks a step, warps, stages) at one row, the tile kernel's (BLOCK_N, warps, stages)
 # at several (tl.dot needs BLOCK_N >= 16)
-CANDIDATES = {True: list(itertools.product((4, 8, 16), (2, 4), (4, 8), (2, 4))),
+CANDIDATES = {True: list(itertools.product((4, 8, 16), (4, 8), (4, 8), (2, 4))),
               False: list(itertools.product((16, 32, 64), (4, 8), (2, 4)))}
 COPIES, CALLS_PER_GRAPH = 4, 32
 

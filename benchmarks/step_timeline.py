@@ -4,6 +4,7 @@
                                        [--pdl 0|1] [--cuda-gemv 0|1] [--tiles FILE]
     python benchmarks/step_timeline.py --eagle3 [--contexts 128] [--tokens 1,10]     # the EAGLE3 draft step
     python benchmarks/step_timeline.py --reference [--layers 4]                     # the reference modules' step
+    python benchmarks/step_timeline.py --quantize fp8|int4 [--tokens 1,7]           # quantized decoder linears
 
 The kernel records (CUPTI, through torch.profiler) of a few replays of the graphed step. With programmatic
 dependent launch the kernels overlap, so each is charged its share of the step's critical path: from the
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--tiles", help="a tile tables file (tiles.json's format) instead of the shipped tables")
     ap.add_argument("--eagle3", action="store_true", help="the EAGLE3 head's draft step, not the target's")
     ap.add_argument("--reference", action="store_true", help="the reference modules' step, not the fast engine's")
+    ap.add_argument("--quantize", choices=("fp8", "int4"), help="the target's decoder linears quantized")
     args = ap.parse_args()
     longest = max(args.contexts) + max(args.tokens)
     if longest > args.max_seq_len:
@@ -120,7 +122,7 @@ def main() -> None:
         (ref, fast), _ = head_pairs(cfg, args.max_seq_len)
         layers, what = 1, "EAGLE3 step"
     else:
-        ref, fast, _ = target_pair(cfg, taps, args.max_seq_len)
+        ref, fast, _ = target_pair(cfg, taps, args.max_seq_len, args.quantize)
         layers, what = args.layers, f"{args.layers} layers"
     fast.kernels = kernels
     engine = ref if args.reference else fast
