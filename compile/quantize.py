@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import resolve
-from xcompile.compile.config import parse_qwen3, read_json
+from xcompile.compile.config import Qwen3Config, parse_qwen3, read_json
 from xcompile.compile.errors import CompileError
 from xcompile.compile.pipeline import TOKENIZER_FILES
 from xcompile.compile.quantization import CT_FLOAT, CT_PACKED, parse_quantization
@@ -92,9 +92,12 @@ def quantize_checkpoint(model: str | Path, out: str | Path, opts: QuantizeOption
     start = time.monotonic()
     scheme = SCHEMES[opts.scheme]
     source = resolve(str(model), revision)
-    _check_source(source)
+    cfg = _check_source(source)
     calibration = None
     if scheme.awq:
+        if opts.seq_len > cfg.max_position_embeddings:
+            raise CompileError(f"--seq-len {opts.seq_len} is longer than the {cfg.max_position_embeddings} positions "
+                               f"of {source / 'config.json'}; pass at most that")
         calibration = Path(opts.calibration) if opts.calibration is not None else DEFAULT_CALIBRATION
         if opts.calibration is None and not calibration.is_file():
             raise CompileError(f"{calibration}: the default calibration text is not here (it ships with a source "
@@ -108,12 +111,13 @@ def quantize_checkpoint(model: str | Path, out: str | Path, opts: QuantizeOption
                           time.monotonic() - start)
 
 
-def _check_source(source: Path) -> None:
-    """A dense Qwen3 whose linear widths the blocks tile."""
+def _check_source(source: Path) -> Qwen3Config:
+    """The config of a dense Qwen3 whose linear widths the blocks tile."""
     config = source / "config.json"
     data = read_json(config)
     if "quantization_config" in data:
-        method = (data["quantization_config"] or {}).get("quant_method")
+        q = data["quantization_config"]
+        method = q.get("quant_method") if isinstance(q, dict) else q
         raise CompileError(f"{config}: the checkpoint is quantized already (quant_method {method!r}); quantize the "
                            "bf16 or fp32 checkpoint it came from")
     cfg = parse_qwen3(config, data)
@@ -123,19 +127,20 @@ def _check_source(source: Path) -> None:
         if width % GROUP:
             raise CompileError(f"{config}: {name} is {width}, not a multiple of {GROUP}: the quantized blocks of "
                                f"{GROUP} inputs must tile every linear layer's input")
+    return cfg
 
 
 def calibration_windows(path: Path, text: Text, samples: int, seq_len: int) -> torch.Tensor:
     """Up to ``samples`` windows [n, seq_len] of ``path``'s tokens (documents joined by the document-end token),
     evenly spread over the text; one shorter window when the text holds fewer than ``seq_len`` tokens."""
-    seqs = textdata.tokenize(textdata.read_records(path), text)
-    stream = [t for s in seqs for t in (*s, textdata.doc_end_id(text))]
+    seqs, doc_end = textdata.tokenize(textdata.read_records(path), text), textdata.doc_end_id(text)
     if not any(seqs):
         raise CompileError(f"{path}: holds no text to calibrate on; pass --calibration a file of text like the "
                            "model's inputs (plain text, or JSONL with 'text' or 'prompt')")
+    stream = [t for s in seqs for t in (*s, doc_end)]
     if len(stream) < seq_len:
         return torch.tensor([stream])
-    windows = textdata.pack(seqs, textdata.doc_end_id(text), seq_len)
+    windows = textdata.pack(seqs, doc_end, seq_len)
     if windows.shape[0] > samples:
         windows = windows[torch.linspace(0, windows.shape[0] - 1, samples).round().long()]
     return windows

@@ -184,6 +184,7 @@ def test_bad_inputs_are_refused_with_one_line_and_nothing_written(dense, tmp_pat
         (["--model", dense, "--calibration", empty], [str(empty), "no text", "--calibration"]),
         (["--model", quantized_input], [str(quantized_input / "config.json"), "quantized already", "'fp8'"]),
         (["--model", narrow], [str(narrow / "config.json"), "hidden_size is 64", "128"]),
+        (["--model", dense, "--seq-len", 1024], ["--seq-len 1024", "512 positions", str(dense / "config.json")]),
         (["--model", torn, "-q"], [str(torn), "cannot load"]),     # -q: no "loading" line, as the load has begun
     ]
     for args, needles in cases:
