@@ -2,13 +2,14 @@
 function with each scheme, each compared with the bf16 checkpoint on the CPU. Not a test: a few minutes (AWQ).
 
     python benchmarks/quant_quality.py [--calibration data/corpus.train.txt] [--samples 64] [--seq-len 512]
-        [--heldout data/corpus.heldout.txt] [--window 512] [--prompts 8] [--new-tokens 128] [--gamma 4]
+        [--heldout data/corpus.heldout.txt] [--window 512] [--prompts 32] [--new-tokens 128] [--gamma 4]
 
 For bf16 (the shipped checkpoint), fp8 and int4-awq, every model computing in fp32 (so only the weights differ):
 
     agreement    teacher-forced top-1 agreement with bf16: the argmax of each position's logits over the held-out
                  text, cut into windows of --window tokens, equal to bf16's
     perplexity   exp(mean next-token cross-entropy) over the same positions
+    flips        bf16's top-2 logit gap at the positions whose argmax differs (median), against all positions'
     tau          EAGLE3 τ with the demo head, greedy chain of --gamma on the torch backend (tokens emitted per
                  verify round, runtime/decoding/outcome.py): --prompts held-out prompts (the first 48 tokens of
                  held-out documents 0, 1, ...), --new-tokens each
@@ -43,9 +44,10 @@ GOALS = {"fp8": (0.99, 0.01, 0.03), "int4-awq": (0.96, 0.05, 0.08)}
 
 
 @torch.no_grad()
-def teacher_forced(model, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Argmax ids [N, S-1] of each window's positions but the last, and the mean next-token cross-entropy."""
-    ids, nll = [], 0.0
+def teacher_forced(model, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Argmax ids [N, S-1] of each window's positions but the last, their top-2 logit gaps [N, S-1], and the mean
+    next-token cross-entropy."""
+    ids, gaps, nll = [], [], 0.0
     s = windows.shape[1]
     positions = torch.arange(s).unsqueeze(0)
     causal = torch.ones(s, s, dtype=torch.bool).tril().unsqueeze(0)
@@ -53,8 +55,10 @@ def teacher_forced(model, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
         logits = model(w.unsqueeze(0), positions, torch.zeros(1, dtype=torch.int64), causal, positions,
                        *model.new_kv())[0][0, :-1].float()                                      # [S-1, V]
         ids.append(logits.argmax(-1))
+        top = logits.topk(2).values
+        gaps.append(top[:, 0] - top[:, 1])
         nll += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
-    return torch.stack(ids), nll / (windows.shape[0] * (s - 1))
+    return torch.stack(ids), torch.stack(gaps), nll / (windows.shape[0] * (s - 1))
 
 
 def evaluate(target_dir: Path, head_dir: Path, windows: torch.Tensor, prompts: list[list[int]], args) -> dict:
@@ -63,9 +67,9 @@ def evaluate(target_dir: Path, head_dir: Path, windows: torch.Tensor, prompts: l
     n = max(args.window, PROMPT_TOKENS + args.new_tokens + args.gamma + 1)
     target = ck.load_qwen3(target_dir, n, taps, dtype=torch.float32)
     head = ck.load_eagle3(head_dir, target, n)
-    argmax, nll = teacher_forced(target, windows)
+    argmax, gaps, nll = teacher_forced(target, windows)
     tau = measure_acceptance(target, head, prompts, args.new_tokens, args.gamma)
-    return {"argmax": argmax, "perplexity": float(torch.tensor(nll).exp()), "tau": tau["tau"],
+    return {"argmax": argmax, "gaps": gaps, "perplexity": float(torch.tensor(nll).exp()), "tau": tau["tau"],
             "match_plain": tau["match_plain"]}
 
 
@@ -76,7 +80,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--heldout", type=Path, default=DATA / "corpus.heldout.txt")
     parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=4)
     args = parser.parse_args()
@@ -106,7 +110,11 @@ def main() -> int:
         row = {"model": name, "agreement": float((r["argmax"] == base["argmax"]).float().mean()),
                "perplexity": r["perplexity"], "perplexity_delta": r["perplexity"] / base["perplexity"] - 1,
                "tau": r["tau"], "tau_delta": r["tau"] / base["tau"] - 1, "match_plain": r["match_plain"],
-               "positions": base["argmax"].numel(), "quantize_s": seconds.get(name, 0.0)}
+               "positions": base["argmax"].numel(), "quantize_s": seconds.get(name, 0.0),
+               # bf16's top-2 logit gap where this model's argmax differs, against its median everywhere: how near
+               # a tie the flipped positions were
+               "flipped_gap_median": float(base["gaps"][r["argmax"] != base["argmax"]].median())
+               if name != "bf16" else None, "gap_median": float(base["gaps"].median())}
         if name in GOALS:
             agree, ppl, tau = GOALS[name]
             row["goals_met"] = {"agreement": row["agreement"] >= agree, "perplexity": row["perplexity_delta"] <= ppl,
