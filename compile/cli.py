@@ -88,6 +88,40 @@ def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_
         click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
 
 
+# compile/quantize.py's SCHEMES, named here so that --help imports nothing heavy (a test keeps them equal)
+QUANTIZE_SCHEMES = ("fp8", "int4-awq")
+
+
+@main.command("quantize")
+@click.option("--model", required=True, help="bf16 / fp32 Qwen3 checkpoint: directory, cached HF repo id or alias.")
+@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
+@click.option("--scheme", required=True, type=click.Choice(QUANTIZE_SCHEMES),
+              help="fp8: fp8 weights, a scale per 128x128 block; int4-awq: int4 weights, a scale and zero point "
+                   "per 128 inputs, AWQ-calibrated.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False),
+              help="int4-awq's calibration text: plain text (documents split at form-feed lines) or JSONL with "
+                   "'text' or 'prompt' [default: data/corpus.heldout.txt, the demo's held-out text].")
+@click.option("--samples", type=click.IntRange(min=1), default=64, show_default=True,
+              help="int4-awq: calibration windows, spread over the text.")
+@click.option("--seq-len", type=click.IntRange(min=2), default=512, show_default=True,
+              help="int4-awq: tokens per calibration window.")
+@click.option("--out", required=True, callback=writable_dir, help="Checkpoint directory to write.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote, or an empty one).")
+@click.pass_context
+def quantize_cmd(ctx, model, revision, scheme, calibration, samples, seq_len, out, force) -> None:
+    """Quantize a Qwen3 checkpoint with llm-compressor into a compressed-tensors checkpoint xcompile loads."""
+    from pathlib import Path
+
+    if scheme == "fp8":
+        refuse_inert(ctx, ["calibration", "samples", "seq_len"], "fp8 scales come from the weights alone (its "
+                     "activations are quantized dynamically at run time): no calibration runs")
+    from xcompile.compile.quantize import QuantizeOptions, quantize_checkpoint
+
+    opts = QuantizeOptions(scheme=scheme, calibration=None if calibration is None else Path(calibration),
+                           samples=samples, seq_len=seq_len)
+    click.echo(quantize_checkpoint(model, out, opts, force=force, revision=revision, log=log.info).line())
+
+
 _CC = re.compile(r"^\d+\.\d$")
 
 

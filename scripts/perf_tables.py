@@ -67,6 +67,12 @@ TABLES = {
                                   ("7-token verify, PDL off", "nopdl", "x7"), ("32-token verify, PDL off", "nopdl", "x32"),
                                   ("EAGLE3 step", "fast", "eagle3_x1"), ("EAGLE3 step over 10 tokens", "fast", "eagle3_x10"),
                                   ("EAGLE3 fc over 7 tokens", "fast", "fc_x7"))))),
+    "quant-quality": Table("quant-quality", "json", fields=(
+        ("top-1 agreement with bf16, teacher-forced", "agreement", "{:.2f} %", 100),
+        ("held-out perplexity", "perplexity", "{:.3f}", 1),
+        ("perplexity against bf16", "perplexity_delta", "{:+.2f} %", 100),
+        ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
+        ("τ against bf16", "tau_delta", "{:+.2f} %", 100))),
     "verify-cpu": Table("verify-cpu", "json", fields=(
         ("engine dir", "bytes", "{:.2f} GB", 1e-9),
         ("default check (every load), files in the page cache", "fast_warm_s", "{:.3f} s", 1),

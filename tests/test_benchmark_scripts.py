@@ -32,7 +32,8 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 def test_every_script_is_checked_here():
     assert SCRIPTS == ["dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
-                       "graph_equivalence.py", "kernels.py", "ort_layers.py", "step_timeline.py", "verify_speed.py"]
+                       "graph_equivalence.py", "kernels.py", "ort_layers.py", "quant_quality.py", "step_timeline.py",
+                       "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

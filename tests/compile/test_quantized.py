@@ -94,8 +94,12 @@ def test_loaded_weights_equal_the_librarys_dequantization(name, checkpoints, tmp
     config = FORMATS[name][0]
     if name.startswith("fp8"):
         dtype = torch.float32
-        dense = library_convert(path, tmp_path / "dense", FP8BlockDequantizer.from_pretrained(
-            path, weight_block_size=tuple(config["weight_block_size"]), dtype=dtype))
+        # every module with a weight_scale_inv, as compressed-tensors 0.20's from_pretrained finds them (0.19, which
+        # llm-compressor 0.14 pins, takes them as targets only)
+        targets = [k.removesuffix(".weight_scale_inv") for k in load_file(path / "model.safetensors")
+                   if k.endswith(".weight_scale_inv")]
+        dense = library_convert(path, tmp_path / "dense", FP8BlockDequantizer(
+            targets=targets, weight_block_size=tuple(config["weight_block_size"]), dtype=dtype))
     elif name.startswith("awq"):
         dtype = torch.float16
         converted = library_convert(path, tmp_path / "ct", AutoAWQConverter.from_pretrained(str(path)))
