@@ -238,6 +238,8 @@ def test_help_shows_the_drafter_defaults():
     (["--tree", "3,5,4"], ["TOKENS 4", "at least 6"]),
     (["--draft-model", "qwen3-0.6b"], ["--draft-model", "--synthetic"]),
     (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
+    (["--quantize", "fp8"], ["--quantize", "--synthetic"]),
+    (["--quantize", "int8"], ["--quantize", "int8"]),
     (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
     (["--new-tokens", 1], ["--new-tokens"]),
     (["--top-p", "0.9", "--seed", 2], ["--top-p, --seed: greedy runs", "--temperature T"]),
