@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny_engines as T
 import torch
 from click.testing import CliRunner
 from fixtures import qwen3_config, step_inputs, write_eagle3_checkpoint, write_qwen3_checkpoint
@@ -115,6 +116,11 @@ def test_eagle3_heads_carry_their_own_rope_scaling(tmp_path):
     assert parse_eagle3(write_eagle3_checkpoint(tmp_path / "plain") / "config.json").rope_scaling is None
     path = write_eagle3_checkpoint(tmp_path / "l3", overrides={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     assert "'rope_scaling.rope_type' is 'llama3'" in refusal(parse_eagle3, path / "config.json")
+    # a head xcompile trains is saved with the scaling it computes
+    from xcompile.compile.train_eagle3 import save_head
+    yarn = Yarn(4.0, TRAINED, mscale=0.5)
+    saved = save_head(T.build(32, head_dim=16, rope_scaling=yarn).eagle3, tmp_path / "trained")
+    assert parse_eagle3(saved / "config.json").rope_scaling == yarn
 
 
 def test_manifest_round_trips_the_scaling_and_old_manifests_load():
