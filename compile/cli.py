@@ -244,7 +244,7 @@ def verify_cmd(directory, fast) -> None:
 @click.option("--out", required=True, type=click.Path(), help="Engine dir to write.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1),
-              help="KV cache capacity [default: min(4096, max_position_embeddings)].")
+              help="KV cache capacity [default: min(4096, max_position_embeddings or YaRN's longer context)].")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")

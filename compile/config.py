@@ -47,6 +47,31 @@ _LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size"
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (``rope_type: "yarn"``), the fields transformers' ``_compute_yarn_parameters``
+    (modeling_rope_utils.py) reads, with its defaults. Qwen3's model card turns it on for 131,072-token contexts
+    with factor 4 over the 32,768 positions it was trained on (docs/design.md, "RoPE and YaRN")."""
+
+    factor: float                               # how many times the trained context is stretched
+    original_max_position_embeddings: int       # the trained context (positions before scaling)
+    beta_fast: float = 32.0                     # rotations past which a dimension keeps its frequency
+    beta_slow: float = 1.0                      # rotations below which a dimension is fully interpolated
+    mscale: float | None = None                 # attention factor = mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim: float | None = None         #   mscale_all_dim) when both are set (DeepSeek style)
+    attention_factor: float | None = None       # cos/sin multiplier; None: 0.1 ln(factor) + 1 (YaRN eq. 21)
+    truncate: bool = True                       # round the correction range to whole dimensions
+
+    @property
+    def positions(self) -> int:
+        """Positions the scaled RoPE covers: factor x the trained context."""
+        return int(self.factor * self.original_max_position_embeddings)
+
+    def to_hf(self) -> dict:
+        """The ``rope_scaling`` dict of a config.json (unset fields left out)."""
+        return {"rope_type": "yarn", **{k: v for k, v in asdict(self).items() if v is not None}}
+
+
+@dataclass(frozen=True)
 class Qwen3Config:
     vocab_size: int
     hidden_size: int
@@ -60,6 +85,22 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    rope_scaling: Yarn | None = None            # None: plain RoPE
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model's RoPE covers: max_position_embeddings, or YaRN's factor x its trained context
+        when that is longer (Qwen3's config.json keeps 40960 with YaRN on; the model card gives 131072)."""
+        return max(self.max_position_embeddings, self.rope_scaling.positions if self.rope_scaling else 0)
+
+    @property
+    def context_source(self) -> str:
+        """Where context_length comes from, for errors."""
+        y = self.rope_scaling
+        if y is not None and y.positions > self.max_position_embeddings:
+            return (f"{y.positions} positions (YaRN factor {y.factor:g} x original_max_position_embeddings "
+                    f"{y.original_max_position_embeddings})")
+        return f"max_position_embeddings {self.max_position_embeddings}"
 
     @property
     def default_tap_layers(self) -> tuple[int, int, int]:
@@ -93,6 +134,7 @@ class Eagle3Config:
     layout: str = "midlayer"                    # checkpoint prefix of the decoder layer: "midlayer" or "layers.0"
     # residual = hidden_norm(hidden) instead of the un-normed hidden (speculators / vLLM llama_eagle3.py)
     norm_before_residual: bool = False
+    rope_scaling: Yarn | None = None            # the head's own config decides, as in vLLM; None: plain RoPE
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,11 +230,62 @@ class _Fields:
             return _Fields(self.path, params, f"{self.prefix}rope_parameters.").get("rope_theta", float, default)
         return self.get("rope_theta", float, default)
 
-    def rope_scaling_is_plain(self) -> None:
-        for key in ("rope_scaling", "rope_parameters"):
-            value = self.data.get(key)
-            if isinstance(value, dict) and value.get("rope_type", value.get("type", "default")) != "default":
-                raise self.fail(key, f"asks for RoPE scaling {value!r}, which xcompile does not support yet")
+    def rope_scaling(self) -> Yarn | None:
+        """The RoPE scaling of ``rope_scaling`` (published checkpoints) or, without it, transformers 5's
+        ``rope_parameters``, as transformers reads them (PreTrainedConfig.convert_rope_params_to_dict: a
+        ``rope_scaling`` dict replaces ``rope_parameters``). None for plain RoPE; YaRN parsed with
+        ``_compute_yarn_parameters``'s defaults; any other ``rope_type`` or field is refused naming it."""
+        key = "rope_scaling" if self.data.get("rope_scaling") else "rope_parameters"
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.fail(key, f"should be an object, got {value!r}")
+        f = _Fields(self.path, value, f"{self.prefix}{key}.")
+        kind = value.get("rope_type", value.get("type", "default"))
+        name = "rope_type" if "rope_type" in value else "type"
+        if kind == "default":
+            return None
+        if kind != "yarn":
+            raise f.fail(name, f"is {kind!r}; xcompile computes RoPE 'default' and 'yarn' (Qwen3's long-context "
+                         "scaling) only: use a config without it or with YaRN")
+        unknown = sorted(set(value) - _YARN_KEYS)
+        if unknown:
+            raise f.fail(unknown[0], f"is {value[unknown[0]]!r}, not a YaRN field xcompile computes "
+                         f"({', '.join(sorted(_YARN_KEYS))}); remove it")
+        if value.get("partial_rotary_factor", 1.0) != 1.0:
+            raise f.fail("partial_rotary_factor", f"is {value['partial_rotary_factor']!r}; xcompile rotates the "
+                         "whole head (1.0)")
+        # transformers (standardize_rope_params): a top-level original_max_position_embeddings wins over the
+        # dict's (Phi3 style), and without either the trained context is max_position_embeddings
+        original = self.get("original_max_position_embeddings", int) or \
+            f.get("original_max_position_embeddings", int) or self.get("max_position_embeddings", int, 40960)
+        return Yarn(
+            # a missing factor is the ratio of the two lengths (transformers' DeepSeek-V3 note)
+            factor=f.get("factor", float) or self.get("max_position_embeddings", int, 40960) / original,
+            original_max_position_embeddings=original,
+            beta_fast=f.get("beta_fast", float, 32.0),
+            beta_slow=f.get("beta_slow", float, 1.0),
+            mscale=f.number("mscale"),
+            mscale_all_dim=f.number("mscale_all_dim"),
+            attention_factor=f.get("attention_factor", float),
+            truncate=f.get("truncate", bool, True),
+        )
+
+    def number(self, name: str) -> float | None:
+        """An optional float that may be 0 (YaRN's mscale fields: 0 means unset, as transformers reads them)."""
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise self.fail(name, f"should be a number >= 0, got {value!r}")
+        return float(value)
+
+
+# rope_scaling / rope_parameters keys of a YaRN config (transformers' _validate_yarn_rope_parameters), plus the
+# keys every rope dict may carry
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
 
 
 def read_json(path: Path) -> dict:
@@ -224,7 +317,6 @@ def parse_qwen3(path: Path, data: dict | None = None) -> Qwen3Config:
         raise CompileError(f"{path}: field 'architectures' is {arch!r}; xcompile compiles dense Qwen3 "
                            f"targets ({', '.join(QWEN3_ARCHITECTURES)})")
     f = _Fields(path, data)
-    f.rope_scaling_is_plain()
     hidden = f.get("hidden_size", int, required=True)
     heads = f.get("num_attention_heads", int, required=True)
     kv = f.get("num_key_value_heads", int, heads)
@@ -243,6 +335,7 @@ def parse_qwen3(path: Path, data: dict | None = None) -> Qwen3Config:
         max_position_embeddings=f.get("max_position_embeddings", int, 40960),
         tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
         attention_bias=f.get("attention_bias", bool, False),
+        rope_scaling=f.rope_scaling(),
     )
 
 
@@ -336,7 +429,6 @@ def _refuse_options(f: _Fields, data: dict) -> None:
 
 def _layer_fields(f: _Fields, data: dict, default_theta: float) -> dict:
     """The draft decoder layer's shape from a Llama-style config (flat, or speculators' nested one)."""
-    f.rope_scaling_is_plain()
     if f.get("num_hidden_layers", int, 1) != 1:
         raise f.fail("num_hidden_layers", "must be 1 for an EAGLE3 head")
     hidden = f.get("hidden_size", int, required=True)
@@ -351,6 +443,7 @@ def _layer_fields(f: _Fields, data: dict, default_theta: float) -> dict:
         rms_norm_eps=f.get("rms_norm_eps", float, 1e-6),
         rope_theta=f.rope_theta(default_theta),
         max_position_embeddings=f.get("max_position_embeddings", int, 40960),
+        rope_scaling=f.rope_scaling(),
     )
 
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from xcompile.compile import qdq
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.layers import ONNX_OPSET, Rotary, rope_tables
+from xcompile.compile.models.layers import ONNX_OPSET, Rotary
 from xcompile.runtime.enginedir import integrity
 from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, DYNAMIC_DIMS, MODEL_DTYPE, GraphSpec
 from xcompile.runtime.engines.base import DTYPE_NAMES, TORCH_DTYPES
@@ -197,8 +197,7 @@ def computed_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Non-persistent buffers (RoPE cos/sin), recomputed so a meta-device module exports too."""
     for prefix, sub in module.named_modules():
         if isinstance(sub, Rotary):
-            max_positions, half = sub.cos.shape
-            cos, sin = rope_tables(2 * half, max_positions, sub.theta)
+            cos, sin = sub.computed_tables()
             yield f"{prefix}.cos", cos.to(sub.cos.dtype)
             yield f"{prefix}.sin", sin.to(sub.sin.dtype)
 

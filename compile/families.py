@@ -18,7 +18,7 @@ from torch import nn
 
 from xcompile.compile.checkpoint import build_eagle3, build_qwen3
 from xcompile.compile.checkpoint.source import WeightSource
-from xcompile.compile.config import Eagle3Config, Qwen3Config, parse_eagle3, parse_qwen3
+from xcompile.compile.config import Eagle3Config, Qwen3Config, Yarn, parse_eagle3, parse_qwen3
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models import eagle3, qwen3
 
@@ -41,7 +41,10 @@ class Family:
             raise CompileError(f"{where}: config field '{unknown[0]}' is not a {self.kind} config field; the manifest "
                                "was written by another xcompile version: re-export")
         try:
-            return self.config_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+            values = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+            if isinstance(values.get("rope_scaling"), dict):       # a nested frozen config (Yarn), as to_dict wrote it
+                values["rope_scaling"] = Yarn(**values["rope_scaling"])
+            return self.config_type(**values)
         except TypeError as e:
             raise CompileError(f"{where}: {self.kind} config is incomplete ({e}); re-export") from None
 

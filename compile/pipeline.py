@@ -67,7 +67,7 @@ class ExportRequest:
     eagle3: str | None = None
     draft_model: str | None = None
     dtype: str = "bf16"
-    max_seq_len: int | None = None      # None: min(DEFAULT_MAX_SEQ_LEN, max_position_embeddings)
+    max_seq_len: int | None = None      # None: min(DEFAULT_MAX_SEQ_LEN, Qwen3Config.context_length)
     max_batch: int = 1
     synthetic: bool = False
     seed: int = 0
@@ -232,10 +232,10 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
 def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) -> int:
     where = _where(target_dir, req.model)
     if req.max_seq_len is None:
-        return min(DEFAULT_MAX_SEQ_LEN, cfg.max_position_embeddings)
-    if req.max_seq_len > cfg.max_position_embeddings:
-        raise CompileError(f"--max-seq-len {req.max_seq_len} exceeds max_position_embeddings "
-                           f"{cfg.max_position_embeddings} of {where}; RoPE past it is untrained")
+        return min(DEFAULT_MAX_SEQ_LEN, cfg.context_length)
+    if req.max_seq_len > cfg.context_length:
+        raise CompileError(f"--max-seq-len {req.max_seq_len} exceeds {cfg.context_source} of {where}; "
+                           "RoPE past it is untrained")
     if req.max_seq_len < MIN_SEQ_LEN:
         raise CompileError(f"--max-seq-len {req.max_seq_len}: must be at least {MIN_SEQ_LEN}")
     return req.max_seq_len
@@ -265,9 +265,8 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
                            "a draft model must share the target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B)")
     if draft_dir is not None and target_dir is not None:
         _check_same_vocabulary(draft_dir, target_dir)
-    if max_seq_len > cfg.max_position_embeddings:
-        raise CompileError(f"--max-seq-len {max_seq_len} exceeds max_position_embeddings "
-                           f"{cfg.max_position_embeddings} of {where}")
+    if max_seq_len > cfg.context_length:
+        raise CompileError(f"--max-seq-len {max_seq_len} exceeds {cfg.context_source} of {where}")
     with torch.device("meta"):
         draft = Qwen3(cfg, max_seq_len).to(dtype)
     return _Part(DRAFT, draft, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source, _extra(source, draft)))

@@ -95,8 +95,8 @@ def quantize_checkpoint(model: str | Path, out: str | Path, opts: QuantizeOption
     cfg = _check_source(source)
     calibration = None
     if scheme.awq:
-        if opts.seq_len > cfg.max_position_embeddings:
-            raise CompileError(f"--seq-len {opts.seq_len} is longer than the {cfg.max_position_embeddings} positions "
+        if opts.seq_len > cfg.context_length:
+            raise CompileError(f"--seq-len {opts.seq_len} is longer than the {cfg.context_length} positions "
                                f"of {source / 'config.json'}; pass at most that")
         calibration = Path(opts.calibration) if opts.calibration is not None else DEFAULT_CALIBRATION
         if opts.calibration is None and not calibration.is_file():

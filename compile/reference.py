@@ -103,9 +103,8 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
     """An in-memory manifest of seeded synthetic weights in the shape of a known model (no files):
     what ``xrun bench --synthetic qwen3-8b`` runs. Seeds follow ``xcompile export --synthetic``."""
     cfg = synthetic.known_config(name)
-    if max_seq_len > cfg.max_position_embeddings:
-        raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s max_position_embeddings "
-                           f"{cfg.max_position_embeddings}")
+    if max_seq_len > cfg.context_length:
+        raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s {cfg.context_source}")
     models = {TARGET: ModelEntry(qwen3.KIND, cfg.to_dict(), synthetic.source(name, seed),
                                  {"taps": list(cfg.default_tap_layers) if eagle3 else []})}
     if eagle3:
@@ -162,6 +161,7 @@ def hf_peer(engines: dict[str, Engine]):
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
         rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        rope_scaling=c.rope_scaling.to_hf() if c.rope_scaling else None,
         tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, torch_dtype=target.lm_head.weight.dtype)
     device = target.lm_head.weight.device
     with torch.device("meta"):

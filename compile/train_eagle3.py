@@ -342,7 +342,8 @@ def save_head(head: Eagle3, out: str | Path, dtype: torch.dtype = torch.bfloat16
         "torch_dtype": str(dtype).removeprefix("torch."), "attention_bias": False, "hidden_act": "silu",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "head_dim": c.head_dim,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-        "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": head.rope_theta, "rope_scaling": None,
+        "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": head.rope_theta,
+        "rope_scaling": c.rope_scaling.to_hf() if c.rope_scaling else None,                # what the head computes
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False,
         "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
     }

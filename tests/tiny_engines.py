@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xcompile.compile.config import Eagle3Config, Qwen3Config
+from xcompile.compile.config import Eagle3Config, Qwen3Config, Yarn
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import eagle3_engines, qwen3_engine
@@ -69,10 +69,11 @@ class Tiny:
 
 
 def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-          head_dim: int = 8) -> Tiny:
-    """head_dim: of all three models (the fused kernels' attention needs >= 16)."""
+          head_dim: int = 8, rope_scaling: Yarn | None = None) -> Tiny:
+    """head_dim and rope_scaling: of all three models (the fused kernels' attention needs head_dim >= 16)."""
     torch.manual_seed(seed)
-    cfgs = [dataclasses.replace(c, head_dim=head_dim) for c in (TARGET_CFG, DRAFT_CFG, EAGLE3_CFG)]
+    cfgs = [dataclasses.replace(c, head_dim=head_dim, rope_scaling=rope_scaling)
+            for c in (TARGET_CFG, DRAFT_CFG, EAGLE3_CFG)]
     target = init_(Qwen3(cfgs[0], max_seq_len, taps=TAPS), seed)
     draft = init_(Qwen3(cfgs[1], max_seq_len), seed + 1)
     eagle3 = init_(Eagle3(cfgs[2], max_seq_len), seed + 2)

@@ -21,7 +21,7 @@ from xcompile.compile.checkpoint.files import Checkpoint
 from xcompile.compile.checkpoint.resolution import refetch_hint
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap
-from xcompile.compile.models.layers import Rotary, rope_tables
+from xcompile.compile.models.layers import Rotary
 
 
 def module_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,8 +103,7 @@ def materialize(model: nn.Module, state: Iterable[tuple[str, torch.Tensor]], dty
                 setattr(mod, attr, new)
     for mod in model.modules():
         if isinstance(mod, Rotary):                 # non-persistent [S_max, D/2] tables, rebuilt
-            max_positions, half = mod.cos.shape
-            cos, sin = rope_tables(2 * half, max_positions, mod.theta)
+            cos, sin = mod.computed_tables()
             mod.cos, mod.sin = cos.to(device), sin.to(device)
     left = [n for n, t in module_state(model).items() if t.is_meta]
     assert not left, left

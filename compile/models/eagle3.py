@@ -116,7 +116,7 @@ class Eagle3(nn.Module):
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)      # the target's table, shared at load
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
-        self.midlayer = MidLayer(cfg, Rotary(cfg.head_dim, max_seq_len, self.rope_theta))
+        self.midlayer = MidLayer(cfg, Rotary(cfg.head_dim, max_seq_len, self.rope_theta, cfg.rope_scaling))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))

@@ -8,11 +8,14 @@ No shape ever depends on a tensor's values, so every call is CUDA-graph capturab
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from xcompile.compile.config import Yarn
 
 ONNX_OPSET = 24
 
@@ -32,22 +35,67 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_positions, head_dim/2] in fp32 (rotate-half convention, as HF Qwen3/Llama)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def yarn_inv_freq(head_dim: int, theta: float, yarn: Yarn) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [head_dim/2] (fp64) and attention factor, as transformers'
+    ``_compute_yarn_parameters`` computes them (in fp32 there): dimensions that turn fewer than ``beta_slow``
+    times over the trained context are interpolated (frequency / factor), those turning more than ``beta_fast``
+    times keep their frequency, and a linear ramp over the dimension index blends the two between."""
+    def correction_dim(rotations: float) -> float:
+        # the dimension whose wavelength fits ``rotations`` times into the trained context
+        return head_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / \
+            (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                                   # transformers' guard against 0/0
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = (1 / (yarn.factor * pos_freqs)) * ramp + (1 / pos_freqs) * (1 - ramp)
+    attention = yarn.attention_factor
+    if attention is None:
+        if yarn.mscale and yarn.mscale_all_dim:
+            attention = _yarn_mscale(yarn.factor, yarn.mscale) / _yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+        else:
+            attention = _yarn_mscale(yarn.factor, 1.0)
+    return inv_freq, attention
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN paper eq. 21: 0.1 mscale ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: Yarn | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_positions, head_dim/2] in fp32 (rotate-half convention, as HF Qwen3/Llama), computed in
+    fp64. With YaRN both carry its attention factor (HF multiplies cos and sin by it), so every consumer of
+    the tables (eager, the ONNX RotaryEmbedding caches, the fast kernels) applies YaRN unchanged."""
+    if scaling is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        attention = 1.0
+    else:
+        inv_freq, attention = yarn_inv_freq(head_dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return freqs.cos().float(), freqs.sin().float()
+    return (freqs.cos() * attention).float(), (freqs.sin() * attention).float()
 
 
 class Rotary(nn.Module):
     """RoPE on [B, H, S, D] with per-token positions [B, S] (tree nodes share a depth's position)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Yarn | None = None):
         super().__init__()
-        self.theta = theta                          # tables are rebuilt from it after a meta-device build
-        cos, sin = rope_tables(head_dim, max_positions, theta)
+        # the tables are rebuilt from these after a meta-device build (computed_tables)
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        cos, sin = self.computed_tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def computed_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh fp32 cos/sin [max_positions, D/2] on the CPU."""
+        return rope_tables(self.head_dim, self.max_positions, self.theta, self.scaling)
 
     def tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, S, D] for these positions, halves duplicated (HF's cat(freqs, freqs)):

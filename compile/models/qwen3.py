@@ -63,7 +63,7 @@ class Qwen3Body(nn.Module):
     def __init__(self, cfg: Qwen3Config, max_seq_len: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = rotary = Rotary(cfg.head_dim, max_seq_len, cfg.rope_theta)
+        self.rotary = rotary = Rotary(cfg.head_dim, max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -86,7 +86,7 @@ def test_eagle3_tap_ids_top_level_and_eagle_config(tmp_path):
     ({"vocab_size": 0}, "vocab_size", "should be positive"),
     ({"num_key_value_heads": 3}, "num_key_value_heads", "must divide num_attention_heads"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings", "should be bool"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", "does not support"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling.rope_type", "'default' and 'yarn'"),
     ({"architectures": ["LlamaForCausalLM"]}, "architectures", "dense Qwen3"),
     ({"architectures": []}, "architectures", "is missing"),
 ])

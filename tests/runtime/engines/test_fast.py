@@ -17,6 +17,8 @@ from fixtures import step_inputs
 
 pytest.importorskip("triton", reason="the fast backend needs triton (pip install triton)")
 
+from xcompile.compile.config import Yarn  # noqa: E402
+from xcompile.compile.models.layers import Rotary  # noqa: E402
 from xcompile.compile.reference import eagle3_engines, qwen3_engine  # noqa: E402
 from xcompile.runtime.common.errors import EngineError  # noqa: E402
 from xcompile.runtime.decoding.drafters import (  # noqa: E402
@@ -181,6 +183,25 @@ def test_eagle3_norm_before_residual_matches_the_reference():
     want, have = ref.run(hidden_states=hidden, **inputs), got.run(hidden_states=hidden, **inputs)
     assert close(have["hidden_out"], want["hidden_out"]) and close(have["logits"], want["logits"])
     assert not close(plain.run(hidden_states=hidden, **inputs)["hidden_out"], want["hidden_out"], 1e-2)
+
+
+def test_yarn_models_run_their_scaled_tables_past_the_trained_window():
+    """YaRN reaches the kernels through the reference modules' cos/sin tables: steps past the trained window
+    (8 positions here) match the reference, and EAGLE3 chain generation equals plain greedy decoding."""
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16, rope_scaling=Yarn(factor=4.0, original_max_position_embeddings=8))
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    plain = Rotary(16, MAX_SEQ_LEN, T.TARGET_CFG.rope_theta)
+    assert torch.equal(got.rope[0], tiny.target.model.rotary.cos) and not torch.allclose(got.rope[0], plain.cos)
+    ref.new_kv()
+    got.new_kv()
+    for inputs in (step_inputs(torch.tensor([[5, 9, 11, 20, 33, 7, 2, 40, 41, 60]]), 0),     # positions 0..9
+                   step_inputs(torch.tensor([[7]]), 10), tree_inputs([3, 4, 5, 6], [0, 0, 1, 1], 11)):
+        want, have = ref.run(**inputs), got.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    prompt = [5, 9, 11, 20, 33, 7]
+    r = Generator(fast_target(tiny), Eagle3ChainDrafter(*fast_eagle3(tiny), tiny.d2t, 3), [], MAX_SEQ_LEN,
+                  options=LoopOptions(debug=True)).generate(prompt, 10)
+    assert r.tokens == T.greedy_reference(tiny.target, prompt, 10)                         # positions up to 15
 
 
 DRAFTERS = {
