@@ -127,11 +127,8 @@ class BatchGenerator:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
-                      sampling: SamplingParams) -> None:
-        """EngineError for anything a request can get wrong (the batch-1 Generator's checks), before any work."""
-        if not isinstance(sampling, SamplingParams):
-            raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """EngineError unless the prompt is non-empty, in range and leaves room for one step."""
         if not prompt_ids:
             raise EngineError("empty prompt: give at least one token")
         if len(prompt_ids) + 1 > self.max_seq_len:
@@ -139,13 +136,17 @@ class BatchGenerator:
                               f"{self.max_seq_len}; shorten the prompt or rebuild with a larger --max-seq-len")
         if min(prompt_ids) < 0:
             raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
+
+    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
+                      sampling: SamplingParams) -> None:
+        """EngineError for anything a request can get wrong (the batch-1 Generator's checks), before any work."""
+        if not isinstance(sampling, SamplingParams):
+            raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        self.check_prompt(prompt_ids)
         if stop and self.detokenize is None:
             raise EngineError("stop strings need a detokenize callback (BatchGenerator(..., detokenize=...))")
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if sampling.n != 1:
-            raise EngineError(f"submit takes one sample (SamplingParams(n=1)), got n={sampling.n}: submit each "
-                              "sample with its own index")
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
                sampling: SamplingParams = GREEDY, index: int = 0, cancel: threading.Event | None = None,
@@ -154,6 +155,9 @@ class BatchGenerator:
         ``index``: which stream of the seed it draws (sample ``index`` of a request); ``cancel``: set it
         (from any thread) to end the sequence before the next step; ``on_tokens``: each step's new tokens."""
         self.check_request(prompt_ids, max_new_tokens, stop, sampling)
+        if sampling.n != 1:
+            raise EngineError(f"submit takes one sample (SamplingParams(n=1)), got n={sampling.n}: submit each "
+                              "sample with its own index")
         seq = BatchSequence(list(prompt_ids), Stops(max_new_tokens, self.eos_ids, stop, self.detokenize), sampling,
                             index, cancel, on_tokens, Stats(prompt_tokens=len(prompt_ids)))
         self.waiting.append(seq)
@@ -220,6 +224,17 @@ class BatchGenerator:
             q.root = token
             if self._emit(q, [token]):
                 ended.append(q)
+        return ended
+
+    def abort(self, why: str) -> list[BatchSequence]:
+        """Stop every sequence, running or waiting, with reason "error" (``why``): what a caller does when a
+        step itself raised (an engine failure), after which no row's state can be trusted. The slots are free
+        again; the next sequence's prefill rewrites its slot from row 0."""
+        ended = [s.seq for s in self.slots if s.seq is not None] + list(self.waiting)
+        self.waiting.clear()
+        for q in ended:
+            q.error, q.stops.reason = why, "error"
+            self._finish(q)
         return ended
 
     def _sampled(self, b: int, root: int, logits: torch.Tensor) -> int:
