@@ -40,14 +40,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
-from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams
+from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.engines.base import Engine
 
@@ -177,6 +177,19 @@ class BatchGenerator:
         while not self.idle:
             self.step()
         return [s.result for s in seqs]
+
+    def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                   on_tokens: Callable[[int, list[int]], None] | None = None,
+                   sampling: SamplingParams = GREEDY) -> list[Result]:
+        """``Generator.generate_n`` batched: the ``sampling.n`` samples of one prompt decode together, sample j
+        drawing stream j of one seed (drawn here when ``sampling.seed`` is None)."""
+        one = replace(with_seed(sampling), n=1)
+        seqs = [self.submit(prompt_ids, max_new_tokens, stop, one, j, None,
+                            None if on_tokens is None else (lambda tokens, j=j: on_tokens(j, tokens)))
+                for j in range(sampling.n)]
+        while not self.idle:
+            self.step()
+        return [q.result for q in seqs]
 
     # -- the loop ----------------------------------------------------------------------------------
 

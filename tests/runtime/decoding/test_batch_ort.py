@@ -57,3 +57,26 @@ def test_the_batch_1_generator_refuses_a_batch_dir_with_the_fix(batch_dir):
     with open_engine_dir(batch_dir, "ort", "cpu") as es:
         with pytest.raises(EngineError, match=r"\(4, 64\).*needs \(1, 64\)"):
             Generator(es.engines["target"], NoDrafter(), [], es.manifest.max_seq_len)
+
+
+def test_llm_and_xrun_generate_batch_on_a_batch_dir(batch_dir, single_dir, prompts):
+    """LLM.generate decodes its prompts together on a --max-batch 4 dir; xrun generate's n samples too, each
+    what the batch-1 dir gives; an explicit drafter is refused there with the fix."""
+    import serving
+
+    from xcompile.runtime.api import LLM
+
+    with LLM(batch_dir, backend="ort", device="cpu") as llm:
+        got = [c.outputs[0].token_ids for c in llm.generate(prompts, max_new_tokens=NEW)]
+        assert llm.batch.stats.rows_used[3] > 0
+    with LLM(single_dir, backend="ort", device="cpu", drafter="none") as llm:
+        assert got == [c.outputs[0].token_ids for c in llm.generate(prompts, max_new_tokens=NEW)]
+    args = ("--prompt", "the cat", "--max-new-tokens", 8, "--temperature", 0.8, "--seed", 5, "--num-samples", 2,
+            "--backend", "ort")
+    def samples(d, *more):
+        return [x["tokens"] for x in serving.generate_json(d, *args, *more)["samples"]]
+
+    batched = samples(batch_dir)
+    assert batched == samples(single_dir, "--drafter", "none") and batched[0] != batched[1]
+    with pytest.raises(EngineError, match="--drafter eagle3.*--max-batch 4.*--drafter none"):
+        LLM(batch_dir, backend="ort", device="cpu", drafter="eagle3")
