@@ -29,18 +29,20 @@ from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES, Engine
 from xcompile.runtime.engines.torch_module import TorchEngine
 
 
-def torch_engines(module: torch.nn.Module, role: str, max_seq_len: int | None = None) -> dict[str, TorchEngine]:
+def torch_engines(module: torch.nn.Module, role: str, max_seq_len: int | None = None,
+                  batch: int = 1) -> dict[str, TorchEngine]:
     """Every contract graph ``module`` runs as in the ``role`` slot (a head: ``eagle3`` and ``eagle3_fc``), as
-    torch engines in its own dtype and on its device, with KV for ``max_seq_len`` tokens (default: the module's)."""
+    torch engines in its own dtype and on its device, with KV for ``batch`` sequences of ``max_seq_len``
+    tokens (default: the module's)."""
     w = next(module.parameters())
-    return {graph: TorchEngine(m, m.graph_spec(graph), m.kv_shape(max_seq_len), w.dtype, w.device)
+    return {graph: TorchEngine(m, m.graph_spec(graph), m.kv_shape(max_seq_len, batch), w.dtype, w.device)
             for graph, m in module.graphs(role)}
 
 
-def qwen3_engine(module: Qwen3, graph: str = TARGET, max_seq_len: int | None = None) -> TorchEngine:
+def qwen3_engine(module: Qwen3, graph: str = TARGET, max_seq_len: int | None = None, batch: int = 1) -> TorchEngine:
     """``module`` as the ``target`` (or ``draft``) graph, in its own dtype and on its device, with KV for
-    ``max_seq_len`` tokens (default: the module's)."""
-    return torch_engines(module, graph, max_seq_len)[graph]
+    ``batch`` sequences of ``max_seq_len`` tokens (default: the module's)."""
+    return torch_engines(module, graph, max_seq_len, batch)[graph]
 
 
 def eagle3_engines(head: Eagle3, max_seq_len: int | None = None) -> tuple[TorchEngine, TorchEngine]:
@@ -83,7 +85,9 @@ def reference_engines(manifest: Manifest, device: torch.device | str, dtype: tor
             module = modules[role]
             module.quantized = {name: source.quantized(module, name).to(device)
                                 for name in source.key_map(module).packed}
-    return {graph: engine for role, module in modules.items() for graph, engine in torch_engines(module, role).items()}
+    # KV for the dir's max_batch sequences, as its graphs were exported (the continuous-batching loop's slots)
+    return {graph: engine for role, module in modules.items()
+            for graph, engine in torch_engines(module, role, batch=manifest.max_batch).items()}
 
 
 def load_torch_models(source: Path | Manifest, device: torch.device | str, dtype: torch.dtype | None = None,

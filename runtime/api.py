@@ -11,22 +11,26 @@
             print(piece, end="", flush=True)
 
 Greedy output is plain greedy decoding's, whatever the drafter; sampling draws every token from the target's
-warped distribution (speculative sampling). Prompts run one after another on the engines' one sequence slot.
+warped distribution (speculative sampling). Prompts run one after another on the engines' one sequence slot;
+on an engine dir exported with ``--max-batch N > 1`` they decode together, N at a time, without speculation
+(runtime/decoding/batch.py), each getting the tokens it gets alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
-from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams, with_seed
 
 if TYPE_CHECKING:
+    from xcompile.runtime.decoding.batch import BatchGenerator
+    from xcompile.runtime.decoding.generator import Generator
     from xcompile.runtime.engines.kernels.config import KernelConfig
 
 Prompt = str | Sequence[int]           # text (the dir's tokenizer encodes it) or token ids
@@ -71,6 +75,7 @@ class LLM:
         naming the file or option) when the dir cannot serve this."""
         import torch
 
+        from xcompile.runtime.decoding.batch import BatchGenerator
         from xcompile.runtime.decoding.generator import Generator, LoopOptions
         from xcompile.runtime.decoding.registry import make_drafter
         from xcompile.runtime.enginedir.text import Text
@@ -89,11 +94,25 @@ class LLM:
         try:
             m, directory = self.engines.manifest, self.engines.directory
             self.tokenizer = Text(directory) if (directory / "tokenizer.json").is_file() else None
-            self.spec = spec.resolve(self.engines)          # auto replaced by what the dir holds
-            self.drafter = make_drafter(self.engines, self.spec)
-            self.generator = Generator(self.engines.engines["target"], self.drafter, m.eos_token_ids, m.max_seq_len,
-                                       detokenize=self.tokenizer.decode if self.tokenizer else None,
-                                       options=LoopOptions(cuda_graphs=cuda_graphs and self.device.type == "cuda"))
+            detokenize = self.tokenizer.decode if self.tokenizer else None
+            self.generator: Generator | None = None
+            self.batch: BatchGenerator | None = None
+            if m.max_batch > 1:
+                # the continuous-batching loop: plain decoding in every slot (speculation is not batched yet)
+                if spec.name not in ("auto", "none"):
+                    raise EngineError(f"--drafter {spec.name}: {directory} was exported with --max-batch "
+                                      f"{m.max_batch}, whose batched steps do not speculate yet; use --drafter none, "
+                                      "or an engine dir exported with --max-batch 1")
+                self.spec, self.drafter = DrafterSpec("none"), None
+                self.batch = BatchGenerator(self.engines.engines["target"], m.eos_token_ids, m.max_seq_len,
+                                            detokenize=detokenize)
+            else:
+                self.spec = spec.resolve(self.engines)          # auto replaced by what the dir holds
+                self.drafter = make_drafter(self.engines, self.spec)
+                self.generator = Generator(self.engines.engines["target"], self.drafter, m.eos_token_ids,
+                                           m.max_seq_len, detokenize=detokenize,
+                                           options=LoopOptions(cuda_graphs=cuda_graphs and self.device.type == "cuda"))
+            self.loop = self.generator or self.batch        # what checks requests: both say the same
         except BaseException:
             self.engines.close()
             raise
@@ -126,6 +145,8 @@ class LLM:
         many = isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], int)
         ids = [self.encode(p) for p in (prompts if many else [prompts])]
         budgets = [self._budget(p, max_new_tokens, stop, sampling) for p in ids]
+        if self.batch is not None:
+            return self._complete_batched(ids, sampling, budgets, stop)
         return [self._complete(p, sampling, n, stop) for p, n in zip(ids, budgets)]
 
     def chat(self, messages: str | list[dict], sampling: SamplingParams = GREEDY, *,
@@ -135,7 +156,10 @@ class LLM:
         if self.tokenizer is None:
             raise EngineError(f"{self.engines.directory}: no tokenizer.json, so no chat template")
         ids = self.tokenizer.chat(messages)
-        return self._complete(ids, sampling, self._budget(ids, max_new_tokens, stop, sampling), stop)
+        budget = self._budget(ids, max_new_tokens, stop, sampling)
+        if self.batch is not None:
+            return self._complete_batched([ids], sampling, [budget], stop)[0]
+        return self._complete(ids, sampling, budget, stop)
 
     def stream(self, prompt: Prompt, sampling: SamplingParams = GREEDY, *, max_new_tokens: int | None = None,
                stop: Sequence[str] = ()) -> Iterator[str]:
@@ -145,19 +169,21 @@ class LLM:
         if sampling.n != 1:
             raise EngineError(f"stream gives one sample; got SamplingParams(n={sampling.n}): use generate")
         ids = self.encode(prompt)
-        run = self.generator.stream(ids, self._budget(ids, max_new_tokens, stop, sampling), stop, sampling)
-        return self._pieces(run)
+        budget = self._budget(ids, max_new_tokens, stop, sampling)
+        if self.batch is not None:
+            return self._pieces(self._batch_stream(ids, budget, stop, sampling))
+        return self._pieces(self.generator.stream(ids, budget, stop, sampling))
 
     def _budget(self, ids: list[int], max_new_tokens: int | None, stop: Sequence[str],
                 sampling: SamplingParams) -> int:
         """The request checked (Generator.check_request) and its token budget: ``max_new_tokens`` if it fits the
         context after the prompt, else EngineError; None: DEFAULT_NEW_TOKENS or the room left, if less."""
-        room = self.generator.max_seq_len - len(ids)
+        room = self.loop.max_seq_len - len(ids)
         budget = max(1, min(DEFAULT_NEW_TOKENS, room)) if max_new_tokens is None else max_new_tokens
-        self.generator.check_request(ids, budget, stop, sampling)
+        self.loop.check_request(ids, budget, stop, sampling)
         if budget > room:
             raise EngineError(f"max_new_tokens {budget}: the prompt's {len(ids)} tokens and that many new ones "
-                              f"exceed the engine dir's max_seq_len {self.generator.max_seq_len}; at most "
+                              f"exceed the engine dir's max_seq_len {self.loop.max_seq_len}; at most "
                               f"{max(room, 0)} fit")
         return budget
 
@@ -177,6 +203,28 @@ class LLM:
         decode = self.tokenizer.decode if self.tokenizer else None
         return Completion(prompt_ids, [Output(r.index, decode(r.tokens) if decode else None, r.tokens, r.finish_reason,
                                               r.stats, r.seed) for r in results])
+
+    def _complete_batched(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int],
+                          stop: Sequence[str]) -> list[Completion]:
+        """Every sample of every prompt submitted to the batch at once, then steps until all have stopped;
+        sample j of a prompt draws stream j of the request's seed, as ``Generator.generate_n``."""
+        one = replace(with_seed(sampling), n=1)
+        seqs = [[self.batch.submit(p, n, stop, one, j) for j in range(sampling.n)] for p, n in zip(prompts, budgets)]
+        while not self.batch.idle:
+            self.batch.step()
+        decode = self.tokenizer.decode if self.tokenizer else None
+        return [Completion(p, [Output(q.index, decode(q.result.tokens) if decode else None, q.result.tokens,
+                                      q.result.finish_reason, q.result.stats, q.result.seed) for q in qs])
+                for p, qs in zip(prompts, seqs)]
+
+    def _batch_stream(self, ids: list[int], budget: int, stop: Sequence[str],
+                      sampling: SamplingParams) -> Iterator[list[int]]:
+        new: list[list[int]] = []
+        seq = self.batch.submit(ids, budget, stop, sampling, on_tokens=new.append)
+        while seq.result is None:
+            self.batch.step()
+            yield from new
+            new.clear()
 
     def close(self) -> None:
         self.engines.close()

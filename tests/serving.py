@@ -111,7 +111,7 @@ class HeldWorker(EngineWorker):
         self.gate, self.entered, self.delay = threading.Event(), threading.Event(), 0.0
         self.gate.set()
         self.steps = 0
-        target = self.gen.target
+        target = self.target
         run = target.run
 
         def held_run(**inputs):

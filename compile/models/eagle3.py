@@ -159,9 +159,9 @@ class Eagle3(nn.Module):
         return {"batch": max_batch, "draft_vocab": c.draft_vocab_size, "hidden": c.hidden_size,
                 "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "max_seq_len": self.max_seq_len}
 
-    def kv_shape(self, max_seq_len: int | None = None) -> KVShape:
+    def kv_shape(self, max_seq_len: int | None = None, batch: int = 1) -> KVShape:
         c = self.cfg
-        return KVShape(1, c.num_key_value_heads, c.head_dim, max_seq_len or self.max_seq_len)
+        return KVShape(1, c.num_key_value_heads, c.head_dim, max_seq_len or self.max_seq_len, batch)
 
 
 class Eagle3FC(nn.Module):
@@ -180,5 +180,5 @@ class Eagle3FC(nn.Module):
     def graph_dims(self, max_batch: int) -> dict[str, int]:
         return {"batch": max_batch, "taps_hidden": self.fc.in_features, "hidden": self.fc.out_features}
 
-    def kv_shape(self, max_seq_len: int | None = None) -> None:
+    def kv_shape(self, max_seq_len: int | None = None, batch: int = 1) -> None:
         return None

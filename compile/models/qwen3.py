@@ -139,6 +139,7 @@ class Qwen3(nn.Module):
             dims["taps_hidden"] = len(self.taps) * c.hidden_size
         return dims
 
-    def kv_shape(self, max_seq_len: int | None = None) -> KVShape:
+    def kv_shape(self, max_seq_len: int | None = None, batch: int = 1) -> KVShape:
         c = self.cfg
-        return KVShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_seq_len or self.max_seq_len)
+        return KVShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_seq_len or self.max_seq_len,
+                       batch)

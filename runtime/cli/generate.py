@@ -127,7 +127,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     check_tokenizer(req)
     with LLM(req.engine_dir, backend=req.backend, device=req.device, drafter=req.drafter,
              cuda_graphs=req.cuda_graphs, verify=req.verify) as llm:
-        es, gen, drafter = llm.engines, llm.generator, llm.drafter
+        es, gen, drafter = llm.engines, llm.loop, llm.drafter      # loop: a --max-batch N dir's batch loop
         log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
         text = llm.tokenizer if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
@@ -150,7 +150,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     outs = []
     for result in results:
         stats = stats_dict(result)
-        stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name or "none",
+        stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name if drafter else "none",
                      sampling=sampling_dict(sampling))
         outs.append({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None, "stats": stats})
     if as_json:

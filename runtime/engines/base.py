@@ -49,6 +49,9 @@ class Engine(ABC):
     # graphs of its own launches (recording it again would capture a capture), and an ONNX Runtime run is
     # host code that may allocate or synchronise. A backend whose steps are capturable sets it True.
     graph_capturable = False
+    # Whether the rows of one step may hold different sequences (each its own write_index and positions, the
+    # continuous-batching loop, runtime/decoding/batch.py). The fast backend's kernels take one sequence.
+    batched = True
 
     def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
         self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, normalize_device(device)

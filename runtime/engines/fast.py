@@ -153,6 +153,7 @@ class _FastEngine(Engine):
     inputs of batch 1."""
 
     graph_capturable = True
+    batched = False             # the kernels take batch 1 (``_batch1``)
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)

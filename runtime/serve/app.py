@@ -45,7 +45,7 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         sched = app.state.scheduler = Scheduler(config, open_worker)
-        app.state.metrics = Metrics(lambda: sched.waiting, lambda: float(sched.slot.locked()))
+        app.state.metrics = Metrics(lambda: sched.waiting, sched.busy)
         loading = asyncio.create_task(_load(sched, on_load_error))
         try:
             if not background_load:
@@ -114,7 +114,9 @@ async def _load(sched: Scheduler, on_load_error: Callable[[str], None] | None) -
             on_load_error(sched.load_error)
         return
     w = sched.worker
-    log.info("serving %s: %s on %s, drafter %s, batch 1", w.model_name, w.es.backend, w.es.device, w.drafter.name)
+    batch = w.es.manifest.max_batch
+    log.info("serving %s: %s on %s, drafter %s, batch %d", w.model_name, w.es.backend, w.es.device, w.spec.label,
+             batch if w.batch is not None else 1)
 
 
 def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -1,5 +1,6 @@
-"""One request on the device at a time: the process's engine set, a bounded FIFO queue in front of it,
-cancel on disconnect and a per-request timeout.
+"""The device and its queue: the process's engine set, a bounded FIFO queue in front of it, cancel on
+disconnect and a per-request timeout. An engine dir exported with ``--max-batch 1`` runs one request at a
+time (below); one exported with ``--max-batch N > 1`` runs N sequences together (``BatchLoop``, at the end).
 
 Batch 1, latency first: the engines, their KV buffers and the Generator are opened once per process and
 live on one worker thread (torch work never runs on the event loop). The event loop admits requests:
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -52,6 +54,8 @@ class EngineWorker:
                        cuda_graphs=config.cuda_graphs)
         llm = self.llm
         self.es, self.text, self.spec, self.drafter, self.gen = llm.engines, llm.tokenizer, llm.spec, llm.drafter, llm.generator
+        self.batch = llm.batch                      # the continuous-batching loop (None: batch 1, self.gen)
+        self.target = self.es.engines["target"]
         m = self.es.manifest
         self.model_name = config.served_model_name or m.name
         self.max_seq_len = m.max_seq_len
@@ -71,7 +75,7 @@ class EngineWorker:
             except EngineError as e:
                 raise ServeError(400, str(e), param) from None
         try:
-            self.gen.check_prompt(ids)
+            self.llm.loop.check_prompt(ids)
         except EngineError as e:
             raise ServeError(400, str(e), param, "context_length_exceeded") from None
         return ids
@@ -86,7 +90,7 @@ class EngineWorker:
             if job.cancel.is_set():
                 return
             result = self.gen.generate(g.prompt, g.max_new_tokens, stop=g.stop, sampling=g.sampling, index=g.index,
-                                       cancel=job.cancel, on_tokens=lambda tokens, i=i: post(("tokens", i, tokens)))
+                                       cancel=job.cancel, on_tokens=lambda tokens, i=i, post=post: post(("tokens", i, tokens)))
             if result.finish_reason != "cancelled":
                 post(("done", i, result))
 
@@ -133,15 +137,26 @@ class Scheduler:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="xcompile-engine")
         self.slot = asyncio.Lock()
         self.waiting = 0
+        self.active = 0                             # batch mode: jobs with a sequence in a slot
+        self.inflight = 0                           # batch mode: jobs admitted and not yet ended
         self.running: Job | None = None
         self.worker: EngineWorker | None = None
+        self.batch_loop: BatchLoop | None = None
         self.load_error: str | None = None
 
+    def busy(self) -> float:
+        """Requests on the device: 0 or 1 at batch 1, the jobs in slots when batching."""
+        return float(self.active if self.batch_loop is not None else self.slot.locked())
+
     async def load(self) -> None:
-        """Open the engines on the worker thread; ``load_error`` holds the one-line reason if that fails."""
+        """Open the engines on the worker thread; ``load_error`` holds the one-line reason if that fails.
+        A batching worker's loop then runs on that thread until ``close``."""
         try:
             self.worker = await asyncio.get_running_loop().run_in_executor(self.executor, self.open_worker,
                                                                            self.config)
+            if self.worker.batch is not None:
+                self.batch_loop = BatchLoop(self.worker.batch)
+                self.executor.submit(self.batch_loop.run)
         except XcompileError as e:
             self.load_error = str(e)
         except Exception as e:              # a backend's own error (e.g. ONNX Runtime's): report it, keep the cause
@@ -164,6 +179,10 @@ class Scheduler:
         (``EngineWorker.run``); ServeError 504 past the deadline. Leaving early (client gone) cancels
         the job within one round."""
         worker = self.ready()
+        if self.batch_loop is not None:
+            async for event in self._batched(job):
+                yield event
+            return
         if self.slot.locked() and self.waiting >= self.config.max_queue:
             raise ServeError(429, f"server busy: {self.waiting} requests already wait for the device "
                                   f"(--max-queue {self.config.max_queue}); retry later")
@@ -203,6 +222,46 @@ class Scheduler:
             if timer is not None:
                 timer.cancel()
 
+    async def _batched(self, job: Job) -> AsyncIterator[tuple]:
+        """``run`` on a batching worker: the job's generations join the batch loop as slots free up. Admission
+        counts requests, not sequences: max_batch of them run and --max-queue more wait, the next is refused
+        (a request of n choices takes n slots, so then more wait than that)."""
+        limit = self.batch_loop.batch.max_batch + self.config.max_queue
+        if self.inflight >= limit:
+            raise ServeError(429, f"server busy: {self.inflight} requests are running or waiting for a batch slot "
+                                  f"({self.batch_loop.batch.max_batch} slots + --max-queue {self.config.max_queue}); "
+                                  "retry later")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self.waiting += 1
+        self.inflight += 1
+        started = False
+        yield "admitted", None, None
+        self.batch_loop.put(job, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        timer = None if job.deadline is None else loop.call_later(max(0.0, job.deadline - time.monotonic()),
+                                                                  job.expire)
+        try:
+            while (event := await events.get()) is not DONE:
+                if event[0] == "started":
+                    started = True
+                    self.waiting -= 1
+                    self.active += 1
+                elif event[0] == "failed":
+                    raise ServeError(500, f"generation {event[1]} failed: {event[2]}")
+                else:
+                    yield event
+            if job.timed_out:
+                raise self._timeout(job, "generating" if started else "waiting for a batch slot")
+        finally:
+            job.cancel.set()                                # the loop drops what is left within one step
+            if timer is not None:
+                timer.cancel()
+            self.inflight -= 1
+            if started:
+                self.active -= 1
+            else:
+                self.waiting -= 1
+
     def _release(self, _future) -> None:
         self.running = None
         self.slot.release()
@@ -215,6 +274,96 @@ class Scheduler:
         """Cancel what runs, then close the engines on the worker thread once it is done."""
         if self.running is not None:
             self.running.cancel.set()
+        if self.batch_loop is not None:
+            self.batch_loop.stop()                          # the engine thread leaves the loop within one step
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)
         self.executor.shutdown(wait=True)
+
+
+class BatchLoop:
+    """The continuous-batching loop on the engine thread (runtime/decoding/batch.py): jobs arrive from the
+    event loop through ``put``, their generations are submitted between steps and take slots first come,
+    first served; each step's tokens, each generation's end and a job's end are posted back as ``run``
+    describes, plus ``("started", None, None)`` once a job's first generation holds a slot and
+    ``("failed", i, why)`` when generation i failed (its callback, its stop check, or the engine's step).
+    A job's cancel event ends its generations before the next step."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()     # (job, post), or None: stop
+        self.owner: dict = {}                   # BatchSequence -> (job, generation index)
+        self.jobs: dict[int, list] = {}         # id(job) -> [post, sequences left, started?]
+        self.stopped = False
+
+    def put(self, job: Job, post: Callable[[tuple], None]) -> None:
+        self.inbox.put((job, post))
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.inbox.put(None)
+
+    def run(self) -> None:
+        while not self.stopped:
+            self._take(wait=self.batch.idle)
+            if self.batch.idle:
+                continue
+            try:
+                ended = self.batch.step()
+            except Exception as e:          # the engine failed: no row of the step can be trusted
+                log.exception("a batched step failed")
+                ended = self.batch.abort(f"{type(e).__name__}: {e}")
+            for q in self.batch.running:
+                self._started(q)
+            for q in ended:
+                self._ended(q)
+        for q in self.batch.abort("the server is shutting down"):
+            self._ended(q)
+
+    def _take(self, wait: bool) -> None:
+        """Submit every job that arrived (blocking for the first when ``wait``: nothing else to do)."""
+        while True:
+            try:
+                item = self.inbox.get(block=wait)
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            job, post = item
+            state = self.jobs[id(job)] = [post, 0, False]
+            for i, g in enumerate(job.generations):
+                try:
+                    q = self.batch.submit(g.prompt, g.max_new_tokens, g.stop, g.sampling, g.index, job.cancel,
+                                          lambda tokens, i=i, post=post: post(("tokens", i, tokens)))
+                except EngineError as e:
+                    post(("failed", i, str(e)))
+                    job.cancel.set()
+                    break
+                self.owner[q] = (job, i)
+                state[1] += 1
+            if state[1] == 0:
+                del self.jobs[id(job)]
+                post(DONE)
+            wait = False
+
+    def _started(self, q) -> None:
+        job, _ = self.owner[q]
+        state = self.jobs[id(job)]
+        if not state[2]:
+            state[2] = True
+            state[0](("started", None, None))
+
+    def _ended(self, q) -> None:
+        job, i = self.owner.pop(q)
+        state = self.jobs[id(job)]
+        post = state[0]
+        r = q.result
+        if r.finish_reason == "error":
+            post(("failed", i, q.error))
+            job.cancel.set()                # the request fails as a whole: its other generations leave too
+        elif r.finish_reason != "cancelled":
+            post(("done", i, r))
+        state[1] -= 1
+        if state[1] == 0:
+            del self.jobs[id(job)]
+            post(DONE)

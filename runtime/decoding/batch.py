@@ -1,0 +1,312 @@
+"""Continuous batching: up to ``max_batch`` sequences decode together, joining and leaving between steps.
+
+    batch = BatchGenerator(target, eos_ids=[151645], max_seq_len=4096, detokenize=tokenizer.decode)
+    a = batch.submit(prompt_a, 64)
+    b = batch.submit(prompt_b, 64, sampling=SamplingParams(temperature=0.7, seed=1), on_tokens=print)
+    while not batch.idle:
+        batch.step()                                    # one target pass over every slot
+    a.result.tokens, b.result.tokens
+
+Slots. The target engine's KV buffers are [B, Hkv, S_max, D] with B = the engine dir's ``max_batch``; slot b
+owns row b of every buffer. A submitted sequence waits (first come, first served) until a slot is free, takes
+it between two steps and gives it back when it stops (EOS, a stop string, its budget, the cache's end, a
+cancel, or an error of its own). Nothing is cleared: a new sequence's prefill writes its slot from row 0, and
+rows past a slot's length are stale and never read (the I/O contract's mask rule).
+
+A step. One ``target.run`` over all B rows with a single S (ORT and TensorRT graphs fix B, and one call
+takes one S): row b writes its tokens at ``write_index[b]`` = its KV length, positions follow, the mask is
+causal, and ``logit_rows[b]`` picks its last real token. A decoding row feeds one token (its root, the last
+committed one) and a prefilling row the next chunk of its prompt (at most ``chunk`` tokens); shorter rows and
+free slots are padded after their real tokens with token 0, which the causal mask hides from the real ones and
+whose KV writes land past the row's length in its own slot (stale, overwritten later). So prefill chunks of
+every joining sequence and the decode tokens of the others share one step: the graph computes all B rows at
+S tokens whether the decode rows need one or not, so an extra prefill-only step would cost the same pass
+again; the chunk bounds how long a joining prompt stretches one step for the others. S is also capped by the
+room every row has left in its slot (a padded row must not write past S_max).
+
+What is not batched: speculation (a batch step verifies no drafts: sequences decode one token a step), and
+the fast backend (its kernels take one sequence; ``Engine.batched``). The batch-1 ``Generator`` keeps both.
+
+Equality: a greedy sequence gets the tokens plain greedy decoding gives it alone (the tests hold it to the
+batch-1 Generator). A sampled sequence draws from a ``Sampler`` of its slot, reset with its own seed and
+stream, making exactly the batch-1 loop's draws (the first token's, then one plain round's each step), so it
+also gets the tokens it gets alone on the same backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.drafters import causal
+from xcompile.runtime.decoding.outcome import Result, Stats, Stops
+from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
+from xcompile.runtime.decoding.speculative import accept_chain, chain_block
+from xcompile.runtime.engines.base import Engine
+
+# Prompt tokens a prefilling sequence feeds per step: the largest step the loop's other paths keep on their
+# short-step routes (layers.MATMUL_ATTENTION_MAX_QUERIES, ort.GRAPH_MAX_TOKENS, the fast kernels' 64 rows).
+CHUNK = 64
+PAD = 0                 # the token of padding positions (any valid id: no real token sees it)
+log = logging.getLogger("xcompile.batch")
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One sequence of the batch: its request, where it stands, and its ``result`` once it has stopped."""
+
+    prompt: list[int]
+    stops: Stops
+    sampling: SamplingParams
+    index: int
+    cancel: threading.Event | None
+    on_tokens: Callable[[list[int]], None] | None
+    stats: Stats
+    slot: int = -1              # the KV row it owns while running
+    length: int = 0             # tokens in its KV slot (prompt chunks, then committed tokens but the root)
+    root: int = -1              # the last committed token, not yet in the KV (written first by the next step)
+    seed: int | None = None
+    start: float = 0.0
+    result: Result | None = None
+    error: str | None = None    # why it stopped with reason "error" (its callback or stop check raised)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.root < 0
+
+
+@dataclass
+class _Slot:
+    sampler: Sampler            # per slot: its own seed, stream and counter, as the batch-1 loop has one
+    block: object = None        # a root-only chain block (sampled rows verify through accept_chain)
+    seq: BatchSequence | None = None
+
+
+@dataclass
+class BatchStats:
+    """What the loop did: target passes, and the tokens they carried (real, not padding)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    rows_used: list[int] = field(default_factory=list)     # [k]: steps with k + 1 occupied slots
+
+
+class BatchGenerator:
+    """The continuous-batching loop over one target engine (module docstring)."""
+
+    def __init__(self, target: Engine, eos_ids: Iterable[int], max_seq_len: int, *,
+                 detokenize: Callable[[list[int]], str] | None = None, chunk: int = CHUNK):
+        kv = target.kv_shape
+        if kv is None or kv.max_seq_len < max_seq_len:
+            raise EngineError(f"target engine KV {None if kv is None else kv.shape} holds fewer than max_seq_len "
+                              f"{max_seq_len} slots; rebuild the engine dir with a larger --max-seq-len")
+        if not target.batched:
+            raise EngineError(f"the {type(target).__name__} target runs one sequence per step, so it cannot batch; "
+                              "use --backend torch/ort, or an engine dir exported with --max-batch 1")
+        if chunk < 1:
+            raise EngineError(f"chunk must be >= 1 prompt token per step, got {chunk}")
+        if not target.kv:
+            target.new_kv()
+        self.target, self.device, self.chunk = target, target.device, chunk
+        self.max_batch, self.max_seq_len = kv.batch, max_seq_len
+        self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
+        self.slots = [_Slot(Sampler(self.device)) for _ in range(self.max_batch)]
+        for s in self.slots:
+            s.block = chain_block(torch.zeros(1, 1, dtype=torch.int64, device=self.device))
+        self.waiting: deque[BatchSequence] = deque()
+        self.stats = BatchStats(rows_used=[0] * self.max_batch)
+        self._causal: dict[int, torch.Tensor] = {}         # the causal tree_mask [B, S, S] of each S used
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """EngineError unless the prompt is non-empty, in range and leaves room for one step."""
+        if not prompt_ids:
+            raise EngineError("empty prompt: give at least one token")
+        if len(prompt_ids) + 1 > self.max_seq_len:
+            raise EngineError(f"prompt of {len(prompt_ids)} tokens + 1 slot for its first step exceed max_seq_len "
+                              f"{self.max_seq_len}; shorten the prompt or rebuild with a larger --max-seq-len")
+        if min(prompt_ids) < 0:
+            raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
+
+    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
+                      sampling: SamplingParams) -> None:
+        """EngineError for anything a request can get wrong (the batch-1 Generator's checks), before any work."""
+        if not isinstance(sampling, SamplingParams):
+            raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        self.check_prompt(prompt_ids)
+        if stop and self.detokenize is None:
+            raise EngineError("stop strings need a detokenize callback (BatchGenerator(..., detokenize=...))")
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+               sampling: SamplingParams = GREEDY, index: int = 0, cancel: threading.Event | None = None,
+               on_tokens: Callable[[list[int]], None] | None = None) -> BatchSequence:
+        """Queue one sequence (checked first); it takes a free slot at the start of a later ``step``.
+        ``index``: which stream of the seed it draws (sample ``index`` of a request); ``cancel``: set it
+        (from any thread) to end the sequence before the next step; ``on_tokens``: each step's new tokens."""
+        self.check_request(prompt_ids, max_new_tokens, stop, sampling)
+        if sampling.n != 1:
+            raise EngineError(f"submit takes one sample (SamplingParams(n=1)), got n={sampling.n}: submit each "
+                              "sample with its own index")
+        seq = BatchSequence(list(prompt_ids), Stops(max_new_tokens, self.eos_ids, stop, self.detokenize), sampling,
+                            index, cancel, on_tokens, Stats(prompt_tokens=len(prompt_ids)))
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def running(self) -> list[BatchSequence]:
+        return [s.seq for s in self.slots if s.seq is not None]
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and all(s.seq is None for s in self.slots)
+
+    def generate(self, requests: Sequence[tuple]) -> list[Result]:
+        """Every request (``submit``'s positional arguments) through the batch; their Results in order."""
+        seqs = [self.submit(*r) for r in requests]
+        while not self.idle:
+            self.step()
+        return [s.result for s in seqs]
+
+    def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                   on_tokens: Callable[[int, list[int]], None] | None = None,
+                   sampling: SamplingParams = GREEDY) -> list[Result]:
+        """``Generator.generate_n`` batched: the ``sampling.n`` samples of one prompt decode together, sample j
+        drawing stream j of one seed (drawn here when ``sampling.seed`` is None)."""
+        one = replace(with_seed(sampling), n=1)
+        seqs = [self.submit(prompt_ids, max_new_tokens, stop, one, j, None,
+                            None if on_tokens is None else (lambda tokens, j=j: on_tokens(j, tokens)))
+                for j in range(sampling.n)]
+        while not self.idle:
+            self.step()
+        return [q.result for q in seqs]
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[BatchSequence]:
+        """Drop cancelled sequences, seat waiting ones, run one target pass over every slot and commit what
+        it gave each row. Returns the sequences that stopped during this call."""
+        ended = self._drop_cancelled()
+        self._seat()
+        rows = [(b, s.seq) for b, s in enumerate(self.slots) if s.seq is not None]
+        if not rows:
+            return ended
+        # S: the longest row's tokens (a prefill chunk, or 1), within the room every row has left
+        need = {b: min(len(q.prompt) - q.length, self.chunk) if q.prefilling else 1 for b, q in rows}
+        s = min(max(need.values()), min(self.max_seq_len - q.length for _, q in rows))
+        ids = torch.full((self.max_batch, s), PAD, dtype=torch.int64)
+        write = torch.zeros(self.max_batch, dtype=torch.int64)
+        last = torch.zeros(self.max_batch, 1, dtype=torch.int64)
+        for b, q in rows:
+            k = need[b] = min(need[b], s)
+            ids[b, :k] = torch.tensor(q.prompt[q.length:q.length + k] if q.prefilling else [q.root])
+            write[b], last[b, 0] = q.length, k - 1
+        dev = self.device
+        write_d = write.to(dev)
+        out = self.target.run(input_ids=ids.to(dev), position_ids=write_d[:, None] + torch.arange(s, device=dev),
+                              write_index=write_d, tree_mask=self._mask(s), logit_rows=last.to(dev))
+        logits = out["logits"]                                                  # [B, 1, V]
+        greedy = logits[:, 0].argmax(-1).tolist()                               # the one host read of a step
+        self.stats.steps += 1
+        self.stats.rows_used[len(rows) - 1] += 1
+        for b, q in rows:
+            q.stats.target_forwards += 1
+            if q.prefilling:
+                self.stats.prefill_tokens += need[b]
+                q.length += need[b]
+                if q.length < len(q.prompt):
+                    continue
+                token = greedy[b] if q.sampling.greedy else int(self.slots[b].sampler.sample(logits[b:b + 1, 0])[0])
+                q.stats.prefill_s = time.perf_counter() - q.start
+            else:
+                self.stats.decode_tokens += 1
+                q.length += 1
+                q.stats.rounds += 1
+                token = greedy[b] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1])
+            q.root = token
+            if self._emit(q, [token]):
+                ended.append(q)
+        return ended
+
+    def abort(self, why: str) -> list[BatchSequence]:
+        """Stop every sequence, running or waiting, with reason "error" (``why``): what a caller does when a
+        step itself raised (an engine failure), after which no row's state can be trusted. The slots are free
+        again; the next sequence's prefill rewrites its slot from row 0."""
+        ended = [s.seq for s in self.slots if s.seq is not None] + list(self.waiting)
+        self.waiting.clear()
+        for q in ended:
+            q.error, q.stops.reason = why, "error"
+            self._finish(q)
+        return ended
+
+    def _sampled(self, b: int, root: int, logits: torch.Tensor) -> int:
+        """Row b's next token as a plain round of the batch-1 loop verifies it (speculative.accept_chain over
+        a root-only block: one coin, then the bonus draw), so the slot's stream makes the same draws."""
+        slot = self.slots[b]
+        slot.block.tokens.fill_(root)
+        return int(accept_chain(slot.block, logits, slot.sampler).tokens[0, 0])
+
+    def _emit(self, q: BatchSequence, tokens: list[int]) -> bool:
+        """Apply q's stops to its new tokens and stream them; True when q has stopped (its slot is free then).
+        An exception of q's own (its stop check's detokenize, its callback) stops q alone, reason "error"."""
+        try:
+            kept = q.stops.push(tokens)
+            if kept and q.on_tokens is not None:
+                q.on_tokens(kept)
+        except Exception as e:              # q's own failure: record it, never let it reach the other rows
+            log.exception("a batched sequence failed in its stop check or callback")
+            q.error = f"{type(e).__name__}: {e}"
+            q.stops.reason = "error"
+        if not q.stops.reason and q.length + 1 > self.max_seq_len:
+            q.stops.reason = "max_seq_len"             # the next step would write its root past the slot
+        if q.stops.reason:
+            self._finish(q)
+            return True
+        return False
+
+    def _drop_cancelled(self) -> list[BatchSequence]:
+        ended = [q for q in self.waiting if q.cancel is not None and q.cancel.is_set()]
+        for q in ended:
+            self.waiting.remove(q)
+        ended += [s.seq for s in self.slots if s.seq is not None and s.seq.cancel is not None
+                  and s.seq.cancel.is_set()]
+        for q in ended:
+            q.stops.reason = "cancelled"
+            self._finish(q)
+        return ended
+
+    def _seat(self) -> None:
+        for b, slot in enumerate(self.slots):
+            if not self.waiting:
+                return
+            if slot.seq is None:
+                q = self.waiting.popleft()
+                q.slot, q.start = b, time.perf_counter()
+                q.seed = slot.sampler.reset(q.sampling, q.index)
+                slot.seq = q
+
+    def _finish(self, q: BatchSequence) -> None:
+        if q.slot >= 0:
+            self.slots[q.slot].seq = None
+        stats = q.stats
+        stats.new_tokens = len(q.stops.tokens)
+        if q.start:
+            stats.decode_s = time.perf_counter() - q.start - stats.prefill_s
+        q.result = Result(q.stops.tokens, stats, q.stops.reason, q.seed, q.index)
+
+    def _mask(self, s: int) -> torch.Tensor:
+        mask = self._causal.get(s)
+        if mask is None:
+            mask = self._causal[s] = causal(s, self.device, self.max_batch)
+        return mask

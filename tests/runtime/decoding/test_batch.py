@@ -1,0 +1,176 @@
+"""The continuous-batching loop (runtime/decoding/batch.py) on tiny seeded reference modules (TorchEngine, CPU fp32).
+
+Every sequence of a batch gets the tokens the batch-1 Generator gives it alone: greedy (against plain and
+EAGLE3-chain decoding) and sampled with its own seed, whatever the prompt lengths, chunk size and the steps at
+which sequences join; cancelled and failing sequences leave without touching the others, and their slots are
+taken again within one step.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import tiny_engines as T
+import torch
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.batch import BatchGenerator
+from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, NoDrafter
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.sampling import SamplingParams
+
+MAX_SEQ_LEN, BATCH, NEW = 96, 4, 24
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> T.Tiny:
+    return T.build(MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(4, T.VOCAB, (n,), generator=g).tolist() for n in (1, 7, 19, 40, 3, 70)]
+
+
+def alone(tiny, prompts, new=NEW, sampling=None, drafter=None) -> list[list[int]]:
+    g = Generator(tiny.target_engine(), drafter or NoDrafter(), [], MAX_SEQ_LEN)
+    return [g.generate(p, new, sampling=sampling or SamplingParams()).tokens for p in prompts]
+
+
+def batch_of(tiny, chunk=8, eos=()) -> BatchGenerator:
+    return BatchGenerator(T.qwen3_engine(tiny.target, batch=BATCH), eos, MAX_SEQ_LEN, chunk=chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 64])
+def test_each_sequence_gets_its_greedy_tokens_alone(tiny, prompts, chunk):
+    """Six prompts (1 to 70 tokens) through four slots: the last two wait for a free slot and join mid-run."""
+    batch = batch_of(tiny, chunk)
+    results = batch.generate([(p, NEW) for p in prompts])
+    assert [r.tokens for r in results] == alone(tiny, prompts)
+    assert all(r.finish_reason == "max_tokens" for r in results)
+    # interleaved: far fewer target passes than the sequences' own passes added up
+    own = sum(r.stats.target_forwards for r in results)
+    assert batch.stats.steps < own / 2, (batch.stats.steps, own)
+    assert batch.stats.rows_used[BATCH - 1] > 0          # all four slots busy at once
+
+
+def test_greedy_tokens_equal_speculative_decoding_alone(tiny, prompts):
+    ref = alone(tiny, prompts[:4], drafter=Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3))
+    assert [r.tokens for r in batch_of(tiny).generate([(p, NEW) for p in prompts[:4]])] == ref
+
+
+def test_sequences_joining_at_different_steps(tiny, prompts):
+    """A sequence submitted while others decode joins between steps; a long prompt's chunks share steps
+    with the others' decode tokens, which keep coming one per step."""
+    batch = batch_of(tiny, chunk=8)
+    first = [batch.submit(p, NEW) for p in prompts[:2]]
+    later = []
+    for step in range(30):
+        if step in (3, 9, 10):
+            later.append(batch.submit(prompts[[5, 2, 4][len(later)]], NEW))
+        before = [len(q.stops.tokens) for q in first]
+        batch.step()
+        if step > 2 and not any(q.result for q in first):       # decoding: one new token per step each
+            assert [len(q.stops.tokens) for q in first] == [n + 1 for n in before]
+    while not batch.idle:
+        batch.step()
+    seqs = first + later
+    assert [q.result.tokens for q in seqs] == alone(tiny, [prompts[i] for i in (0, 1, 5, 2, 4)])
+
+
+def test_a_sequence_runs_to_the_end_of_its_slot(tiny, prompts):
+    """No budget short of the cache: it stops at max_seq_len with the tokens the Generator gives, while
+    padded rows of the others never write past their slots (S shrinks to the room left)."""
+    long = prompts[5]
+    batch = batch_of(tiny, chunk=64)
+    results = batch.generate([(long, 1000), (prompts[3], 1000), (prompts[1], 10)])
+    refs = alone(tiny, [long, prompts[3]], new=1000)
+    assert [r.tokens for r in results[:2]] == refs
+    assert [r.finish_reason for r in results] == ["max_seq_len", "max_seq_len", "max_tokens"]
+    assert len(results[0].tokens) == MAX_SEQ_LEN - len(long) + 1
+
+
+def test_sampled_sequences_get_the_tokens_of_their_seed_alone(tiny, prompts):
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=10, seed=2),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=3), SamplingParams(), SamplingParams(0.9, seed=1)]
+    ps = prompts[:5]
+    refs = [alone(tiny, [p], sampling=s)[0] for p, s in zip(ps, params)]
+    results = batch_of(tiny).generate([(p, NEW, (), s) for p, s in zip(ps, params)])
+    assert [r.tokens for r in results] == refs
+    assert [r.seed for r in results] == [1, 2, 3, None, 1]
+
+
+def test_a_stream_index_is_its_own_sample(tiny, prompts):
+    s = SamplingParams(temperature=1.0, seed=9)
+    g = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN)
+    refs = [g.generate(prompts[1], NEW, sampling=s, index=j).tokens for j in (0, 1)]
+    assert refs[0] != refs[1]
+    results = batch_of(tiny).generate([(prompts[1], NEW, (), s, j) for j in (0, 1)])
+    assert [r.tokens for r in results] == refs
+
+
+def test_eos_and_stop_strings_end_one_sequence_only(tiny, prompts):
+    """Each sequence stops where the Generator alone stops it (same EOS ids and stop strings); the others
+    go on to their budget."""
+    plain = alone(tiny, prompts[:3], new=NEW)
+    eos, stop = plain[0][5], f" {plain[2][3]} "           # the 6th token of the first answer; the 4th of the third
+    words = lambda ids: " " + " ".join(map(str, ids)) + " "      # noqa: E731 (ids as text for stop strings)
+    g = Generator(tiny.target_engine(), NoDrafter(), [eos], MAX_SEQ_LEN, detokenize=words)
+    requests = [(prompts[0], NEW), (prompts[1], NEW), (prompts[2], NEW, [stop])]
+    refs = [g.generate(*r) for r in requests]
+    batch = BatchGenerator(T.qwen3_engine(tiny.target, batch=BATCH), [eos], MAX_SEQ_LEN, chunk=8, detokenize=words)
+    results = batch.generate(requests)
+    assert [(r.tokens, r.finish_reason) for r in results] == [(r.tokens, r.finish_reason) for r in refs]
+    assert results[0].finish_reason == "eos" and len(results[0].tokens) == 6
+    assert results[2].finish_reason in ("stop", "eos") and len(results[2].tokens) <= 4
+
+
+def test_cancel_frees_the_slot_within_one_step(tiny, prompts):
+    batch = batch_of(tiny)
+    cancels = [threading.Event() for _ in range(BATCH)]
+    seqs = [batch.submit(p, NEW, cancel=c) for p, c in zip(prompts[:BATCH], cancels)]
+    waiting = batch.submit(prompts[4], NEW)
+    for _ in range(3):
+        batch.step()
+    assert waiting.slot == -1 and all(q.slot >= 0 for q in seqs)
+    cancels[1].set()
+    ended = batch.step()
+    assert seqs[1] in ended and seqs[1].result.finish_reason == "cancelled"
+    assert waiting.slot == seqs[1].slot                 # the freed slot is taken in that same step
+    while not batch.idle:
+        batch.step()
+    others = [0, 2, 3]
+    assert [seqs[i].result.tokens for i in others] == alone(tiny, [prompts[i] for i in others])
+    assert waiting.result.tokens == alone(tiny, [prompts[4]])[0]
+
+
+def test_a_failing_callback_stops_its_sequence_only(tiny, prompts):
+    def boom(tokens):
+        raise ValueError("client went away mid-write")
+
+    batch = batch_of(tiny)
+    results = [batch.submit(prompts[0], NEW, on_tokens=boom), batch.submit(prompts[1], NEW)]
+    while not batch.idle:
+        batch.step()
+    assert results[0].result.finish_reason == "error" and "client went away" in results[0].error
+    assert results[1].result.tokens == alone(tiny, [prompts[1]])[0]
+
+
+def test_bad_requests_are_refused_before_any_work(tiny):
+    batch = batch_of(tiny)
+    for args, needle in [(([], 4), "empty prompt"), (([1] * MAX_SEQ_LEN, 4), "max_seq_len"),
+                         (([1], 0), "max_new_tokens"), (([1], 4, ["x"]), "detokenize"),
+                         (([1], 4, (), SamplingParams(n=2)), "n=2")]:
+        with pytest.raises(EngineError, match=needle):
+            batch.submit(*args)
+    assert batch.idle and batch.stats.steps == 0
+
+
+def test_an_engine_that_takes_one_sequence_is_refused(tiny):
+    engine = T.qwen3_engine(tiny.target, batch=BATCH)
+    engine.batched = False          # what the fast backend's engines say
+    with pytest.raises(EngineError, match="cannot batch.*--max-batch 1"):
+        BatchGenerator(engine, [], MAX_SEQ_LEN)

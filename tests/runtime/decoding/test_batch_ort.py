@@ -1,0 +1,82 @@
+"""The continuous-batching loop on ONNX Runtime (CPU, fp32): a tiny target exported with ``--max-batch 4``
+gives every sequence the tokens the batch-1 Generator gives it on the ``--max-batch 1`` export of the same
+checkpoint, and the torch backend opens the batch dir with one KV slot per sequence too."""
+
+from __future__ import annotations
+
+import fixtures
+import pytest
+import torch
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.batch import BatchGenerator
+from xcompile.runtime.decoding.drafters import NoDrafter
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.sampling import SamplingParams
+from xcompile.runtime.engines.load import open_engine_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def batch_dir(tiny_target, tmp_path_factory):
+    return fixtures.exported_dir(tmp_path_factory, "tiny-batch4", model=str(tiny_target), dtype="fp32", max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def single_dir(tiny_target, tmp_path_factory):
+    return fixtures.exported_dir(tmp_path_factory, "tiny-batch1", model=str(tiny_target), dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(4, 100, (n,), generator=g).tolist() for n in (2, 9, 30, 5, 17)]
+
+
+def refs(single_dir, prompts, sampling=SamplingParams()):
+    with open_engine_dir(single_dir, "ort", "cpu") as es:
+        g = Generator(es.engines["target"], NoDrafter(), [], es.manifest.max_seq_len)
+        return [g.generate(p, NEW, sampling=sampling).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_batch_of_four_on_the_export_matches_batch_one(batch_dir, single_dir, prompts, backend):
+    sampling = [SamplingParams(), SamplingParams(temperature=0.8, seed=4)]
+    want = [refs(single_dir, prompts, s) for s in sampling]
+    with open_engine_dir(batch_dir, backend, "cpu") as es:
+        assert es.manifest.max_batch == 4 and es.engines["target"].kv_shape.batch == 4
+        batch = BatchGenerator(es.engines["target"], [], es.manifest.max_seq_len, chunk=8)
+        for s, w in zip(sampling, want):
+            assert [r.tokens for r in batch.generate([(p, NEW, (), s) for p in prompts])] == w
+        assert batch.stats.rows_used[3] > 0
+
+
+def test_the_batch_1_generator_refuses_a_batch_dir_with_the_fix(batch_dir):
+    with open_engine_dir(batch_dir, "ort", "cpu") as es:
+        with pytest.raises(EngineError, match=r"\(4, 64\).*needs \(1, 64\)"):
+            Generator(es.engines["target"], NoDrafter(), [], es.manifest.max_seq_len)
+
+
+def test_llm_and_xrun_generate_batch_on_a_batch_dir(batch_dir, single_dir, prompts):
+    """LLM.generate decodes its prompts together on a --max-batch 4 dir; xrun generate's n samples too, each
+    what the batch-1 dir gives; an explicit drafter is refused there with the fix."""
+    import serving
+
+    from xcompile.runtime.api import LLM
+
+    with LLM(batch_dir, backend="ort", device="cpu") as llm:
+        got = [c.outputs[0].token_ids for c in llm.generate(prompts, max_new_tokens=NEW)]
+        assert llm.batch.stats.rows_used[3] > 0
+    with LLM(single_dir, backend="ort", device="cpu", drafter="none") as llm:
+        assert got == [c.outputs[0].token_ids for c in llm.generate(prompts, max_new_tokens=NEW)]
+    args = ("--prompt", "the cat", "--max-new-tokens", 8, "--temperature", 0.8, "--seed", 5, "--num-samples", 2,
+            "--backend", "ort")
+    def samples(d, *more):
+        return [x["tokens"] for x in serving.generate_json(d, *args, *more)["samples"]]
+
+    batched = samples(batch_dir)
+    assert batched == samples(single_dir, "--drafter", "none") and batched[0] != batched[1]
+    with pytest.raises(EngineError, match="--drafter eagle3.*--max-batch 4.*--drafter none"):
+        LLM(batch_dir, backend="ort", device="cpu", drafter="eagle3")
