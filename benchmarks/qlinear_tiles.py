@@ -55,13 +55,23 @@ def graph_us(fn, calls: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--kinds", default="fp8,int4")
-    ap.add_argument("--rows", default="1,7")
+    ap = argparse.ArgumentParser(description="Time the quantized projections per candidate tile (module docstring).")
+    ap.add_argument("--kinds", default="fp8,int4", help="fp8 and/or int4")
+    ap.add_argument("--rows", default="1,7", help="row counts: 1 times the GEMV's candidates, more the tile kernel's")
     args = ap.parse_args()
-    rows_list = [int(r) for r in args.rows.split(",")]
+    kinds = args.kinds.split(",")
+    if any(k not in BLOCKS for k in kinds):
+        raise SystemExit(f"qlinear_tiles.py: --kinds {args.kinds!r}: expected fp8 and/or int4")
+    try:
+        rows_list = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        raise SystemExit(f"qlinear_tiles.py: --rows {args.rows!r}: expected row counts such as 1,7") from None
+    if not all(1 <= r <= 64 for r in rows_list):
+        raise SystemExit(f"qlinear_tiles.py: --rows {args.rows!r}: each row count must be 1..64 (MAX_ROWS)")
+    if not torch.cuda.is_available():
+        raise SystemExit("qlinear_tiles.py times kernels in CUDA graphs: no CUDA device is visible here")
     shipped = {1: dict(Q.GEMV_TILE), 0: dict(Q.TILE)}
-    for kind in args.kinds.split(","):
+    for kind in kinds:
         layer = {r: {c: 0.0 for c in CANDIDATES[r == 1]} for r in rows_list}
         for name, n, k, parts, gated, norm, residual in CALLS:
             qws = [quantize(torch.randn(n, k, device=DEV) * k ** -0.5, kind, BLOCKS[kind]) for _ in range(parts)]

@@ -32,8 +32,8 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 def test_every_script_is_checked_here():
     assert SCRIPTS == ["dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
-                       "graph_equivalence.py", "kernels.py", "ort_layers.py", "quant_quality.py", "step_timeline.py",
-                       "verify_speed.py"]
+                       "graph_equivalence.py", "kernels.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
+                       "step_timeline.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -61,6 +61,9 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("fast_decode.py", [], "no CUDA device is visible here"),
     ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
     ("kernels.py", [], "no CUDA device is visible here"),
+    ("qlinear_tiles.py", [], "no CUDA device is visible here"),
+    ("qlinear_tiles.py", ["--kinds", "fp8,int8"], "--kinds 'fp8,int8': expected fp8 and/or int4"),
+    ("step_timeline.py", ["--quantize", "fp8"], "no CUDA device is visible here"),
     ("kernels.py", ["--calls", "8b,70b"], "--calls: '70b' names none of 8b.qkv, 8b.o"),
     ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,x,4"], "--gemv-all '4,x,4': expected BLOCK_N,BLOCK_K"),
     ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,64,4,5"], "AHEAD 1-4"),
