@@ -211,7 +211,8 @@ def write_weights(model: ir.Model, module: nn.Module, data_path: Path, weights: 
     """Write every initializer of ``model`` into ``data_path`` from the ``(name, tensor)`` stream
     (names are ``module``'s parameter names; unused ones are skipped), one tensor at a time, and
     point the initializers at it. A stream item whose value is a ``QWeight`` (a quantized linear) replaces its
-    initializer by DequantizeLinear over its codes, scales and zero points (compile/qdq.py), written instead.
+    initializer by DequantizeLinear over its codes and scales (compile/qdq.py; asymmetric int4 adds a
+    zero-point correction after the linear's MatMul), written instead.
     Returns the data file's record (size and hashes, runtime/enginedir/integrity.py) and how many weights were
     written in each quantized form (compile/qdq.py's labels)."""
     canonical = _canonical_names(module)
