@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,8 +126,10 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     sampling = req.sampling()                       # bad values fail here, before anything is loaded
     check_drafter_options(req, Manifest.load(req.engine_dir))
     check_tokenizer(req)
+    opened = time.perf_counter()
     with LLM(req.engine_dir, backend=req.backend, device=req.device, drafter=req.drafter,
              cuda_graphs=req.cuda_graphs, verify=req.verify) as llm:
+        load_s = time.perf_counter() - opened       # checks, weights to the device, engines built
         es, gen, drafter = llm.engines, llm.loop, llm.drafter      # loop: a --max-batch N dir's batch loop
         log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
         text = llm.tokenizer if req.prompt_ids is None or req.stop else None
@@ -151,7 +154,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     for result in results:
         stats = stats_dict(result)
         stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name if drafter else "none",
-                     sampling=sampling_dict(sampling))
+                     sampling=sampling_dict(sampling), load_s=round(load_s, 6))
         outs.append({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None, "stats": stats})
     if as_json:
         echo(json.dumps(outs[0] if sampling.n == 1 else {"samples": outs}))
@@ -169,6 +172,10 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                  f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
                  f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target "
                  f"forwards), finish: {stats['finish_reason']}{seed}")
+        # where the wall time went: opening the dir, the prompt pass (with the first calls' compiles and graph
+        # captures on a GPU), the rounds
+        log.info(f"load {stats['load_s']:.2f} s, prefill {1e3 * stats['prefill_s']:.1f} ms, decode "
+                 f"{stats['decode_s']:.3f} s ({stats['decode_tokens_per_s']:.1f} tok/s after the first token)")
     return results
 
 

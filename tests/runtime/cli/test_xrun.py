@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import pytest
 import fixtures
+import pytest
 from click.testing import CliRunner
 from fixtures import refused
 
@@ -48,6 +48,7 @@ def test_generate_equals_plain_greedy(tiny_engine_dir, plain, backend, drafter):
     s = out["stats"]
     assert s["backend"] == backend and s["new_tokens"] == len(plain)
     assert s["target_forwards"] == s["rounds"] + 1
+    assert s["load_s"] > 0 and s["prefill_s"] > 0 and s["decode_s"] > 0         # each phase timed apart
     if drafter[1] != "none":
         assert s["drafted"] > 0 and s["acceptance_length"] >= 1.0
 
