@@ -238,11 +238,13 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
     ids = torch.tensor([prompt] * batch, dtype=torch.int64)
     n = len(prompt)
     runs = {}
+    prefill: dict = {}                  # the target's prompt pass, which the EAGLE3 head reads (a dir always has one)
     for name in (TARGET, DRAFT):
         if name in graphs:
             rec = runs[name] = _Recorder(graphs[name], keep)
             out = rec("prefill", step_feed(ids, 0, [n - 1]))
-            prefill = out if name == TARGET else prefill
+            if name == TARGET:
+                prefill = out
             for i in range(opts.steps):
                 out = rec(f"decode{i + 1}", step_feed(_greedy(out["logits"]), n + i, [0]))
     if EAGLE3 in graphs:
