@@ -1,6 +1,7 @@
 """The benchmark scripts on the CPU: each parses ``--help``, and refuses a bad option (or what it cannot do here)
 before it touches a GPU: one line naming what is wrong, a non-zero exit, no traceback. dump_logits.py runs the
-tests' tiny model in Triton's interpreter and compares dumps; kernels.py's tables load back as tiles.json."""
+tests' tiny model in Triton's interpreter and compares dumps; kernels.py's tables load back as tiles.json;
+serve_load.py drives a real ``xrun serve`` of a tiny --max-batch 4 dir and stops it."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 def test_every_script_is_checked_here():
     assert SCRIPTS == ["dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
                        "graph_equivalence.py", "kernels.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
-                       "step_timeline.py", "verify_speed.py"]
+                       "serve_load.py", "step_timeline.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -71,6 +72,14 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("fast_agreement.py", ["no-such-dir", "--device", "cpu"], "no-such-dir"),
     ("dump_logits.py", ["--out", "never-written.pt"], "no CUDA device here"),
     ("dump_logits.py", ["--compare", "no-such-a.pt", "no-such-b.pt"], "no-such-a.pt: not readable as a dump"),
+    ("serve_load.py", [], "give an ENGINE_DIR (a server is started) or --url of a running server, not both"),
+    ("serve_load.py", ["no-such-dir", "--url", "http://127.0.0.1:9"], "give an ENGINE_DIR"),
+    ("serve_load.py", ["no-such-dir"], "no-such-dir: not an engine dir (no manifest.json)"),
+    ("serve_load.py", ["--url", "http://127.0.0.1:9", "--serve-args", "--device cpu"],
+     "--serve-args needs an ENGINE_DIR"),
+    ("serve_load.py", ["--url", "http://127.0.0.1:9", "--prompts", "no-such.txt"], "--prompts no-such.txt: no such file"),
+    ("serve_load.py", ["--url", "http://127.0.0.1:9", "--json", "no-such-dir/r.json"],
+     "--json no-such-dir/r.json: its folder does not exist"),
 ])
 def test_what_a_script_cannot_do_here_is_refused_in_one_line(script, args, said):
     assert refused(run(script, *args), said)
@@ -114,3 +123,79 @@ def test_the_tuners_tables_load_back_as_tile_tables(tmp_path, monkeypatch):
     assert back.gemv[gate_up] == (4, 512, 4, 3) and back.cuda[gate_up] == (1, 8, 4, 0)
     assert {s: t for s, t in back.tile.items() if s not in (qkv, gate_up)} == \
         {s: t for s, t in shipped.tile.items() if s not in (qkv, gate_up)}            # the others as shipped
+
+
+@pytest.mark.parametrize("args,said", [(["--streams", "1,x"], "--streams: '1,x': expected positive integers"),
+                                       (["--streams", "4,0"], "--streams: '4,0': expected positive integers"),
+                                       (["--max-tokens", "0"], "--max-tokens: '0': expected a positive integer")])
+def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
+    done = run("serve_load.py", "--url", "http://127.0.0.1:9", *args)
+    assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def batch4_dir(tiny_target, tmp_path_factory):
+    import fixtures
+
+    pytest.importorskip("fastapi", reason="needs the serve extra (pip install -e '.[serve]')")
+    pytest.importorskip("openai", reason="needs the openai client (pip install -e '.[dev]')")
+    return fixtures.exported_dir(tmp_path_factory, "tiny-batch4", model=str(tiny_target), dtype="fp32", max_batch=4)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_dir, tiny_target, tmp_path_factory,
+                                                                       tmp_path, monkeypatch):
+    import fixtures
+
+    from xcompile.runtime.decoding.drafters import NoDrafter
+    from xcompile.runtime.decoding.generator import Generator
+    from xcompile.runtime.engines.load import open_engine_dir
+
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    done = run("serve_load.py", str(batch4_dir), "--serve-args", "--device cpu --backend ort", "--streams", "1,4",
+               "--per-stream", "2", "--max-tokens", "6", "--json", str(out), "--plot", str(png), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["server_exit_status"] == 143                      # stopped by SIGTERM (128 + 15)
+    assert gone(report["server"]["pid"]), "xrun serve outlived the benchmark"
+    assert report["server"]["drafter"] == "plain" and report["server"]["backend"] == "ort"
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+    # what each request gets alone from the batch-1 Generator (the tiny model may stop early at its EOS)
+    spec = importlib.util.spec_from_file_location("serve_load", BENCHMARKS / "serve_load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    args = load.argparse.Namespace(prompts=None, prompt_tokens=16)
+    single = fixtures.exported_dir(tmp_path_factory, "tiny-batch1", model=str(tiny_target), dtype="fp32")
+    with open_engine_dir(single, "ort", "cpu") as es:
+        g = Generator(es.engines["target"], NoDrafter(), es.manifest.eos_token_ids, es.manifest.max_seq_len)
+        expected = [len(g.generate(p, 6).tokens) for p in load.make_prompts(args, 8)]
+
+    assert [lv["streams"] for lv in report["levels"]] == [1, 4]
+    for lv in report["levels"]:
+        n = 2 * lv["streams"]
+        assert (lv["requests"], lv["ok"], lv["errors"], lv["rate_limited"]) == (n, n, 0, 0), lv
+        got = [(r["tokens"], r["usage_tokens"]) for r in lv["per_request"]]
+        assert got == [(e, e) for e in expected[:n]], (got, expected)     # every stream got all its tokens
+        assert lv["tokens"] == sum(expected[:n]) and lv["tokens_per_s"] > 0
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
+            assert 0 < lv[key]["p50"] <= lv[key]["p90"] <= lv[key]["p99"], (key, lv[key])
+        assert lv["ttft_ms"]["p99"] <= lv["latency_ms"]["p99"]
+    assert "tok/s" in done.stdout and len(done.stdout.strip().splitlines()) == 3   # the table: head, two levels
+
+
+def test_serve_load_reports_a_server_that_fails_to_start_in_one_line(batch4_dir, tmp_path):
+    import shutil
+
+    broken = shutil.copytree(batch4_dir, tmp_path / "broken")
+    (broken / "target.onnx").write_bytes(b"not an onnx graph")
+    done = run("serve_load.py", str(broken), "--serve-args", "--device cpu --backend ort", "--streams", "1",
+               timeout=300)
+    assert refused(done, "xrun serve exited (1): error:") and "target.onnx" in done.stderr, done.stderr
