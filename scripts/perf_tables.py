@@ -14,7 +14,7 @@ older ones. A file no table reads is an error (docs/perf keeps what the current 
 Result files: ``xrun bench --json FILE`` reports (*.json, runtime/bench/measure.py ``run_bench``) or logs
 (*.log) of xrun bench's text report (``format_report``; a log may hold several), of
 benchmarks/fast_agreement.py, of scripts/demo.sh, or of a benchmarks/ script that ends with a JSON report
-(export_8b.py, verify_speed.py). Standard library only: the check runs in CI in a second.
+(export_8b.py, verify_speed.py), or benchmarks/serve_load.py's ``--json`` report. Standard library only: the check runs in CI in a second.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ REQUIRED = ("tables", "date", "machine", "command")
 @dataclass(frozen=True)
 class Table:
     source: str                     # the tag in sources.json
-    kind: str                       # bench | tau | agreement | demo | json
+    kind: str                       # bench | tau | agreement | demo | json | load
     rows: tuple[str, ...] = ()      # bench: keep only rows whose label starts with one of these (empty: all)
     # json: (label, key, format, scale) of the rows, read from the last JSON object a script printed
     fields: tuple[tuple[str, str, str, float], ...] = ()
@@ -77,6 +77,7 @@ TABLES = {
         ("default check (every load), files in the page cache", "fast_warm_s", "{:.3f} s", 1),
         ("default check, files evicted from the page cache", "fast_cold_s", "{:.3f} s", 1),
         ("full check (`--verify`, `xcompile verify`), files in the page cache", "full_warm_s", "{:.2f} s", 1))),
+    "serve-load-cpu": Table("serve-load-cpu", "load"),
 }
 
 
@@ -352,6 +353,26 @@ def render_demo(d: dict) -> list[str]:
     return lines + ([""] + [" ".join(tail)] if tail else [])
 
 
+def render_load(columns: list[tuple[str, dict]]) -> list[str]:
+    """benchmarks/serve_load.py reports: a row per concurrency, a column per report; each cell the aggregate tok/s,
+    TTFT and inter-token latency p50 / p99, and the failed requests if any."""
+    def cell(lv: dict | None) -> str:
+        if lv is None:
+            return "—"
+        text = (f"{lv['tokens_per_s']:.1f} tok/s; TTFT {lv['ttft_ms']['p50']:.0f} / {lv['ttft_ms']['p99']:.0f} ms; "
+                f"ITL {lv['itl_ms']['p50']:.0f} / {lv['itl_ms']['p99']:.0f} ms")
+        if lv["errors"] or lv["rate_limited"]:
+            text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"
+        return text
+
+    if bad := [label for label, rep in columns if not isinstance(rep.get("levels"), list)]:
+        raise PerfError(f"{', '.join(bad)}: not a benchmarks/serve_load.py report (no 'levels' list)")
+    levels = [{lv["streams"]: lv for lv in rep["levels"]} for _, rep in columns]
+    streams = sorted({n for lv in levels for n in lv})
+    return _grid(["concurrent streams", *(label for label, _ in columns)],
+                 [[str(n), *(cell(lv.get(n)) for lv in levels)] for n in streams])
+
+
 def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -> list[str]:
     """The generated lines of table ``name`` from files [(file name, its sources.json entry)] on ``page``."""
     columns: list[tuple[str, dict]] = []
@@ -371,6 +392,8 @@ def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -
         lines = _grid(["quantity", *(label for label, _ in columns)],
                       [[label, *(fmt.format(rep[key] * scale) for _, rep in columns)]
                        for label, key, fmt, scale in table.fields])
+    elif table.kind == "load":
+        lines = render_load(columns)
     elif table.kind == "agreement":
         lines = [x for _, rep in columns for x in render_agreement(rep)]
     else:
