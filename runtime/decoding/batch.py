@@ -49,7 +49,7 @@ from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
-from xcompile.runtime.decoding.warmup import Parts, Warmed, describe, spans
+from xcompile.runtime.decoding.warmup import SHORT_PASSES, Parts, Warmed, describe, spans
 from xcompile.runtime.engines.base import Engine
 
 # Prompt tokens a prefilling sequence feeds per step: the largest step the loop's other paths keep on their
@@ -204,7 +204,8 @@ class BatchGenerator:
         sizes = list(range(1, min(self.chunk, self.max_seq_len - 1) + 1))
         with parts.part(f"batch steps of {spans(sizes)} tokens, greedy", sync):
             for s in sizes:                 # one sequence at a time: a step of s tokens each
-                self.generate([([0] * s, 1)])
+                for _ in range(SHORT_PASSES):
+                    self.generate([([0] * s, 1)])
         for sampling in samplings:
             if not sampling.greedy:
                 with parts.part(f"batch steps, {describe(sampling)}", sync):

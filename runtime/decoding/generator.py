@@ -33,7 +33,7 @@ from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_inputs
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
 from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
-from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, Parts, Warmed, describe, prompt_lengths, spans
+from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, SHORT_PASSES, Parts, Warmed, describe, prompt_lengths, spans
 from xcompile.runtime.engines.base import Engine
 from xcompile.runtime.engines.graphs import Capture, CudaGraphCapture
 
@@ -231,9 +231,11 @@ class Generator:
             if group:
                 with parts.part(f"prompt passes of {spans(group)} tokens", sync):
                     for n in group:
-                        self._prefill([0] * n)
+                        for _ in range(SHORT_PASSES if n <= SHORT else 1):
+                            self._prefill([0] * n)
         for sampling in samplings:
-            with parts.part(f"rounds ({self.drafter.name}; plain, as near the cache's end), {describe(sampling)}", sync):
+            what = f"rounds ({self.drafter.name}; plain, as near the cache's end), {describe(sampling)}"
+            with parts.part(what, sync):
                 self.sampler.reset(sampling)
                 self._prefill([0])
                 self.state.length.fill_(n := 1)

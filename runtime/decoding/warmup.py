@@ -7,16 +7,16 @@ What a cold request pays, and where:
                    backend's Triton kernels (tiles of 16 rows as a constexpr, integer arguments equal to 1 or
                    divisible by 16, the attention's register cap by grid size: a compile per new case),
                    ONNX Runtime's CUDA graphs (one per token count up to ort.GRAPH_MAX_TOKENS), TensorRT's
-                   graphs of its decode profile. So every L from 1 to SHORT is run. Longer passes run the
-                   reference modules (fast), ORT or TensorRT without graphs: shape-generic kernels (cuBLAS,
-                   SDPA) whose first use loads what they pick, run at SHORT + 1 and powers of two up to the
-                   longest prompt the engine dir admits.
+                   graphs of its decode profile. So every L from 1 to SHORT is run, twice (TensorRT records on
+                   a shape's second run). Longer passes run the reference modules (fast), ORT or TensorRT
+                   without graphs: shape-generic kernels (cuBLAS, SDPA) whose first use loads what they pick,
+                   run at SHORT + 1 and powers of two up to the longest prompt the engine dir admits.
     rounds         a round is recorded as one CUDA graph per (drafter, sampler mode) on its second call, and
                    the loop's fused kernels compile on the first; the plain round the loop falls back to near
                    the cache's end is another. Each is run twice (eager; recorded and replayed) under each
                    sampler mode of ``sampler_modes``.
-    batch steps    the batch loop's steps take S = 1 .. its chunk tokens (ORT graphs one per S): each is run,
-                   greedy and sampled.
+    batch steps    the batch loop's steps take S = 1 .. its chunk tokens (ORT graphs one per S): each is run
+                   twice, greedy, and sampled steps once per sampled mode.
 
 Afterwards the KV buffers and the loop's state are cleared as a fresh loop has them (the recordings, compiled
 kernels and cached masks stay: that is the point), so a request's output is what it is without warm-up.
@@ -35,6 +35,7 @@ from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
 # the batch loop's CHUNK (tests/runtime/decoding/test_warmup.py holds it to them).
 SHORT = 64
 ROUNDS = 2          # calls of a graphed round: eager (lazy set-up, compiles), then recorded and replayed
+SHORT_PASSES = 2    # runs of each short step: TensorRT records a step shape's graph on its second run
 
 
 @dataclass(frozen=True)

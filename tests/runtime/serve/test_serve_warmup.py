@@ -89,7 +89,8 @@ def test_xrun_serve_logs_what_it_warmed_or_that_it_did_not(tiny_engine_dir, warm
         log = wait_for(s, "serving ")
         if warm:
             assert re.search(r"warmed prompt passes of 65, 128, 2\d\d tokens in \d+\.\d\d s", log), log
-            for part in ("warmed prompt passes of 1..64 tokens in", "warmed rounds (eagle3; plain, as near the cache's end), greedy in",
+            for part in ("warmed prompt passes of 1..64 tokens in",
+                         "warmed rounds (eagle3; plain, as near the cache's end), greedy in",
                          "warmed rounds (eagle3; plain, as near the cache's end), sampled, top-p in"):
                 assert part in log, log
             assert "warm-up done in" in log and "skipped" not in log
