@@ -18,7 +18,7 @@ on an engine dir exported with ``--max-batch N > 1`` they decode together, N at 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
-from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams, with_seed
+from xcompile.runtime.decoding.sampling import GENERATION_CONFIG, GREEDY, SamplingParams, generation_defaults, with_seed
+from xcompile.runtime.decoding.warmup import Warmed, sampler_modes
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.batch import BatchGenerator
@@ -124,6 +125,16 @@ class LLM:
     @property
     def backend(self) -> str:
         return self.engines.backend
+
+    def warm_up(self, on_part: Callable[[Warmed], None] | None = None) -> list[Warmed]:
+        """Run once every kernel, step shape and round recording a request can reach (prompt passes of every
+        length class, the rounds under greedy, sampling, top-p and the dir's generation_config), so that no
+        request waits on a compile or a capture; the output of every request after it is what it would be
+        without (decoding/warmup.py). Seconds on a GPU, little on the CPU. ``on_part`` hears of each part as
+        it finishes; returns them all."""
+        has_config = (self.engines.directory / GENERATION_CONFIG).is_file()
+        samplings = sampler_modes(generation_defaults(self.engines.directory) if has_config else None)
+        return self.loop.warm_up(samplings, on_part)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt (the dir's tokenizer), or the ids given, checked against the vocabulary."""

@@ -123,6 +123,13 @@ class HeldWorker(EngineWorker):
 
         target.run = held_run
 
+    def warm_up(self) -> list:
+        """The real warm-up (its steps pass the gate too); then the counters start from nothing."""
+        parts = super().warm_up()
+        self.entered.clear()
+        self.steps = 0
+        return parts
+
 
 def generate_json(engine_dir: Path, *args) -> dict:
     """``xrun generate ... --json``, the reference every answer is held to."""

@@ -251,11 +251,14 @@ def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, quant
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
               help="Seconds from arrival to the last token; later requests end with an error. Default: none.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--no-warm-up", is_flag=True,
+              help="Report ready without first compiling every kernel and recording every graph a request can "
+                   "reach (first requests then wait on them).")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve as Ray Serve replicas behind Ray's proxy.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --ray: replicas (one GPU each on CUDA).")
 def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-          served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, use_ray, replicas):
+          served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas):
     """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming), one request at a time."""
     from xcompile.runtime.serve.run import serve_http, serve_ray
     from xcompile.runtime.serve.scheduler import ServeConfig
@@ -266,7 +269,8 @@ def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tr
     _check_drafter_options(drafter, gamma, tree)
     config = ServeConfig(engine_dir, backend, device, DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth,
                                                                                tree_tokens),
-                         served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs)
+                         served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs,
+                         warm_up=not no_warm_up)
     if use_ray:
         serve_ray(config, host, port, replicas)
     else:

@@ -49,6 +49,7 @@ from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
+from xcompile.runtime.decoding.warmup import SHORT_PASSES, Parts, Warmed, describe, spans
 from xcompile.runtime.engines.base import Engine
 
 # Prompt tokens a prefilling sequence feeds per step: the largest step the loop's other paths keep on their
@@ -190,6 +191,29 @@ class BatchGenerator:
         while not self.idle:
             self.step()
         return [q.result for q in seqs]
+
+    def warm_up(self, samplings: Sequence[SamplingParams] = (GREEDY,),
+                on_part: Callable[[Warmed], None] | None = None) -> list[Warmed]:
+        """Run a step of every token count S a step can take (1 .. the chunk), greedy, and two steps of one
+        sequence under each sampled mode of ``samplings`` (decoding/warmup.py); then clear the KV buffers and
+        the stats as a fresh loop has them. Only while idle. Returns the parts, timed."""
+        if not self.idle:
+            raise EngineError("warm_up runs before any sequence is submitted")
+        parts, sync = Parts(on_part), (lambda: torch.cuda.synchronize(self.device)
+                                       if self.device.type == "cuda" else None)
+        sizes = list(range(1, min(self.chunk, self.max_seq_len - 1) + 1))
+        with parts.part(f"batch steps of {spans(sizes)} tokens, greedy", sync):
+            for s in sizes:                 # one sequence at a time: a step of s tokens each
+                for _ in range(SHORT_PASSES):
+                    self.generate([([0] * s, 1)])
+        for sampling in samplings:
+            if not sampling.greedy:
+                with parts.part(f"batch steps, {describe(sampling)}", sync):
+                    self.generate([([0], 2, (), sampling)])
+        for buf in self.target.kv:
+            buf.zero_()
+        self.stats = BatchStats(rows_used=[0] * self.max_batch)
+        return parts.done
 
     # -- the loop ----------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_inputs
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
 from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
+from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, SHORT_PASSES, Parts, Warmed, describe, prompt_lengths, spans
 from xcompile.runtime.engines.base import Engine
 from xcompile.runtime.engines.graphs import Capture, CudaGraphCapture
 
@@ -172,11 +173,7 @@ class Generator:
         self._forget_stale_graphs()
         start = time.perf_counter()
 
-        # prefill: the target over the prompt, the drafter's own prompt pass; the first token is the sampler's
-        prompt = torch.tensor([prompt_ids], dtype=torch.int64, device=self.device)
-        out = self.target.run(**prompt_inputs(prompt))
-        self.state.root.copy_(self.sampler.sample(out["logits"][:, -1]))
-        self.drafter.start(prompt, out.get("hidden_taps"), self.state.root)
+        self._prefill(prompt_ids)
         first = stops.push(self.state.root.tolist())                          # the first token: one sync
         stats.prefill_s = time.perf_counter() - start
         yield first
@@ -213,6 +210,47 @@ class Generator:
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.new_tokens = len(stops.tokens)
         return Result(stops.tokens, stats, stops.reason, seed, index)
+
+    def _prefill(self, prompt_ids: list[int]) -> None:
+        """The target's pass over the prompt and the drafter's own; the first token (the sampler's) in state.root."""
+        prompt = torch.tensor([prompt_ids], dtype=torch.int64, device=self.device)
+        out = self.target.run(**prompt_inputs(prompt))
+        self.state.root.copy_(self.sampler.sample(out["logits"][:, -1]))
+        self.drafter.start(prompt, out.get("hidden_taps"), self.state.root)
+
+    @torch.inference_mode()
+    def warm_up(self, samplings: Sequence[SamplingParams] = (GREEDY,),
+                on_part: Callable[[Warmed], None] | None = None) -> list[Warmed]:
+        """Run every prompt-pass shape and every round a request can reach (decoding/warmup.py), rounds under each
+        of ``samplings``' sampler modes, so that no request waits on a kernel compile or a graph capture; then
+        clear the KV buffers and the round state as a fresh generator has them. Returns the parts, timed."""
+        parts, sync = Parts(on_part), (lambda: self.state.root.tolist())
+        lengths = prompt_lengths(self.max_seq_len - self.drafter.lookahead)
+        self._forget_stale_graphs()
+        for group in ([n for n in lengths if n <= SHORT], [n for n in lengths if n > SHORT]):
+            if group:
+                with parts.part(f"prompt passes of {spans(group)} tokens", sync):
+                    for n in group:
+                        for _ in range(SHORT_PASSES if n <= SHORT else 1):
+                            self._prefill([0] * n)
+        for sampling in samplings:
+            what = f"rounds ({self.drafter.name}; plain, as near the cache's end), {describe(sampling)}"
+            with parts.part(what, sync):
+                self.sampler.reset(sampling)
+                self._prefill([0])
+                self.state.length.fill_(n := 1)
+                for drafter in (self.drafter, self.plain):
+                    for _ in range(ROUNDS):
+                        if n + drafter.lookahead > self.max_seq_len:
+                            break
+                        n += self._queue(drafter)()[0] + 1
+        for kv in self._kv_lists():
+            for buf in kv:
+                buf.zero_()
+        self.state.root.zero_()
+        self.state.length.zero_()
+        self.sampler.reset(GREEDY)
+        return parts.done
 
     def _executor(self, drafter: Drafter) -> Eager | Graphed:
         """The round of ``drafter`` under the request's sampler mode (greedy or not, top-k, top-p: Python

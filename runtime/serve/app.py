@@ -2,7 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions    JSON, or with "stream": SSE chunks then `data: [DONE]`
     GET  /v1/models                               the one model this process serves
-    GET  /health                                  200 when the engines are loaded, 503 before
+    GET  /health                                  200 once the engines are loaded and warmed up, 503 before
     GET  /metrics                                 Prometheus text (runtime/serve/metrics.py)
 
 What the process holds (scheduler, engines, metrics) is made in the app's lifespan, not by

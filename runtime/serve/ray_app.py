@@ -45,10 +45,17 @@ def uses_gpus(config: ServeConfig) -> bool:
     return config.device == "cuda" or (config.device is None and ray.cluster_resources().get("GPU", 0) >= 1)
 
 
+def _flag(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1")
+
+
 # `serve run` arguments (all strings) -> ServeConfig fields or replica settings
 ARGS = {"engine_dir": str, "backend": str, "device": str, "served_model_name": str, "api_key": str,
         "max_queue": int, "request_timeout": float, "drafter": str, "gamma": int, "tree_topk": int,
-        "tree_depth": int, "tree_tokens": int, "replicas": int, "min_replicas": int, "max_replicas": int}
+        "tree_depth": int, "tree_tokens": int, "warm_up": _flag, "replicas": int, "min_replicas": int,
+        "max_replicas": int}
 
 
 def parse(args: dict[str, str]) -> tuple[ServeConfig, int, dict | None]:
@@ -75,8 +82,9 @@ def parse(args: dict[str, str]) -> tuple[ServeConfig, int, dict | None]:
 
 
 def build(args: dict[str, str]):
-    """``serve run``'s application builder (module docstring): ``xrun serve``'s options as key=value,
-    ``replicas=N``, or ``min_replicas=A max_replicas=B`` for Ray's autoscaling."""
+    """``serve run``'s application builder (module docstring): ``xrun serve``'s options as key=value
+    (``warm_up=false`` for --no-warm-up), ``replicas=N``, or ``min_replicas=A max_replicas=B`` for Ray's
+    autoscaling."""
     config, replicas, autoscaling = parse(args)
     gpu = uses_gpus(config)
     return deployment(replace(config, device="cuda") if gpu else config, replicas, autoscaling, gpu).bind()

@@ -41,6 +41,7 @@ class ServeConfig:
     max_queue: int = 64                         # requests waiting behind the running one
     request_timeout: float | None = None        # seconds from arrival to the last token; None: no limit
     cuda_graphs: bool = True
+    warm_up: bool = True                        # run every kernel and graph once before reporting ready
 
 
 class EngineWorker:
@@ -79,6 +80,10 @@ class EngineWorker:
         except EngineError as e:
             raise ServeError(400, str(e), param, "context_length_exceeded") from None
         return ids
+
+    def warm_up(self) -> list:
+        """LLM.warm_up on the worker thread, logging one line per part as it finishes; returns the parts."""
+        return self.llm.warm_up(lambda part: log.info("warmed %s in %.2f s", part.what, part.seconds))
 
     def decode(self, ids: list[int]) -> str:
         return self.text.decode(ids) if self.text else ""
@@ -143,31 +148,46 @@ class Scheduler:
         self.worker: EngineWorker | None = None
         self.batch_loop: BatchLoop | None = None
         self.load_error: str | None = None
+        self.warming = False                        # the engines are open, the warm-up runs: not ready yet
 
     def busy(self) -> float:
         """Requests on the device: 0 or 1 at batch 1, the jobs in slots when batching."""
         return float(self.active if self.batch_loop is not None else self.slot.locked())
 
     async def load(self) -> None:
-        """Open the engines on the worker thread; ``load_error`` holds the one-line reason if that fails.
-        A batching worker's loop then runs on that thread until ``close``."""
+        """Open the engines on the worker thread and warm them up there (unless ``--no-warm-up``: ServeConfig
+        .warm_up); ``load_error`` holds the one-line reason if either fails. A batching worker's loop then runs
+        on that thread until ``close``."""
+        loop = asyncio.get_running_loop()
         try:
-            self.worker = await asyncio.get_running_loop().run_in_executor(self.executor, self.open_worker,
-                                                                           self.config)
+            self.worker = await loop.run_in_executor(self.executor, self.open_worker, self.config)
+            if self.config.warm_up:
+                self.warming = True
+                start = time.perf_counter()
+                parts = await loop.run_in_executor(self.executor, self.worker.warm_up)
+                log.info("warm-up done in %.2f s (%d parts): no request waits on a compile or a capture",
+                         time.perf_counter() - start, len(parts))
+            else:
+                log.info("warm-up skipped (--no-warm-up): a request may wait on kernel compiles and graph captures")
+            self.warming = False
             if self.worker.batch is not None:
                 self.batch_loop = BatchLoop(self.worker.batch)
                 self.executor.submit(self.batch_loop.run)
         except XcompileError as e:
-            self.load_error = str(e)
+            self.load_error = f"{'warm-up: ' if self.warming else ''}{e}"
         except Exception as e:              # a backend's own error (e.g. ONNX Runtime's): report it, keep the cause
-            log.exception("opening %s failed", self.config.engine_dir)
-            self.load_error = f"{self.config.engine_dir}: {type(e).__name__}: {e}"
+            log.exception("%s %s failed", "warming up" if self.warming else "opening", self.config.engine_dir)
+            self.load_error = f"{self.config.engine_dir}: {'warm-up: ' if self.warming else ''}{type(e).__name__}: {e}"
 
     def ready(self) -> EngineWorker:
-        """The worker, or ServeError 503 while the engines load (or after loading failed)."""
+        """The worker, or ServeError 503 while the engines load and warm up (or after either failed)."""
+        if self.load_error:
+            raise ServeError(503, f"engines failed to load: {self.load_error}")
         if self.worker is None:
-            raise ServeError(503, f"engines failed to load: {self.load_error}" if self.load_error else
-                             "engines are loading; retry shortly")
+            raise ServeError(503, "engines are loading; retry shortly")
+        if self.warming:
+            raise ServeError(503, "warming up: compiling kernels and recording CUDA graphs before the first request; "
+                                  "retry shortly", code="warming_up")
         return self.worker
 
     def deadline(self) -> float | None:

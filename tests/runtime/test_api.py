@@ -120,3 +120,29 @@ def test_bad_options_fail_when_opening(tiny_engine_dir, tmp_path):
         LLM(tiny_engine_dir, backend="ort", device="cpu", gamma=2, tree=TreeShape())
     with pytest.raises(EngineError, match="manifest.json"):
         LLM(tmp_path, backend="ort", device="cpu")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_warm_up_leaves_every_output_as_it_was(tiny_engine_dir, tiny_target, tmp_path_factory, batched):
+    """LLM.warm_up runs the dir's prompt passes, rounds or batch steps (greedy, sampling, top-p, the dir's
+    generation_config), then every greedy and seeded sampled output is a fresh LLM's."""
+    import fixtures
+
+    engine_dir = fixtures.exported_dir(tmp_path_factory, "tiny-batch4", model=str(tiny_target), dtype="fp32",
+                                       max_batch=4) if batched else tiny_engine_dir
+    # 4, 1 and 70 tokens (past the 64-token short steps; 40 in the batched dir's 64 slots)
+    prompts = [PROMPT, [5], list(range(4, 44 if batched else 74))]
+    kinds = [SamplingParams(), SamplingParams(temperature=0.9, seed=7, n=2),
+             SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=3)]
+
+    def outputs(warm: bool) -> list:
+        with LLM(engine_dir, backend="ort", device="cpu", gamma=None if batched else 3,
+                 drafter="auto" if batched else "eagle3") as llm:
+            parts = llm.warm_up() if warm else []
+            if warm:
+                first = "batch steps of 1..63 tokens" if batched else "prompt passes of 1..64 tokens"
+                assert parts[0].what.startswith(first) and all(p.seconds >= 0 for p in parts)
+            return [[o.token_ids for o in c.outputs] for s in kinds
+                    for c in llm.generate(prompts, s, max_new_tokens=12)]
+
+    assert outputs(warm=True) == outputs(warm=False)

@@ -83,12 +83,14 @@ def test_serve_run_arguments():
     assert deployment(config, 2).ray_actor_options.get("num_gpus", 0) == 0
     _, _, scaling = parse({"engine_dir": "d", "min_replicas": "2", "max_replicas": "8"})
     assert scaling == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 1}
+    assert config.warm_up and not parse({"engine_dir": "d", "warm_up": "false"})[0].warm_up
 
 
 @pytest.mark.parametrize("args, message", [
     ({"engine_dir": "x", "gammma": "3"}, "unknown argument\\(s\\) gammma; expected engine_dir=DIR"),
     ({"replicas": "2"}, "engine_dir=DIR is required"),
     ({"engine_dir": "x", "replicas": "two"}, "invalid literal"),
+    ({"engine_dir": "x", "warm_up": "no"}, "expected true or false, got 'no'"),
     ({"engine_dir": "x", "gamma": "2", "tree_topk": "4"}, "--gamma sets a chain"),
 ])
 def test_serve_run_refuses_bad_arguments(args, message):

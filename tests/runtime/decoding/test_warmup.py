@@ -1,0 +1,99 @@
+"""Warm-up (runtime/decoding/warmup.py): it runs every round a request can reach, so requests after it record
+nothing new, and it leaves nothing behind: a warmed loop gives the tokens of a fresh one, greedy and seeded
+sampling, batch 1 (each drafter kind) and batched. On CPU through the stand-in captures of tiny_engines."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_engines as T
+import torch
+
+from xcompile.runtime.decoding.batch import CHUNK, BatchGenerator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
+from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+from xcompile.runtime.decoding.warmup import SHORT, prompt_lengths, sampler_modes, spans
+from xcompile.runtime.engines.kernels import MAX_ROWS
+
+MAX_SEQ_LEN = 128
+SAMPLED = SamplingParams(temperature=0.8, seed=3)
+TOP_P = SamplingParams(temperature=0.8, top_p=0.9, seed=4)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> T.Tiny:
+    return T.build(MAX_SEQ_LEN)
+
+
+def test_prompt_lengths_cover_every_short_step_and_the_longest_prompt():
+    assert prompt_lengths(300) == list(range(1, 65)) + [65, 128, 256, 300]
+    assert prompt_lengths(128) == list(range(1, 65)) + [65, 128]
+    assert prompt_lengths(10) == list(range(1, 11))
+    assert spans(prompt_lengths(300)) == "1..65, 128, 256, 300"
+    # SHORT is the longest step of every backend's short-step route
+    pytest.importorskip("onnxruntime")
+    from xcompile.runtime.engines.ort import GRAPH_MAX_TOKENS
+
+    assert SHORT >= max(MAX_ROWS, GRAPH_MAX_TOKENS, CHUNK)
+
+
+def test_sampler_modes_are_one_request_per_recorded_mode():
+    got = sampler_modes({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0})
+    assert [(s.greedy, s.top_k, s.top_p < 1) for s in got] == [(True, 0, False), (False, 0, False),
+                                                              (False, 0, True), (False, 20, True)]
+    assert len(sampler_modes({"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.0})) == 3    # no new mode
+    assert len(sampler_modes(None)) == 3
+
+
+def requests(g: Generator) -> list[list[int]]:
+    """Greedy and seeded sampled generations over prompts of several lengths (5 to 70 tokens)."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, T.VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 70)]
+    return [g.generate(p, 20, sampling=s).tokens for p in prompts for s in (GREEDY, SAMPLED, TOP_P)]
+
+
+@pytest.mark.parametrize("name", T.DRAFTERS)
+def test_after_warm_up_requests_record_nothing_and_get_a_fresh_generators_tokens(name, tiny):
+    make = T.DRAFTERS[name]
+    capture = T.RoundRecorder()
+    warm = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN,
+                     options=LoopOptions(cuda_graphs=True, capture=capture))
+    parts = warm.warm_up([GREEDY, SAMPLED, TOP_P])
+    # every (drafter or plain, sampler mode) round recorded once, and replayed once
+    assert capture.captures == len(warm._executors) == 6 and capture.replays == 6
+    assert [p.what.split(" ")[0] for p in parts] == ["prompt", "prompt"] + ["rounds"] * 3
+    assert "1..64" in parts[0].what and all(p.seconds >= 0 for p in parts)
+    # left as a fresh generator: KV zeroed, state cleared
+    assert all(not buf.any() for kv in warm._kv_lists() for buf in kv)
+    assert int(warm.state.length) == 0 and int(warm.state.root) == 0 and warm.sampler.greedy
+
+    fresh = Generator(tiny.target_engine(), make(tiny), [], MAX_SEQ_LEN)
+    assert requests(warm) == requests(fresh)
+    assert capture.captures == 6                    # the requests recorded nothing new
+
+
+def test_warm_up_records_the_plain_round_near_the_caches_end(tiny):
+    """A request whose length nears max_seq_len switches to plain rounds: warmed too, so it records nothing."""
+    capture = T.RoundRecorder()
+    g = Generator(tiny.target_engine(), T.DRAFTERS["eagle3"](tiny), [], MAX_SEQ_LEN,
+                  options=LoopOptions(cuda_graphs=True, capture=capture))
+    g.warm_up()
+    assert capture.captures == 2
+    prompt = [7] * (MAX_SEQ_LEN - 10)
+    assert g.generate(prompt, 9).finish_reason == "max_tokens" and capture.captures == 2
+
+
+def test_a_warmed_batch_loop_gives_a_fresh_ones_tokens(tiny):
+    def batch() -> BatchGenerator:
+        return BatchGenerator(T.qwen3_engine(tiny.target, batch=4), [], MAX_SEQ_LEN, chunk=8)
+
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(4, T.VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 30)]
+    work = [(p, 12, (), s, 0) for p in prompts for s in (GREEDY, SAMPLED, TOP_P)]
+    warm = batch()
+    parts = warm.warm_up([GREEDY, SAMPLED, TOP_P])
+    assert [p.what for p in parts] == ["batch steps of 1..8 tokens, greedy", "batch steps, sampled",
+                                       "batch steps, sampled, top-p"]
+    assert sorted(warm._causal) == list(range(1, 9))            # a step of every S
+    assert warm.stats.steps == 0 and not any(buf.any() for buf in warm.target.kv)
+    assert [r.tokens for r in warm.generate(work)] == [r.tokens for r in batch().generate(work)]
