@@ -46,7 +46,7 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal
-from xcompile.runtime.decoding.outcome import Result, Stats, Stops
+from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_request
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.decoding.warmup import SHORT_PASSES, Parts, Warmed, describe, spans
@@ -141,13 +141,8 @@ class BatchGenerator:
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
                       sampling: SamplingParams) -> None:
         """EngineError for anything a request can get wrong (the batch-1 Generator's checks), before any work."""
-        if not isinstance(sampling, SamplingParams):
-            raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        self.check_prompt(prompt_ids)
-        if stop and self.detokenize is None:
-            raise EngineError("stop strings need a detokenize callback (BatchGenerator(..., detokenize=...))")
-        if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_request(prompt_ids, max_new_tokens, stop, sampling, check_prompt=self.check_prompt,
+                      detokenize=self.detokenize, loop=type(self).__name__)
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
                sampling: SamplingParams = GREEDY, index: int = 0, cancel: threading.Event | None = None,

@@ -30,7 +30,7 @@ import torch
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_inputs
-from xcompile.runtime.decoding.outcome import Result, Stats, Stops
+from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_request
 from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, SHORT_PASSES, Parts, Warmed, describe, prompt_lengths, spans
@@ -117,13 +117,8 @@ class Generator:
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
                       sampling: SamplingParams) -> None:
         """Everything a request can get wrong, before any work."""
-        if not isinstance(sampling, SamplingParams):
-            raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        self.check_prompt(prompt_ids)
-        if stop and self.detokenize is None:
-            raise EngineError("stop strings need a detokenize callback (Generator(..., detokenize=...))")
-        if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_request(prompt_ids, max_new_tokens, stop, sampling, check_prompt=self.check_prompt,
+                      detokenize=self.detokenize, loop=type(self).__name__)
 
     def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
                    on_tokens: Callable[[int, list[int]], None] | None = None,

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.sampling import SamplingParams
+
 
 @dataclass
 class Stats:
@@ -90,3 +93,16 @@ class Stops:
             if self.reason:
                 break
         return kept
+
+
+def check_request(prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str], sampling: SamplingParams, *,
+                  check_prompt: Callable[[Sequence[int]], None], detokenize: Callable | None, loop: str) -> None:
+    """EngineError for anything a request can get wrong, before any work: the rule of both loops (the batch-1
+    Generator and the BatchGenerator, named by ``loop``), each checking prompts its own way (``check_prompt``)."""
+    if not isinstance(sampling, SamplingParams):
+        raise EngineError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    check_prompt(prompt_ids)
+    if stop and detokenize is None:
+        raise EngineError(f"stop strings need a detokenize callback ({loop}(..., detokenize=...))")
+    if max_new_tokens < 1:
+        raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
