@@ -83,8 +83,8 @@ def reference_engines(manifest: Manifest, device: torch.device | str, dtype: tor
         modules[role] = fam.load(source, cfg, manifest.max_seq_len, dtype, device, modules.get(TARGET), entry.extra)
         if quantized and source.quantization is not None:
             module = modules[role]
-            module.quantized = {name: source.quantized(module, name).to(device)
-                                for name in source.key_map(module).packed}
+            # kept on the host: the fast engines pack them onto the device (no third copy there)
+            module.quantized = {name: source.quantized(module, name) for name in source.key_map(module).packed}
     # KV for the dir's max_batch sequences, as its graphs were exported (the continuous-batching loop's slots)
     return {graph: engine for role, module in modules.items()
             for graph, engine in torch_engines(module, role, batch=manifest.max_batch).items()}

@@ -18,6 +18,7 @@ on an engine dir exported with ``--max-batch N > 1`` they decode together, N at 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -220,9 +221,14 @@ class LLM:
         """Every sample of every prompt submitted to the batch at once, then steps until all have stopped;
         sample j of a prompt draws stream j of the request's seed, as ``Generator.generate_n``."""
         one = replace(with_seed(sampling), n=1)
-        seqs = [[self.batch.submit(p, n, stop, one, j) for j in range(sampling.n)] for p, n in zip(prompts, budgets)]
-        while not self.batch.idle:
-            self.batch.step()
+        try:
+            seqs = [[self.batch.submit(p, n, stop, one, j) for j in range(sampling.n)]
+                    for p, n in zip(prompts, budgets)]
+            while not self.batch.idle:
+                self.batch.step()
+        except BaseException as e:          # a failed step or submit: no sequence of this call stays seated
+            self.batch.abort(f"{type(e).__name__}: {e}")
+            raise
         decode = self.tokenizer.decode if self.tokenizer else None
         return [Completion(p, [Output(q.index, decode(q.result.tokens) if decode else None, q.result.tokens,
                                       q.result.finish_reason, q.result.stats, q.result.seed) for q in qs])
@@ -231,11 +237,20 @@ class LLM:
     def _batch_stream(self, ids: list[int], budget: int, stop: Sequence[str],
                       sampling: SamplingParams) -> Iterator[list[int]]:
         new: list[list[int]] = []
-        seq = self.batch.submit(ids, budget, stop, sampling, on_tokens=new.append)
-        while seq.result is None:
-            self.batch.step()
-            yield from new
-            new.clear()
+        cancel = threading.Event()
+        seq = self.batch.submit(ids, budget, stop, sampling, cancel=cancel, on_tokens=new.append)
+        try:
+            while seq.result is None:
+                self.batch.step()
+                yield from new
+                new.clear()
+            yield from new                  # tokens of the step it ended in
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):     # a failed step: every row's state is suspect
+                self.batch.abort(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            cancel.set()                    # a stream left early frees its slot at the next step
 
     def close(self) -> None:
         self.engines.close()

@@ -247,7 +247,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, quant
 @click.option("--served-model-name", help="Model id clients send (default: the engine dir's model name).")
 @click.option("--api-key", envvar="XRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait behind the running one; more get 429.")
+              help="Requests that may wait for the device (for a batch slot on a --max-batch N dir); more get 429.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
               help="Seconds from arrival to the last token; later requests end with an error. Default: none.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
@@ -259,7 +259,8 @@ def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, quant
               help="With --ray: replicas (one GPU each on CUDA).")
 def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
           served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas):
-    """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming), one request at a time."""
+    """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming): one request at a time, or up to N
+    decoding together on a --max-batch N dir."""
     from xcompile.runtime.serve.run import serve_http, serve_ray
     from xcompile.runtime.serve.scheduler import ServeConfig
 

@@ -123,6 +123,7 @@ class BatchGenerator:
         for s in self.slots:
             s.block = chain_block(torch.zeros(1, 1, dtype=torch.int64, device=self.device))
         self.waiting: deque[BatchSequence] = deque()
+        self._pending: list[BatchSequence] = []     # what the running step() has stopped so far
         self.stats = BatchStats(rows_used=[0] * self.max_batch)
         self._causal: dict[int, torch.Tensor] = {}         # the causal tree_mask [B, S, S] of each S used
 
@@ -216,10 +217,12 @@ class BatchGenerator:
     def step(self) -> list[BatchSequence]:
         """Drop cancelled sequences, seat waiting ones, run one target pass over every slot and commit what
         it gave each row. Returns the sequences that stopped during this call."""
-        ended = self._drop_cancelled()
+        # the sequences that stop in this call, kept where abort() finds them should the step raise midway
+        ended = self._pending = self._drop_cancelled()
         self._seat()
         rows = [(b, s.seq) for b, s in enumerate(self.slots) if s.seq is not None]
         if not rows:
+            self._pending = []
             return ended
         # S: the longest row's tokens (a prefill chunk, or 1), within the room every row has left
         need = {b: min(len(q.prompt) - q.length, self.chunk) if q.prefilling else 1 for b, q in rows}
@@ -256,18 +259,20 @@ class BatchGenerator:
             q.root = token
             if self._emit(q, [token]):
                 ended.append(q)
+        self._pending = []
         return ended
 
     def abort(self, why: str) -> list[BatchSequence]:
         """Stop every sequence, running or waiting, with reason "error" (``why``): what a caller does when a
         step itself raised (an engine failure), after which no row's state can be trusted. The slots are free
         again; the next sequence's prefill rewrites its slot from row 0."""
+        done, self._pending = self._pending, []        # stopped already in the step that raised
         ended = [s.seq for s in self.slots if s.seq is not None] + list(self.waiting)
         self.waiting.clear()
         for q in ended:
             q.error, q.stops.reason = why, "error"
             self._finish(q)
-        return ended
+        return done + ended
 
     def _sampled(self, b: int, root: int, logits: torch.Tensor) -> int:
         """Row b's next token as a plain round of the batch-1 loop verifies it (speculative.accept_chain over

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
@@ -43,6 +44,8 @@ from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv
 from xcompile.runtime.engines.qweight import QWeight
 from xcompile.runtime.engines.torch_module import TorchEngine
+
+log = logs.logger("fast")
 
 
 def check_device(device: torch.device) -> None:
@@ -68,9 +71,9 @@ class _Packed:
         kernels take its blocks, else the parameters (``cat``)."""
         if all(n in self.quantized for n in names):
             try:
-                return QLinear.pack([self.quantized[n] for n in names])
-            except (ValueError, AssertionError):
-                pass                        # blocks the kernels do not tile: the dequantized parameters
+                return QLinear.pack([self.quantized[n] for n in names], self.get(names[0]).device)
+            except ValueError as e:         # blocks the kernels do not tile: the dequantized parameters, said once
+                log.warning(f"fast backend: {', '.join(names)} run dequantized (bf16 bytes): {e}")
         return self.cat(names) if len(names) > 1 else self.get(names[0])
 
     def get(self, name: str) -> torch.Tensor:

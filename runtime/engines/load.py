@@ -146,7 +146,7 @@ def _fast_load(directory, manifest, device, options):
 
 
 def _fast_auto(manifest, device) -> bool:
-    if device.type != "cuda":
+    if device.type != "cuda" or manifest.max_batch > 1:     # its kernels take one sequence (the batch loop: ort)
         return False
     from xcompile.runtime.common.gpu import available
 

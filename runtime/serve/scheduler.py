@@ -38,7 +38,7 @@ class ServeConfig:
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     served_model_name: str | None = None        # default: the manifest's model name
     api_key: str | None = None                  # required as "Authorization: Bearer KEY" on /v1 when set
-    max_queue: int = 64                         # requests waiting behind the running one
+    max_queue: int = 64                         # requests waiting for the device (a batch slot on batch dirs)
     request_timeout: float | None = None        # seconds from arrival to the last token; None: no limit
     cuda_graphs: bool = True
     warm_up: bool = True                        # run every kernel and graph once before reporting ready
@@ -172,12 +172,18 @@ class Scheduler:
             self.warming = False
             if self.worker.batch is not None:
                 self.batch_loop = BatchLoop(self.worker.batch)
-                self.executor.submit(self.batch_loop.run)
+                self.executor.submit(self.batch_loop.run).add_done_callback(self._loop_ended)
         except XcompileError as e:
             self.load_error = f"{'warm-up: ' if self.warming else ''}{e}"
         except Exception as e:              # a backend's own error (e.g. ONNX Runtime's): report it, keep the cause
             log.exception("%s %s failed", "warming up" if self.warming else "opening", self.config.engine_dir)
             self.load_error = f"{self.config.engine_dir}: {'warm-up: ' if self.warming else ''}{type(e).__name__}: {e}"
+
+    def _loop_ended(self, future) -> None:
+        """The batch loop's thread returned: on a stop, or on an error of its own (its jobs failed by then), after
+        which the server answers 503 rather than queue requests no thread will run."""
+        if future.exception() is not None:
+            self.load_error = f"the batch loop failed: {type(future.exception()).__name__}: {future.exception()}"
 
     def ready(self) -> EngineWorker:
         """The worker, or ServeError 503 while the engines load and warm up (or after either failed)."""
@@ -266,6 +272,8 @@ class Scheduler:
                     started = True
                     self.waiting -= 1
                     self.active += 1
+                elif event[0] == "invalid":                # refused by the loop's own request checks
+                    raise ServeError(400, event[2])
                 elif event[0] == "failed":
                     raise ServeError(500, f"generation {event[1]} failed: {event[2]}")
                 else:
@@ -305,8 +313,9 @@ class BatchLoop:
     """The continuous-batching loop on the engine thread (runtime/decoding/batch.py): jobs arrive from the
     event loop through ``put``, their generations are submitted between steps and take slots first come,
     first served; each step's tokens, each generation's end and a job's end are posted back as ``run``
-    describes, plus ``("started", None, None)`` once a job's first generation holds a slot and
-    ``("failed", i, why)`` when generation i failed (its callback, its stop check, or the engine's step).
+    describes, plus ``("started", None, None)`` once a job's first generation holds a slot,
+    ``("invalid", i, why)`` when the loop's request checks refuse generation i (a 400) and ``("failed", i, why)``
+    when it failed (its callback, its stop check, or the engine's step: a 500).
     A job's cancel event ends its generations before the next step."""
 
     def __init__(self, batch):
@@ -324,6 +333,17 @@ class BatchLoop:
         self.inbox.put(None)
 
     def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:          # a bug of the loop's own: fail every job, never leave one waiting
+            log.exception("the batch loop failed")
+            for post, *_ in list(self.jobs.values()):
+                post(("failed", 0, f"the batch loop failed: {type(e).__name__}: {e}"))
+                post(DONE)
+            self.jobs.clear()
+            raise
+
+    def _loop(self) -> None:
         while not self.stopped:
             self._take(wait=self.batch.idle)
             if self.batch.idle:
@@ -356,7 +376,7 @@ class BatchLoop:
                     q = self.batch.submit(g.prompt, g.max_new_tokens, g.stop, g.sampling, g.index, job.cancel,
                                           lambda tokens, i=i, post=post: post(("tokens", i, tokens)))
                 except EngineError as e:
-                    post(("failed", i, str(e)))
+                    post(("invalid", i, str(e)))
                     job.cancel.set()
                     break
                 self.owner[q] = (job, i)

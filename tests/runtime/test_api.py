@@ -146,3 +146,29 @@ def test_warm_up_leaves_every_output_as_it_was(tiny_engine_dir, tiny_target, tmp
                     for c in llm.generate(prompts, s, max_new_tokens=12)]
 
     assert outputs(warm=True) == outputs(warm=False)
+
+
+def test_a_batch_dirs_stream_left_early_or_failing_frees_its_slot(tiny_target, tmp_path_factory, monkeypatch):
+    """On a --max-batch dir: a stream the caller stops reading gives its slot back at the next step, and a step
+    that raises ends every sequence of the call (none stays seated for the next call)."""
+    import fixtures
+
+    engine_dir = fixtures.exported_dir(tmp_path_factory, "tiny-batch4", model=str(tiny_target), dtype="fp32",
+                                       max_batch=4)
+    with LLM(engine_dir, backend="ort", device="cpu") as llm:
+        steps = llm.loop.stats.steps
+        want = llm.generate(PROMPT, max_new_tokens=6)[0].outputs[0].token_ids
+        alone = llm.loop.stats.steps - steps
+        stream = llm.stream(PROMPT, max_new_tokens=40)
+        next(stream)
+        stream.close()
+        steps = llm.loop.stats.steps
+        assert llm.generate(PROMPT, max_new_tokens=6)[0].outputs[0].token_ids == want
+        assert llm.loop.idle and llm.loop.stats.steps - steps == alone      # the left stream decoded no further
+
+        def broken():
+            raise RuntimeError("the device fell off")
+        monkeypatch.setattr(llm.loop, "step", broken)
+        with pytest.raises(RuntimeError, match="fell off"):
+            llm.generate(PROMPT, max_new_tokens=6)
+        assert llm.loop.idle

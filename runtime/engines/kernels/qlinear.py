@@ -69,18 +69,23 @@ class QLinear:
     shape: tuple[int, int]      # [N, K]
 
     @staticmethod
-    def pack(weights: list[QWeight]) -> QLinear:
-        """Weights stacked along N (q/k/v, gate/up) in the kernel's layout; each must cover whole scale rows."""
+    def pack(weights: list[QWeight], device: torch.device | str | None = None) -> QLinear:
+        """Weights stacked along N (q/k/v, gate/up) in the kernel's layout, on ``device`` (default: theirs);
+        ValueError where the kernels cannot take them (the caller runs those dense)."""
         first = weights[0]
         rows, cols = first.block
         k = first.shape[1]
         for w in weights:
-            assert w.kind == first.kind and w.block == first.block and w.shape[1] == k, (w.kind, w.block, w.shape)
-            assert len(weights) == 1 or w.shape[0] % rows == 0, f"{w.shape} does not cover whole {rows}-row blocks"
+            if w.kind != first.kind or w.block != first.block or w.shape[1] != k:
+                raise ValueError(f"stacked linears differ: {w.kind} {w.block} {w.shape} after {first.kind} "
+                                 f"{first.block} {first.shape}")
+            if len(weights) > 1 and w.shape[0] % rows:
+                raise ValueError(f"a stacked linear of {w.shape[0]} rows does not cover whole {rows}-row blocks")
         chunk = next((c for c in (128, 64, 32) if cols % c == 0 and k % c == 0), None)
         if chunk is None or k % cols:
             raise ValueError(f"quantized weight [{sum(w.shape[0] for w in weights)}, {k}] with {first.block} blocks: "
                              "the fast kernels need groups of a multiple of 32 inputs that tile K")
+        weights = [w.to(device) for w in weights] if device is not None else weights
         codes = torch.cat([w.codes for w in weights])
         if first.kind == FP8:
             codes = codes.view(torch.uint8)

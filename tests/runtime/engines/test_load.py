@@ -36,13 +36,14 @@ def test_cli_choices_are_the_registries():
     assert list(bench["backend"].type.choices) == ["auto", *BACKENDS]
 
 
-@pytest.mark.parametrize("device, dtype, engines, want", [
-    ("cpu", "fp32", {}, "ort"), ("cpu", "fp16", {}, "ort"), ("cpu", "bf16", {}, "torch"),
+@pytest.mark.parametrize("device, dtype, engines, max_batch, want", [
+    ("cpu", "fp32", {}, 1, "ort"), ("cpu", "fp16", {}, 1, "ort"), ("cpu", "bf16", {}, 1, "torch"),
     # no built engines: trt's test fails before importing TensorRT; then fast when triton imports
-    ("cuda", "bf16", {}, "fast" if gpu.available() else "torch"),
+    ("cuda", "bf16", {}, 1, "fast" if gpu.available() else "torch"),
+    ("cuda", "bf16", {}, 4, "torch"),           # the fast kernels take one sequence: a batch dir skips them
 ])
-def test_auto_takes_the_first_backend_that_fits(device, dtype, engines, want):
-    manifest = SimpleNamespace(dtype=dtype, engines=engines)
+def test_auto_takes_the_first_backend_that_fits(device, dtype, engines, max_batch, want):
+    manifest = SimpleNamespace(dtype=dtype, engines=engines, max_batch=max_batch)
     assert pick_backend(manifest, "auto", torch.device(device)) == want
     assert pick_backend(manifest, "ort", torch.device(device)) == "ort"
     with pytest.raises(EngineError, match="--backend 'tensorflow': expected one of auto, trt"):
