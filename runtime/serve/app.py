@@ -25,10 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.serve.jobs import Generation, Job
 from xcompile.runtime.serve.metrics import Metrics
 from xcompile.runtime.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
 from xcompile.runtime.serve.reply import Reply
-from xcompile.runtime.serve.scheduler import EngineWorker, Generation, Job, Scheduler, ServeConfig
+from xcompile.runtime.serve.scheduler import EngineWorker, Scheduler, ServeConfig
 
 log = logging.getLogger("xcompile.serve")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")

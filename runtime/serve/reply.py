@@ -11,9 +11,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from xcompile.runtime.serve.jobs import Job
 from xcompile.runtime.serve.metrics import Metrics
 from xcompile.runtime.serve.protocol import FINISH_REASONS, ServeError, TextStream, error_body, usage
-from xcompile.runtime.serve.scheduler import EngineWorker, Job
+from xcompile.runtime.serve.scheduler import EngineWorker
 
 log = logging.getLogger("xcompile.serve")
 

@@ -1,0 +1,113 @@
+"""The continuous-batching loop of ``xrun serve`` on a ``--max-batch N`` engine dir (the batch loop itself:
+runtime/decoding/batch.py), on the engine thread the Scheduler (runtime/serve/scheduler.py) runs it on."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.serve.jobs import DONE, Job
+
+log = logging.getLogger("xcompile.serve")
+
+
+class BatchLoop:
+    """The continuous-batching loop on the engine thread (runtime/decoding/batch.py): jobs arrive from the
+    event loop through ``put``, their generations are submitted between steps and take slots first come,
+    first served; each step's tokens, each generation's end and a job's end are posted back as ``run``
+    describes, plus ``("started", None, None)`` once a job's first generation holds a slot,
+    ``("invalid", i, why)`` when the loop's request checks refuse generation i (a 400) and ``("failed", i, why)``
+    when it failed (its callback, its stop check, or the engine's step: a 500).
+    A job's cancel event ends its generations before the next step."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()     # (job, post), or None: stop
+        self.owner: dict = {}                   # BatchSequence -> (job, generation index)
+        self.jobs: dict[int, list] = {}         # id(job) -> [post, sequences left, started?]
+        self.stopped = False
+
+    def put(self, job: Job, post: Callable[[tuple], None]) -> None:
+        self.inbox.put((job, post))
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.inbox.put(None)
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:          # a bug of the loop's own: fail every job, never leave one waiting
+            log.exception("the batch loop failed")
+            for post, *_ in list(self.jobs.values()):
+                post(("failed", 0, f"the batch loop failed: {type(e).__name__}: {e}"))
+                post(DONE)
+            self.jobs.clear()
+            raise
+
+    def _loop(self) -> None:
+        while not self.stopped:
+            self._take(wait=self.batch.idle)
+            if self.batch.idle:
+                continue
+            try:
+                ended = self.batch.step()
+            except Exception as e:          # the engine failed: no row of the step can be trusted
+                log.exception("a batched step failed")
+                ended = self.batch.abort(f"{type(e).__name__}: {e}")
+            for q in self.batch.running:
+                self._started(q)
+            for q in ended:
+                self._ended(q)
+        for q in self.batch.abort("the server is shutting down"):
+            self._ended(q)
+
+    def _take(self, wait: bool) -> None:
+        """Submit every job that arrived (blocking for the first when ``wait``: nothing else to do)."""
+        while True:
+            try:
+                item = self.inbox.get(block=wait)
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            job, post = item
+            state = self.jobs[id(job)] = [post, 0, False]
+            for i, g in enumerate(job.generations):
+                try:
+                    q = self.batch.submit(g.prompt, g.max_new_tokens, g.stop, g.sampling, g.index, job.cancel,
+                                          lambda tokens, i=i, post=post: post(("tokens", i, tokens)))
+                except EngineError as e:
+                    post(("invalid", i, str(e)))
+                    job.cancel.set()
+                    break
+                self.owner[q] = (job, i)
+                state[1] += 1
+            if state[1] == 0:
+                del self.jobs[id(job)]
+                post(DONE)
+            wait = False
+
+    def _started(self, q) -> None:
+        job, _ = self.owner[q]
+        state = self.jobs[id(job)]
+        if not state[2]:
+            state[2] = True
+            state[0](("started", None, None))
+
+    def _ended(self, q) -> None:
+        job, i = self.owner.pop(q)
+        state = self.jobs[id(job)]
+        post = state[0]
+        r = q.result
+        if r.finish_reason == "error":
+            post(("failed", i, q.error))
+            job.cancel.set()                # the request fails as a whole: its other generations leave too
+        elif r.finish_reason != "cancelled":
+            post(("done", i, r))
+        state[1] -= 1
+        if state[1] == 0:
+            del self.jobs[id(job)]
+            post(DONE)
