@@ -46,7 +46,7 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal
-from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_request
+from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.decoding.warmup import SHORT_PASSES, Parts, Warmed, describe, spans
@@ -131,13 +131,7 @@ class BatchGenerator:
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """EngineError unless the prompt is non-empty, in range and leaves room for one step."""
-        if not prompt_ids:
-            raise EngineError("empty prompt: give at least one token")
-        if len(prompt_ids) + 1 > self.max_seq_len:
-            raise EngineError(f"prompt of {len(prompt_ids)} tokens + 1 slot for its first step exceed max_seq_len "
-                              f"{self.max_seq_len}; shorten the prompt or rebuild with a larger --max-seq-len")
-        if min(prompt_ids) < 0:
-            raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
+        check_prompt(prompt_ids, self.max_seq_len, 1, "1 slot for its first step")
 
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
                       sampling: SamplingParams) -> None:

@@ -30,7 +30,7 @@ import torch
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_inputs
-from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_request
+from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, SHORT_PASSES, Parts, Warmed, describe, prompt_lengths, spans
@@ -104,15 +104,9 @@ class Generator:
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """EngineError unless the prompt is non-empty, in range and leaves room for one drafter round."""
-        need = len(prompt_ids) + self.drafter.lookahead
-        if not prompt_ids:
-            raise EngineError("empty prompt: give at least one token")
-        if need > self.max_seq_len:
-            raise EngineError(f"prompt of {len(prompt_ids)} tokens + {self.drafter.lookahead} slots for the "
-                              f"{self.drafter.name} drafter's round exceed max_seq_len {self.max_seq_len}; "
-                              "shorten the prompt or rebuild with a larger --max-seq-len")
-        if min(prompt_ids) < 0:
-            raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
+        lookahead = self.drafter.lookahead
+        check_prompt(prompt_ids, self.max_seq_len, lookahead, f"{lookahead} slots for the {self.drafter.name} "
+                     "drafter's round")
 
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str],
                       sampling: SamplingParams) -> None:

@@ -95,6 +95,17 @@ class Stops:
         return kept
 
 
+def check_prompt(prompt_ids: Sequence[int], max_seq_len: int, room: int, room_for: str) -> None:
+    """EngineError unless the prompt is non-empty, in range and leaves ``room`` slots (what ``room_for`` says)."""
+    if not prompt_ids:
+        raise EngineError("empty prompt: give at least one token")
+    if len(prompt_ids) + room > max_seq_len:
+        raise EngineError(f"prompt of {len(prompt_ids)} tokens + {room_for} exceed max_seq_len {max_seq_len}; "
+                          "shorten the prompt or rebuild with a larger --max-seq-len")
+    if min(prompt_ids) < 0:
+        raise EngineError(f"prompt holds a negative token id ({min(prompt_ids)})")
+
+
 def check_request(prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str], sampling: SamplingParams, *,
                   check_prompt: Callable[[Sequence[int]], None], detokenize: Callable | None, loop: str) -> None:
     """EngineError for anything a request can get wrong, before any work: the rule of both loops (the batch-1

@@ -201,6 +201,15 @@ def _step(X, stride_xm, M, k0, G, CODES, S, Z, cols, srow, urow, SK, CK, N_OUT, 
 
 
 @triton.jit
+def _columns(pid_n, N_OUT, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """Program pid_n's output columns; the same clamped into range (the weight loads need no mask); the scale
+    rows of those columns and of their up rows (gated: N_OUT rows further)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wcols = tl.where(cols < N_OUT, cols, 0)
+    return cols, wcols, wcols // ROWS, (wcols + N_OUT) // ROWS
+
+
+@triton.jit
 def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, M, N_OUT, K, SK, CK, stride_xm, stride_ym, stride_rm,
                     stride_y2m, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                     IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr, TILES: tl.constexpr,
@@ -209,10 +218,7 @@ def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, M, N_OUT, K, SK, CK, s
                     SUMS: tl.constexpr, NATIVE: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), all of K
     pid_n = tl.program_id(0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wcols = tl.where(cols < N_OUT, cols, 0)            # clamp instead of masking the weight loads
-    srow = wcols // ROWS
-    urow = (wcols + N_OUT) // ROWS
+    cols, wcols, srow, urow = _columns(pid_n, N_OUT, BLOCK_N, ROWS)
     if PDL:     # weights never depend on the previous kernel, but x does: its first read waits
         tl.extra.cuda.gdc_wait()
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
@@ -239,10 +245,7 @@ def _qgemv_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, N_OUT, K, SK, CK, eps, G
     # one row on the CUDA cores: fp32 products of the scaled codes and x accumulated per lane in [BLOCK_N, SUB,
     # CHUNK] tiles (SUB chunks a step keep enough bytes in flight), reduced once at the end
     pid_n = tl.program_id(0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wcols = tl.where(cols < N_OUT, cols, 0)
-    srow = wcols // ROWS
-    urow = (wcols + N_OUT) // ROWS
+    cols, wcols, srow, urow = _columns(pid_n, N_OUT, BLOCK_N, ROWS)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -315,39 +318,31 @@ def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, ep
         sums_out.reset()
     if norm is not None and not from_sums:
         x, norm = rms_norm(x, norm, eps, cfg=cfg), None
-    block_n, warps, stages = TILE[w.kind]
-    blocks, tiles_m = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
     nsum = sums.blocks if from_sums else 0
-    if sums_out is not None:
-        assert blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
     dummy = out
-    if m == 1:
+    operands = (x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
+                residual if residual is not None else dummy, extra_out if extra_out is not None else dummy,
+                sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy)
+    flags = dict(GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, INT4=w.kind == INT4,
+                 NORM=norm is not None, PDL=cfg.pdl_on, CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NSUM=nsum,
+                 NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=sums_out is not None, NATIVE=not interpreted())
+    if m == 1:                                          # the GEMV (module docstring)
         block_n, sub, warps, stages = GEMV_TILE[w.kind]
         while k % (sub * w.chunk):
             sub //= 2
-        blocks = triton.cdiv(n_out, block_n)
-        assert sums_out is None or blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
-        _qgemv_kernel[(blocks,)](
-            x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
-            residual if residual is not None else dummy, extra_out if extra_out is not None else dummy,
-            sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, n_out, k,
-            w.scale.shape[1], w.codes.shape[1], eps, GATED=gated, RESIDUAL=residual is not None,
-            EXTRA=extra_out is not None, INT4=w.kind == INT4, NORM=norm is not None, PDL=cfg.pdl_on, BLOCK_N=block_n,
-            CHUNK=w.chunk, SUB=sub, ROWS=w.rows, COLS=w.cols, NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)),
-            SUMS=sums_out is not None, NATIVE=not interpreted(), num_warps=warps, num_stages=stages, **cfg.launch())
-        if sums_out is not None:
-            sums_out.left_by(out, blocks)
-        return out
-    _qlinear_kernel[(blocks,)](
-        x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
-        residual if residual is not None else dummy, extra_out if extra_out is not None else dummy,
-        sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, m, n_out, k,
-        w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
-        GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, IEEE=ieee_dot(x.dtype),
-        INT4=w.kind == INT4, NORM=norm is not None, TILES=tiles_m, PDL=cfg.pdl_on, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
-        CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)),
-        SUMS=sums_out is not None, NATIVE=not interpreted(), num_warps=warps, num_stages=stages, **cfg.launch())
+        kernel, sizes = _qgemv_kernel, (n_out, k, w.scale.shape[1], w.codes.shape[1], eps)
+        flags.update(SUB=sub)
+    else:
+        block_n, warps, stages = TILE[w.kind]
+        kernel = _qlinear_kernel
+        sizes = (m, n_out, k, w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
+                 residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0,
+                 eps)
+        flags.update(IEEE=ieee_dot(x.dtype), TILES=triton.cdiv(m, ROW_TILE), BLOCK_M=ROW_TILE)
+    blocks = triton.cdiv(n_out, block_n)
+    assert sums_out is None or blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
+    kernel[(blocks,)](*operands, *sizes, BLOCK_N=block_n, **flags, num_warps=warps, num_stages=stages,
+                      **cfg.launch())
     if sums_out is not None:
         sums_out.left_by(out, blocks)
     return out
