@@ -27,9 +27,9 @@ BLOCKS = {FP8: (128, 128), INT4: (1, 128)}
 # (name, N, K, parts stacked, gated, norm from sums, residual)
 CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False, False, True),
          ("gate_up", 12288, 4096, 2, True, True, False), ("down", 4096, 12288, 1, False, False, True)]
-# the GEMV's (BLOCK_N, chunks a step, warps, stages) at one row, the tile kernel's (BLOCK_N, warps, stages)
-# at several (tl.dot needs BLOCK_N >= 16)
-CANDIDATES = {True: list(itertools.product((4, 8, 16), (4, 8), (4, 8), (2, 4))),
+# the GEMV's (BLOCK_N, inputs a step, warps, steps loaded ahead) at one row (a step is one scale column of the
+# blocks here), the tile kernel's (BLOCK_N, warps, stages) at several (tl.dot needs BLOCK_N >= 16)
+CANDIDATES = {True: list(itertools.product((4, 8), (512, 1024), (1, 2, 4), (0, 1, 2))),
               False: list(itertools.product((16, 32, 64), (4, 8), (2, 4)))}
 COPIES, CALLS_PER_GRAPH = 4, 32
 

@@ -302,7 +302,7 @@ class RowSums:
     A step resets it first, so no sums outlive it."""
 
     def __init__(self, n: int, dtype: torch.dtype, device: torch.device):
-        # one partial per column block of the narrowest writer (4 columns: the quantized GEMV's narrowest tile)
+        # one partial per column block of the narrowest writer (4 columns: below every tile that writes them)
         self.buf = torch.zeros(triton.cdiv(n, 4), MAX_ROWS, dtype=torch.float32, device=device)
         self.unit = torch.ones(n, dtype=dtype, device=device)
         self.source: tuple | None = None

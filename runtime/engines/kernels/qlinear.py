@@ -11,9 +11,8 @@ scales the fp32 block sums per output column:
     int4   acc += s[n, b] * (x . q[n, b-block] - z[n, b] * sum(x[b-block]))
 
 so no dequantized weight is ever rounded, and each row's sums run in the same order at any row count above
-one. One row (decode) runs a GEMV on the CUDA cores instead: each lane multiplies the scaled codes by x in fp32
-and reduces once at the end, where a tile of the tensor cores' 16-row minimum would convert every code through
-shared memory for one useful row; its sums round in another order (as bf16's GEMV, kernels/gemv.py).
+one. One row (decode) runs the GEMV of qgemv.py on the CUDA cores instead; its sums round in another order (as
+bf16's GEMV, kernels/gemv.py).
 
 The INT4 codes are packed for this K step (``chunk``): byte j of a chunk holds code j in its low nibble and code
 j + chunk/2 in its high one, so a loaded tile splits into two halves that each meet a contiguous half of x, with
@@ -21,7 +20,7 @@ no shuffle.
 
 A norm is not folded into quantized weights (it would change their codes): x is multiplied by the norm's
 weight as it is loaded and each row's sums are scaled by its 1/rms, from the row sums the call that wrote x
-left (``RowSums``), else x is normalised by a launch of its own.
+left (``RowSums``), else x is normalised by a launch of its own (the GEMV: from x as it streams).
 """
 
 from __future__ import annotations
@@ -34,25 +33,25 @@ import triton.language as tl
 
 from xcompile.runtime.common.gpu import ieee_dot, interpreted
 from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
-from xcompile.runtime.engines.kernels.common import _epilogue, _load_x
+from xcompile.runtime.engines.kernels.common import _load_x
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.linear import (
     RowSums,
     _dot,
     _epilogues,
     _scale_rows,
-    _store_sums,
-    _sums_rstd,
     _sums_rstds,
     _zero_accs,
 )
 from xcompile.runtime.engines.kernels.norm import rms_norm
+from xcompile.runtime.engines.kernels.qgemv import _columns, _e4m3, _qgemv_kernel
 from xcompile.runtime.engines.qweight import FP8, INT4, QWeight
 
-# by kind: the tile kernel's (BLOCK_N, warps, stages) for several rows, the one-row GEMV's (BLOCK_N, chunks a
-# step, warps, stages); the fastest for one decoder layer's projections on the H200 (benchmarks/qlinear_tiles.py)
+# by kind: the tile kernel's (BLOCK_N, warps, stages) for several rows, the one-row GEMV's (BLOCK_N, inputs a
+# step, warps, steps loaded ahead); the fastest for one decoder layer's projections on the H200
+# (benchmarks/qlinear_tiles.py)
 TILE = {FP8: (32, 4, 4), INT4: (64, 4, 4)}
-GEMV_TILE = {FP8: (8, 4, 8, 4), INT4: (8, 4, 4, 2)}
+GEMV_TILE = {FP8: (4, 512, 2, 0), INT4: (4, 512, 2, 1)}
 
 
 @dataclass(frozen=True)
@@ -127,17 +126,6 @@ def _u4(q):
 
 
 @triton.jit
-def _e4m3(b, NATIVE: tl.constexpr):
-    """float8 e4m3 bits (uint8) -> their fp32 values."""
-    if NATIVE:
-        w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:       # the interpreter has no float8: e4m3 bits -> fp16 bits (exponent bias 7 -> 15), times 2^8
-        h = ((b & 0x80).to(tl.uint16) << 8) | ((b & 0x7F).to(tl.uint16) << 7)
-        w = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return w
-
-
-@triton.jit
 def _block(X, stride_xm, r, M, k0, G, lo, hi, z, IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
            CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One row tile's fp32 sums over one K step, before the scale: x . c (INT4: x . q - z * sum(x))."""
@@ -201,15 +189,6 @@ def _step(X, stride_xm, M, k0, G, CODES, S, Z, cols, srow, urow, SK, CK, N_OUT, 
 
 
 @triton.jit
-def _columns(pid_n, N_OUT, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    """Program pid_n's output columns; the same clamped into range (the weight loads need no mask); the scale
-    rows of those columns and of their up rows (gated: N_OUT rows further)."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wcols = tl.where(cols < N_OUT, cols, 0)
-    return cols, wcols, wcols // ROWS, (wcols + N_OUT) // ROWS
-
-
-@triton.jit
 def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, M, N_OUT, K, SK, CK, stride_xm, stride_ym, stride_rm,
                     stride_y2m, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
                     IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr, TILES: tl.constexpr,
@@ -236,68 +215,6 @@ def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, M, N_OUT, K, SK, CK, s
                M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
 
 
-@triton.jit
-def _qgemv_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, N_OUT, K, SK, CK, eps, GATED: tl.constexpr,
-                  RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
-                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  ROWS: tl.constexpr, COLS: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr,
-                  SUMS: tl.constexpr, NATIVE: tl.constexpr):
-    # one row on the CUDA cores: fp32 products of the scaled codes and x accumulated per lane in [BLOCK_N, SUB,
-    # CHUNK] tiles (SUB chunks a step keep enough bytes in flight), reduced once at the end
-    pid_n = tl.program_id(0)
-    cols, wcols, srow, urow = _columns(pid_n, N_OUT, BLOCK_N, ROWS)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_N, SUB, CHUNK // 2 if INT4 else CHUNK], dtype=tl.float32)
-    acc2, accu, accu2 = acc, acc, acc
-    for k0 in range(0, K, SUB * CHUNK):
-        acc, acc2 = _gemv_step(X, CODES, S, Z, G, wcols, srow, k0, SK, CK, acc, acc2, INT4, NORM, CHUNK, SUB, COLS,
-                               NATIVE)
-        if GATED:
-            accu, accu2 = _gemv_step(X, CODES, S, Z, G, wcols + N_OUT, urow, k0, SK, CK, accu, accu2, INT4, NORM,
-                                     CHUNK, SUB, COLS, NATIVE)
-    y = tl.sum(tl.sum(acc + acc2, axis=2), axis=1)
-    yu = tl.sum(tl.sum(accu + accu2, axis=2), axis=1)
-    one = tl.arange(0, 1)
-    if NSUM > 0:
-        r = _sums_rstd(SQ, one, 1, K, eps, NSUM, NSUM_P2)
-        y, yu = y * r, yu * r
-    out = _epilogue(y[None, :], yu[None, :], Y, 0, Y2, 0, R, 0, one, cols, 1, N_OUT, GATED, RESIDUAL, EXTRA)
-    if SUMS:
-        _store_sums(SQO, out, pid_n, one, cols, 1, N_OUT)
-
-
-@triton.jit
-def _gemv_step(X, CODES, S, Z, G, rows, srow, k0, SK, CK, acc, acc2, INT4: tl.constexpr, NORM: tl.constexpr,
-               CHUNK: tl.constexpr, SUB: tl.constexpr, COLS: tl.constexpr, NATIVE: tl.constexpr):
-    """acc (+ acc2, INT4's second halves) += the scaled codes of ``rows`` at inputs k0..k0+SUB*CHUNK times x."""
-    c = tl.arange(0, SUB)
-    s = tl.load(S + srow[:, None] * SK + (k0 + c * CHUNK)[None, :] // COLS)[:, :, None]       # [BLOCK_N, SUB, 1]
-    if INT4:
-        half: tl.constexpr = CHUNK // 2
-        j = c[:, None] * half + tl.arange(0, half)[None, :]                                   # [SUB, half]
-        b = tl.load(CODES + rows[:, None, None] * CK + (k0 // 2 + j)[None, :, :], eviction_policy="evict_first")
-        zs = tl.load(Z + srow[:, None] * SK + (k0 + c * CHUNK)[None, :] // COLS)[:, :, None] * s
-        ka = k0 + c[:, None] * CHUNK + tl.arange(0, half)[None, :]
-        acc += (_u4(b & 0xF) * s - zs) * _gemv_x(X, G, ka, NORM)[None, :, :]
-        acc2 += (_u4(b >> 4) * s - zs) * _gemv_x(X, G, ka + half, NORM)[None, :, :]
-    else:
-        ks = k0 + c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]                           # [SUB, CHUNK]
-        b = tl.load(CODES + rows[:, None, None] * CK + ks[None, :, :], eviction_policy="evict_first")
-        acc += _e4m3(b, NATIVE) * s * _gemv_x(X, G, ks, NORM)[None, :, :]
-    return acc, acc2
-
-
-@triton.jit
-def _gemv_x(X, G, ks, NORM: tl.constexpr):
-    """x at inputs ks in fp32 (times the norm's weight, rounded to x's dtype, as _load_xg)."""
-    x = tl.load(X + ks)
-    if NORM:
-        x = (x.to(tl.float32) * tl.load(G + ks).to(tl.float32)).to(X.dtype.element_ty)
-    return x.to(tl.float32)
-
-
 def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
             extra_out: torch.Tensor | None = None, sums: RowSums | None = None, sums_out: RowSums | None = None,
@@ -313,36 +230,38 @@ def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, ep
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     assert sums is None or sums is not sums_out, "one RowSums to read and to write"
-    from_sums = norm is not None and sums is not None and sums.source == RowSums.key(x)
     if sums_out is not None:
         sums_out.reset()
+    dummy = out
+    common = (x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
+              residual if residual is not None else dummy, extra_out if extra_out is not None else dummy)
+    flags = dict(GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, INT4=w.kind == INT4,
+                 PDL=cfg.pdl_on, CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NATIVE=not interpreted())
+    if m == 1:      # the GEMV (qgemv.py): its 1/rms from x as x streams, so it neither reads nor leaves row sums
+        block_n, step, warps, ahead = GEMV_TILE[w.kind]
+        least = w.chunk if w.kind == INT4 else 16         # a step: whole INT4 chunks
+        step = max(step, least)
+        while k % step and step > least:
+            step //= 2
+        _qgemv_kernel[(triton.cdiv(n_out, block_n),)](
+            *common, n_out, k, w.scale.shape[1], w.codes.shape[1], eps, NORM=norm is not None, BLOCK_N=block_n,
+            STEP=step, AHEAD=ahead, **flags, num_warps=warps, num_stages=1, **cfg.launch())
+        return out
+    from_sums = norm is not None and sums is not None and sums.source == RowSums.key(x)
     if norm is not None and not from_sums:
         x, norm = rms_norm(x, norm, eps, cfg=cfg), None
+        common = (x, *common[1:4], dummy, *common[5:])
     nsum = sums.blocks if from_sums else 0
-    dummy = out
-    operands = (x, w.codes, w.scale, w.zero, norm if norm is not None else dummy, out,
-                residual if residual is not None else dummy, extra_out if extra_out is not None else dummy,
-                sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy)
-    flags = dict(GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, INT4=w.kind == INT4,
-                 NORM=norm is not None, PDL=cfg.pdl_on, CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NSUM=nsum,
-                 NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=sums_out is not None, NATIVE=not interpreted())
-    if m == 1:                                          # the GEMV (module docstring)
-        block_n, sub, warps, stages = GEMV_TILE[w.kind]
-        while k % (sub * w.chunk):
-            sub //= 2
-        kernel, sizes = _qgemv_kernel, (n_out, k, w.scale.shape[1], w.codes.shape[1], eps)
-        flags.update(SUB=sub)
-    else:
-        block_n, warps, stages = TILE[w.kind]
-        kernel = _qlinear_kernel
-        sizes = (m, n_out, k, w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
-                 residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0,
-                 eps)
-        flags.update(IEEE=ieee_dot(x.dtype), TILES=triton.cdiv(m, ROW_TILE), BLOCK_M=ROW_TILE)
+    block_n, warps, stages = TILE[w.kind]
     blocks = triton.cdiv(n_out, block_n)
     assert sums_out is None or blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
-    kernel[(blocks,)](*operands, *sizes, BLOCK_N=block_n, **flags, num_warps=warps, num_stages=stages,
-                      **cfg.launch())
+    _qlinear_kernel[(blocks,)](
+        *common, sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, m, n_out, k,
+        w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
+        NORM=norm is not None, NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=sums_out is not None,
+        IEEE=ieee_dot(x.dtype), TILES=triton.cdiv(m, ROW_TILE), BLOCK_M=ROW_TILE, BLOCK_N=block_n, **flags,
+        num_warps=warps, num_stages=stages, **cfg.launch())
     if sums_out is not None:
         sums_out.left_by(out, blocks)
     return out

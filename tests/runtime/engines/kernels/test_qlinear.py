@@ -61,6 +61,23 @@ def test_norm_from_row_sums_equals_a_norm_launch():
     assert rel(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("tile", [(4, 512, 2, 0), (8, 256, 1, 1), (4, 1024, 4, 2)], ids=str)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s}")
+def test_gemv_tiles_stream_k_in_steps_with_tiles_loaded_ahead(scheme, tile, monkeypatch):
+    """The GEMV (qgemv.py) at several steps of K, a step spanning several scale columns (FP8) or chunks (INT4),
+    tiles loaded 0-2 steps ahead (the last ones past K masked), the norm's 1/rms from x and its up rows."""
+    import xcompile.runtime.engines.kernels.qlinear as Q
+
+    kind, block = scheme
+    monkeypatch.setitem(Q.GEMV_TILE, kind, tile)
+    dtype = torch.float32
+    qw, packed = weights(64, 1024, kind, block, parts=2)
+    x = randn(1, 1024, dtype=dtype)
+    norm = randn(1024, dtype=dtype) + 1
+    got = qlinear(x, packed, norm=norm, gated=True)
+    assert rel(got, qlinear_reference(x, qw, norm=norm, gated=True)) < TOL[dtype]
+
+
 def test_groups_that_do_not_fit_the_kernels_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         QLinear.pack([quantize(torch.randn(16, 96), INT4, (1, 48))])
