@@ -86,6 +86,12 @@ def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: tor
     return Tiny(target, draft, eagle3, d2t.to(device), max_seq_len)
 
 
+def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    """Prompts of these lengths, drawn in order from one seeded generator (ids 4..VOCAB-1: no special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
 def greedy_reference(target: Qwen3, prompt: list[int], n: int) -> list[int]:
     """Plain greedy decoding by re-running the whole sequence each step (no KV reuse at all)."""
     seq = list(prompt)

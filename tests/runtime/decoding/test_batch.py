@@ -12,7 +12,6 @@ import threading
 
 import pytest
 import tiny_engines as T
-import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.batch import BatchGenerator
@@ -31,8 +30,7 @@ def tiny() -> T.Tiny:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(4, T.VOCAB, (n,), generator=g).tolist() for n in (1, 7, 19, 40, 3, 70)]
+    return T.random_prompts((1, 7, 19, 40, 3, 70), seed=5)
 
 
 def alone(tiny, prompts, new=NEW, sampling=None, drafter=None) -> list[list[int]]:

@@ -37,8 +37,7 @@ def tiny() -> T.Tiny:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(4, T.VOCAB, (n,), generator=g).tolist() for n in (1, 3, 6, 9, 12)]
+    return T.random_prompts((1, 3, 6, 9, 12), seed=11)
 
 
 @pytest.fixture(scope="module")

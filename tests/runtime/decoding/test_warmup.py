@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import tiny_engines as T
-import torch
 
 from xcompile.runtime.decoding.batch import CHUNK, BatchGenerator
 from xcompile.runtime.decoding.generator import Generator, LoopOptions
@@ -47,8 +46,7 @@ def test_sampler_modes_are_one_request_per_recorded_mode():
 
 def requests(g: Generator) -> list[list[int]]:
     """Greedy and seeded sampled generations over prompts of several lengths (5 to 70 tokens)."""
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(4, T.VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 70)]
+    prompts = T.random_prompts((5, 17, 70), seed=2)
     return [g.generate(p, 20, sampling=s).tokens for p in prompts for s in (GREEDY, SAMPLED, TOP_P)]
 
 
@@ -87,8 +85,7 @@ def test_a_warmed_batch_loop_gives_a_fresh_ones_tokens(tiny):
     def batch() -> BatchGenerator:
         return BatchGenerator(T.qwen3_engine(tiny.target, batch=4), [], MAX_SEQ_LEN, chunk=8)
 
-    gen = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(4, T.VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 30)]
+    prompts = T.random_prompts((1, 9, 30), seed=9)
     work = [(p, 12, (), s, 0) for p in prompts for s in (GREEDY, SAMPLED, TOP_P)]
     warm = batch()
     parts = warm.warm_up([GREEDY, SAMPLED, TOP_P])
