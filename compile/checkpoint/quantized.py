@@ -73,6 +73,16 @@ def _scales(read: Reader, where: Where, key: str) -> torch.Tensor:
     return s
 
 
+def _e4m3_codes(read: Reader, where: Where, key: str) -> torch.Tensor:
+    """float8 e4m3 codes; a NaN code (bytes 0x7F, 0xFF: no quantizer writes them) is refused by name."""
+    q = read(key)
+    nan = (q.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        raise CompileError(f"{where(key)}: tensor '{key}' holds {int(nan.sum())} NaN code(s) of {q.numel()}; "
+                           "a quantized weight has finite codes only: the checkpoint is corrupt")
+    return q
+
+
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 words [R, W] -> their eight 4-bit fields, lowest bits first, as [R, 8W] unsigned values."""
     return ((packed.unsqueeze(-1) >> _NIBBLES) & 0xF).reshape(packed.shape[0], -1)
@@ -94,7 +104,7 @@ def _fp8_block(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: 
                    f"one scale per [{bn}, {bk}] block of the [{n}, {k}] weight, partial blocks at the edges")
 
     def quantized(read: Reader, where: Where) -> QWeight:
-        return QWeight(FP8, read(weight.key), _scales(read, where, scale.key).float(), (bn, bk))
+        return QWeight(FP8, _e4m3_codes(read, where, weight.key), _scales(read, where, scale.key).float(), (bn, bk))
     return Packed((weight, scale), quantized)
 
 
@@ -138,7 +148,7 @@ def _ct_float(module: str, scheme: WeightScheme, shape: tuple[int, int], fail: F
 
     def quantized(read: Reader, where: Where) -> QWeight:
         s = _scales(read, where, scale.key).reshape(grid)
-        return QWeight(FP8, read(weight.key), s.float(), (bn or n, bk or k))
+        return QWeight(FP8, _e4m3_codes(read, where, weight.key), s.float(), (bn or n, bk or k))
     return Packed((weight, scale), quantized)
 
 

@@ -290,6 +290,8 @@ L0 = "model.layers.0"
     ("fp8-block-48x24", set_to(f"{L0}.mlp.up_proj.weight_scale_inv", float("nan")),
      [f"'{L0}.mlp.up_proj.weight_scale_inv' holds 1 NaN/Inf scale(s)"]),
     ("awq-g32", set_to(f"{L0}.self_attn.k_proj.scales", float("inf")), [f"'{L0}.self_attn.k_proj.scales'", "NaN/Inf"]),
+    ("fp8-block-48x24", set_to(f"{L0}.self_attn.o_proj.weight", float("nan")),
+     [f"'{L0}.self_attn.o_proj.weight' holds 1 NaN code(s)"]),
     ("ct-int4-asym-g32", set_to(f"{L0}.mlp.down_proj.weight_scale", 0.0),
      [f"'{L0}.mlp.down_proj.weight_scale' holds 1 zero scale(s)"]),
     ("awq-g32", lambda t: t.update({f"{L0}.mlp.up_proj.scales": t[f"{L0}.mlp.up_proj.scales"][:1]}),
