@@ -8,6 +8,7 @@
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
 #            tree 10/6/32)
+#   sample   the sampler's gpu tests, then the bf16 bench sampled (T 0.6, top-k 20, top-p 0.95; context 128)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -19,11 +20,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench ... (see its header)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench|sample ... (see its header)"
+  exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|compare|quant|qbench) ;;
-  *) echo "unknown part '$part': tests, bench, agree, compare, quant or qbench"; exit 2;;
+  tests|bench|agree|compare|quant|qbench|sample) ;;
+  *) echo "unknown part '$part': tests, bench, agree, compare, quant, qbench or sample"; exit 2;;
   esac
 done
 
@@ -77,7 +79,7 @@ for part in "$@"; do
   quant)
     run qlinear_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/engines/kernels/test_qlinear.py
     tail -1 "$OUT/qlinear_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/qlinear_tests.log" | head -20
-    run qlinear_tiles 200 python3 benchmarks/qlinear_tiles.py --rows 1 ${TILES_ARGS:-}
+    run qlinear_tiles 280 python3 benchmarks/qlinear_tiles.py --rows 1 ${TILES_ARGS:-}
     grep -E "^BEST" "$OUT/qlinear_tiles.log"
     run qlinear_timeline 200 python3 benchmarks/step_timeline.py --quantize "${QUANTIZE:-fp8}" --contexts 128 --tokens 1,7
     grep -E "^== |^ *(linear|qlinear|_q|_linear|attention|rope)" "$OUT/qlinear_timeline.log" | head -40
@@ -87,6 +89,14 @@ for part in "$@"; do
       run "bench_$q" 270 xrun bench "${BENCH[@]}" --contexts 128 --quantize "$q" --json "$OUT/bench_$q.json"
       grep -E "$SHOW|quantized" "$OUT/bench_$q.log"
     done
+    ;;
+  sample)
+    run sample_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/decoding/kernels/test_sample.py \
+      tests/runtime/decoding/test_sampling_gpu.py
+    tail -1 "$OUT/sample_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/sample_tests.log" | head -20
+    run bench_sampled 270 xrun bench "${BENCH[@]}" --contexts 128 --temperature 0.6 --top-k 20 --top-p 0.95 \
+      --json "$OUT/bench_sampled.json"
+    grep -E "$SHOW|sample|accept" "$OUT/bench_sampled.log"
     ;;
   agree)
     run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \

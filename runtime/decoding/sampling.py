@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.kernels import use_fused
 
 GENERATION_CONFIG = "generation_config.json"
 # transformers' values for sampling fields a generation_config.json leaves out
@@ -152,10 +153,13 @@ class Sampler:
     """Warping and sampling for one request at a time; the random state lives on the device.
 
     One instance per Generator (fixed tensor addresses, so captured graphs stay valid); ``reset``
-    loads a request's parameters and key. Every method takes [B, ..., V] rows (batch first)."""
+    loads a request's parameters and key. Every method takes [B, ..., V] rows (batch first). ``fused``
+    (decoding/kernels.use_fused: default on a CUDA device) draws with top-k 1..MAX_K by the kernels of
+    decoding/kernels/sample.py, the same tokens in two launches."""
 
-    def __init__(self, device: torch.device | str = "cpu", batch: int = 1):
+    def __init__(self, device: torch.device | str = "cpu", batch: int = 1, fused: bool | None = None):
         self.device = torch.device(device)
+        self.fused = use_fused(fused, self.device)
         f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
         self.params = GREEDY
         self.temperature = torch.ones(batch, **f32)
@@ -254,6 +258,11 @@ class Sampler:
         """logits [B, ..., V] -> tokens [B, ...]: the argmax when greedy (exactly), else a warped draw."""
         if self.greedy:
             return logits.argmax(-1)
+        if self.fused and self.params.top_k > 0:
+            from xcompile.runtime.decoding.kernels import sample
+
+            if self.params.top_k <= sample.MAX_K:
+                return sample.sample(logits, self)
         return self.draw(self.warp(logits))
 
 

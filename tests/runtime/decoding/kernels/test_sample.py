@@ -1,0 +1,55 @@
+"""The two-launch warped draw (runtime/decoding/kernels/sample.py) against the torch sampler it replaces
+(runtime/decoding/sampling.py): from the same stream it must draw the same tokens, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
+
+from xcompile.runtime.decoding.sampling import Sampler, SamplingParams  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab, k, top_p, min_p, ties", [
+    (None, 5000, 20, 0.95, 0.0, False),      # plain decoding's [B, V]
+    (3, 9000, 5, 1.0, 0.05, False),         # verify rows [B, R, V], three column blocks
+    (2, 300, 32, 0.8, 0.0, False),          # k up to MAX_K
+    (None, 5000, 20, 0.9, 0.0, True),       # integer logits: ties at the k-th value, the streamed path
+    (2, 4500, 1, 1.0, 0.0, True),
+])
+def test_kernel_draws_the_torch_samplers_tokens(rows, vocab, k, top_p, min_p, ties, dtype):
+    """20 draws of batch 2 from the same seed: every token equal, and each row's counter advanced once a draw."""
+    from xcompile.runtime.decoding.kernels import sample as S
+    torch.manual_seed(vocab + k)
+    shape = (2, vocab) if rows is None else (2, rows, vocab)
+    logits = (3 * torch.randn(*shape, device=DEV))
+    logits = (logits.round() if ties else logits).to(dtype)
+    params = SamplingParams(temperature=0.7, top_k=k, top_p=top_p, min_p=min_p, seed=11)
+    torch_sampler, kernel_sampler = Sampler(DEV, 2), Sampler(DEV, 2)
+    torch_sampler.reset(params)
+    kernel_sampler.reset(params)
+    for _ in range(20):
+        want = torch_sampler.draw(torch_sampler.warp(logits))
+        assert torch.equal(S.sample(logits, kernel_sampler), want)
+    assert kernel_sampler.counter.tolist() == torch_sampler.counter.tolist() == [20, 20]
+
+
+@pytest.mark.parametrize("top_k", [20, 0, 50])
+def test_a_fused_sampler_samples_by_the_kernels_up_to_max_k(top_k, monkeypatch):
+    """Sampler.sample takes the kernels for top-k 1..MAX_K (the torch ops otherwise), the same tokens."""
+    from xcompile.runtime.decoding.kernels import sample as S
+    calls = []
+    kernel = S.sample
+    monkeypatch.setattr(S, "sample", lambda *a: calls.append(1) or kernel(*a))
+    logits = (3 * torch.randn(2, 3000, device=DEV)).to(torch.bfloat16)
+    fused, plain = Sampler(DEV, 2, fused=True), Sampler(DEV, 2, fused=False)
+    params = SamplingParams(temperature=0.6, top_k=top_k, top_p=0.95, seed=3)
+    fused.reset(params)
+    plain.reset(params)
+    for _ in range(5):
+        assert torch.equal(fused.sample(logits), plain.sample(logits))
+    assert len(calls) == (5 if 0 < top_k <= S.MAX_K else 0)
