@@ -28,9 +28,12 @@ BLOCKS = {FP8: (128, 128), INT4: (1, 128)}
 CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False, False, True),
          ("gate_up", 12288, 4096, 2, True, True, False), ("down", 4096, 12288, 1, False, False, True)]
 # the GEMV's (BLOCK_N, inputs a step, warps, steps loaded ahead) at one row (a step is one scale column of the
-# blocks here), the tile kernel's (BLOCK_N, warps, stages) at several (tl.dot needs BLOCK_N >= 16)
+# blocks here), the tile kernel's (BLOCK_N, warps, stages, programs) at several: the five best (BLOCK_N, warps,
+# stages) of a sweep over (16, 32, 64) x (1, 2, 4) x (3, 5) unsplit (at most 16 columns a warp: an MMA's 16
+# rows of codes), each unsplit and split to 512 and 1024 programs
 CANDIDATES = {True: list(itertools.product((4, 8), (512, 1024), (1, 2, 4), (0, 1, 2))),
-              False: list(itertools.product((16, 32, 64), (4, 8), (2, 4)))}
+              False: [(*t, p) for t in ((16, 1, 5), (16, 1, 8), (32, 1, 3), (32, 1, 5), (32, 2, 5))
+                      for p in (0, 512, 1024)]}
 COPIES, CALLS_PER_GRAPH = 4, 32
 
 
@@ -102,8 +105,9 @@ def main() -> None:
         for rows in rows_list:
             best = min(layer[rows], key=layer[rows].get)
             ship = shipped[rows == 1][kind]
+            was = f"{layer[rows][ship]:.1f} us" if ship in layer[rows] else "not a candidate"
             print(f"BEST {kind} rows {rows}: tile {best}, one layer's projections {layer[rows][best]:.1f} us "
-                  f"(shipped {ship}: {layer[rows][ship]:.1f} us)")
+                  f"(shipped {ship}: {was})")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,18 @@ def _linear_kernel(X, W, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, strid
         w, wu = _load_wt(w_ptr, u_ptr, pid_n * BLOCK_N, k0, ks, K, N_OUT, GATED, EVEN_K, TMA)
         a0, a1, a2, a3, u0, u1, u2, u3 = _mac(X, stride_xm, M, K, ks, w, wu, a0, a1, a2, a3, u0, u1, u2, u3,
                                               BLOCK_M, GATED, IEEE, EVEN_K, TILES)
+    _finish(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, WS, CNT, SQ, SQO, pid_n,
+            tl.program_id(1), r0, cols, M, N_OUT, K, eps, GATED, RESIDUAL, EXTRA, SUMS, NSUM, NSUM_P2, SPLIT, BLOCK_M,
+            BLOCK_N, TILES)
+
+
+@triton.jit
+def _finish(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, WS, CNT, SQ, SQO, pid_n, pid_k,
+            r0, cols, M, N_OUT, K, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
+            SUMS: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """A program's accumulators [BLOCK_M, BLOCK_N] to y: each row scaled by its 1/rms (NSUM > 0), then the
+    epilogues; split K (program pid_k of SPLIT over K) through the partials as below."""
     if SPLIT == 1:
         if NSUM > 0:
             q0, q1, q2, q3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
@@ -159,7 +171,7 @@ def _linear_kernel(X, W, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, strid
         # the last of a column block's SPLIT programs to arrive (counter CNT[pid_n]) adds them up in split
         # order, so the result does not depend on which program finished last, and runs the epilogue.
         rows_pad = TILES * BLOCK_M
-        part = WS + (tl.program_id(1) * 2 * rows_pad) * N_OUT
+        part = WS + (pid_k * 2 * rows_pad) * N_OUT
         _store_partials(part, a0, a1, a2, a3, r0, cols, M, N_OUT, BLOCK_M, TILES)
         if GATED:
             _store_partials(part + rows_pad * N_OUT, u0, u1, u2, u3, r0, cols, M, N_OUT, BLOCK_M, TILES)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.engines.kernels.common import _epilogue
+from xcompile.runtime.engines.kernels.qcodes import _e4m3, _f
 
 
 @triton.jit
@@ -57,28 +58,6 @@ def _x(X, G, ks, NORM: tl.constexpr):
     if NORM:
         xn = (x * tl.load(G + ks).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
     return xn, x * x
-
-
-@triton.jit
-def _e4m3(b, NATIVE: tl.constexpr):
-    """float8 e4m3 bits (uint8) -> their fp32 values."""
-    if NATIVE:
-        w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:       # the interpreter has no float8: e4m3 bits -> fp16 bits (exponent bias 7 -> 15), times 2^8
-        h = ((b & 0x80).to(tl.uint16) << 8) | ((b & 0x7F).to(tl.uint16) << 7)
-        w = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return w
-
-
-@triton.jit
-def _f(w, BIT: tl.constexpr):
-    """The 4-bit codes (0..15) at bits BIT..BIT+3 of int32 words -> 1 + q / 16 in fp32: q moved into the top 4
-    bits of 1.0's mantissa (two integer ops)."""
-    if BIT <= 19:
-        q = w << (19 - BIT)
-    else:
-        q = w >> (BIT - 19)
-    return ((q & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

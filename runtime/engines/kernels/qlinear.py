@@ -3,16 +3,17 @@ codes and per-block scales (runtime/engines/qweight.py), for every row count up 
 
 Batch-1 decoding reads every weight once a token, so a byte saved is time saved: FP8 reads half of bf16's
 bytes, INT4 a quarter (plus a scale, and a zero point, per group). One program owns BLOCK_N output columns for
-all rows; each K step loads the codes tile of one scale column, converts the codes (exact in the activation
-dtype: an e4m3 value or an integer 0..15) and multiplies them with the rows of x on the tensor cores, then
-scales the fp32 block sums per output column:
+all rows; each K step loads the codes tile of one scale column (cp.async, ``stages`` ahead), converts the
+codes in registers (exact in bf16, qcodes.py: an e4m3 value, or q - z within +-15) and multiplies them, as the
+tensor cores' first operand, with the rows of x (y^T = W x^T: the first operand may come from registers, the
+second only through shared memory), then scales the fp32 block sums per output column:
 
-    fp8    acc += s[n, b] * (x . c[n, b-block])
-    int4   acc += s[n, b] * (x . q[n, b-block] - z[n, b] * sum(x[b-block]))
+    fp8    acc += s[n, b] * (c[n, b-block] . x)
+    int4   acc += s[n, b] * ((q - z)[n, b-block] . x)
 
 so no dequantized weight is ever rounded, and each row's sums run in the same order at any row count above
-one. One row (decode) runs the GEMV of qgemv.py on the CUDA cores instead; its sums round in another order (as
-bf16's GEMV, kernels/gemv.py).
+one. The scales of the next step are requested before this step's sums. One row (decode) runs the GEMV of
+qgemv.py on the CUDA cores instead; its sums round in another order (as bf16's GEMV, kernels/gemv.py).
 
 The INT4 codes are packed for this K step (``chunk``): byte j of a chunk holds code j in its low nibble and code
 j + chunk/2 in its high one, so a loaded tile splits into two halves that each meet a contiguous half of x, with
@@ -33,24 +34,18 @@ import triton.language as tl
 
 from xcompile.runtime.common.gpu import ieee_dot, interpreted
 from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
-from xcompile.runtime.engines.kernels.common import _load_x
+from xcompile.runtime.engines.kernels.common import _load_x, counters
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
-from xcompile.runtime.engines.kernels.linear import (
-    RowSums,
-    _dot,
-    _epilogues,
-    _scale_rows,
-    _sums_rstds,
-    _zero_accs,
-)
+from xcompile.runtime.engines.kernels.linear import RowSums, _finish, _zero_accs
 from xcompile.runtime.engines.kernels.norm import rms_norm
-from xcompile.runtime.engines.kernels.qgemv import _columns, _e4m3, _qgemv_kernel
+from xcompile.runtime.engines.kernels.qcodes import _tile_codes
+from xcompile.runtime.engines.kernels.qgemv import _columns, _qgemv_kernel
 from xcompile.runtime.engines.qweight import FP8, INT4, QWeight
 
-# by kind: the tile kernel's (BLOCK_N, warps, stages) for several rows, the one-row GEMV's (BLOCK_N, inputs a
-# step, warps, steps loaded ahead); the fastest for one decoder layer's projections on the H200
-# (benchmarks/qlinear_tiles.py)
-TILE = {FP8: (32, 4, 4), INT4: (64, 4, 4)}
+# by kind: the tile kernel's (BLOCK_N, warps, stages, programs: K split until the grid has that many), the
+# one-row GEMV's (BLOCK_N, inputs a step, warps, steps loaded ahead); the fastest for one decoder layer's
+# projections on the H200 (benchmarks/qlinear_tiles.py)
+TILE = {FP8: (32, 2, 5, 512), INT4: (32, 1, 3, 512)}
 GEMV_TILE = {FP8: (4, 512, 2, 0), INT4: (4, 512, 2, 1)}
 
 
@@ -102,33 +97,33 @@ class QLinear:
 
 
 @triton.jit
-def _codes(CODES, X, rows, k0, CK, INT4: tl.constexpr, CHUNK: tl.constexpr, NATIVE: tl.constexpr):
-    """The codes of output rows ``rows`` at inputs k0..k0+CHUNK in x's dtype (exact): FP8 one [BLOCK_N, CHUNK]
-    tile (returned twice); INT4 the tiles of the chunk's first and second halves."""
-    DT = X.dtype.element_ty
+def _codes(CODES, X, rows, z, k0, CK, INT4: tl.constexpr, CHUNK: tl.constexpr, NATIVE: tl.constexpr):
+    """The codes of output rows ``rows`` at inputs k0..k0+CHUNK in x's dtype (exact, qcodes.py): FP8 one
+    [BLOCK_N, CHUNK] tile (returned twice); INT4 the tiles q - z of the chunk's first and second halves."""
     if INT4:
         b = tl.load(CODES + rows[:, None] * CK + (k0 // 2 + tl.arange(0, CHUNK // 2))[None, :],
                     eviction_policy="evict_first")
-        lo = _u4(b & 0xF).to(DT)
-        hi = _u4(b >> 4).to(DT)
     else:
         b = tl.load(CODES + rows[:, None] * CK + (k0 + tl.arange(0, CHUNK))[None, :], eviction_policy="evict_first")
-        lo = _e4m3(b, NATIVE).to(DT)
-        hi = lo
-    return lo, hi
+    return _tile_codes(b, z, X.dtype.element_ty, INT4, NATIVE)
 
 
 @triton.jit
-def _u4(q):
-    """4-bit codes (integers 0..15) -> fp32 by placing them in the mantissa of 2^23 (integer ops at full rate
-    where an int-to-float conversion runs at a quarter of it)."""
-    return (q.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _dot_w(w, x, acc, IEEE: tl.constexpr):
+    """acc + w @ x^T [BLOCK_N, BLOCK_M] in fp32: the codes as the tensor cores' first operand, which they take
+    from the registers the codes were converted in (the second comes through shared memory); IEEE as
+    linear._dot."""
+    if IEEE:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
 
 
 @triton.jit
-def _block(X, stride_xm, r, M, k0, G, lo, hi, z, IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
+def _block(X, stride_xm, r, M, k0, G, lo, hi, IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
            CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One row tile's fp32 sums over one K step, before the scale: x . c (INT4: x . q - z * sum(x))."""
+    """One row tile's fp32 sums over one K step before the scale, transposed [BLOCK_N, BLOCK_M]: c . x (INT4:
+    (q - z) . x)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if INT4:
         half: tl.constexpr = CHUNK // 2
         ks = k0 + tl.arange(0, half)
@@ -137,82 +132,101 @@ def _block(X, stride_xm, r, M, k0, G, lo, hi, z, IEEE: tl.constexpr, INT4: tl.co
         if NORM:
             xa = (xa.to(tl.float32) * tl.load(G + ks).to(tl.float32)[None, :]).to(xa.dtype)
             xb = (xb.to(tl.float32) * tl.load(G + ks + half).to(tl.float32)[None, :]).to(xb.dtype)
-        acc = _dot(xa, lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-        acc = _dot(xb, hi, acc, IEEE)
-        xs = tl.sum(xa.to(tl.float32), axis=1) + tl.sum(xb.to(tl.float32), axis=1)
-        acc = acc - xs[:, None] * z[None, :]
+        acc = _dot_w(hi, xb, _dot_w(lo, xa, acc, IEEE), IEEE)
     else:
         ks = k0 + tl.arange(0, CHUNK)
         x = _load_x(X, stride_xm, r, M, ks, 0, True)
         if NORM:
             x = (x.to(tl.float32) * tl.load(G + ks).to(tl.float32)[None, :]).to(x.dtype)
-        acc = _dot(x, lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        acc = _dot_w(lo, x, acc, IEEE)
     return acc
 
 
 @triton.jit
-def _rows(X, stride_xm, r, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a, u, GATED: tl.constexpr, IEEE: tl.constexpr,
+def _rows(X, stride_xm, r, M, k0, G, lo, hi, s, ulo, uhi, su, a, u, GATED: tl.constexpr, IEEE: tl.constexpr,
           INT4: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One row tile's accumulators (a: plain or gate, u: up) plus one K step, scaled per output column."""
-    a += _block(X, stride_xm, r, M, k0, G, lo, hi, z, IEEE, INT4, NORM, CHUNK, BLOCK_M, BLOCK_N) * s[None, :]
+    """One row tile's accumulators (a: plain or gate, u: up; [BLOCK_N, BLOCK_M]) plus one K step, scaled per
+    output column."""
+    a += _block(X, stride_xm, r, M, k0, G, lo, hi, IEEE, INT4, NORM, CHUNK, BLOCK_M, BLOCK_N) * s[:, None]
     if GATED:
-        u += _block(X, stride_xm, r, M, k0, G, ulo, uhi, zu, IEEE, INT4, NORM, CHUNK, BLOCK_M, BLOCK_N) * su[None, :]
+        u += _block(X, stride_xm, r, M, k0, G, ulo, uhi, IEEE, INT4, NORM, CHUNK, BLOCK_M, BLOCK_N) * su[:, None]
     return a, u
 
 
 @triton.jit
-def _step(X, stride_xm, M, k0, G, CODES, S, Z, cols, srow, urow, SK, CK, N_OUT, a0, a1, a2, a3, u0, u1, u2, u3,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-          INT4: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, NATIVE: tl.constexpr):
-    """One K step of every row tile (a*: plain or gate, u*: up)."""
-    lo, hi = _codes(CODES, X, cols, k0, CK, INT4, CHUNK, NATIVE)
-    s = tl.load(S + srow * SK + k0 // COLS)
-    z = tl.load(Z + srow * SK + k0 // COLS)
-    ulo, uhi, su, zu = lo, hi, s, z
+def _scales(S, Z, srow, urow, SK, k, K, COLS: tl.constexpr, GATED: tl.constexpr):
+    """The scales and zero points of the K step at input k (and of the up rows when gated; 1 past K)."""
+    inside = tl.full(srow.shape, k, tl.int32) < K          # a tensor (the interpreter's masks)
+    s = tl.load(S + srow * SK + k // COLS, mask=inside, other=1.0)
+    z = tl.load(Z + srow * SK + k // COLS, mask=inside, other=1.0)
+    su, zu = s, z
     if GATED:
-        ulo, uhi = _codes(CODES, X, cols + N_OUT, k0, CK, INT4, CHUNK, NATIVE)
-        su = tl.load(S + urow * SK + k0 // COLS)
-        zu = tl.load(Z + urow * SK + k0 // COLS)
-    r = tl.arange(0, BLOCK_M)
-    a0, u0 = _rows(X, stride_xm, r, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a0, u0, GATED, IEEE, INT4, NORM, CHUNK,
-                   BLOCK_M, BLOCK_N)
-    if TILES > 1:
-        a1, u1 = _rows(X, stride_xm, r + BLOCK_M, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a1, u1, GATED, IEEE, INT4,
-                       NORM, CHUNK, BLOCK_M, BLOCK_N)
-    if TILES > 2:
-        a2, u2 = _rows(X, stride_xm, r + 2 * BLOCK_M, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a2, u2, GATED, IEEE,
-                       INT4, NORM, CHUNK, BLOCK_M, BLOCK_N)
-    if TILES > 3:
-        a3, u3 = _rows(X, stride_xm, r + 3 * BLOCK_M, M, k0, G, lo, hi, z, s, ulo, uhi, zu, su, a3, u3, GATED, IEEE,
-                       INT4, NORM, CHUNK, BLOCK_M, BLOCK_N)
-    return a0, a1, a2, a3, u0, u1, u2, u3
+        su = tl.load(S + urow * SK + k // COLS, mask=inside, other=1.0)
+        zu = tl.load(Z + urow * SK + k // COLS, mask=inside, other=1.0)
+    return s, z, su, zu
 
 
 @triton.jit
-def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, SQ, SQO, M, N_OUT, K, SK, CK, stride_xm, stride_ym, stride_rm,
-                    stride_y2m, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr,
-                    IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr, TILES: tl.constexpr,
-                    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                    ROWS: tl.constexpr, COLS: tl.constexpr, NSUM: tl.constexpr, NSUM_P2: tl.constexpr,
-                    SUMS: tl.constexpr, NATIVE: tl.constexpr):
-    # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), all of K
+def _step(X, stride_xm, M, k0, K, G, CODES, S, Z, cols, srow, urow, SK, CK, N_OUT, s, z, su, zu, a0, a1, a2, a3, u0,
+          u1, u2, u3, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, GATED: tl.constexpr,
+          IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr,
+          NATIVE: tl.constexpr):
+    """One K step of every row tile (a*: plain or gate, u*: up) with its scales (s, z, su, zu); returns the
+    accumulators and the next step's scales, requested here so that no step waits on its own."""
+    lo, hi = _codes(CODES, X, cols, z, k0, CK, INT4, CHUNK, NATIVE)
+    ulo, uhi = lo, hi
+    if GATED:
+        ulo, uhi = _codes(CODES, X, cols + N_OUT, zu, k0, CK, INT4, CHUNK, NATIVE)
+    sn, zn, sun, zun = _scales(S, Z, srow, urow, SK, k0 + CHUNK, K, COLS, GATED)
+    r = tl.arange(0, BLOCK_M)
+    a0, u0 = _rows(X, stride_xm, r, M, k0, G, lo, hi, s, ulo, uhi, su, a0, u0, GATED, IEEE, INT4, NORM, CHUNK,
+                   BLOCK_M, BLOCK_N)
+    if TILES > 1:
+        a1, u1 = _rows(X, stride_xm, r + BLOCK_M, M, k0, G, lo, hi, s, ulo, uhi, su, a1, u1, GATED, IEEE, INT4,
+                       NORM, CHUNK, BLOCK_M, BLOCK_N)
+    if TILES > 2:
+        a2, u2 = _rows(X, stride_xm, r + 2 * BLOCK_M, M, k0, G, lo, hi, s, ulo, uhi, su, a2, u2, GATED, IEEE,
+                       INT4, NORM, CHUNK, BLOCK_M, BLOCK_N)
+    if TILES > 3:
+        a3, u3 = _rows(X, stride_xm, r + 3 * BLOCK_M, M, k0, G, lo, hi, s, ulo, uhi, su, a3, u3, GATED, IEEE,
+                       INT4, NORM, CHUNK, BLOCK_M, BLOCK_N)
+    return a0, a1, a2, a3, u0, u1, u2, u3, sn, zn, sun, zun
+
+
+@triton.jit
+def _transposed(a0, a1, a2, a3, u0, u1, u2, u3):
+    """The accumulators [BLOCK_N, BLOCK_M] as the epilogues take them, [BLOCK_M, BLOCK_N] (the unused ones too:
+    they are zeros, and every accumulator must keep one shape)."""
+    return (tl.trans(a0), tl.trans(a1), tl.trans(a2), tl.trans(a3), tl.trans(u0), tl.trans(u1), tl.trans(u2),
+            tl.trans(u3))
+
+
+@triton.jit
+def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, SK, CK, stride_xm,
+                    stride_ym, stride_rm, stride_y2m, eps, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                    EXTRA: tl.constexpr, IEEE: tl.constexpr, INT4: tl.constexpr, NORM: tl.constexpr,
+                    TILES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                    NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr, NATIVE: tl.constexpr):
+    # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over the
+    # K_SPLIT inputs from program_id(1) * K_SPLIT (all of K unless split: linear._finish)
     pid_n = tl.program_id(0)
+    k_begin = tl.program_id(1) * K_SPLIT
     cols, wcols, srow, urow = _columns(pid_n, N_OUT, BLOCK_N, ROWS)
     if PDL:     # weights never depend on the previous kernel, but x does: its first read waits
         tl.extra.cuda.gdc_wait()
-    a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_M, BLOCK_N)
-    for k0 in range(0, K, CHUNK):
-        a0, a1, a2, a3, u0, u1, u2, u3 = _step(X, stride_xm, M, k0, G, CODES, S, Z, wcols, srow, urow, SK, CK, N_OUT,
-                                               a0, a1, a2, a3, u0, u1, u2, u3, BLOCK_M, BLOCK_N, TILES, GATED, IEEE,
-                                               INT4, NORM, CHUNK, COLS, NATIVE)
+    a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_N, BLOCK_M)      # transposed: [columns, rows]
+    s, z, su, zu = _scales(S, Z, srow, urow, SK, k_begin, K, COLS, GATED)
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), CHUNK):
+        a0, a1, a2, a3, u0, u1, u2, u3, s, z, su, zu = _step(
+            X, stride_xm, M, k0, K, G, CODES, S, Z, wcols, srow, urow, SK, CK, N_OUT, s, z, su, zu, a0, a1, a2, a3,
+            u0, u1, u2, u3, BLOCK_M, BLOCK_N, TILES, GATED, IEEE, INT4, NORM, CHUNK, COLS, NATIVE)
     if PDL:     # the next kernel launches once the weights are read: earlier, its waiting programs slowed this one
         tl.extra.cuda.gdc_launch_dependents()
-    r0 = tl.arange(0, BLOCK_M)
-    if NSUM > 0:
-        q0, q1, q2, q3 = _sums_rstds(SQ, r0, M, K, eps, NSUM, NSUM_P2, BLOCK_M, TILES)
-        a0, a1, a2, a3, u0, u1, u2, u3 = _scale_rows(a0, a1, a2, a3, u0, u1, u2, u3, q0, q1, q2, q3, TILES)
-    _epilogues(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, SQO, pid_n, r0, cols,
-               M, N_OUT, GATED, RESIDUAL, EXTRA, SUMS, BLOCK_M, TILES)
+    a0, a1, a2, a3, u0, u1, u2, u3 = _transposed(a0, a1, a2, a3, u0, u1, u2, u3)
+    _finish(a0, a1, a2, a3, u0, u1, u2, u3, Y, stride_ym, Y2, stride_y2m, R, stride_rm, WS, CNT, SQ, SQO, pid_n,
+            tl.program_id(1), tl.arange(0, BLOCK_M), cols, M, N_OUT, K, eps, GATED, RESIDUAL, EXTRA, SUMS, NSUM,
+            NSUM_P2, SPLIT, BLOCK_M, BLOCK_N, TILES)
 
 
 def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
@@ -252,15 +266,21 @@ def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, ep
         x, norm = rms_norm(x, norm, eps, cfg=cfg), None
         common = (x, *common[1:4], dummy, *common[5:])
     nsum = sums.blocks if from_sums else 0
-    block_n, warps, stages = TILE[w.kind]
-    blocks = triton.cdiv(n_out, block_n)
+    block_n, warps, stages, programs = TILE[w.kind]
+    blocks, tiles_m = triton.cdiv(n_out, block_n), triton.cdiv(m, ROW_TILE)
+    chunks = k // w.chunk               # K split into whole chunks until the grid has ``programs`` programs
+    per = triton.cdiv(chunks, min(chunks, max(1, triton.cdiv(programs, blocks))))
+    split = triton.cdiv(chunks, per)
+    ws = torch.empty(split, 2, tiles_m * ROW_TILE, n_out, dtype=torch.float32, device=x.device) if split > 1 \
+        else dummy
+    cnt = counters(x.device, blocks) if split > 1 else dummy
     assert sums_out is None or blocks <= sums_out.buf.shape[0], (blocks, sums_out.buf.shape)
-    _qlinear_kernel[(blocks,)](
-        *common, sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, m, n_out, k,
-        w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
+    _qlinear_kernel[(blocks, split)](
+        *common, ws, cnt, sums.buf if from_sums else dummy, sums_out.buf if sums_out is not None else dummy, m,
+        n_out, k, per * w.chunk, w.scale.shape[1], w.codes.shape[1], x.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, extra_out.stride(0) if extra_out is not None else 0, eps,
         NORM=norm is not None, NSUM=nsum, NSUM_P2=triton.next_power_of_2(max(nsum, 1)), SUMS=sums_out is not None,
-        IEEE=ieee_dot(x.dtype), TILES=triton.cdiv(m, ROW_TILE), BLOCK_M=ROW_TILE, BLOCK_N=block_n, **flags,
+        IEEE=ieee_dot(x.dtype), TILES=tiles_m, SPLIT=split, BLOCK_M=ROW_TILE, BLOCK_N=block_n, **flags,
         num_warps=warps, num_stages=stages, **cfg.launch())
     if sums_out is not None:
         sums_out.left_by(out, blocks)

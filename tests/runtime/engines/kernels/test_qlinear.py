@@ -15,7 +15,7 @@ from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
 
 from xcompile.runtime.engines.kernels.linear import RowSums  # noqa: E402
 from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear, qlinear_reference  # noqa: E402
-from xcompile.runtime.engines.qweight import FP8, INT4, quantize  # noqa: E402
+from xcompile.runtime.engines.qweight import FP8, INT4, QWeight, quantize  # noqa: E402
 
 SCHEMES = [(FP8, (32, 64)), (INT4, (1, 64)), (INT4, (1, 128))]
 
@@ -76,6 +76,44 @@ def test_gemv_tiles_stream_k_in_steps_with_tiles_loaded_ahead(scheme, tile, monk
     norm = randn(1024, dtype=dtype) + 1
     got = qlinear(x, packed, norm=norm, gated=True)
     assert rel(got, qlinear_reference(x, qw, norm=norm, gated=True)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("programs", [18, 10**6], ids=["uneven-split", "a-chunk-each"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s}")
+def test_tile_kernel_splits_k_into_whole_chunks(scheme, programs, monkeypatch):
+    """The tile kernel with K split across programs (linear._finish adds the partials in split order): pieces
+    of unequal length, down to one chunk each, gated with the norm and a residual, two row tiles."""
+    import xcompile.runtime.engines.kernels.qlinear as Q
+
+    kind, block = scheme
+    monkeypatch.setitem(Q.TILE, kind, (16, 1, 2, programs))
+    dtype = torch.float32
+    qw, packed = weights(96, 1024, kind, block, parts=2)
+    x, norm, res = randn(20, 1024, dtype=dtype), randn(1024, dtype=dtype) + 1, randn(20, 96, dtype=dtype)
+    for _ in range(2):                                      # the arrival counters are left at zero
+        got = qlinear(x, packed, norm=norm, gated=True, residual=res)
+        assert rel(got, qlinear_reference(x, qw, norm=norm, gated=True, residual=res)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("kind", [FP8, INT4])
+def test_every_code_reads_exactly(kind, rows):
+    """Every e4m3 value but NaN (subnormals included) and every INT4 code against every zero point, read by the
+    GEMV (one row) and the tile kernel (16: on a GPU, the PTX conversions of qcodes.py): with scale 1 and x
+    one-hot, y holds the weights themselves, bit for bit in bf16."""
+    n, k = 256, 256
+    if kind == FP8:     # row r, column c < 16: byte 16 r + c (NaN bytes 0x7F and 0xFF replaced by zeros)
+        b = torch.arange(n * k, dtype=torch.int64).reshape(n, k) % 16 + 16 * (torch.arange(n)[:, None] % 16)
+        b = torch.where((b & 0x7F) == 0x7F, 0, b).to(torch.uint8)
+        qw = QWeight(FP8, b.view(torch.float8_e4m3fn), torch.ones(2, 2), (128, 128))
+    else:               # row r: zero point r % 16, codes c % 16
+        b = (torch.arange(k) % 16).repeat(n, 1).to(torch.uint8)
+        qw = QWeight(INT4, b, torch.ones(n, 2), (1, 128), (torch.arange(n) % 16).to(torch.uint8)[:, None].repeat(1, 2))
+    packed = QLinear.pack([qw.to(DEV)])
+    x = torch.zeros(rows, k, dtype=torch.bfloat16, device=DEV)
+    x[torch.arange(rows), torch.arange(rows)] = 1
+    want = qw.dequantize()[:, :rows].T.to(torch.bfloat16)
+    assert torch.equal(qlinear(x, packed).cpu(), want)
 
 
 def test_groups_that_do_not_fit_the_kernels_are_refused():
