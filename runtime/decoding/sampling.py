@@ -34,6 +34,7 @@ GENERATION_CONFIG = "generation_config.json"
 # (GenerationConfig._get_default_generation_params; min_p unset means off)
 HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
 _SEED_LIMIT = 2**63
+_KERNEL_MAX_K = 32      # decoding/kernels/sample.MAX_K (that module needs triton)
 
 
 @dataclass(frozen=True)
@@ -258,12 +259,16 @@ class Sampler:
         """logits [B, ..., V] -> tokens [B, ...]: the argmax when greedy (exactly), else a warped draw."""
         if self.greedy:
             return logits.argmax(-1)
-        if self.fused and self.params.top_k > 0:
+        if self.draws_by_kernel:
             from xcompile.runtime.decoding.kernels import sample
 
-            if self.params.top_k <= sample.MAX_K:
-                return sample.sample(logits, self)
+            return sample.sample(logits, self)
         return self.draw(self.warp(logits))
+
+    @property
+    def draws_by_kernel(self) -> bool:
+        """Whether ``sample`` draws by the sampling kernels (fused, sampled, top-k 1..MAX_K)."""
+        return self.fused and not self.greedy and 0 < self.params.top_k <= _KERNEL_MAX_K
 
 
 def with_seed(params: SamplingParams) -> SamplingParams:

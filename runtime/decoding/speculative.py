@@ -139,6 +139,12 @@ def accept_sampled(block: Block, logits: torch.Tensor, sampler: Sampler) -> Acce
     the block (S coins and one V-row of noise per round) and nothing is read back."""
     b, s = block.tokens.shape
     dev = logits.device
+    if s == 1 and sampler.draws_by_kernel:
+        # plain decoding (no drafts): the token is a draw from p, by the sampling kernels; the root's coin below
+        # is drawn and never used, so the stream advances by it all the same
+        sampler.counter.add_(1)
+        zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        return Accepted(zero[:, 0], zero, sampler.sample(logits[:, 0])[:, None])
     w = sampler.warp(logits)                                                # rows: block nodes
     node = torch.arange(s, device=dev)
     x, par = block.tokens, block.parents

@@ -78,11 +78,13 @@ def prompt_lengths(longest: int) -> list[int]:
 
 def sampler_modes(defaults: dict | None) -> list[SamplingParams]:
     """One request's sampling per sampler mode to warm (what a recording bakes in: greedy, top_k, top-p on):
-    greedy, plain sampling, top-p, and the engine dir's generation_config values (``defaults``, as
+    greedy, plain sampling, top-p, top-k with top-p off and on (the two variants of the sampling kernels,
+    decoding/kernels/sample.py) and the engine dir's generation_config values (``defaults``, as
     sampling.generation_defaults reads them; None: no file). Other top_k values record their round on
-    first use (no compile: top-k is torch.topk)."""
+    first use (no compile: the kernels take k as an argument, and top-k past theirs is torch.topk)."""
     seeded = dict(temperature=1.0, seed=0)
-    candidates = [GREEDY, SamplingParams(**seeded), SamplingParams(top_p=0.9, **seeded)]
+    candidates = [GREEDY, SamplingParams(**seeded), SamplingParams(top_p=0.9, **seeded),
+                  SamplingParams(top_k=20, **seeded), SamplingParams(top_k=20, top_p=0.9, **seeded)]
     if defaults is not None:
         candidates.append(SamplingParams(top_k=int(defaults["top_k"] or 0), top_p=float(defaults["top_p"]), **seeded))
     modes, out = set(), []

@@ -2,8 +2,9 @@
 the counter-based stream) in two launches, for top-k up to MAX_K: the same token as Sampler.draw(warp(x)) from
 the same stream, with no sort of the vocabulary, no host sync and one draw of the counter.
 
-    blocks   [rows, column blocks]: each block's K + 1 largest scaled logits and their columns (topk.py's _top)
-    rows     [batch]: per row, the K + 1 largest of those. Top-k keeps the tokens at or above the K-th (tau_k);
+    blocks   [rows, column blocks]: each block's MAX_K + 1 largest scaled logits and their columns (topk.py's
+             _top; K itself is an argument, so no value of top-k compiles a kernel of its own)
+    rows     [batch]: per row, the MAX_K + 1 largest of those. Top-k keeps the tokens at or above the K-th (tau_k);
              when the (K + 1)-th is below it, nothing else can reach tau_k and the kept tokens are these K:
              top-p and min-p cut them further and the draw is an argmax over them. When it ties tau_k, the
              tied tokens may lie outside the candidates, so the row is streamed for the normaliser and the draw
@@ -65,7 +66,7 @@ def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP
 
 
 @triton.jit
-def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, stride_x, K: tl.constexpr,
+def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, stride_x, K, K1: tl.constexpr,
                         KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
     if PDL:
@@ -81,9 +82,9 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, str
     for r in range(R):
         row = b * R + r
         cand = (row * NB + blk[:, None]) * KP2 + j[None, :]                  # [NBP2, KP2]
-        ok = (blk[:, None] < NB) & (j[None, :] < K + 1)
+        ok = (blk[:, None] < NB) & (j[None, :] < K1)
         vals, ids = _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
-                         K + 1, KP2)
+                         K1, KP2)
         top = tl.max(vals, axis=0)
         tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
         tie = tl.max(tl.where(j == K, vals, float("-inf")), axis=0) == tau_k
@@ -126,21 +127,22 @@ def sample(logits: torch.Tensor, sampler) -> torch.Tensor:
     whose top_k is 1..MAX_K (one draw of its stream)."""
     k = min(sampler.params.top_k, logits.shape[-1])
     assert 0 < k <= MAX_K and not sampler.greedy, sampler.params
+    k1 = min(MAX_K + 1, logits.shape[-1])        # candidates for any k (an argument: no compile per k)
     shape = logits.shape[:-1]
     v = logits.shape[-1]
     x = logits.reshape(-1, v)
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, r = x.shape[0], x.shape[0] // shape[0]
-    kp2 = triton.next_power_of_2(k + 1)
+    kp2 = triton.next_power_of_2(k1)
     block = min(BLOCK_V, triton.next_power_of_2(v))
     nb = triton.cdiv(v, block)
     pv, pi, _, _ = _SCRATCH.get(rows, nb, kp2, x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    _sample_blocks_kernel[(rows, nb)](x, sampler.temperature, pv, pi, v, nb, r, x.stride(0), K1=k + 1, KP2=kp2,
+    _sample_blocks_kernel[(rows, nb)](x, sampler.temperature, pv, pi, v, nb, r, x.stride(0), K1=k1, KP2=kp2,
                                       BLOCK=block, PDL=pdl(), num_warps=8, **launch())
     _sample_rows_kernel[(shape[0],)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key,
-                                     sampler.counter, pv, pi, out, v, nb, r, x.stride(0), K=k, KP2=kp2,
+                                     sampler.counter, pv, pi, out, v, nb, r, x.stride(0), k, K1=k1, KP2=kp2,
                                      NBP2=triton.next_power_of_2(nb), TOPP=sampler.params.top_p < 1, BLOCK=block,
                                      PDL=pdl(), num_warps=8, **launch())
     return out.view(shape)

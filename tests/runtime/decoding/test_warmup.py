@@ -38,10 +38,12 @@ def test_prompt_lengths_cover_every_short_step_and_the_longest_prompt():
 
 def test_sampler_modes_are_one_request_per_recorded_mode():
     got = sampler_modes({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0})
+    # greedy, plain, top-p, the sampling kernels' two variants (top-k with top-p off, on), the dir's values
     assert [(s.greedy, s.top_k, s.top_p < 1) for s in got] == [(True, 0, False), (False, 0, False),
-                                                              (False, 0, True), (False, 20, True)]
-    assert len(sampler_modes({"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.0})) == 3    # no new mode
-    assert len(sampler_modes(None)) == 3
+                                                              (False, 0, True), (False, 20, False),
+                                                              (False, 20, True)]
+    assert len(sampler_modes({"temperature": 1.0, "top_k": 40, "top_p": 0.9, "min_p": 0.0})) == 6    # a new mode
+    assert len(sampler_modes(None)) == 5
 
 
 def requests(g: Generator) -> list[list[int]]:

@@ -53,3 +53,22 @@ def test_a_fused_sampler_samples_by_the_kernels_up_to_max_k(top_k, monkeypatch):
     for _ in range(5):
         assert torch.equal(fused.sample(logits), plain.sample(logits))
     assert len(calls) == (5 if 0 < top_k <= S.MAX_K else 0)
+
+
+def test_a_plain_sampled_round_draws_the_torch_rounds_tokens():
+    """accept_sampled over a root-only block (plain decoding) with a fused sampler: the kernels' draw, the same
+    tokens and stream position as the torch rule's (a coin, then the bonus from p)."""
+    from xcompile.runtime.decoding.kernels import sample as S
+    from xcompile.runtime.decoding.speculative import accept_sampled, chain_block
+    assert S.MAX_K == 32
+    logits = (3 * torch.randn(2, 1, 3000, device=DEV)).to(torch.bfloat16)
+    block = chain_block(torch.zeros(2, 1, dtype=torch.long, device=DEV))
+    fused, plain = Sampler(DEV, 2, fused=True), Sampler(DEV, 2, fused=False)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    fused.reset(params)
+    plain.reset(params)
+    for _ in range(5):
+        got, want = accept_sampled(block, logits, fused), accept_sampled(block, logits, plain)
+        assert torch.equal(got.count, want.count) and torch.equal(got.path, want.path)
+        assert torch.equal(got.tokens, want.tokens)
+    assert fused.counter.tolist() == plain.counter.tolist() == [10, 10]
