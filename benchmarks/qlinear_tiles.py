@@ -29,8 +29,8 @@ CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False,
          ("gate_up", 12288, 4096, 2, True, True, False), ("down", 4096, 12288, 1, False, False, True)]
 # the GEMV's (BLOCK_N, inputs a step, warps, steps loaded ahead) at one row (a step is one scale column of the
 # blocks here), the tile kernel's (BLOCK_N, warps, stages, programs) at several: the five best (BLOCK_N, warps,
-# stages) of a sweep over (16, 32, 64) x (1, 2, 4) x (3, 5) unsplit (at most 16 columns a warp: an MMA's 16
-# rows of codes), each unsplit and split to 512 and 1024 programs
+# stages) of a sweep over (16, 32, 64) x (1, 2, 4) x (3, 5) unsplit (at least 16 columns a warp: an MMA's 16
+# rows of codes; fewer would convert codes twice), each unsplit and split to 512 and 1024 programs
 CANDIDATES = {True: list(itertools.product((4, 8), (512, 1024), (1, 2, 4), (0, 1, 2))),
               False: [(*t, p) for t in ((16, 1, 5), (16, 1, 8), (32, 1, 3), (32, 1, 5), (32, 2, 5))
                       for p in (0, 512, 1024)]}

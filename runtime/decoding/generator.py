@@ -49,7 +49,8 @@ class LoopOptions:
 
     cuda_graphs  record each drafter's whole round as one CUDA graph and replay it (when every engine's steps
                  are capturable: the torch and fast backends; TensorRT and ORT record graphs of their own)
-    fused        the loop's kernels (decoding/kernels: greedy chain verification, draft picks, tree levels);
+    fused        the loop's kernels (decoding/kernels: greedy chain verification, draft picks, tree levels,
+                 sampled draws);
                  None: on a CUDA device with triton, True: also in Triton's interpreter (tests)
     pipeline     queue each round before reading the previous one's outcome; None: on a CUDA device (on the
                  CPU a round computes as it is launched: nothing to overlap)
@@ -85,7 +86,8 @@ class Generator:
         self.device = target.device
         self.max_seq_len, self.eos_ids, self.detokenize = max_seq_len, frozenset(eos_ids), detokenize
         self.plain = NoDrafter()            # takes over when the drafter's lookahead no longer fits the cache
-        self.sampler = Sampler(self.device)     # one for every request: its tensors keep their addresses
+        # one for every request (its tensors keep their addresses); its draws by kernel follow options.fused
+        self.sampler = Sampler(self.device, fused=options.fused)
         self.fused = kernels.use_fused(options.fused, self.device)
         for d in (drafter, self.plain):
             d.bind(max_seq_len, self.device, sampler=self.sampler, fused=options.fused, track=options.debug)

@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.kernels import use_fused
+from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K, use_fused
 
 GENERATION_CONFIG = "generation_config.json"
 # transformers' values for sampling fields a generation_config.json leaves out
 # (GenerationConfig._get_default_generation_params; min_p unset means off)
 HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
 _SEED_LIMIT = 2**63
-_KERNEL_MAX_K = 32      # decoding/kernels/sample.MAX_K (that module needs triton)
 
 
 @dataclass(frozen=True)
@@ -155,8 +154,8 @@ class Sampler:
 
     One instance per Generator (fixed tensor addresses, so captured graphs stay valid); ``reset``
     loads a request's parameters and key. Every method takes [B, ..., V] rows (batch first). ``fused``
-    (decoding/kernels.use_fused: default on a CUDA device) draws with top-k 1..MAX_K by the kernels of
-    decoding/kernels/sample.py, the same tokens in two launches."""
+    (decoding/kernels.use_fused: default on a CUDA device) draws with top-k 1..SAMPLE_MAX_K by the kernels
+    of decoding/kernels/sample.py: the same law in two launches."""
 
     def __init__(self, device: torch.device | str = "cpu", batch: int = 1, fused: bool | None = None):
         self.device = torch.device(device)
@@ -267,8 +266,8 @@ class Sampler:
 
     @property
     def draws_by_kernel(self) -> bool:
-        """Whether ``sample`` draws by the sampling kernels (fused, sampled, top-k 1..MAX_K)."""
-        return self.fused and not self.greedy and 0 < self.params.top_k <= _KERNEL_MAX_K
+        """Whether ``sample`` draws by the sampling kernels (fused, sampled, top-k 1..SAMPLE_MAX_K)."""
+        return self.fused and not self.greedy and 0 < self.params.top_k <= SAMPLE_MAX_K
 
 
 def with_seed(params: SamplingParams) -> SamplingParams:

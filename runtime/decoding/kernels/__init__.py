@@ -11,6 +11,8 @@ import torch
 
 from xcompile.runtime.common.gpu import available, interpreted, launch_options, pdl_capable
 
+SAMPLE_MAX_K = 32       # the largest top-k sample.py draws (larger: the torch ops)
+
 
 def use_fused(fused: bool | None, device: torch.device) -> bool:
     """Whether the loop's and drafters' kernels run, from their ``fused`` option: None on a CUDA device with

@@ -1,6 +1,9 @@
 """A warped draw (runtime/decoding/sampling.py: temperature, top-k, top-p, min-p, then a Gumbel-max draw from
-the counter-based stream) in two launches, for top-k up to MAX_K: the same token as Sampler.draw(warp(x)) from
-the same stream, with no sort of the vocabulary, no host sync and one draw of the counter.
+the counter-based stream) in two launches, for top-k up to MAX_K: a draw from the same law as
+Sampler.draw(warp(x)), from the same stream (one draw of the counter), with no sort of the vocabulary and no host
+sync. The logits are scaled as torch scales them; the normaliser and the top-p masses are summed in another
+order and the GPU's exp and log round otherwise, so a near tie at a top-p / min-p cut or in the Gumbel argmax
+can go the other way than in the torch sampler (in the interpreter the tests see the same tokens).
 
     blocks   [rows, column blocks]: each block's MAX_K + 1 largest scaled logits and their columns (topk.py's
              _top; K itself is an argument, so no value of top-k compiles a kernel of its own)
@@ -21,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
 from xcompile.runtime.decoding.kernels.topk import BLOCK_V, TopkScratch, _top
-
-MAX_K = 32          # larger top-k: the torch ops
 
 _SCRATCH = TopkScratch()
 
@@ -48,6 +50,13 @@ def _gumbel(e, base, key1):
 
 
 @triton.jit
+def _scaled(row, cols, V, temp):
+    """A row's logits at cols over the temperature, in fp32 (-inf past V)."""
+    x = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    return tl.math.div_rn(x, temp + tl.zeros_like(x))
+
+
+@triton.jit
 def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP2: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -57,7 +66,7 @@ def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    s = x / tl.load(T + row // R)
+    s = tl.math.div_rn(x, tl.load(T + row // R) + tl.zeros_like(x))     # rounded as torch's logits / T
     s = tl.where(s == s, s, float("-inf"))                  # NaN as -inf (topk.py)
     vals, idx = _top(s, tl.where(cols < V, cols, 2147483647), K1, KP2)
     out = (row * NB + blk) * KP2 + tl.arange(0, KP2)
@@ -65,7 +74,7 @@ def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP
     tl.store(PI + out, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])      # k an argument: no top-k value compiles a kernel of its own
 def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, stride_x, K, K1: tl.constexpr,
                         KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
@@ -95,7 +104,7 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, str
             z = 0.0
             for c0 in range(0, V, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
-                s = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
+                s = _scaled(X + row * stride_x, cols, V, temp)
                 z += tl.sum(tl.where(s >= tau_k, tl.exp(s - top), 0.0), axis=0)
         tau = tl.maximum(tau_k, top + tl.log(tl.load(MIN_P + b)))
         if TOPP:    # keep x iff the mass strictly above it is < top_p (sampling.Sampler.warp)
@@ -108,7 +117,7 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, str
             pick = tl.zeros([], tl.int32)
             for c0 in range(0, V, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
-                s = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
+                s = _scaled(X + row * stride_x, cols, V, temp)
                 g = tl.where(s >= tau, s + _gumbel(e0 + cols.to(tl.uint32), base, key1), float("-inf"))
                 m = tl.max(g, axis=0)
                 at = tl.min(tl.where(g == m, cols, 2147483647), axis=0)

@@ -4,9 +4,9 @@ bytes and 4-bit integers turned into numbers, exactly, by the cheapest instructi
 The tile kernel (qlinear.py) feeds the codes to the tensor cores in bf16, four codes an instruction group
 from a 32-bit register (PTX): an e4m3 byte's exponent and mantissa shifted into bf16's fields is the value
 times 2^-120 (subnormals too, as bf16 subnormals), and one bf16x2 multiply by 2^120 makes it exact; a 4-bit
-code q placed in the low mantissa bits of 128.0 is 128 + q, minus 128 is q. Each takes about 2.5 (e4m3) or
-1.5 (INT4) integer or half-precision instructions a code, where converting through fp16 and fp32 takes a
-quarter-rate float-to-float conversion a code. e4m3's NaN bytes (0x7F, 0xFF) would read as 480: the loaders
+code q placed in the low mantissa bits of 128.0 is 128 + q, minus 128 + z is q - z. Each takes about 3 (e4m3)
+or 1.5 (INT4) integer or bf16x2 instructions a code (fma.rn.bf16x2: sm_80 and later), where converting through
+fp16 and fp32 takes a quarter-rate float-to-float conversion a code. e4m3's NaN bytes (0x7F, 0xFF) would read as 480: the loaders
 refuse NaN codes.
 """
 
@@ -30,12 +30,13 @@ and.b32 o, o, 0x07F007F0;
 and.b32 s, w, 0x80008000;
 or.b32 o, o, s;
 mov.b32 m, 0x7B807B80;
-mul.rn.bf16x2 $0, e, m;
-mul.rn.bf16x2 $1, o, m;
+mov.b32 s, 0x80008000;
+fma.rn.bf16x2 $0, e, m, s;
+fma.rn.bf16x2 $1, o, m, s;
 }""")
 
-# 4 bytes of two 4-bit codes each ($4) and 128 + their row's zero point as 4 bf16 ($5, $6) -> q - z of the low
-# nibbles as 4 bf16 ($0, $1) and of the high ones ($2, $3): 128 + q by a bitwise or, minus 128 + z
+# 4 bytes of two 4-bit codes each ($4) and -(128 + their row's zero point) as 4 bf16 ($5, $6) -> q - z of the
+# low nibbles as 4 bf16 ($0, $1) and of the high ones ($2, $3): 128 + q by a bitwise or, 1 * that - (128 + z)
 _U4_BF16 = tl.constexpr("""{
 .reg .b32 a, b, m;
 mov.b32 m, 0x43004300;
@@ -47,10 +48,11 @@ shr.u32 a, a, 4;
 shr.u32 b, b, 4;
 lop3.b32 $2, a, 0x000F000F, m, 0xEA;
 lop3.b32 $3, b, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $0, $0, $5;
-sub.rn.bf16x2 $1, $1, $6;
-sub.rn.bf16x2 $2, $2, $5;
-sub.rn.bf16x2 $3, $3, $6;
+mov.b32 m, 0x3F803F80;
+fma.rn.bf16x2 $0, $0, m, $5;
+fma.rn.bf16x2 $1, $1, m, $6;
+fma.rn.bf16x2 $2, $2, m, $5;
+fma.rn.bf16x2 $3, $3, m, $6;
 }""")
 
 
@@ -90,7 +92,7 @@ def _tile_codes(b, z, DT: tl.constexpr, INT4: tl.constexpr, NATIVE: tl.constexpr
     within +-15). bf16 on a GPU (NATIVE): the PTX above; else through fp32."""
     if NATIVE and DT == tl.bfloat16:
         if INT4:
-            zb = tl.broadcast_to((z + 128.0).to(tl.bfloat16)[:, None], b.shape)
+            zb = tl.broadcast_to((-128.0 - z).to(tl.bfloat16)[:, None], b.shape)
             lo, hi = tl.inline_asm_elementwise(_U4_BF16, "=r,=r,=r,=r,r,r,r", [b, zb],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:

@@ -1,6 +1,6 @@
 """One-row quantized projections (decode, single draft steps) on the CUDA cores: qlinear()'s operands and
-epilogues (qlinear.py) for M = 1, where a tensor-core tile's 16-row minimum would convert every code through
-shared memory for one useful row.
+epilogues (qlinear.py) for M = 1, where a tensor-core tile would compute 16 rows (its minimum) for one useful
+row and stage the codes through shared memory.
 
 One program owns BLOCK_N output columns and streams STEP inputs of each a step (INT4: whole packing chunks),
 16 bytes of codes a lane: the codes tile is [BLOCK_N, T, 16] bytes (FP8) or [BLOCK_N, T, 4] int32 words of 8

@@ -5,8 +5,9 @@ Batch-1 decoding reads every weight once a token, so a byte saved is time saved:
 bytes, INT4 a quarter (plus a scale, and a zero point, per group). One program owns BLOCK_N output columns for
 all rows; each K step loads the codes tile of one scale column (cp.async, ``stages`` ahead), converts the
 codes in registers (exact in bf16, qcodes.py: an e4m3 value, or q - z within +-15) and multiplies them, as the
-tensor cores' first operand, with the rows of x (y^T = W x^T: the first operand may come from registers, the
-second only through shared memory), then scales the fp32 block sums per output column:
+tensor cores' first operand, with the rows of x (y^T = W x^T: the codes are read from the copy stage straight
+into the MMA's operand layout and converted there; as the second operand, converted in the layout they were
+loaded in, they went back through shared memory), then scales the fp32 block sums per output column:
 
     fp8    acc += s[n, b] * (c[n, b-block] . x)
     int4   acc += s[n, b] * ((q - z)[n, b-block] . x)
@@ -110,9 +111,8 @@ def _codes(CODES, X, rows, z, k0, CK, INT4: tl.constexpr, CHUNK: tl.constexpr, N
 
 @triton.jit
 def _dot_w(w, x, acc, IEEE: tl.constexpr):
-    """acc + w @ x^T [BLOCK_N, BLOCK_M] in fp32: the codes as the tensor cores' first operand, which they take
-    from the registers the codes were converted in (the second comes through shared memory); IEEE as
-    linear._dot."""
+    """acc + w @ x^T [BLOCK_N, BLOCK_M] in fp32: the codes as the tensor cores' first operand, converted in the
+    registers the MMA reads them from (module docstring); IEEE as linear._dot."""
     if IEEE:
         return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(w, tl.trans(x), acc)
@@ -154,15 +154,15 @@ def _rows(X, stride_xm, r, M, k0, G, lo, hi, s, ulo, uhi, su, a, u, GATED: tl.co
 
 
 @triton.jit
-def _scales(S, Z, srow, urow, SK, k, K, COLS: tl.constexpr, GATED: tl.constexpr):
-    """The scales and zero points of the K step at input k (and of the up rows when gated; 1 past K)."""
+def _scales(S, Z, srow, urow, SK, k, K, COLS: tl.constexpr, GATED: tl.constexpr, INT4: tl.constexpr):
+    """The scales and (INT4) zero points of the K step at input k (and of the up rows when gated; 1 past K)."""
     inside = tl.full(srow.shape, k, tl.int32) < K          # a tensor (the interpreter's masks)
     s = tl.load(S + srow * SK + k // COLS, mask=inside, other=1.0)
-    z = tl.load(Z + srow * SK + k // COLS, mask=inside, other=1.0)
+    z = tl.load(Z + srow * SK + k // COLS, mask=inside, other=1.0) if INT4 else s
     su, zu = s, z
     if GATED:
         su = tl.load(S + urow * SK + k // COLS, mask=inside, other=1.0)
-        zu = tl.load(Z + urow * SK + k // COLS, mask=inside, other=1.0)
+        zu = tl.load(Z + urow * SK + k // COLS, mask=inside, other=1.0) if INT4 else su
     return s, z, su, zu
 
 
@@ -177,7 +177,7 @@ def _step(X, stride_xm, M, k0, K, G, CODES, S, Z, cols, srow, urow, SK, CK, N_OU
     ulo, uhi = lo, hi
     if GATED:
         ulo, uhi = _codes(CODES, X, cols + N_OUT, zu, k0, CK, INT4, CHUNK, NATIVE)
-    sn, zn, sun, zun = _scales(S, Z, srow, urow, SK, k0 + CHUNK, K, COLS, GATED)
+    sn, zn, sun, zun = _scales(S, Z, srow, urow, SK, k0 + CHUNK, K, COLS, GATED, INT4)
     r = tl.arange(0, BLOCK_M)
     a0, u0 = _rows(X, stride_xm, r, M, k0, G, lo, hi, s, ulo, uhi, su, a0, u0, GATED, IEEE, INT4, NORM, CHUNK,
                    BLOCK_M, BLOCK_N)
@@ -216,7 +216,7 @@ def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, 
     if PDL:     # weights never depend on the previous kernel, but x does: its first read waits
         tl.extra.cuda.gdc_wait()
     a0, a1, a2, a3, u0, u1, u2, u3 = _zero_accs(BLOCK_N, BLOCK_M)      # transposed: [columns, rows]
-    s, z, su, zu = _scales(S, Z, srow, urow, SK, k_begin, K, COLS, GATED)
+    s, z, su, zu = _scales(S, Z, srow, urow, SK, k_begin, K, COLS, GATED, INT4)
     for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), CHUNK):
         a0, a1, a2, a3, u0, u1, u2, u3, s, z, su, zu = _step(
             X, stride_xm, M, k0, K, G, CODES, S, Z, wcols, srow, urow, SK, CK, N_OUT, s, z, su, zu, a0, a1, a2, a3,

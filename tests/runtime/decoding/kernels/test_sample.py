@@ -1,5 +1,7 @@
 """The two-launch warped draw (runtime/decoding/kernels/sample.py) against the torch sampler it replaces
-(runtime/decoding/sampling.py): from the same stream it must draw the same tokens, exactly."""
+(runtime/decoding/sampling.py): from the same stream it draws the same tokens. Exact in Triton's interpreter;
+compiled, the GPU's exp and log and the sums' order may turn a near tie the other way, which these seeds do
+not meet."""
 
 from __future__ import annotations
 
@@ -58,9 +60,7 @@ def test_a_fused_sampler_samples_by_the_kernels_up_to_max_k(top_k, monkeypatch):
 def test_a_plain_sampled_round_draws_the_torch_rounds_tokens():
     """accept_sampled over a root-only block (plain decoding) with a fused sampler: the kernels' draw, the same
     tokens and stream position as the torch rule's (a coin, then the bonus from p)."""
-    from xcompile.runtime.decoding.kernels import sample as S
     from xcompile.runtime.decoding.speculative import accept_sampled, chain_block
-    assert S.MAX_K == 32
     logits = (3 * torch.randn(2, 1, 3000, device=DEV)).to(torch.bfloat16)
     block = chain_block(torch.zeros(2, 1, dtype=torch.long, device=DEV))
     fused, plain = Sampler(DEV, 2, fused=True), Sampler(DEV, 2, fused=False)
