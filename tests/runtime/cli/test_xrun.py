@@ -103,6 +103,16 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
     drafters = {r["drafter"] for r in report["generation"]}
     assert {"plain", "eagle3 chain g=1", "eagle3 chain g=2", "eagle3 tree 3/3/8", "draft-model g=1"} <= drafters
     assert report["copy_bandwidth_gbs"] > 0 and report["floor_ms_per_token"] > 0
+    # the floor at context 16 counts the KV of 16 tokens: 2 (k, v) x layers x kv heads x head_dim x 4 bytes each
+    from xcompile.runtime.enginedir.manifest import Manifest
+    c = Manifest.load(tiny_engine_dir).models["target"].config
+    kv = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 16 * 4
+    assert report["kv_bytes_per_token"] == {"16": kv}
+    assert report["floor_ms_by_context"]["16"] == pytest.approx(
+        report["floor_ms_per_token"] * (report["weight_bytes_per_token"] + kv) / report["weight_bytes_per_token"])
+    plain = next(r for r in report["generation"] if r["drafter"] == "plain")
+    assert plain["fraction_of_floor"] == pytest.approx(report["floor_ms_by_context"]["16"] / plain["ms_per_token"])
+    assert "floor counting the KV bytes read" in out
     for r in report["generation"]:
         assert r["ms_per_token"] > 0 and r["tau"] >= 1.0
         if r["drafter"] != "plain":
