@@ -51,7 +51,7 @@ def _gumbel(e, base, key1):
 
 @triton.jit
 def _scaled(row, cols, V, temp):
-    """A row's logits at cols over the temperature, in fp32 (-inf past V)."""
+    """A row's logits at cols over the temperature in fp32, rounded as torch's logits / T (-inf past V)."""
     x = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     return tl.math.div_rn(x, temp + tl.zeros_like(x))
 
@@ -65,8 +65,7 @@ def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP
     row = tl.program_id(0)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    s = tl.math.div_rn(x, tl.load(T + row // R) + tl.zeros_like(x))     # rounded as torch's logits / T
+    s = _scaled(X + row * stride_x, cols, V, tl.load(T + row // R))
     s = tl.where(s == s, s, float("-inf"))                  # NaN as -inf (topk.py)
     vals, idx = _top(s, tl.where(cols < V, cols, 2147483647), K1, KP2)
     out = (row * NB + blk) * KP2 + tl.arange(0, KP2)
