@@ -276,7 +276,7 @@ def test_pdl_changes_no_bits_of_a_step_on_the_gpu(tokens):
 def test_quantized_target_steps_match_the_reference_and_greedy_speculation_is_plain_greedy(kind, block):
     """A target whose decoder linears are quantized runs them on the quantized kernels (runtime/engines/kernels/
     qlinear.py), their norms unfolded, and matches the reference module on the dequantized weights; the
-    weights it reads are the codes' bytes; an EAGLE3 chain gives plain greedy's tokens on it."""
+    weights it reads are the codes' bytes; an EAGLE3 chain and tree give plain greedy's tokens on it."""
     from xcompile.compile.reference import quantize_linears
     from xcompile.runtime.engines.kernels.qlinear import QLinear
 
@@ -295,6 +295,7 @@ def test_quantized_target_steps_match_the_reference_and_greedy_speculation_is_pl
         assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
     prompt = [5, 9, 11, 20, 33, 7]
     want = T.greedy_reference(tiny.target, prompt, 8)
-    r = Generator(fast_target(tiny), DRAFTERS["eagle3"](tiny), [], MAX_SEQ_LEN,
-                  options=LoopOptions(debug=True)).generate(prompt, 8)
-    assert r.tokens == want
+    for name in ("eagle3", "eagle3-tree"):
+        r = Generator(fast_target(tiny), DRAFTERS[name](tiny), [], MAX_SEQ_LEN,
+                      options=LoopOptions(debug=True)).generate(prompt, 8)
+        assert r.tokens == want, name

@@ -72,3 +72,14 @@ def test_a_plain_sampled_round_draws_the_torch_rounds_tokens():
         assert torch.equal(got.count, want.count) and torch.equal(got.path, want.path)
         assert torch.equal(got.tokens, want.tokens)
     assert fused.counter.tolist() == plain.counter.tolist() == [10, 10]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_loops_fused_option_reaches_its_sampler(fused):
+    """LoopOptions.fused decides the sampler's kernels too (True: also in the interpreter, False: never)."""
+    import tiny_engines as T
+
+    from xcompile.runtime.decoding.generator import Generator, LoopOptions
+    tiny = T.build(64)
+    g = Generator(tiny.target_engine(), T.DRAFTERS["none"](tiny), [], 64, options=LoopOptions(fused=fused))
+    assert g.sampler.fused is fused
