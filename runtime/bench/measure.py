@@ -87,6 +87,9 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * src.numel() * src.element_size() / (ms / 1e3)
 
 
+_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}     # per element of an engine dtype
+
+
 def weight_bytes(config: dict, dtype: str) -> int:
     """Bytes of weights one decoded token reads, from a Qwen3 config: every layer's projections and
     norms, the final norm and lm_head; of the input embedding only one row (negligible), unless tied,
@@ -96,9 +99,6 @@ def weight_bytes(config: dict, dtype: str) -> int:
     layer = _projections(c) + 2 * h + 2 * d                            # + input/post-attention and q/k norms
     params = c["num_hidden_layers"] * layer + h + c["vocab_size"] * h
     return params * _BYTES[dtype]
-
-
-_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def kv_bytes(config: dict, dtype: str, context: int) -> int:
