@@ -6,7 +6,7 @@ file), one engine per graph, recorded in the manifest:
     target   two optimization profiles: prefill (tokens 1..max_seq_len) and decode/verify
              (tokens 1..max_draft_tokens+1); ``rows`` follows ``tokens``. One engine keeps one copy
              of the weights; the runtime picks the profile by the number of tokens.
-    eagle3, eagle3_fc, draft   one engine each, same two profiles.
+    eagle3, eagle3_fc, mtp, draft   one engine each, same two profiles.
 
 Strongly typed (the ONNX dtype is the engine's; TensorRT 11 and TRT-RTX know no other mode); fp32
 graphs mark attention decomposable (no fused fp32 kernel). Quantized weights (DequantizeLinear over FP8 or INT4
@@ -304,7 +304,7 @@ def request_differs(req, plan, manifest: Manifest) -> str | None:
     """How the export in ``manifest``'s dir differs from what request ``req`` (planned as ``plan``)
     asks for: graphs, dtype, sizes, sources (None: the same request). Replacing it needs --force."""
     wanted = {"target"} | ({"eagle3", "eagle3_fc"} if req.eagle3 is not None else set()) | (
-        {"draft"} if req.draft_model is not None else set())
+        {"draft"} if req.draft_model is not None else set()) | ({"mtp"} if req.mtp is not None else set())
     if set(manifest.graphs) != wanted:
         return f"it holds graphs {sorted(manifest.graphs)}, the request wants {sorted(wanted)}"
     for field, have, want in (("dtype", manifest.dtype, req.dtype), ("max_batch", manifest.max_batch, req.max_batch),

@@ -39,53 +39,93 @@ def _taps(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.group(cls=cli_group_class())
 @click.version_option(package_name="xcompile")
 def main() -> None:
-    """Compile Qwen3 (+ EAGLE3 head or draft model) to ONNX and TensorRT engines."""
+    """Compile Qwen3 (+ EAGLE3 head, MTP module or draft model) to ONNX and TensorRT engines."""
+
+
+def _train_options(out: str, what: str):
+    """The options ``train-eagle3`` and ``train-mtp`` share (compile/train.py), ``--out`` defaulting to ``out``."""
+    options = [
+        click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias."),
+        click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) "
+                     "[default: main]."),
+        click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+                     help="Training text: plain text (documents split at form-feed lines) or JSONL with 'text' or "
+                          "'prompt'."),
+        click.option("--heldout", type=click.Path(exists=True, dir_okay=False), help="Held-out text, evaluated at "
+                     "the end."),
+        click.option("--out", default=out, show_default=True, callback=writable_dir, help=f"{what} to write."),
+        click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True,
+                     help="Unrolled training-time-test steps."),
+        click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one pass over the data)."),
+        click.option("--tokens", type=click.IntRange(min=1), help="Training tokens, instead of --steps."),
+        click.option("--minutes", type=positive_float(), help="Wall-clock budget; the LR schedule follows it."),
+        click.option("--lr", type=positive_float(), default=1e-3, show_default=True, help="Peak learning rate."),
+        click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Windows per step."),
+        click.option("--seq-len", type=click.IntRange(min=3), default=512, show_default=True,
+                     help="Tokens per window."),
+        click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"])),
+        click.option("--seed", default=0, show_default=True),
+        click.option("--regenerate", is_flag=True, help="Replace JSONL prompts' responses by the target's greedy ones."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="Response length cap for --regenerate."),
+        click.option("--force", is_flag=True, help=f"Replace --out if it exists (only a {what.lower()} xcompile "
+                     "wrote)."),
+        click.pass_context,
+    ]
+
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+def _train(ctx, files, opts: dict, data, heldout, out, regenerate, max_new_tokens, model, revision, force) -> None:
+    """Check the shared options, then train through ``files`` (train_eagle3_files or train_mtp_files)."""
+    from xcompile.compile.train import TrainOptions
+
+    if opts["steps"] is not None and opts["tokens"] is not None:
+        raise click.UsageError("--steps and --tokens both set the step budget (--tokens is turned into steps); "
+                               "give one")
+    if opts["seq_len"] < opts["ttt_steps"] + 2:
+        raise click.UsageError(f"--seq-len {opts['seq_len']} is too short for --ttt-steps {opts['ttt_steps']}: step "
+                               f"j predicts 2 + j tokens ahead, so a window needs at least {opts['ttt_steps'] + 2} "
+                               "tokens")
+    if not regenerate:
+        refuse_inert(ctx, ["max_new_tokens"], "caps the responses --regenerate writes; without it nothing is generated")
+    minutes = opts.pop("minutes")
+    result = files(model, data, out, TrainOptions(seconds=minutes * 60 if minutes else None, **opts), heldout,
+                   regenerate, max_new_tokens, log=log.info, revision=revision, force=force)
+    if result.heldout:
+        click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
 
 
 @main.command("train-eagle3")
-@click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias.")
-@click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
-@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Training text: plain text (documents split at form-feed lines) or JSONL with 'text' or 'prompt'.")
-@click.option("--heldout", type=click.Path(exists=True, dir_okay=False), help="Held-out text, evaluated at the end.")
-@click.option("--out", default="eagle3-head", show_default=True, callback=writable_dir,
-              help="Head directory to write (AngelSlim layout).")
+@_train_options("eagle3-head", "Head directory (AngelSlim layout)")
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=32000, show_default=True,
               help="Draft vocabulary: the N most frequent tokens.")
-@click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True,
-              help="Unrolled training-time-test steps.")
-@click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one pass over the data).")
-@click.option("--tokens", type=click.IntRange(min=1), help="Training tokens, instead of --steps.")
-@click.option("--minutes", type=positive_float(), help="Wall-clock budget; the LR schedule follows it.")
-@click.option("--lr", type=positive_float(), default=1e-3, show_default=True, help="Peak learning rate.")
-@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Windows per step.")
-@click.option("--seq-len", type=click.IntRange(min=3), default=512, show_default=True, help="Tokens per window.")
-@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]))
-@click.option("--seed", default=0, show_default=True)
-@click.option("--regenerate", is_flag=True, help="Replace JSONL prompts' responses by the target's greedy ones.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Response length cap for --regenerate.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists (only a head dir xcompile wrote).")
-@click.pass_context
 def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr,
                      batch, seq_len, device, seed, regenerate, max_new_tokens, force) -> None:
     """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
-    if steps is not None and tokens is not None:
-        raise click.UsageError("--steps and --tokens both set the step budget (--tokens is turned into steps); "
-                               "give one")
-    if seq_len < ttt_steps + 2:
-        raise click.UsageError(f"--seq-len {seq_len} is too short for --ttt-steps {ttt_steps}: step j predicts "
-                               f"2 + j tokens ahead, so a window needs at least {ttt_steps + 2} tokens")
-    if not regenerate:
-        refuse_inert(ctx, ["max_new_tokens"], "caps the responses --regenerate writes; without it nothing is generated")
-    from xcompile.compile.train_eagle3 import TrainOptions, train_eagle3_files
+    from xcompile.compile.train_eagle3 import train_eagle3_files
 
-    opts = TrainOptions(ttt_steps=ttt_steps, steps=steps, tokens=tokens, seconds=minutes * 60 if minutes else None,
-                        lr=lr, batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed, device=device)
-    result = train_eagle3_files(model, data, out, opts, heldout, regenerate, max_new_tokens, log=log.info,
-                                revision=revision, force=force)
-    if result.heldout:
-        click.echo(f"held-out: loss {result.heldout['loss']:.4f}, per-step top-1 accuracy {result.heldout['step_acc']}")
+    _train(ctx, train_eagle3_files, dict(ttt_steps=ttt_steps, steps=steps, tokens=tokens, minutes=minutes, lr=lr,
+                                         batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed,
+                                         device=device),
+           data, heldout, out, regenerate, max_new_tokens, model, revision, force)
+
+
+@main.command("train-mtp")
+@_train_options("mtp-module", "Module directory")
+def train_mtp_cmd(ctx, model, revision, data, heldout, out, ttt_steps, steps, tokens, minutes, lr, batch, seq_len,
+                  device, seed, regenerate, max_new_tokens, force) -> None:
+    """Train an MTP module (DeepSeek-V3 style, one layer over the target's last hidden) for a frozen target and
+    write it to --out; build it into an engine dir with --mtp DIR."""
+    from xcompile.compile.train_mtp import train_mtp_files
+
+    _train(ctx, train_mtp_files, dict(ttt_steps=ttt_steps, steps=steps, tokens=tokens, minutes=minutes, lr=lr,
+                                      batch=batch, seq_len=seq_len, seed=seed, device=device),
+           data, heldout, out, regenerate, max_new_tokens, model, revision, force)
 
 
 # compile/quantize.py's SCHEMES, named here so that --help imports nothing heavy (a test keeps them equal)
@@ -135,8 +175,10 @@ def _compute_capabilities(ctx, param, values):
 
 
 # what an exported dir already fixed: refused next to `xcompile build DIRECTORY`
-_EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "eagle3_taps", "dtype", "max_seq_len", "max_batch",
-                   "synthetic", "seed", "out"]
+_EXPORT_OPTIONS = ["model", "revision", "eagle3", "mtp", "draft_model", "eagle3_taps", "dtype", "max_seq_len",
+                   "max_batch", "synthetic", "seed", "out"]
+_MTP_HELP = ("Add an MTP module (xcompile train-mtp writes one): its directory; without a value, the module packaged "
+             "for --model (demo), or a synthetic one with --synthetic.")
 
 
 @main.command("build")
@@ -146,6 +188,7 @@ _EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "eagle3_taps", 
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its directory or repo id; without a value, the head published for --model.")
+@click.option("--mtp", is_flag=False, flag_value="", default=None, metavar="[DIR]", help=_MTP_HELP)
 @click.option("--draft-model", default=None, help="Add a small Qwen3 draft model (directory, repo id or alias).")
 @click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
               help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
@@ -176,7 +219,7 @@ _EXPORT_OPTIONS = ["model", "revision", "eagle3", "draft_model", "eagle3_taps", 
 @click.option("--force", is_flag=True, help="Re-export and rebuild even when nothing changed (with DIRECTORY: "
               "rebuild its engines).")
 @click.pass_context
-def build_cmd(ctx, directory, model, revision, eagle3, draft_model, eagle3_taps, dtype, max_seq_len, max_batch,
+def build_cmd(ctx, directory, model, revision, eagle3, mtp, draft_model, eagle3_taps, dtype, max_seq_len, max_batch,
               synthetic, seed, out, flavor, compute_capabilities, max_draft_tokens, workspace, optimization_level,
               timing_cache, force) -> None:
     """Export --model (+ head / draft) to ONNX and build TensorRT engines; unchanged parts are kept.
@@ -204,7 +247,7 @@ def build_cmd(ctx, directory, model, revision, eagle3, draft_model, eagle3_taps,
     if directory is not None:
         where, manifest = Path(directory), build(Path(directory), options, progress=log.info)
     else:
-        req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3,
+        req = ExportRequest(model=model, out=Path(out) if out else default_out(model), eagle3=eagle3, mtp=mtp,
                             draft_model=draft_model, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
                             synthetic=synthetic, seed=seed, force=force, eagle3_taps=eagle3_taps,
                             revision=revision)
@@ -237,6 +280,7 @@ def verify_cmd(directory, fast) -> None:
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")
+@click.option("--mtp", is_flag=False, flag_value="", default=None, metavar="[DIR]", help=_MTP_HELP)
 @click.option("--draft-model", help="Add a small draft Qwen3 sharing the target's tokenizer.")
 @click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
               help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
@@ -252,9 +296,9 @@ def verify_cmd(directory, fast) -> None:
               help="With --synthetic: the alias's shape with this many layers (a quicker stand-in).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote).")
 @click.pass_context
-def export_cmd(ctx, model, revision, eagle3, draft_model, eagle3_taps, out, dtype, max_seq_len, max_batch, synthetic,
+def export_cmd(ctx, model, revision, eagle3, mtp, draft_model, eagle3_taps, out, dtype, max_seq_len, max_batch, synthetic,
                seed, synthetic_layers, force) -> None:
-    """Export the target (+ EAGLE3 head, + draft model) to ONNX graphs in an engine dir."""
+    """Export the target (+ EAGLE3 head, + MTP module, + draft model) to ONNX graphs in an engine dir."""
     from pathlib import Path
 
     if not synthetic:
@@ -263,7 +307,7 @@ def export_cmd(ctx, model, revision, eagle3, draft_model, eagle3_taps, out, dtyp
         refuse_inert(ctx, ["revision"], "picks a snapshot of a checkpoint; --synthetic weights have none")
     from xcompile.compile.pipeline import ExportRequest, describe, export_engine_dir
 
-    req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, draft_model=draft_model, dtype=dtype,
+    req = ExportRequest(model=model, out=Path(out), eagle3=eagle3, mtp=mtp, draft_model=draft_model, dtype=dtype,
                         max_seq_len=max_seq_len, max_batch=max_batch, synthetic=synthetic, seed=seed, force=force,
                         eagle3_taps=eagle3_taps, synthetic_layers=synthetic_layers, revision=revision)
     click.echo(describe(export_engine_dir(req, log=log.info)))

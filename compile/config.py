@@ -151,6 +151,7 @@ class KnownModel:
     path: Path | None = None                # packaged checkpoint dir
     eagle3_path: Path | None = None         # its packaged EAGLE3 head
     draft_path: Path | None = None          # its packaged small draft model
+    mtp_path: Path | None = None            # its packaged MTP module (compile/models/mtp.py)
 
 
 def _q(vocab, hidden, inter, layers, heads, kv, tie) -> Qwen3Config:
@@ -166,7 +167,8 @@ DEMO_DIR = Path(__file__).parent / "demo"
 # dense Qwen3 configs (Qwen/Qwen3-*/config.json) with their published EAGLE3 heads (AngelSlim model
 # cards). Resolution (checkpoint/resolution.py) and --synthetic stand-ins read it.
 KNOWN_MODELS: dict[str, KnownModel] = {
-    "demo": KnownModel(None, path=DEMO_DIR / "target", eagle3_path=DEMO_DIR / "eagle3", draft_path=DEMO_DIR / "draft"),
+    "demo": KnownModel(None, path=DEMO_DIR / "target", eagle3_path=DEMO_DIR / "eagle3", draft_path=DEMO_DIR / "draft",
+                       mtp_path=DEMO_DIR / "mtp"),
     "qwen3-0.6b": KnownModel("Qwen/Qwen3-0.6B", _q(151936, 1024, 3072, 28, 16, 8, True)),
     "qwen3-1.7b": KnownModel("Qwen/Qwen3-1.7B", _q(151936, 2048, 6144, 28, 16, 8, True), "AngelSlim/Qwen3-1.7B_eagle3"),
     "qwen3-4b": KnownModel("Qwen/Qwen3-4B", _q(151936, 2560, 9728, 36, 32, 8, True), "AngelSlim/Qwen3-4B_eagle3"),
@@ -309,13 +311,16 @@ def architecture(path: Path, data: dict) -> str:
     return archs[0]
 
 
-def parse_qwen3(path: Path, data: dict | None = None) -> Qwen3Config:
+def parse_qwen3(path: Path, data: dict | None = None, architectures: tuple[str, ...] = QWEN3_ARCHITECTURES
+                ) -> Qwen3Config:
+    """A Qwen3 config.json (``architectures``: what its first architecture may be; an MTP module's is its own)."""
     path = Path(path)
     data = read_json(path) if data is None else data
     arch = architecture(path, data)
-    if arch not in QWEN3_ARCHITECTURES:
-        raise CompileError(f"{path}: field 'architectures' is {arch!r}; xcompile compiles dense Qwen3 "
-                           f"targets ({', '.join(QWEN3_ARCHITECTURES)})")
+    if arch not in architectures:
+        what = "dense Qwen3 targets" if architectures == QWEN3_ARCHITECTURES else "here"
+        raise CompileError(f"{path}: field 'architectures' is {arch!r}; xcompile compiles {what} "
+                           f"({', '.join(architectures)})")
     f = _Fields(path, data)
     hidden = f.get("hidden_size", int, required=True)
     heads = f.get("num_attention_heads", int, required=True)

@@ -1,8 +1,9 @@
 """``xcompile diff``: an engine dir against the PyTorch reference, teacher-forced, through Polygraphy.
 
     reference pass  the torch reference runs prefill, ``steps`` greedy decode steps and an EAGLE3
-                    draft pass (fc, prompt pass, ``draft_steps`` draft steps); its tokens and hidden
-                    states become every step's feed, so a near-tie flip cannot desync the engine
+                    draft pass (fc, prompt pass, ``draft_steps`` draft steps), and the same draft pass of
+                    an MTP module over the target's last layer output; its tokens and hidden states
+                    become every step's feed, so a near-tie flip cannot desync the engine
     Comparator.run  per graph, two Polygraphy runners over those feeds: the reference and the engine
                     (our ORT or TensorRT backend; the KV cache stays in place across iterations)
     compare         per step and output, scale-aware (compile/compare.py): hidden states by their
@@ -45,6 +46,7 @@ from xcompile.runtime.enginedir.contract import (
     EAGLE3,
     EAGLE3_FC,
     MODEL_DTYPE,
+    MTP,
     TARGET,
     GraphSpec,
     KVShape,
@@ -232,8 +234,9 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float().argmax(-1, keepdim=True).to(torch.int64)
 
 
-def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOptions, batch: int,
+def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOptions, manifest: Manifest,
                     d2t: torch.Tensor | None) -> dict[str, _Recorder]:
+    batch = manifest.max_batch
     keep = opts.save is not None
     ids = torch.tensor([prompt] * batch, dtype=torch.int64)
     n = len(prompt)
@@ -247,17 +250,24 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
                 prefill = out
             for i in range(opts.steps):
                 out = rec(f"decode{i + 1}", step_feed(_greedy(out["logits"]), n + i, [0]))
-    if EAGLE3 in graphs:
-        fc = runs[EAGLE3_FC] = _Recorder(graphs[EAGLE3_FC], keep)
-        hidden = fc("fc", {"hidden_taps": prefill["hidden_taps"]})
-        # pairing: draft position t reads target feature t and token t+1 (docs/eagle3.md §3.1)
-        shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1)
-        head = runs[EAGLE3] = _Recorder(graphs[EAGLE3], keep)
-        out = head("prompt", step_feed(shifted, 0, [n - 1], hidden["hidden_states"]))
+    # pairing: draft position t reads target feature t and token t+1 (docs/eagle3.md §3.1)
+    shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1) if prefill else None
+    for graph in (EAGLE3, MTP):
+        if graph not in graphs:
+            continue
+        taps = prefill["hidden_taps"]
+        cols = manifest.tap_columns(graph)
+        taps = taps if cols is None else taps[..., cols].contiguous()
+        if graph == EAGLE3:
+            fc = runs[EAGLE3_FC] = _Recorder(graphs[EAGLE3_FC], keep)
+            taps = fc("fc", {"hidden_taps": taps})["hidden_states"]
+        head = runs[graph] = _Recorder(graphs[graph], keep)
+        out = head("prompt", step_feed(shifted, 0, [n - 1], taps))
         for j in range(opts.draft_steps):
             draft = _greedy(out["logits"])
-            token = draft + d2t[draft] if d2t is not None else draft        # target = draft + d2t[draft]
-            out = head(f"draft{j + 1}", step_feed(token, n + j, [0], out["hidden_out"][:, -1:]))
+            if graph == EAGLE3 and d2t is not None:
+                draft = draft + d2t[draft]                                   # target = draft + d2t[draft]
+            out = head(f"draft{j + 1}", step_feed(draft, n + j, [0], out["hidden_out"][:, -1:]))
     return runs
 
 
@@ -334,7 +344,7 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     with save as save_dir:
         graphs = _graphs(directory, manifest, opts.backend, device)
         d2t = graphs[EAGLE3].module.d2t.cpu() if EAGLE3 in graphs else None
-        runs = _reference_pass(graphs, prompt, opts, manifest.max_batch, d2t)
+        runs = _reference_pass(graphs, prompt, opts, manifest, d2t)
         report = DiffReport(str(directory), opts.backend, manifest.dtype, prompt,
                             {"": DEFAULT_ATOL[manifest.dtype], **opts.atol}, {"": DEFAULT_RTOL[manifest.dtype],
                                                                                **opts.rtol})

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from xcompile.compile.checkpoint import build_eagle3, build_qwen3
+from xcompile.compile.checkpoint import build_eagle3, build_mtp, build_qwen3
 from xcompile.compile.checkpoint.source import WeightSource
 from xcompile.compile.config import Eagle3Config, Qwen3Config, Yarn, parse_eagle3, parse_qwen3
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models import eagle3, qwen3
+from xcompile.compile.models import eagle3, mtp, qwen3
 
 # (source, config, max_seq_len, dtype, device, target module or None, manifest extra) -> module
 Loader = Callable[[WeightSource, object, int, torch.dtype, torch.device | str, nn.Module | None, dict], nn.Module]
@@ -59,9 +59,16 @@ def _load_eagle3(source, cfg, max_seq_len, dtype, device, target, extra) -> nn.M
     return build_eagle3(source, cfg, target, max_seq_len, extra.get("rope_theta"))
 
 
+def _load_mtp(source, cfg, max_seq_len, dtype, device, target, extra) -> nn.Module:
+    if target is None:
+        raise CompileError("an MTP module needs its target model (it shares the target's embedding and lm_head)")
+    return build_mtp(source, cfg, target, max_seq_len)
+
+
 FAMILIES: dict[str, Family] = {f.kind: f for f in (
     Family(qwen3.KIND, Qwen3Config, parse_qwen3, _load_qwen3),
     Family(eagle3.KIND, Eagle3Config, parse_eagle3, _load_eagle3),
+    Family(mtp.KIND, Qwen3Config, mtp.parse_mtp, _load_mtp),
 )}
 
 

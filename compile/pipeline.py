@@ -37,13 +37,13 @@ from xcompile.compile.config import (
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export import Weights, export_graph
 from xcompile.compile.families import family
-from xcompile.compile.models import eagle3, qwen3
+from xcompile.compile.models import eagle3, mtp, qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir import integrity
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, TARGET
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, MTP, TARGET
 from xcompile.runtime.enginedir.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
 from xcompile.runtime.enginedir.text import vocabulary
 from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES
@@ -75,10 +75,11 @@ class ExportRequest:
     eagle3_taps: tuple[int, ...] | None = None   # 0-based layer-output ids overriding the head config's
     synthetic_layers: int | None = None          # --synthetic: the alias's shape with fewer (or more) layers
     revision: str | None = None                  # of the --model repo id (a branch, tag or commit)
+    mtp: str | None = None                       # MTP module dir; "": the alias's packaged one (or synthetic)
 
 
 # the family of each model slot (recorded as ModelEntry.kind)
-_KINDS = {TARGET: qwen3.KIND, DRAFT: qwen3.KIND, EAGLE3: eagle3.KIND}
+_KINDS = {TARGET: qwen3.KIND, DRAFT: qwen3.KIND, EAGLE3: eagle3.KIND, MTP: mtp.KIND}
 
 
 @dataclass
@@ -184,14 +185,16 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
     if req.synthetic_layers is not None and (not req.synthetic or req.synthetic_layers < 1):
         raise CompileError(f"--synthetic-layers {req.synthetic_layers}: needs --synthetic and at least 1 layer")
     if req.synthetic:
-        if role == EAGLE3 and req.eagle3:
-            raise CompileError("--synthetic builds the head in the published shape; give --eagle3 without a value")
-        cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else synthetic.known_config(name)
+        if role == EAGLE3 and req.eagle3 or role == MTP and req.mtp:
+            raise CompileError(f"--synthetic builds the {role} model in its default shape; give --{role} without "
+                               "a value")
+        cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else mtp.mtp_config(target_cfg) \
+            if role == MTP else synthetic.known_config(name)
         if role == TARGET and req.synthetic_layers:
             cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
-    directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else
-                 ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name, req.revision))
+    directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else ckpt.resolve_mtp(req.model, req.mtp)
+                 if role == MTP else ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name, req.revision))
     return family(_KINDS[role]).parse(directory / "config.json"), CheckpointSource(directory), directory
 
 
@@ -215,13 +218,17 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
         head_cfg, _, head_dir = head
         taps = req.eagle3_taps or ckpt.tap_layers(head_cfg, cfg)
         check_eagle3_fits(head_cfg, cfg, _where(head_dir, "synthetic head"), taps)
+    # an MTP module reads the last layer's output: tapped after EAGLE3's three (Manifest.tap_columns)
+    target_taps = (*taps, mtp.last_layer_tap(cfg)) if req.mtp is not None else tuple(taps)
     with torch.device("meta"):
-        target = Qwen3(cfg, max_seq_len, tuple(taps)).to(dtype)
+        target = Qwen3(cfg, max_seq_len, target_taps).to(dtype)
     parts = [_Part(TARGET, target, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source,
                                                       _extra(source, target, taps=list(target.taps))))]
     if head is not None:
         field = TAP_OVERRIDE if req.eagle3_taps else head[0].tap_field or TAP_DEFAULT
-        parts.append(_head_part(head[0], head[1], parts[0], dtype, field))
+        parts.append(_head_part(head[0], head[1], parts[0], dtype, field, tuple(sorted(taps))))
+    if req.mtp is not None:
+        parts.append(_mtp_part(req, parts[0], dtype))
     if req.draft_model is not None:
         parts.append(_draft_part(req, cfg, max_seq_len, dtype, target_dir))
     for p in parts:
@@ -242,18 +249,35 @@ def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) 
 
 
 def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtype: torch.dtype,
-               taps_from: str) -> _Part:
+               taps_from: str, taps: tuple[int, ...]) -> _Part:
     with torch.device("meta"):
         head = Eagle3(head_cfg, target.module.max_seq_len).to(dtype)
     # which config field (or option) the taps came from and how its ids count (config.TAP_FIELDS)
     entry = ModelEntry(eagle3.KIND, head_cfg.to_dict(), source.source,
-                       {"taps": list(target.module.taps), "taps_from": taps_from,
+                       {"taps": list(taps), "taps_from": taps_from,
                         "taps_convention": tap_convention(taps_from), "rope_theta": head.rope_theta})
 
     def embedding() -> Weights:
         # the head embeds with the target's table: streamed from the target's weights under the head's name
         yield "embed_tokens.weight", target.source.tensor(target.module, "model.embed_tokens.weight")
     return _Part(EAGLE3, head, source, entry, embedding, lambda: source.tensor(head, "d2t"))
+
+
+def _mtp_part(req: ExportRequest, target: _Part, dtype: torch.dtype) -> _Part:
+    """The MTP module: its config checked against the target; the target's embedding and lm_head streamed under
+    the module's names (shared tensors, compile/models/mtp.py)."""
+    cfg, source, mtp_dir = _open(req, MTP, target.module.cfg)
+    mtp.check_mtp_fits(cfg, target.module.cfg, _where(mtp_dir, "synthetic MTP module"))
+    with torch.device("meta"):
+        module = mtp.MTP(cfg, target.module.max_seq_len, tied=target.module.cfg.tie_word_embeddings).to(dtype)
+    entry = ModelEntry(mtp.KIND, cfg.to_dict(), source.source, {"tap": mtp.last_layer_tap(target.module.cfg)})
+
+    def shared() -> Weights:
+        t = target.module
+        yield "embed_tokens.weight", target.source.tensor(t, "model.embed_tokens.weight")
+        if not module.tied:
+            yield "shared_head.head.weight", target.source.tensor(t, "lm_head.weight")
+    return _Part(MTP, module, source, entry, shared)
 
 
 def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype,

@@ -30,11 +30,11 @@ from xcompile.compile.models import eagle3
 from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.models.layers import RMSNorm
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, TARGET
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, MTP, TARGET
 
 INIT_STD = 0.02     # Qwen3 config.json initializer_range
 SOURCE_PREFIX = "synthetic:"
-SEED_OFFSETS = {TARGET: 0, EAGLE3: 1, DRAFT: 2}
+SEED_OFFSETS = {TARGET: 0, EAGLE3: 1, DRAFT: 2, MTP: 3}
 
 
 def source(name: str, seed: int, role: str = TARGET) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 
 from xcompile.compile.checkpoint.files import Checkpoint
 from xcompile.compile.checkpoint.keymap import materialize, module_state
-from xcompile.compile.checkpoint.resolution import resolve, resolve_draft, resolve_eagle3
+from xcompile.compile.checkpoint.resolution import resolve, resolve_draft, resolve_eagle3, resolve_mtp
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import (
     DEMO_DIR,
@@ -31,12 +31,13 @@ from xcompile.compile.config import (
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
+from xcompile.compile.models.mtp import MTP
 from xcompile.compile.models.qwen3 import Qwen3
 
 __all__ = [
-    "DEMO_DIR", "Checkpoint", "CheckpointSource", "WeightSource", "build", "build_eagle3", "build_qwen3",
+    "DEMO_DIR", "Checkpoint", "CheckpointSource", "WeightSource", "build", "build_eagle3", "build_mtp", "build_qwen3",
     "load_draft_model", "load_eagle3", "load_qwen3", "materialize", "module_state", "resolve", "resolve_draft",
-    "resolve_eagle3", "tap_layers",
+    "resolve_eagle3", "resolve_mtp", "tap_layers",
 ]
 
 
@@ -67,6 +68,17 @@ def build_eagle3(source: WeightSource, cfg: Eagle3Config, target: Qwen3, max_seq
         head = Eagle3(cfg, max_seq_len, rope_theta).to(embed.dtype)
     head.embed_tokens.weight = embed                # shared, not copied: external in the key map
     return build(head, source, embed.dtype, embed.device)
+
+
+def build_mtp(source: WeightSource, cfg: Qwen3Config, target: Qwen3, max_seq_len: int) -> MTP:
+    """An MTP module of config ``cfg`` from ``source``, sharing the target's embedding and lm_head tensors (so in
+    the target's dtype and on its device)."""
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    with torch.device("meta"):
+        module = MTP(cfg, max_seq_len, tied=target.cfg.tie_word_embeddings).to(embed.dtype)
+    module.embed_tokens.weight = embed              # shared, not copied: external in the key map
+    module.shared_head.head.weight = head           # the target's (its embedding when tied)
+    return build(module, source, embed.dtype, embed.device)
 
 
 def load_qwen3(path: Path, max_seq_len: int, taps: tuple[int, ...] | None = None,

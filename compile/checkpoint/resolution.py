@@ -103,6 +103,18 @@ def resolve_eagle3(model_spec: str, eagle3: str | None) -> Path:
     return resolve(known.eagle3_repo_id)
 
 
+def resolve_mtp(model_spec: str, module: str | None) -> Path:
+    """The MTP module dir: ``module`` resolved like ``resolve``; empty or None means the module packaged for
+    ``model_spec`` (the demo's; no Qwen3 release ships one: ``xcompile train-mtp`` makes one)."""
+    if module:
+        return resolve(module)
+    packaged = KNOWN_MODELS.get(model_spec.lower())
+    if packaged is not None and packaged.mtp_path is not None:
+        return _packaged(packaged.mtp_path, model_spec)
+    raise CompileError(f"no MTP module is known for {model_spec!r} (Qwen3 releases ship none); train one with "
+                       "`xcompile train-mtp` and pass its directory: --mtp DIR")
+
+
 def resolve_draft(spec: str) -> Path:
     """The draft model dir of ``--draft-model``: resolved like ``resolve``, except that an alias that
     ships a draft means that draft (``demo`` -> the demo target's draft model). A checkpoint

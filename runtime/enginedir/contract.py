@@ -23,6 +23,9 @@ Graphs:
     eagle3  one EAGLE3 decoder step over ``tokens`` inputs (token embedding + hidden state).
     eagle3_fc  the EAGLE3 ``fc`` projection of target taps (3H -> H); kept apart so the
             ``eagle3`` graph takes one hidden width for target features and its own feedback.
+    mtp     one step of a DeepSeek-V3-style MTP module (compile/models/mtp.py): the ``eagle3`` graph's
+            inputs and outputs, logits over the target's ``vocab``; its hidden input is the target's last
+            layer output (one of the target's taps).
 
 KV caches: input ``past_key_{i}`` [batch, kv_heads, max_seq_len, head_dim] is updated in place;
 output ``present_key_{i}`` aliases it (TensorRT KVCacheUpdate / ORT TensorScatter in place).
@@ -40,11 +43,11 @@ from dataclasses import dataclass
 
 CONTRACT_VERSION = 2     # 2: eagle3 tree_mask columns may reach before write_index (mask_keys)
 
-TARGET, DRAFT, EAGLE3, EAGLE3_FC = "target", "draft", "eagle3", "eagle3_fc"
+TARGET, DRAFT, EAGLE3, EAGLE3_FC, MTP = "target", "draft", "eagle3", "eagle3_fc", "mtp"
 
 # the axes that vary from call to call (every other dim is fixed per engine, recorded in ``dims``)
 DYNAMIC_DIMS = ("tokens", "rows", "mask_keys")
-GRAPHS = (TARGET, DRAFT, EAGLE3, EAGLE3_FC)
+GRAPHS = (TARGET, DRAFT, EAGLE3, EAGLE3_FC, MTP)
 
 # dtype names as they appear in manifests ("model" resolves to the engine's compute dtype)
 MODEL_DTYPE = "model"
@@ -160,16 +163,17 @@ def target_spec(num_layers: int, taps: bool = True) -> GraphSpec:
     )
 
 
-def eagle3_spec() -> GraphSpec:
-    """EAGLE3 step: draft-vocab logits of the selected rows and the pre-norm hidden to feed back."""
+def eagle3_spec(graph: str = EAGLE3, vocab: str = "draft_vocab") -> GraphSpec:
+    """EAGLE3 step: draft-vocab logits of the selected rows and the pre-norm hidden to feed back (the ``mtp``
+    step: the same over the target's ``vocab``)."""
     mask = TensorSpec("tree_mask", "bool", ("batch", "tokens", "mask_keys"))
     inputs = (_STEP_INPUTS[0], TensorSpec("hidden_states", MODEL_DTYPE, ("batch", "tokens", "hidden")),
               *(mask if t.name == "tree_mask" else t for t in _STEP_INPUTS[1:]))
     outputs = (
-        TensorSpec("logits", MODEL_DTYPE, ("batch", "rows", "draft_vocab")),
+        TensorSpec("logits", MODEL_DTYPE, ("batch", "rows", vocab)),
         TensorSpec("hidden_out", MODEL_DTYPE, ("batch", "tokens", "hidden")),
     )
-    return GraphSpec(EAGLE3, inputs + _kv_inputs(1), outputs + _kv_outputs(1), 1)
+    return GraphSpec(graph, inputs + _kv_inputs(1), outputs + _kv_outputs(1), 1)
 
 
 def eagle3_fc_spec() -> GraphSpec:
@@ -191,6 +195,8 @@ def graph_spec(graph: str, num_layers: int = 0) -> GraphSpec:
         return eagle3_spec()
     if graph == EAGLE3_FC:
         return eagle3_fc_spec()
+    if graph == MTP:
+        return eagle3_spec(MTP, "vocab")
     raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir import integrity
-from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, EAGLE3, GraphSpec, KVShape, TensorSpec
+from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, EAGLE3, TARGET, GraphSpec, KVShape, TensorSpec
 from xcompile.runtime.enginedir.schema import validate
 
 MANIFEST = "manifest.json"
@@ -71,7 +71,7 @@ class Manifest:
     dtype: str                                     # "fp32" | "fp16" | "bf16"
     max_seq_len: int
     max_batch: int
-    models: dict[str, ModelEntry]                  # "target", and "eagle3" and/or "draft"
+    models: dict[str, ModelEntry]                  # "target", and "eagle3", "mtp" and/or "draft"
     graphs: dict[str, GraphEntry] = field(default_factory=dict)
     engines: dict[str, EngineEntry] = field(default_factory=dict)
     eos_token_ids: list = field(default_factory=list)
@@ -117,6 +117,15 @@ class Manifest:
         m.graphs = {k: GraphEntry(**v) for k, v in m.graphs.items()}
         m.engines = {k: EngineEntry(**v) for k, v in m.engines.items()}
         return m
+
+    def tap_columns(self, head: str) -> slice | None:
+        """The columns of the target's hidden_taps the ``head`` (``eagle3`` or ``mtp``) reads; None: all of them.
+        A target built for both taps EAGLE3's three layers, then its last layer (sorted, the last comes last):
+        EAGLE3 reads the first three taps, an MTP module the last one."""
+        target = self.models[TARGET]
+        n, h = len(target.extra.get("taps") or ()), target.config["hidden_size"]
+        cols = slice(0, 3 * h) if head == EAGLE3 else slice((n - 1) * h, n * h)
+        return None if cols.stop - cols.start == n * h else cols
 
     def graph_files(self, graph: str) -> list[str]:
         """The files of ``graph``: its ONNX file and its external data."""

@@ -16,7 +16,7 @@ from xcompile.runtime.enginedir.contract import DTYPES, GRAPHS
 Check = Callable[[object, str], list[tuple[str, str]]]     # (value, field) -> [(field, problem)]
 
 KNOWN_CONTRACT_VERSIONS = (1, 2)     # the runtime loads only CONTRACT_VERSION (manifest.py)
-MODEL_KINDS = ("qwen3", "eagle3")
+MODEL_KINDS = ("qwen3", "eagle3", "mtp")
 FLAVORS = ("tensorrt", "rtx")
 _HEX = re.compile(r"[0-9a-f]*")
 
