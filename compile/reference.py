@@ -19,10 +19,11 @@ from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.families import family
+from xcompile.compile.models import mtp as mtp_model
 from xcompile.compile.models import qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.enginedir.manifest import Manifest, ModelEntry
 from xcompile.runtime.engines import qweight
 from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES, Engine
@@ -67,7 +68,7 @@ def weight_source(entry: ModelEntry) -> WeightSource:
 
 def reference_engines(manifest: Manifest, device: torch.device | str, dtype: torch.dtype | None = None,
                       verify: bool = False, quantized: bool = False) -> dict[str, Engine]:
-    """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, draft), with the
+    """Torch engines for every graph the manifest lists (target, eagle3 + eagle3_fc, mtp, draft), with the
     weights its sources name, in ``dtype`` (default: the manifest's). Each model's kind picks its family.
     A checkpoint must still be what the export read (its recorded sizes and hashes: sampled blocks, or
     every byte with ``verify``), else these would not be the exported weights. ``quantized``: a quantized
@@ -103,18 +104,22 @@ SYNTHETIC_SCHEMES = {qweight.FP8: (128, 128), qweight.INT4: (1, 128)}
 
 
 def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,
-                       draft: str | None = None, seed: int = 0) -> Manifest:
+                       draft: str | None = None, seed: int = 0, mtp: bool = False) -> Manifest:
     """An in-memory manifest of seeded synthetic weights in the shape of a known model (no files):
-    what ``xrun bench --synthetic qwen3-8b`` runs. Seeds follow ``xcompile export --synthetic``."""
+    what ``xrun bench --synthetic qwen3-8b`` runs. Seeds follow ``xcompile export --synthetic``; ``mtp``: an
+    MTP module too, whose tap (the last layer) follows EAGLE3's (Manifest.tap_columns)."""
     cfg = synthetic.known_config(name)
     if max_seq_len > cfg.context_length:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s {cfg.context_source}")
-    models = {TARGET: ModelEntry(qwen3.KIND, cfg.to_dict(), synthetic.source(name, seed),
-                                 {"taps": list(cfg.default_tap_layers) if eagle3 else []})}
+    taps = [*(cfg.default_tap_layers if eagle3 else ()), *([mtp_model.last_layer_tap(cfg)] if mtp else [])]
+    models = {TARGET: ModelEntry(qwen3.KIND, cfg.to_dict(), synthetic.source(name, seed), {"taps": taps})}
     if eagle3:
         head = synthetic_eagle3_config(cfg)
         models[EAGLE3] = ModelEntry(Eagle3.kind, head.to_dict(), synthetic.source(name, seed, EAGLE3),
                                     {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
+    if mtp:
+        models[MTP] = ModelEntry(mtp_model.KIND, mtp_model.mtp_config(cfg).to_dict(), synthetic.source(name, seed, MTP),
+                                 {"tap": mtp_model.last_layer_tap(cfg)})
     if draft:
         models[DRAFT] = ModelEntry(qwen3.KIND, synthetic.known_config(draft).to_dict(),
                                    synthetic.source(draft, seed, DRAFT))
@@ -122,12 +127,13 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
 
 
 def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device | str, eagle3: bool = True,
-                   draft: str | None = None, seed: int = 0, quantize: str | None = None
+                   draft: str | None = None, seed: int = 0, quantize: str | None = None, mtp: bool = False
                    ) -> tuple[Manifest, dict[str, Engine], torch.Tensor | None]:
     """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the head's d2t.
     ``quantize`` (``fp8`` or ``int4``): the target's decoder linears rounded to that scheme (SYNTHETIC_SCHEMES),
-    as a quantized checkpoint of that shape would hold them; the head stays in ``dtype``."""
-    manifest = synthetic_manifest(name, max_seq_len, dtype, eagle3, draft, seed)
+    as a quantized checkpoint of that shape would hold them; the head stays in ``dtype``. ``mtp``: an MTP module
+    too."""
+    manifest = synthetic_manifest(name, max_seq_len, dtype, eagle3, draft, seed, mtp)
     engines = reference_engines(manifest, device)
     if quantize is not None:
         block = SYNTHETIC_SCHEMES[quantize]

@@ -1,4 +1,4 @@
-"""Tiny seeded reference modules (Qwen3 target, small Qwen3 draft, EAGLE3 head) wrapped in TorchEngine.
+"""Tiny seeded reference modules (Qwen3 target, small Qwen3 draft, EAGLE3 head, MTP module) wrapped in TorchEngine.
 
 The runtime tests import this as ``tiny_engines`` (pytest puts this folder on sys.path). Weights are
 random but seeded: std 0.3 for matrices and norm weights 1 ± 0.1 keep greedy choices well apart, so
@@ -14,10 +14,19 @@ import torch
 
 from xcompile.compile.config import Eagle3Config, Qwen3Config, Yarn
 from xcompile.compile.models.eagle3 import Eagle3
+from xcompile.compile.models.mtp import MTP, mtp_config
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.compile.reference import eagle3_engines, qwen3_engine
-from xcompile.runtime.decoding.drafters import DraftModelDrafter, Eagle3ChainDrafter, Eagle3TreeDrafter, NoDrafter
+from xcompile.compile.reference import eagle3_engines, qwen3_engine, torch_engines
+from xcompile.runtime.decoding.drafters import (
+    DraftModelDrafter,
+    Eagle3ChainDrafter,
+    Eagle3TreeDrafter,
+    MTPChainDrafter,
+    MTPTreeDrafter,
+    NoDrafter,
+)
 from xcompile.runtime.enginedir.contract import DRAFT
+from xcompile.runtime.enginedir.contract import MTP as MTP_GRAPH
 from xcompile.runtime.engines.torch_module import TorchEngine
 
 VOCAB, DRAFT_VOCAB, EOS = 128, 64, 3
@@ -30,6 +39,8 @@ EAGLE3_CFG = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_he
                           head_dim=8, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=32,
                           rope_theta=10000.0)
 TAPS = (0, 1, 2)
+# the MTP module reads the last layer's output: the target's last tap, its columns of hidden_taps
+MTP_COLUMNS = slice(2 * TARGET_CFG.hidden_size, 3 * TARGET_CFG.hidden_size)
 
 
 def init_(module: torch.nn.Module, seed: int, std: float = 0.3) -> torch.nn.Module:
@@ -50,6 +61,7 @@ class Tiny:
     eagle3: Eagle3
     d2t: torch.Tensor
     max_seq_len: int
+    mtp: MTP
 
     def target_engine(self) -> TorchEngine:
         return qwen3_engine(self.target)
@@ -67,6 +79,9 @@ class Tiny:
     def eagle3_engines(self) -> tuple[TorchEngine, TorchEngine]:
         return eagle3_engines(self.eagle3, self.max_seq_len)
 
+    def mtp_engine(self) -> TorchEngine:
+        return torch_engines(self.mtp, MTP_GRAPH, self.max_seq_len)[MTP_GRAPH]
+
 
 def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
           head_dim: int = 8, rope_scaling: Yarn | None = None) -> Tiny:
@@ -82,8 +97,10 @@ def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: tor
     hot = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values  # draft vocab: a subset of the target's
     d2t = hot - torch.arange(DRAFT_VOCAB)
     eagle3.d2t.copy_(d2t)
-    target, draft, eagle3 = (m.to(device, dtype) for m in (target, draft, eagle3))
-    return Tiny(target, draft, eagle3, d2t.to(device), max_seq_len)
+    mtp = init_(MTP(mtp_config(cfgs[0]), max_seq_len), seed + 4)
+    mtp.embed_tokens.weight, mtp.shared_head.head.weight = target.model.embed_tokens.weight, target.lm_head.weight
+    target, draft, eagle3, mtp = (m.to(device, dtype) for m in (target, draft, eagle3, mtp))
+    return Tiny(target, draft, eagle3, d2t.to(device), max_seq_len, mtp)
 
 
 def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -159,4 +176,6 @@ DRAFTERS = {
     "draft": lambda t: DraftModelDrafter(t.noisy_draft_engine(), 3),
     "eagle3": lambda t: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, 3),
     "eagle3-tree": lambda t: Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, 4, 3, 12),
+    "mtp": lambda t: MTPChainDrafter(t.mtp_engine(), 3, MTP_COLUMNS),
+    "mtp-tree": lambda t: MTPTreeDrafter(t.mtp_engine(), 4, 3, 12, columns=MTP_COLUMNS),
 }

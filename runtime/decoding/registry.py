@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP
 from xcompile.runtime.engines.load import AUTO, EngineSet
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class DrafterSpec:
             raise EngineError(f"--gamma must be >= 1, got {self.gamma}")
         if self.tree is not None and self.name != AUTO and not DRAFTERS[self.name].tree:
             raise EngineError(f"--tree-* options: the {self.name} drafter drafts chains (use --gamma), only "
-                              f"{', '.join(n for n, k in DRAFTERS.items() if k.tree)} drafts trees")
+                              f"{', '.join(n for n, k in DRAFTERS.items() if k.tree)} draft trees")
 
     @classmethod
     def from_options(cls, drafter: str = AUTO, gamma: int | None = None, tree_topk: int | None = None,
@@ -72,8 +72,8 @@ class DrafterSpec:
         if name == AUTO:
             name = next(n for n, k in DRAFTERS.items() if k.holds(es))
             if self.tree is not None and not DRAFTERS[name].tree:
-                raise EngineError(f"{es.directory or es.manifest.name}: --tree-* needs an EAGLE3 head, which the "
-                                  "dir does not hold; rebuild with --eagle3, or use --gamma")
+                raise EngineError(f"{es.directory or es.manifest.name}: --tree-* needs an EAGLE3 head or an MTP "
+                                  "module, which the dir does not hold; rebuild with --eagle3 or --mtp, or use --gamma")
         kind = DRAFTERS[name]
         if not kind.holds(es):
             other = next(n for n, k in DRAFTERS.items() if k.holds(es))
@@ -123,17 +123,28 @@ def _draft_model(es: EngineSet, spec: DrafterSpec) -> Drafter:
 def _eagle3(es: EngineSet, spec: DrafterSpec) -> Drafter:
     from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, Eagle3TreeDrafter
 
-    e = es.engines
+    e, cols = es.engines, es.manifest.tap_columns(EAGLE3)
     if spec.tree is not None:
         t = spec.tree
         return Eagle3TreeDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, topk=t.topk, depth=t.depth,
-                                 total_tokens=t.total_tokens)
-    return Eagle3ChainDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, spec.gamma)
+                                 total_tokens=t.total_tokens, columns=cols)
+    return Eagle3ChainDrafter(e[EAGLE3], e[EAGLE3_FC], es.d2t, spec.gamma, cols)
+
+
+def _mtp(es: EngineSet, spec: DrafterSpec) -> Drafter:
+    from xcompile.runtime.decoding.drafters import MTPChainDrafter, MTPTreeDrafter
+
+    cols = es.manifest.tap_columns(MTP)
+    if spec.tree is not None:
+        t = spec.tree
+        return MTPTreeDrafter(es.engines[MTP], t.topk, t.depth, t.total_tokens, columns=cols)
+    return MTPChainDrafter(es.engines[MTP], spec.gamma, cols)
 
 
 # order is auto's preference (module docstring); "none" holds always, so auto always finds one
 DRAFTERS: dict[str, DrafterKind] = {
     "eagle3": DrafterKind((EAGLE3, EAGLE3_FC), _eagle3, "EAGLE3 head", "--eagle3", tree=True),
+    "mtp": DrafterKind((MTP,), _mtp, "MTP module", "--mtp", tree=True),
     "draft-model": DrafterKind((DRAFT,), _draft_model, "draft model", "--draft-model"),
     "none": DrafterKind((), _none),
 }

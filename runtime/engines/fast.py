@@ -33,7 +33,7 @@ import torch
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.common.gpu import interpreted
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.engines.base import Engine
 from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
 from xcompile.runtime.engines.kernels.attention import attention
@@ -188,6 +188,17 @@ class _FastEngine(Engine):
                     self.head_dim, layer.q_norm, layer.k_norm, self.eps, cfg=self.kernels)
         return attention(q, k_cache, v_cache, wi, mask, self.heads, cfg=self.kernels)
 
+    def _decoder(self, layer: _Layer, x: torch.Tensor, k_cache, v_cache, pos, wi, mask,
+                 extra: torch.Tensor | None = None) -> None:
+        """One Qwen3 decoder layer over x [S, H] in place (its row sums in ``self.sums``); ``extra``: a copy of
+        its output (an EAGLE3 tap)."""
+        sums, cfg = self.sums, self.kernels
+        qkv = project(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums, cfg=cfg)
+        a = self._attend(layer, qkv, k_cache, v_cache, pos, wi, mask, self.rope)
+        project(a, layer.o, residual=x, out=x, sums_out=sums, cfg=cfg)
+        g = project(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums, cfg=cfg)
+        project(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
+
     @staticmethod
     def _batch1(inputs: dict[str, torch.Tensor]) -> None:
         if inputs["input_ids"].shape[0] != 1:
@@ -198,7 +209,7 @@ class FastQwen3Engine(_FastEngine):
     """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels."""
 
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
-                 kernels: KernelConfig = DEFAULT):
+                 kernels: KernelConfig = DEFAULT, shared_head: bool = False):
         super().__init__(reference, config, kernels)
         p = _Packed(reference.module, reference.module.quantized)
         unit = self.sums.unit
@@ -206,8 +217,9 @@ class FastQwen3Engine(_FastEngine):
                        for i in range(config["num_hidden_layers"])]
         self.embed = p.get("model.embed_tokens.weight")
         self.lm_head = p.get("lm_head.weight")
-        tied = self.lm_head.data_ptr() == self.embed.data_ptr()                # the embedding too: not folded
-        self.norm = p.get("model.norm.weight") if tied else p.fold("model.norm.weight", self.lm_head, unit)
+        # tied, the embedding too; ``shared_head``, an MTP module's head too: either way not folded
+        keep = shared_head or self.lm_head.data_ptr() == self.embed.data_ptr()
+        self.norm = p.get("model.norm.weight") if keep else p.fold("model.norm.weight", self.lm_head, unit)
         self.rope = p.rope()
         # tap slot(s) of each tapped layer, in the order of the concatenated hidden_taps output
         self.taps = sorted(taps)
@@ -225,13 +237,9 @@ class FastQwen3Engine(_FastEngine):
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
         for i, layer in enumerate(self.layers):
-            qkv = project(x, layer.qkv, norm=layer.ln1, eps=self.eps, sums=sums, cfg=cfg)
-            a = self._attend(layer, qkv, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, self.rope)
-            project(a, layer.o, residual=x, out=x, sums_out=sums, cfg=cfg)
-            g = project(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums, cfg=cfg)
             slots = [j for j, t in enumerate(self.taps) if t == i]
             extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
-            project(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
+            self._decoder(layer, x, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, extra)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 taps[0, :, j * h:(j + 1) * h] = x
         logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
@@ -288,6 +296,35 @@ class FastEagle3Engine(_FastEngine):
         return {"logits": logits, "hidden_out": x[None]}
 
 
+class FastMTPEngine(_FastEngine):
+    """The ``mtp`` graph (compile/models/mtp.py) on the kernels: embedding + enorm / hnorm in one launch (the
+    EAGLE3 step's), eh_proj, a Qwen3 decoder layer as the target's, and the target's lm_head behind the
+    module's own norm (not folded: the head is the target's tensor)."""
+
+    def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
+        super().__init__(reference, config, kernels)
+        p = _Packed(reference.module)
+        self.layer = _Layer(p, "", qk_norm=True, unit=self.sums.unit)
+        self.embed, self.eh = p.get("embed_tokens.weight"), p.get("eh_proj.weight")
+        self.enorm, self.hnorm = p.get("enorm.weight"), p.get("hnorm.weight")
+        self.lm_head, self.norm = p.get("shared_head.head.weight"), p.get("shared_head.norm.weight")
+        self.rope = p.rope()
+
+    def run(self, **inputs):
+        ids = inputs["input_ids"]
+        if ids.shape[1] > MAX_ROWS:
+            return self.reference.run(**inputs)
+        self._batch1(inputs)
+        pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
+        cfg = self.kernels
+        # u = [enorm(embed(ids)), hnorm(hidden)]: embedding first, as DeepSeek-V3 concatenates them
+        u = embed_norms(ids[0], self.embed, self.enorm, inputs["hidden_states"][0], self.hnorm, self.eps, cfg=cfg)
+        x = linear(u, self.eh, sums_out=self.sums, cfg=cfg)
+        self._decoder(self.layer, x, self.kv[0], self.kv[1], pos, wi, mask)
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
+        return {"logits": logits, "hidden_out": x[None]}
+
+
 class FastFCEngine(_FastEngine):
     """The ``eagle3_fc`` graph: taps [1, S, 3H] -> [1, S, H], one GEMV."""
 
@@ -313,7 +350,10 @@ def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],
         if not isinstance(engine, TorchEngine):
             raise EngineError(f"fast backend: {graph} is not a torch-backend engine")
         if graph in (TARGET, DRAFT):
-            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (), kernels)
+            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (), kernels,
+                                         shared_head=graph == TARGET and MTP in engines)
+        elif graph == MTP:
+            out[graph] = FastMTPEngine(engine, configs[graph], kernels)
         elif graph == EAGLE3:
             out[graph] = FastEagle3Engine(engine, configs[graph], kernels)
         elif graph == EAGLE3_FC:

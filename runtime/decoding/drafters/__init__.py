@@ -2,7 +2,13 @@
 
 from xcompile.runtime.decoding.drafters.base import Drafter, NoDrafter, advance, causal, prompt_inputs
 from xcompile.runtime.decoding.drafters.draft_model import DraftModelDrafter
-from xcompile.runtime.decoding.drafters.eagle3 import Eagle3ChainDrafter, Eagle3TreeDrafter, check_d2t
+from xcompile.runtime.decoding.drafters.eagle3 import (
+    Eagle3ChainDrafter,
+    Eagle3TreeDrafter,
+    MTPChainDrafter,
+    MTPTreeDrafter,
+    check_d2t,
+)
 
-__all__ = ["Drafter", "NoDrafter", "DraftModelDrafter", "Eagle3ChainDrafter", "Eagle3TreeDrafter", "advance",
-           "causal", "check_d2t", "prompt_inputs"]
+__all__ = ["Drafter", "NoDrafter", "DraftModelDrafter", "Eagle3ChainDrafter", "Eagle3TreeDrafter", "MTPChainDrafter",
+           "MTPTreeDrafter", "advance", "causal", "check_d2t", "prompt_inputs"]

@@ -1,11 +1,14 @@
 """Drafters: what proposes the block the target verifies each round, each owning its KV buffers.
 
-The package: base.py (the Drafter interface, plain decoding), draft_model.py, eagle3.py (chain and tree).
+The package: base.py (the Drafter interface, plain decoding), draft_model.py, eagle3.py (EAGLE3 and MTP, chain
+and tree).
 
     none         plain decoding: the block is the root alone
     draft-model  a small Qwen3 (contract graph ``draft``) with its own KV proposes k tokens
     eagle3       EAGLE3 head, chain of k tokens (graphs ``eagle3`` + ``eagle3_fc``)
     eagle3-tree  EAGLE3 head, EAGLE-2 dynamic tree (top-k, depth, total tokens)
+    mtp          MTP module (graph ``mtp``), EAGLE3's chain over the target's last layer output
+    mtp-tree     MTP module, the same dynamic tree
 
 Chain drafters pick each token with the request's sampler (``bind``): the argmax when greedy, else a
 draw from the warped draft distribution q, whose row they record in the block (``Block.q``) for

@@ -1,4 +1,6 @@
-"""The EAGLE3 drafters: the head's chain, and the EAGLE-2 dynamic tree (docs/eagle3.md §3-4).
+"""The EAGLE3 drafters: the head's chain, and the EAGLE-2 dynamic tree (docs/eagle3.md §3-4); and the MTP
+drafters, the same rounds over an MTP module (compile/models/mtp.py), which reads the target's last layer
+output as it is where EAGLE3 reads ``fc`` of three taps, and drafts over the whole target vocabulary.
 
 Draft position t pairs the target feature at t with the token at t+1; ``fc`` applies to target taps only, the
 head's own pre-norm output is fed back as is; the persistent draft KV holds only entries computed from target
@@ -21,24 +23,35 @@ from xcompile.runtime.decoding.speculative import (
     target_table,
     topk_children,
 )
-from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC
+from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, MTP
 from xcompile.runtime.engines.base import Engine
 
 
 class _Eagle3(Drafter):
-    """What the chain and the tree share: the prompt pass, the per-round update, the d2t map."""
+    """What the chain and the tree share: the prompt pass, the per-round update, the d2t map. ``fc`` None: the
+    step engine is an MTP module, whose hidden input is the target feature itself. ``columns``: the columns of
+    the target's hidden_taps this drafter reads (None: all), when the target taps for both EAGLE3 (its three
+    layers first) and MTP (the last layer, last)."""
 
     needs_taps = True
 
-    def __init__(self, eagle3: Engine, fc: Engine, d2t: torch.Tensor | None, max_depth: int, block_size: int,
-                 lookahead: int):
-        if eagle3.spec.graph != EAGLE3 or fc.spec.graph != EAGLE3_FC:
-            raise EngineError(f"EAGLE3 drafter needs '{EAGLE3}' and '{EAGLE3_FC}' engines, got "
-                              f"'{eagle3.spec.graph}' and '{fc.spec.graph}'")
-        super().__init__(max_depth, block_size, lookahead, engines=(eagle3, fc))
-        self.eagle3, self.fc = eagle3, fc
+    def __init__(self, eagle3: Engine, fc: Engine | None, d2t: torch.Tensor | None, max_depth: int, block_size: int,
+                 lookahead: int, columns: slice | None = None):
+        graphs = (eagle3.spec.graph, fc.spec.graph if fc else None)
+        if graphs not in ((EAGLE3, EAGLE3_FC), (MTP, None)):
+            raise EngineError(f"{self.name} drafter needs '{EAGLE3}' and '{EAGLE3_FC}' engines, or one '{MTP}' "
+                              f"engine, got {', '.join(repr(g) for g in graphs if g)}")
+        super().__init__(max_depth, block_size, lookahead, engines=(eagle3, fc) if fc else (eagle3,))
+        self.eagle3, self.fc, self.columns = eagle3, fc, columns
         self.d2t = None if d2t is None else check_d2t(d2t).to(eagle3.device)
         self.targets = target_table(self.d2t)                 # draft id -> target id, one lookup
+
+    def _features(self, taps: torch.Tensor) -> torch.Tensor:
+        """The hidden input [B, S, H] of the step from target taps [B, S, *]: ``fc`` of EAGLE3's columns, or
+        the MTP module's column block as it is."""
+        if self.columns is not None:
+            taps = taps[..., self.columns].contiguous()      # engines bind dense buffers
+        return taps if self.fc is None else self.fc.run(hidden_taps=taps)["hidden_states"]
 
     def _alloc(self, device, batch):
         d = self.max_depth
@@ -74,7 +87,7 @@ class _Eagle3(Drafter):
         # pairing: feature t goes with token t+1, so the prompt shifted left with the root appended
         tokens = torch.cat((prompt[:, 1:], root[:, None]), dim=1)
         inputs = prompt_inputs(tokens)
-        hidden = self.fc.run(hidden_taps=taps)["hidden_states"]
+        hidden = self._features(taps)
         out = self.eagle3.run(hidden_states=hidden, **inputs)
         self._seed(out, inputs["logit_rows"][:, 0])
         self.length.fill_(prompt.shape[1])
@@ -88,8 +101,8 @@ class _Eagle3(Drafter):
         # positions (write_index + depth) are the update's too.
         d1 = acc.path.shape[1]
         chain = block.chain and taps.shape[1] == d1
-        feats = taps if chain else taps.gather(1, acc.path[:, :, None].expand(-1, -1, taps.shape[-1]))  # [B, D+1, 3H]
-        hidden = self.fc.run(hidden_taps=feats)["hidden_states"]
+        feats = taps if chain else taps.gather(1, acc.path[:, :, None].expand(-1, -1, taps.shape[-1]))  # [B, D+1, *]
+        hidden = self._features(feats)
         pos = block.positions if chain and block.positions is not None else length[:, None] + self.update_offsets
         out = self.eagle3.run(input_ids=acc.tokens, hidden_states=hidden, position_ids=pos, write_index=length,
                               tree_mask=self.update_mask, logit_rows=acc.count[:, None])
@@ -106,10 +119,12 @@ class Eagle3ChainDrafter(_Eagle3):
 
     name = "eagle3"
 
-    def __init__(self, eagle3_engine: Engine, fc_engine: Engine, d2t: torch.Tensor | None, k: int):
+    def __init__(self, eagle3_engine: Engine, fc_engine: Engine | None, d2t: torch.Tensor | None, k: int,
+                 columns: slice | None = None):
         if k < 1:
-            raise EngineError(f"EAGLE3 chain drafter: k must be >= 1, got {k}")
-        super().__init__(eagle3_engine, fc_engine, d2t, max_depth=k, block_size=k + 1, lookahead=k + 1)
+            raise EngineError(f"{self.name} chain drafter: k must be >= 1, got {k}")
+        super().__init__(eagle3_engine, fc_engine, d2t, max_depth=k, block_size=k + 1, lookahead=k + 1,
+                         columns=columns)
         self.k = k
 
     def _alloc(self, device, batch):
@@ -162,15 +177,15 @@ class Eagle3TreeDrafter(_Eagle3):
     name = "eagle3-tree"
     chains = False
 
-    def __init__(self, eagle3_engine: Engine, fc_engine: Engine, d2t: torch.Tensor | None, topk: int, depth: int,
-                 total_tokens: int, fused: bool | None = None):
+    def __init__(self, eagle3_engine: Engine, fc_engine: Engine | None, d2t: torch.Tensor | None, topk: int,
+                 depth: int, total_tokens: int, fused: bool | None = None, columns: slice | None = None):
         pool = topk + (depth - 1) * topk * topk
         if topk < 1 or depth < 1 or not 2 <= total_tokens <= pool + 1:
-            raise EngineError(f"EAGLE3 tree: need topk >= 1, depth >= 1 and 2 <= total_tokens <= {pool + 1} "
+            raise EngineError(f"{self.name} tree: need topk >= 1, depth >= 1 and 2 <= total_tokens <= {pool + 1} "
                               f"(1 + topk + (depth-1)*topk^2 candidates), got topk={topk} depth={depth} "
                               f"total_tokens={total_tokens}")
         super().__init__(eagle3_engine, fc_engine, d2t, max_depth=depth, block_size=total_tokens,
-                         lookahead=max(total_tokens, topk * (depth - 1), depth + 1))
+                         lookahead=max(total_tokens, topk * (depth - 1), depth + 1), columns=columns)
         if self.d2t is not None and topk > self.d2t.numel():
             raise EngineError(f"EAGLE3 tree: topk {topk} exceeds the draft vocabulary ({self.d2t.numel()})")
         self.topk, self.depth, self.total_tokens, self.pool = topk, depth, total_tokens, pool
@@ -239,6 +254,25 @@ class Eagle3TreeDrafter(_Eagle3):
         t = self.tree
         select_tree_into(t, root, self.scores, self.tokens, self.parents, self.depth)
         return Block(t.tokens, t.parents, t.mask, t.depth, self.depth, chain=False)
+
+
+class MTPChainDrafter(Eagle3ChainDrafter):
+    """An MTP module's chain of k tokens: EAGLE3's chain over the target's last layer output, full vocabulary."""
+
+    name = "mtp"
+
+    def __init__(self, mtp_engine: Engine, k: int, columns: slice | None = None):
+        super().__init__(mtp_engine, None, None, k, columns)
+
+
+class MTPTreeDrafter(Eagle3TreeDrafter):
+    """An MTP module's EAGLE-2 dynamic tree (the EAGLE3 tree's rounds, full vocabulary)."""
+
+    name = "mtp-tree"
+
+    def __init__(self, mtp_engine: Engine, topk: int, depth: int, total_tokens: int, fused: bool | None = None,
+                 columns: slice | None = None):
+        super().__init__(mtp_engine, None, None, topk, depth, total_tokens, fused, columns)
 
 
 def check_d2t(d2t: torch.Tensor) -> torch.Tensor:

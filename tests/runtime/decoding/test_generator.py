@@ -18,6 +18,8 @@ from xcompile.runtime.decoding.drafters import (
     DraftModelDrafter,
     Eagle3ChainDrafter,
     Eagle3TreeDrafter,
+    MTPChainDrafter,
+    MTPTreeDrafter,
     NoDrafter,
 )
 from xcompile.runtime.decoding.generator import Generator, LoopOptions
@@ -59,6 +61,8 @@ DRAFTERS = {
     **{f"eagle3-k{k}": (lambda t, k=k: Eagle3ChainDrafter(*t.eagle3_engines(), t.d2t, k)) for k in (1, 2, 4, 6)},
     **{f"tree-{a}x{b}x{c}": (lambda t, s=(a, b, c): Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, *s))
        for a, b, c in ((1, 1, 2), (2, 3, 6), (4, 4, 16), (3, 5, 12), (8, 2, 24), (2, 6, 20))},
+    **{f"mtp-k{k}": (lambda t, k=k: MTPChainDrafter(t.mtp_engine(), k, T.MTP_COLUMNS)) for k in (1, 4, 8)},
+    "mtp-tree-4x4x16": lambda t: MTPTreeDrafter(t.mtp_engine(), 4, 4, 16, columns=T.MTP_COLUMNS),
 }
 
 
@@ -77,7 +81,8 @@ def test_greedy_equivalence(name, tiny, prompts, reference):
         assert s.accepted + s.rounds + 1 >= NEW                           # rounds emit a+1 each (last truncated)
 
 
-@pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
+@pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20",
+                                  "mtp-k4", "mtp-tree-4x4x16"])
 def test_kv_invariants_and_stale_rows_never_read(name, tiny, prompts, reference):
     """debug=True: after every round each cache's length equals the committed tokens (minus the root) and
     every row past it is overwritten with a huge value; the output must not change."""
@@ -357,7 +362,8 @@ def test_a_sampled_request_between_greedy_ones(k, tiny, prompts, reference):
     assert_reference_drafts(tiny, p + r.tokens, g.drafter.proposed[:8], k)
 
 
-@pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20"])
+@pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20",
+                                  "mtp-k4", "mtp-tree-4x4x16"])
 def test_sampled_rounds_keep_the_kv_invariants(name, tiny, prompts):
     """debug=True while sampling: KV lengths checked and stale rows poisoned every round, and the
     tokens equal the same seed's without debug (a sampled path never reads a stale row either)."""

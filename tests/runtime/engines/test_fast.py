@@ -25,10 +25,12 @@ from xcompile.runtime.decoding.drafters import (  # noqa: E402
     DraftModelDrafter,
     Eagle3ChainDrafter,
     Eagle3TreeDrafter,
+    MTPChainDrafter,
+    MTPTreeDrafter,
     NoDrafter,
 )
 from xcompile.runtime.decoding.generator import Generator, LoopOptions  # noqa: E402
-from xcompile.runtime.enginedir.contract import DRAFT  # noqa: E402
+from xcompile.runtime.enginedir.contract import DRAFT, MTP, TARGET  # noqa: E402
 from xcompile.runtime.engines import fast  # noqa: E402
 
 MAX_SEQ_LEN = 96
@@ -165,6 +167,32 @@ def test_eagle3_steps_match_the_reference(tiny):
         assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
 
 
+def test_mtp_steps_match_the_reference_and_the_shared_head_is_left_alone():
+    """The MTP step (embedding + both norms, eh_proj, a Qwen3 layer, the target's head) against the module, for
+    a prompt pass, one row (the GEMV) and a tree; wrapped with it, the target does not fold its final norm into
+    the lm_head both share, so neither the head nor the target's norm changes."""
+    tiny = T.build(MAX_SEQ_LEN, head_dim=16)
+    head, norm = tiny.target.lm_head.weight.clone(), tiny.target.model.norm.weight.clone()
+    engines = fast.wrap({TARGET: tiny.target_engine(), MTP: tiny.mtp_engine()},
+                        {TARGET: cfg(tiny.target), MTP: cfg(tiny.mtp)}, list(T.TAPS))
+    assert torch.equal(tiny.target.lm_head.weight, head) and torch.equal(tiny.target.model.norm.weight, norm)
+    ref, got = tiny.mtp_engine(), engines[MTP]
+    ref.new_kv()
+    got.new_kv()
+    hidden = torch.randn(1, 5, T.TARGET_CFG.hidden_size)
+    for inputs in (step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0), step_inputs(torch.tensor([[8]]), 5),
+                   tree_inputs([3, 4, 5, 6], [0, 0, 1, 1], 6)):
+        n = inputs["input_ids"].shape[1]
+        want = ref.run(hidden_states=hidden[:, :n], **inputs)
+        have = got.run(hidden_states=hidden[:, :n], **inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
+    assert all(close(a, b) for a, b in zip(got.kv, ref.kv))
+    prompt = [5, 9, 11, 20, 33, 7]
+    r = Generator(engines[TARGET], MTPChainDrafter(got, 3, T.MTP_COLUMNS), [], MAX_SEQ_LEN,
+                  options=LoopOptions(debug=True)).generate(prompt, 8)
+    assert r.tokens == T.greedy_reference(tiny.target, prompt, 8)
+
+
 def test_eagle3_norm_before_residual_matches_the_reference():
     """speculators-format heads add hidden_norm(hidden), not the hidden, to the attention output."""
     import copy
@@ -209,6 +237,9 @@ DRAFTERS = {
     "eagle3": lambda t: Eagle3ChainDrafter(*fast_eagle3(t), t.d2t, 3),
     "eagle3-tree": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6),
     "eagle3-tree-kernels": lambda t: Eagle3TreeDrafter(*fast_eagle3(t), t.d2t, 2, 3, 6, fused=True),
+    "mtp": lambda t: MTPChainDrafter(fast.FastMTPEngine(t.mtp_engine(), cfg(t.mtp)), 3, T.MTP_COLUMNS),
+    "mtp-tree": lambda t: MTPTreeDrafter(fast.FastMTPEngine(t.mtp_engine(), cfg(t.mtp)), 2, 3, 6,
+                                         columns=T.MTP_COLUMNS),
     "draft-model": lambda t: DraftModelDrafter(fast.FastQwen3Engine(T.Tiny.draft_engine(t), cfg(t.draft)), 3),
     "self-draft": lambda t: DraftModelDrafter(fast.FastQwen3Engine(t.self_draft_engine(), cfg(t.target)), 3),
 }

@@ -126,7 +126,7 @@ def test_drafter_spec_from_options():
 @pytest.mark.parametrize("make, message", [
     (lambda: DrafterSpec.from_options("eagle3", 3, tree_depth=2), "--gamma sets a chain, --tree-\\* a tree"),
     (lambda: DrafterSpec.from_options("draft-model", tree_tokens=8), "the draft-model drafter drafts chains"),
-    (lambda: DrafterSpec("medusa"), "--drafter 'medusa': expected one of auto, eagle3, draft-model, none"),
+    (lambda: DrafterSpec("medusa"), "--drafter 'medusa': expected one of auto, eagle3, mtp, draft-model, none"),
     (lambda: DrafterSpec("eagle3", 0), "--gamma must be >= 1"),
     (lambda: TreeShape(topk=0), "--tree-topk must be >= 1"),
 ])
