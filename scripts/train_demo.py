@@ -1,10 +1,12 @@
 """Train the demo pair from scratch: a small Qwen3 target on CPython's own documentation, then its
 EAGLE3 head with ``xcompile train-eagle3``'s function. Both are written as HF-format checkpoint dirs.
-With --draft-only, train instead a small draft Qwen3 on the demo target's tokenizer.
+With --draft-only, train instead a small draft Qwen3 on the demo target's tokenizer; with --mtp-only, an MTP
+module for the demo target with ``xcompile train-mtp``'s function.
 
     python scripts/train_demo.py --device cuda --out demo --minutes 5     # one H200: ~5 minutes
     python scripts/train_demo.py --tiny --device cpu --out /tmp/demo       # smoke check, ~1 minute
     python scripts/train_demo.py --draft-only --distil --device cpu --out /tmp/demo-draft --minutes 12  # 2 cores
+    python scripts/train_demo.py --mtp-only --device cpu --out /tmp/demo-mtp --minutes 15   # 2 cores
 
 Steps: byte-level BPE tokenizer on data/corpus.train.txt (scripts/make_corpus.py) -> target trained
 as a causal LM (bf16 autocast, fused AdamW, warmup + cosine, the held-out best kept) -> written to
@@ -14,6 +16,9 @@ accuracy of both are printed and recorded in OUT/demo.json.
 --draft-only: the tokenizer of --target (default: the packaged demo target, tokenizer not retrained)
 -> the DRAFT sizes trained by the same function as the target, on the text or (--distil) on the
 target's greedy next tokens -> OUT/draft, with its held-out figures in OUT/draft/train_demo.json.
+
+--mtp-only: an MTP module (one layer of the target's shape over its last hidden) for --target, on the same text
+-> OUT/mtp, its log and measured acceptance in OUT/mtp/xcompile_train.json.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from xcompile.compile.checkpoint import load_qwen3, module_state
 from xcompile.compile.config import Qwen3Config, parse_qwen3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.train_eagle3 import Schedule, TrainOptions, autocast, optimizer, train_eagle3_files
+from xcompile.compile.train_mtp import train_mtp_files
 from xcompile.runtime.enginedir.text import Text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -330,6 +336,22 @@ def train_pair(args: argparse.Namespace, d: Demo, device: torch.device) -> None:
     print(f"done in {summary['seconds']:.0f} s -> {args.out}")
 
 
+# --mtp-only: the demo target's MTP module (compile/demo/mtp). Sized for ~15 minutes on 2 CPU cores (~2k
+# tokens/s there with 4 TTT steps at 256 tokens a window: about 1.5 passes over the 0.7M-token corpus).
+MTP_OPTIONS = TrainOptions(ttt_steps=4, lr=2e-3, batch=8, seq_len=256, warmup=0.03, log_every=20, eval_every=0)
+
+
+def train_mtp(args: argparse.Namespace) -> None:
+    """An MTP module for --target on the corpus -> OUT/mtp (``xcompile train-mtp``'s function)."""
+    opts = replace(MTP_OPTIONS, seconds=args.minutes * 60, seed=args.seed, device=args.device)
+    result = train_mtp_files(args.target, args.data / "corpus.train.txt", args.out / "mtp", opts,
+                             heldout_data=args.data / "corpus.heldout.txt")
+    a = result.acceptance
+    print(f"mtp  held-out TTT loss {result.heldout['loss']:.3f}, top-1 acc vs target per step "
+          f"{result.heldout['step_acc']}; chain k={a['k']}: tau {a['tau']:.2f}, acceptance by depth "
+          f"{a['acceptance_by_position']}, == plain greedy {a['match_plain']:.0%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -339,8 +361,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and a slice of the corpus (CPU smoke check)")
     ap.add_argument("--draft-only", action="store_true",
                     help="train only a draft model with --target's tokenizer and vocabulary -> OUT/draft")
+    ap.add_argument("--mtp-only", action="store_true", help="train only an MTP module for --target -> OUT/mtp")
     ap.add_argument("--target", type=Path, default=DEMO_TARGET,
-                    help="with --draft-only: the target checkpoint dir whose tokenizer the draft shares")
+                    help="with --draft-only: the target checkpoint dir whose tokenizer the draft shares; with "
+                         "--mtp-only: the target the module is for")
     ap.add_argument("--distil", action="store_true",
                     help="with --draft-only: learn the target's greedy next tokens instead of the text's")
     ap.add_argument("--target-epochs", type=float,
@@ -353,7 +377,9 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")         # TF32 for what autocast leaves in fp32
-    if args.draft_only:
+    if args.mtp_only:
+        train_mtp(args)
+    elif args.draft_only:
         train_draft(args, d, device)
     else:
         train_pair(args, d, device)

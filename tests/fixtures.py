@@ -263,6 +263,24 @@ def staging_leftovers(parent: Path) -> list[str]:
                   p.name.endswith((".partial", ".old", ".lock")))
 
 
+def write_mtp_checkpoint(path: Path, target_dir: Path, seed: int = 0, std: float = 0.2) -> Path:
+    """A random MTP module for the checkpoint ``target_dir`` written as ``xcompile train-mtp`` writes one (fp32;
+    every term non-trivial: matrices at ``std``, norms at 1 +- 0.1)."""
+    from xcompile.compile.checkpoint import load_qwen3
+    from xcompile.compile.train_mtp import new_mtp, save_mtp
+
+    layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
+    target = load_qwen3(target_dir, 64, (layers - 1,))
+    module = new_mtp(target, 64, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if name not in ("embed_tokens.weight", "shared_head.head.weight"):
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(std * noise if p.dim() == 2 else 1 + 0.1 * noise)
+    return save_mtp(module, path, dtype=torch.float32)
+
+
 def step_inputs(ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Contract step inputs for ``ids`` [B, S] written at ``start``, on ``ids``'s device: causal unless

@@ -1,5 +1,5 @@
 """Sampling end to end: ``Generator.generate_n`` on an exported engine dir with an 8-token vocabulary,
-torch and ORT backends on the CPU, every drafter (draft model and EAGLE3 chains, EAGLE3 tree).
+torch and ORT backends on the CPU, every drafter (draft model, EAGLE3 and MTP chains, EAGLE3 and MTP trees).
 
 The law of the first 3 generated tokens (temperature 1, top-k 2: at most 8 outcomes) must equal the
 target's exact law, computed by teacher forcing over every kept prefix, within the total-variation
@@ -37,12 +37,13 @@ PROMPT, M, MAX_SEQ_LEN = [2, 4], 3, 32
 PARAMS = SamplingParams(temperature=1.0, top_k=2, seed=2024)
 N = {"torch": 400, "ort": 100}                  # samples per configuration (ORT's are checked against torch's)
 DRAFTERS = {"none": DrafterSpec("none"), "draft-model": DrafterSpec("draft-model", 2),
-            "eagle3": DrafterSpec("eagle3", 2), "eagle3-tree": DrafterSpec("eagle3", tree=TreeShape(2, 3, 6))}
+            "eagle3": DrafterSpec("eagle3", 2), "eagle3-tree": DrafterSpec("eagle3", tree=TreeShape(2, 3, 6)),
+            "mtp": DrafterSpec("mtp", 2), "mtp-tree": DrafterSpec("mtp", tree=TreeShape(2, 3, 6))}
 
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory) -> Path:
-    """target, EAGLE3 head (draft vocab 6 of 8) and a draft model, all random, exported fp32."""
+    """target, EAGLE3 head (draft vocab 6 of 8), MTP module and a draft model, all random, exported fp32."""
     from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 
     root = tmp_path_factory.mktemp("small_vocab")
@@ -50,9 +51,10 @@ def small_dir(tmp_path_factory) -> Path:
     target = fixtures.write_qwen3_checkpoint(root / "target", SMALL)
     draft = fixtures.write_qwen3_checkpoint(root / "draft", SMALL, seed=5)
     head = fixtures.write_eagle3_checkpoint(root / "head", SMALL, {"draft_vocab_size": 6, "intermediate_size": 48})
+    mtp = fixtures.write_mtp_checkpoint(root / "mtp", target, seed=3)
     out = root / "dir"
     export_engine_dir(ExportRequest(model=str(target), out=out, eagle3=str(head), draft_model=str(draft),
-                                    dtype="fp32", max_seq_len=MAX_SEQ_LEN))
+                                    mtp=str(mtp), dtype="fp32", max_seq_len=MAX_SEQ_LEN))
     return out
 
 
@@ -133,7 +135,7 @@ def test_pooled_over_every_drafter(engine_sets, exact):
     assert tv(ids, exact) < tv_bound(exact, ids.numel())
 
 
-@pytest.mark.parametrize("name", ["draft-model", "eagle3"])
+@pytest.mark.parametrize("name", ["draft-model", "eagle3", "mtp"])
 def test_drafters_record_the_q_they_draw_from(name, engine_sets):
     """After a sampled propose, block.q[:, i] is the warped softmax of the logits draft i was drawn from
     (recorded from the draft engine's own outputs), q_tok the probability of the drafted token, and
@@ -157,11 +159,11 @@ def test_drafters_record_the_q_they_draw_from(name, engine_sets):
     s.reset(params)
     seen.clear()
     root, length = torch.tensor([PROMPT[-1]]), torch.tensor([len(PROMPT) + 4])
-    logits_1 = drafter.logits[:, 0].clone() if name == "eagle3" else None
+    logits_1 = drafter.logits[:, 0].clone() if name != "draft-model" else None
     with torch.inference_mode():
         block = drafter.propose(root, length)
-    # the logits each draft was drawn from: the EAGLE3 chain's first comes from the last commit
-    rows = ([logits_1] + seen[:drafter.k - 1]) if name == "eagle3" else seen[:drafter.k]
+    # the logits each draft was drawn from: the EAGLE3 (and MTP) chain's first comes from the last commit
+    rows = ([logits_1] + seen[:drafter.k - 1]) if name != "draft-model" else seen[:drafter.k]
     ids = torch.arange(block.q.shape[-1]) if block.q_ids is None else block.q_ids
     for i, logits in enumerate(rows, start=1):
         q = s.warp(logits).probs()

@@ -1,0 +1,353 @@
+"""What every drafter trainer shares (``xcompile train-eagle3``, ``xcompile train-mtp``): the "training-time test"
+pieces, the loop, the files-in / dir-out path and the acceptance check through the runtime.
+
+The TTT recipe (docs/eagle3.md §8; EAGLE ``traineagle3/cnets.py``): the frozen target gives logits and its taps
+for a window of tokens x; ``ttt_steps`` unrolled draft steps, step j at index t reading token x_{t+1+j} and
+predicting x_{t+2+j}, attending to step-0 keys at indices <= t and to steps 1..j keys at index t only (what a
+draft chain sees at inference); loss_j = soft cross-entropy against the target's distribution at t+1+j;
+total = sum_j 0.8^j loss_j. Each drafter's module gives its unrolled forward and its loss (``StepLoss``), and a
+``Recipe`` its taps, files and reload.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from xcompile.compile import data as textdata
+from xcompile.compile.checkpoint import load_qwen3, resolve
+from xcompile.compile.config import Qwen3Config, parse_generation_config, parse_qwen3, read_json
+from xcompile.compile.errors import CompileError
+from xcompile.compile.models.mtp import MTP
+from xcompile.compile.reference import eagle3_engines, qwen3_engine, torch_engines
+from xcompile.runtime.common import files, logs
+from xcompile.runtime.decoding.drafters import Drafter, Eagle3ChainDrafter, MTPChainDrafter, NoDrafter
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.enginedir.contract import MTP as MTP_GRAPH
+from xcompile.runtime.enginedir.text import Text
+
+STEP_DECAY = 0.8            # EAGLE3 step weights 0.8^j (traineagle3/cnets.py)
+HEAD_INIT_STD = 0.02        # HF initializer_range, as the reference trainers build the draft
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Knobs of one distillation run. ``steps``, ``tokens`` and ``seconds`` bound the run (the first
+    reached ends it; the LR schedule follows the same progress); none given = one pass over the data."""
+
+    ttt_steps: int = 7                  # unrolled draft steps (EAGLE3 ``length``)
+    steps: int | None = None
+    tokens: int | None = None
+    seconds: float | None = None
+    lr: float = 1e-3
+    warmup: float = 0.05                # fraction of the run spent ramping the LR up
+    min_lr_ratio: float = 0.1           # cosine decay floor
+    weight_decay: float = 0.0           # EAGLE/SpecForge train the head without weight decay
+    grad_clip: float = 0.5              # EAGLE/SpecForge max grad norm
+    batch: int = 8
+    seq_len: int = 512
+    draft_vocab: int = 32000            # EAGLE3's draft vocabulary (an MTP module drafts over the whole one)
+    seed: int = 0
+    device: str = "cuda"
+    log_every: int = 10
+    eval_every: int = 0                 # optimizer steps between held-out evaluations (0 = at the end only)
+    acceptance_prompts: int = 8         # prompts to measure real acceptance on after training (0 = skip)
+
+
+def ttt_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
+    """Keys visible to the queries of unrolled step ``step``: bool [T, (step+1)*T] over the keys of
+    steps 0..step concatenated. Step 0 keys: causal (index <= t); keys of steps 1..step: index t only."""
+    i = torch.arange(seq_len, device=device)
+    causal, diagonal = i[None, :] <= i[:, None], i[None, :] == i[:, None]
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+@dataclass
+class SoftTargets:
+    """The target's view of a window, restricted to the draft vocabulary."""
+
+    probs: torch.Tensor             # [B, T, Vd] fp32, softmax over the draft columns of the logits
+    argmax: torch.Tensor            # [B, T] target ids (over the full vocabulary)
+    in_draft: torch.Tensor          # [B, T] bool, argmax is in the draft vocabulary
+
+
+def soft_targets(target_logits: torch.Tensor, tokens: torch.Tensor, t2d: torch.Tensor) -> SoftTargets:
+    """The target's logits [B, T, V] restricted to the draft vocabulary ``tokens`` [Vd] and renormalised."""
+    argmax = target_logits.argmax(-1)
+    return SoftTargets(torch.softmax(target_logits[..., tokens].float(), -1), argmax, t2d[argmax])
+
+
+def ttt_loss(logits: list[torch.Tensor], soft: SoftTargets, tokens: torch.Tensor,
+             decay: float = STEP_DECAY) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (sum_j decay^j loss_j, per-step losses [J], per-step top-1 accuracy [J]).
+
+    Step j's index t is scored against the target at position t+1+j (it predicts x_{t+2+j}). Loss is
+    averaged over positions whose target argmax the draft vocabulary holds (§8); accuracy (draft
+    argmax mapped to target ids == target argmax) over all positions, as acceptance would count it."""
+    t = soft.argmax.shape[1]
+    losses, accs = [], []
+    for j, lg in enumerate(logits):
+        n = t - 1 - j                                                             # indices 0..T-2-j
+        probs, argmax = soft.probs[:, 1 + j:], soft.argmax[:, 1 + j:]
+        keep = soft.in_draft[:, 1 + j:].float()
+        ce = -(probs * torch.log_softmax(lg[:, :n].float(), -1)).sum(-1)          # [B, n]
+        losses.append((ce * keep).sum() / keep.sum().clamp(min=1))
+        accs.append((tokens[lg[:, :n].argmax(-1)] == argmax).float().mean())
+    losses, accs = torch.stack(losses), torch.stack(accs)
+    weights = decay ** torch.arange(len(logits), device=losses.device, dtype=losses.dtype)
+    return (weights * losses).sum(), losses.detach(), accs.detach()
+
+
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One causal target pass over fresh windows: (logits [B, T, V], taps [B, T, 3H])."""
+    b, t = input_ids.shape
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril().expand(b, t, t)
+    start = torch.zeros(b, dtype=torch.int64, device=input_ids.device)
+    out = target(input_ids, positions, start, causal, positions, *kv)
+    return out[0], out[1]
+
+
+class Schedule:
+    """Warmup + cosine LR over the run's progress in [0, 1]: the largest of steps done / step
+    budget and seconds spent / time budget (so a time-bounded run still decays to its floor)."""
+
+    def __init__(self, lr: float, steps: int | None, seconds: float | None, warmup: float, min_ratio: float):
+        if steps is None and seconds is None:
+            raise CompileError("a training run needs a step, token or time budget")
+        self.lr, self.steps, self.seconds, self.warmup, self.min_ratio = lr, steps, seconds, warmup, min_ratio
+        self.start = time.perf_counter()
+
+    def progress(self, step: int) -> float:
+        p = step / self.steps if self.steps else 0.0
+        if self.seconds:
+            p = max(p, (time.perf_counter() - self.start) / self.seconds)
+        return p
+
+    def lr_at(self, p: float) -> float:
+        ramp = min(1.0, p / self.warmup) if self.warmup > 0 else 1.0
+        return self.lr * ramp * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; plain fp32 elsewhere (CPU bf16 matmuls are slow and not needed)."""
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def optimizer(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with betas (0.9, 0.95) as EAGLE's ds_config; fused kernels on CUDA."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=device.type == "cuda")
+
+
+# one training or held-out step: token windows [B, T] and the target's KV for them -> (weighted total loss,
+# per-step losses [J], per-step top-1 accuracy against the target [J])
+StepLoss = Callable[[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def evaluate(target, loss: StepLoss, windows: torch.Tensor, opts: TrainOptions) -> dict:
+    """Held-out TTT loss and per-step top-1 accuracy over ``windows`` (in batches of opts.batch)."""
+    device = next(target.parameters()).device
+    total_loss, losses, accs, n = 0.0, 0.0, 0.0, 0
+    for i in logs.each(range(0, len(windows), opts.batch), "held-out", "batches"):
+        ids = windows[i:i + opts.batch].to(device)
+        with autocast(device):
+            total, step_losses, step_accs = loss(ids, target.new_kv(len(ids), device=device))
+        w = len(ids)
+        total_loss, losses, accs, n = total_loss + total * w, losses + step_losses * w, accs + step_accs * w, n + w
+    return {"loss": float(total_loss / n), "step_loss": [round(float(x), 4) for x in losses / n],
+            "step_acc": [round(float(x), 4) for x in accs / n]}
+
+
+@dataclass
+class TrainResult:
+    """What a trainer returns."""
+
+    head: torch.nn.Module                                   # the trained drafter, fp32 master weights
+    history: list[dict] = field(default_factory=list)       # one row per log/eval point
+    heldout: dict | None = None
+    acceptance: dict | None = None                          # measure_acceptance's report
+
+
+def check_target(target, windows: torch.Tensor, opts: TrainOptions, what: str) -> None:
+    """What a TTT run needs of the frozen target and the windows."""
+    device = next(target.parameters()).device
+    if device.type == "cuda" and target.lm_head.weight.dtype != torch.bfloat16:
+        # the target's KV writes do not cast: under autocast an fp32 target's keys and values differ in dtype
+        raise CompileError(f"{what} on CUDA wants the target in bfloat16, got {target.lm_head.weight.dtype}")
+    if windows.shape[1] < opts.ttt_steps + 2:
+        raise CompileError(f"--seq-len {windows.shape[1]} is too short for --ttt-steps {opts.ttt_steps}")
+    target.eval().requires_grad_(False)
+
+
+def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.Tensor, opts: TrainOptions,
+               heldout: torch.Tensor | None = None, log: Callable[[str], None] = print) -> TrainResult:
+    """The loop every drafter's TTT recipe shares: AdamW on ``head``'s own parameters (not the target's shared
+    embedding or lm_head), warmup + cosine LR over the run's budget, a log line every ``log_every`` steps and
+    held-out evaluations."""
+    device = next(target.parameters()).device
+    shared = {id(p) for p in target.parameters()}
+    params = [p for p in head.parameters() if id(p) not in shared]
+    opt = optimizer(params, opts.lr, opts.weight_decay, device)
+    per_step = opts.batch * windows.shape[1]
+    steps = opts.steps or (-(-opts.tokens // per_step) if opts.tokens else None)
+    if steps is None and opts.seconds is None:
+        steps = max(1, len(windows) // opts.batch)                              # one pass
+    sched = Schedule(opts.lr, steps, opts.seconds, opts.warmup, opts.min_lr_ratio)
+    log(f"{len(windows)} windows x {windows.shape[1]} tokens, {sum(p.numel() for p in params) / 1e6:.2f}M "
+        f"trainable params, {opts.ttt_steps} TTT steps, batch {opts.batch}, budget "
+        f"{steps or '-'} steps / {f'{opts.seconds:.0f}' if opts.seconds else '-'} s")
+    data, kv = textdata.batches(windows, opts.batch, opts.seed), target.new_kv(opts.batch, device=device)
+    result, meter, step, t0 = TrainResult(head), [], 0, time.perf_counter()
+    # the bar counts steps, or seconds for a time-only budget; its loss note changes with each log line
+    with logs.progress("train", steps or opts.seconds, "steps" if steps else "s") as bar:
+        while (p := sched.progress(step)) < 1.0:
+            for group in opt.param_groups:
+                group["lr"] = sched.lr_at(p)
+            ids = next(data).to(device, non_blocking=True)
+            with autocast(device):
+                loss, step_losses, step_accs = loss_of(ids, kv)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
+            opt.step()
+            step += 1
+            meter.append(torch.cat((loss.detach()[None], step_accs)))
+            bar.update(completed=step if steps else time.perf_counter() - t0)
+            done = sched.progress(step) >= 1.0
+            if step % opts.log_every == 0 or done:
+                m = torch.stack(meter).mean(0).tolist()                               # one host sync per log line
+                meter.clear()
+                row = {"step": step, "tokens": step * per_step, "seconds": round(time.perf_counter() - t0, 1),
+                       "lr": sched.lr_at(p), "loss": round(m[0], 4), "step_acc": [round(a, 3) for a in m[1:]]}
+                result.history.append(row)
+                log(f"step {step:6d}  loss {m[0]:.4f}  acc " + " ".join(f"{a:.2f}" for a in m[1:])
+                    + f"  lr {row['lr']:.2e}  {row['tokens'] / max(row['seconds'], 1e-9):,.0f} tok/s")
+                bar.update(note=f"loss {m[0]:.4f}")
+            if heldout is not None and (done or (opts.eval_every and step % opts.eval_every == 0)):
+                ev = evaluate(target, loss_of, heldout, opts)
+                result.history.append({"step": step, "heldout": ev})
+                result.heldout = ev
+                log(f"step {step:6d}  held-out loss {ev['loss']:.4f}  acc "
+                    + " ".join(f"{a:.2f}" for a in ev["step_acc"]))
+    return result
+
+
+def chain_drafter(head: torch.nn.Module, k: int) -> Drafter:
+    """The runtime's chain drafter of a trained head (an EAGLE3 head or an MTP module) on torch engines."""
+    if isinstance(head, MTP):
+        return MTPChainDrafter(torch_engines(head, MTP_GRAPH)[MTP_GRAPH], k)
+    return Eagle3ChainDrafter(*eagle3_engines(head), head.d2t, k)
+
+
+@torch.no_grad()
+def measure_acceptance(target, head: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, k: int = 4
+                       ) -> dict:
+    """Real acceptance: greedy generation through the runtime (torch backend) with ``head`` (an EAGLE3 head or
+    an MTP module) drafting chains of ``k``, next to plain greedy decoding on the same target engine. Returns τ
+    (tokens emitted per verify round, bonus included, as ``Stats.acceptance_length``), acceptance by draft
+    depth, and the fraction of prompts whose output equals plain greedy token for token (1.0 in fp32; bf16
+    near-ties may flip a few)."""
+    n = min(target.max_seq_len, head.max_seq_len)
+    target_engine = qwen3_engine(target)
+    plain = Generator(target_engine, NoDrafter(), [], n)                       # no EOS: full-length runs
+    spec = Generator(target_engine, chain_drafter(head, k), [], n)
+    rounds = emitted = same = 0
+    at = [0] * k
+    for p in logs.each(prompts, "acceptance", "prompts"):
+        want, got = plain.generate(p, max_new_tokens), spec.generate(p, max_new_tokens)
+        same += got.tokens == want.tokens
+        rounds, emitted = rounds + got.stats.rounds, emitted + got.stats.new_tokens - 1     # τ as Stats defines it
+        at = [a + b for a, b in zip(at, got.stats.accepted_at)]
+    return {"k": k, "prompts": len(prompts), "new_tokens": max_new_tokens,
+            "tau": round(emitted / max(rounds, 1), 3),
+            "acceptance_by_position": [round(a / max(rounds, 1), 3) for a in at],
+            "match_plain": same / max(len(prompts), 1)}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a drafter's trainer adds to the shared files-in, dir-out path (``train_files``)."""
+
+    command: str                                            # "train-eagle3", for the staging lock and logs
+    taps: Callable[[Qwen3Config], tuple[int, ...]]          # the target layers the drafter reads
+    train: Callable[..., TrainResult]                       # (target, windows, opts, heldout, log)
+    save: Callable[..., Path]                               # (head, out, metadata=)
+    load: Callable[[Path, object], torch.nn.Module]         # (written dir, target) -> the head as deployed
+
+
+def train_files(recipe: Recipe, model: str | Path, data: str | Path, out: str | Path, opts: TrainOptions,
+                heldout_data: str | Path | None = None, regenerate: bool = False, max_new_tokens: int = 256,
+                log: Callable[[str], None] = print, revision: str | None = None, force: bool = False) -> TrainResult:
+    """Load the target checkpoint and its tokenizer, read and pack the data (regenerating prompt responses
+    greedily with the target when asked), train, write the drafter's dir (plus xcompile_train.json with the
+    options, the log and the measured acceptance), reload it as deployed and measure acceptance on prompts cut
+    from the held-out (else training) windows.
+
+    ``out`` is staged (runtime/common/files.py): locked and checked against the inputs before the target
+    loads, written only when everything succeeded; an existing dir needs ``force`` and must be one
+    xcompile wrote."""
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CompileError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
+    model_dir = resolve(str(model), revision)
+    with files.staged_dir(out, f"xcompile {recipe.command}", inputs=(model_dir, data, heldout_data),
+                          replace=force) as tmp:
+        result = _train_into(recipe, tmp, model, model_dir, data, opts, heldout_data, regenerate, max_new_tokens,
+                             log, revision)
+    log(f"wrote {out}")
+    return result
+
+
+def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, data: str | Path, opts: TrainOptions,
+                heldout_data: str | Path | None, regenerate: bool, max_new_tokens: int,
+                log: Callable[[str], None], revision: str | None = None) -> TrainResult:
+    """``train_files``' work, writing the drafter into the staging dir ``out``."""
+    device = torch.device(opts.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # max_seq_len = seq_len: training windows are whole prefills; generation stays inside it too
+    taps = recipe.taps(parse_qwen3(model_dir / "config.json"))
+    target = load_qwen3(model_dir, max_seq_len=opts.seq_len, taps=taps, dtype=dtype, device=device)
+    text = Text(model_dir)
+    doc_end = textdata.doc_end_id(text)
+
+    def windows_of(path: str | Path) -> torch.Tensor:
+        records = textdata.read_records(path)
+        seqs = textdata.tokenize(records, text, responses=not regenerate)
+        if regenerate:
+            chat = [i for i, r in enumerate(records) if r.prompt is not None]
+            log(f"regenerating {len(chat)} responses greedily with the target (max {max_new_tokens} tokens)")
+            gen = parse_generation_config(model_dir / "generation_config.json", read_json(model_dir / "config.json"))
+            stops = {doc_end, *gen.eos_token_ids}
+            for i, resp in zip(chat, textdata.greedy_complete(target, [seqs[i] for i in chat], stops, max_new_tokens)):
+                seqs[i] = seqs[i] + resp
+        return textdata.pack(seqs, doc_end, opts.seq_len)
+
+    windows = windows_of(data)
+    heldout = windows_of(heldout_data) if heldout_data is not None else None
+    result = recipe.train(target, windows, opts, heldout, log)
+    meta = {"target": str(model), "revision": revision, "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
+            "regenerate": regenerate, "tap_layers": list(target.taps), "options": asdict(opts),
+            "heldout": result.heldout, "history": result.history}
+    recipe.save(result.head, out, metadata=meta)
+    if opts.acceptance_prompts:
+        source = heldout if heldout is not None else windows
+        prompts = source[:opts.acceptance_prompts, :opts.seq_len // 4].tolist()
+        head = recipe.load(Path(out), target)                               # as deployed: the written file
+        result.acceptance = measure_acceptance(target, head, prompts, min(128, opts.seq_len // 2))
+        result.acceptance["prompts_from"] = "heldout" if heldout is not None else "train"
+        meta["acceptance"] = result.acceptance
+        (Path(out) / "xcompile_train.json").write_text(json.dumps(meta, indent=2) + "\n")
+        a = result.acceptance
+        log(f"acceptance ({a['prompts']} {a['prompts_from']} prompts, chain k={a['k']}, {a['new_tokens']} new tokens): "
+            f"tau {a['tau']:.2f}, by depth {a['acceptance_by_position']}, output == plain greedy for "
+            f"{a['match_plain']:.0%} of prompts")
+    return result
+

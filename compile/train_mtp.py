@@ -1,0 +1,149 @@
+"""Train an MTP module (compile/models/mtp.py) for a frozen Qwen3 target: ``xcompile train-mtp``.
+
+The EAGLE3 trainer's recipe and habits (compile/train.py: TTT unroll, loop, staged output, held-out
+evaluation, acceptance through the runtime), with the MTP module in the head's place:
+  - the target (frozen) gives its last layer's output h [B, T, H] (its one tap, layer L-1) and its logits;
+  - step 0 at index t reads h_t and token x_{t+1} and predicts x_{t+2}; step j > 0 reads step j-1's pre-norm
+    output and x_{t+1+j}, as the chained module does at inference (DeepSeek-V3 trains one depth; chaining
+    one module for gamma > 1, as vLLM and SGLang do, is what the unroll teaches it);
+  - loss_j = soft cross-entropy against the target's whole distribution at t+1+j (there is no draft
+    vocabulary: the module reads logits through the target's own lm_head);
+  - the embedding and lm_head are the target's, frozen and shared; the rest starts at std 0.02 (norms at 1).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xcompile.compile.checkpoint import build_mtp
+from xcompile.compile.errors import CompileError
+from xcompile.compile.models import mtp
+from xcompile.compile.models.layers import grouped_attention
+from xcompile.compile.synthetic import SyntheticSource
+from xcompile.compile.train import (
+    HEAD_INIT_STD,
+    Recipe,
+    SoftTargets,
+    StepLoss,
+    TrainOptions,
+    TrainResult,
+    check_target,
+    target_features,
+    train_files,
+    train_head,
+    ttt_loss,
+    ttt_mask,
+)
+
+SHARED = ("embed_tokens.weight", "shared_head.head.weight")     # the target's tensors, never written
+
+
+def ttt_forward(module: mtp.MTP, input_ids: torch.Tensor, last: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Unrolled MTP steps on a window. input_ids [B, T], last [B, T, H] (the target's last layer output) -> per
+    step j logits [B, T, V]; index t of step j predicts x_{t+2+j} (indices t > T-3-j are padding).
+
+    The module's own submodules in its forward's order, with the per-step K/V concatenated under ``ttt_mask``
+    instead of a KV cache (compile/train_eagle3.py's ttt_forward, with q/k norms and the eh_proj input)."""
+    attn = module.self_attn
+    b, t = input_ids.shape
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    hidden = last
+    keys, values, logits = [], [], []
+    for j in range(steps):
+        tokens = F.pad(input_ids[:, 1 + j:], (0, 1 + j))                          # index t -> x_{t+1+j}
+        x = module.project(tokens, hidden)                                         # [B, T, H]
+        u = module.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(u).view(b, t, attn.heads, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = attn.rotary(q, positions + j), attn.rotary(k, positions + j)
+        keys.append(k)
+        values.append(v)
+        mask = ttt_mask(t, j, input_ids.device)[None, None]                       # [1, 1, T, (j+1)T]
+        y = grouped_attention(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
+        x = x + attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        hidden = x + module.mlp(module.post_attention_layernorm(x))                # pre-norm, fed back
+        logits.append(module.shared_head.head(module.shared_head.norm(hidden)))
+    return logits
+
+
+def mtp_loss(target, module: mtp.MTP, opts: TrainOptions) -> StepLoss:
+    """The module's TTT loss against the target's whole next-token distribution."""
+    vocab = torch.arange(module.cfg.vocab_size, device=module.eh_proj.weight.device)
+
+    def loss(ids: torch.Tensor, kv: list[torch.Tensor]):
+        logits, last = target_features(target, ids, kv)
+        soft = SoftTargets(torch.softmax(logits.float(), -1), logits.argmax(-1), torch.ones_like(ids, dtype=torch.bool))
+        del logits
+        return ttt_loss(ttt_forward(module, ids, last, opts.ttt_steps), soft, vocab)
+    return loss
+
+
+def new_mtp(target, max_seq_len: int, seed: int) -> mtp.MTP:
+    """A fresh module for ``target`` (one layer of its shape) sharing its embedding and lm_head: linears at std
+    0.02 and norms at 1 (seeded), fp32 master weights on the target's device, trainable but for the shared."""
+    module = build_mtp(SyntheticSource("mtp-init", seed, HEAD_INIT_STD), mtp.mtp_config(target.cfg), target,
+                       max_seq_len)
+    shared = {id(p) for p in target.parameters()}
+    for owner in module.modules():
+        for attr, p in list(owner.named_parameters(recurse=False)):
+            if id(p) not in shared:
+                setattr(owner, attr, nn.Parameter(p.detach().float(), requires_grad=True))
+    return module.train()
+
+
+def train_mtp(target, windows: torch.Tensor, opts: TrainOptions, heldout: torch.Tensor | None = None,
+              log: Callable[[str], None] = print) -> TrainResult:
+    """Train a module for ``target`` (a Qwen3 tapping its last layer alone; bf16 on CUDA, where the module trains
+    under bf16 autocast) on packed token windows [N, seq_len]."""
+    check_target(target, windows, opts, "train_mtp")
+    if target.taps != (mtp.last_layer_tap(target.cfg),):
+        raise CompileError(f"train_mtp needs the target tapping its last layer alone, got taps {list(target.taps)}")
+    module = new_mtp(target, windows.shape[1] + opts.ttt_steps, opts.seed)
+    log(f"train-mtp: one {target.cfg.hidden_size}-wide layer over the target's last hidden, whole vocabulary "
+        f"({target.cfg.vocab_size})")
+    return train_head(target, module, mtp_loss(target, module, opts), windows, opts, heldout, log)
+
+
+def save_mtp(module: mtp.MTP, out: str | Path, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None
+             ) -> Path:
+    """Write ``module`` as config.json (``Qwen3MTPModule``) and model.safetensors without the target's tensors."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(dtype).cpu().contiguous() for name, t in module.state_dict().items()
+               if name not in SHARED}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    mtp.write_config(module.cfg, out / "config.json")
+    if metadata is not None:
+        (out / "xcompile_train.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    return out
+
+
+def load_mtp(path: Path, target, max_seq_len: int | None = None) -> mtp.MTP:
+    """The module written at ``path`` for ``target``, as an engine dir would load it."""
+    from xcompile.compile.checkpoint import CheckpointSource
+
+    config = Path(path) / "config.json"
+    cfg = mtp.parse_mtp(config)
+    mtp.check_mtp_fits(cfg, target.cfg, str(config))
+    return build_mtp(CheckpointSource(Path(path)), cfg, target, max_seq_len or target.max_seq_len)
+
+
+MTP_RECIPE = Recipe("train-mtp", lambda cfg: (mtp.last_layer_tap(cfg),), train_mtp, save_mtp, load_mtp)
+
+
+def train_mtp_files(model: str | Path, data: str | Path, out: str | Path, opts: TrainOptions,
+                    heldout_data: str | Path | None = None, regenerate: bool = False, max_new_tokens: int = 256,
+                    log: Callable[[str], None] = print, revision: str | None = None,
+                    force: bool = False) -> TrainResult:
+    """``xcompile train-mtp``: compile/train.py's ``train_files`` with the MTP recipe."""
+    return train_files(MTP_RECIPE, model, data, out, opts, heldout_data, regenerate, max_new_tokens, log, revision,
+                       force)

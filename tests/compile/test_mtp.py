@@ -1,0 +1,186 @@
+"""The MTP drafter (compile/models/mtp.py, compile/train_mtp.py): the training unroll is the inference chain,
+``xcompile train-mtp`` writes a module that loads and drafts plain greedy's tokens, an engine dir built with
+--mtp (beside an EAGLE3 head, tied and untied targets) gives plain greedy output on ONNX Runtime for chains and
+trees and passes ``xcompile diff``, and what does not fit is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fixtures
+import pytest
+import torch
+from click.testing import CliRunner
+from fixtures import refused
+
+from xcompile.compile import data as textdata
+from xcompile.compile.checkpoint import load_qwen3
+from xcompile.compile.cli import main
+from xcompile.compile.models import mtp
+from xcompile.compile.train import TrainOptions, target_features
+from xcompile.compile.train_mtp import load_mtp, new_mtp, train_mtp, ttt_forward
+from xcompile.runtime.cli.xrun import main as xrun
+from xcompile.runtime.enginedir.manifest import Manifest
+from xcompile.runtime.enginedir.text import Text
+
+SEQ = 24
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def target_of(checkpoint: Path, max_seq_len: int = SEQ + 8):
+    """The checkpoint's target tapping its last layer alone (what an MTP module reads)."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    return load_qwen3(checkpoint, max_seq_len, (cfg["num_hidden_layers"] - 1,))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return target_of(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(0)
+    words = fixtures.WORDS[:60]
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (30,), generator=g).tolist()) for _ in range(40)]
+    path = tmp_path_factory.mktemp("corpus") / "train.txt"
+    path.write_text(textdata.DOC_SEPARATOR.join(docs))
+    return path
+
+
+def test_ttt_forward_is_the_inference_chain(target):
+    """Step j at index t == the module as the drafter runs it: the prefix 0..t from target features in its KV
+    cache, then j chained single-token steps (its own pre-norm output fed back, positions t+1..t+j)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, target.cfg.vocab_size, (1, SEQ))
+    module = new_mtp(target, SEQ + 8, seed=1)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name not in ("embed_tokens.weight", "shared_head.head.weight"):
+                torch.nn.init.normal_(p, std=0.2) if p.dim() == 2 else torch.nn.init.normal_(p, 1.0, 0.1)
+    _, last = target_features(target, ids, target.new_kv(1))
+    steps = 3
+    with torch.no_grad():
+        unrolled = ttt_forward(module, ids, last, steps)
+        for t in (0, 5, SEQ - 2 - steps):
+            kv = module.new_kv(1)
+            n = t + 1                                               # index t pairs h_t with x_{t+1}
+            step_in = fixtures.step_inputs(ids[:, 1:n + 1], rows=torch.tensor([[t]]))
+            out, hidden, *_ = module(step_in["input_ids"], last[:, :n], step_in["position_ids"],
+                                     step_in["write_index"], step_in["tree_mask"], step_in["logit_rows"], *kv)
+            torch.testing.assert_close(out[:, 0], unrolled[0][:, t], rtol=1e-4, atol=1e-4)
+            h = hidden[:, t:t + 1]
+            for j in range(1, steps):
+                one = fixtures.step_inputs(ids[:, t + 1 + j:t + 2 + j], start=t + j)
+                out, h, *_ = module(one["input_ids"], h, one["position_ids"], one["write_index"], one["tree_mask"],
+                                    one["logit_rows"], *kv)
+                torch.testing.assert_close(out[:, 0], unrolled[j][:, t], rtol=1e-4, atol=1e-4)
+
+
+def test_loss_falls_and_the_target_stays_frozen(target, corpus, tiny_target):
+    text = Text(tiny_target)
+    windows = textdata.pack(textdata.tokenize(textdata.read_records(corpus), text), textdata.doc_end_id(text), SEQ)
+    before = {n: p.clone() for n, p in target.named_parameters()}
+    opts = TrainOptions(steps=40, lr=1e-2, batch=8, seq_len=SEQ, ttt_steps=3, device="cpu", log_every=10)
+    result = train_mtp(target, windows, opts, heldout=windows[:8], log=lambda _: None)
+    losses = [row["loss"] for row in result.history if "loss" in row]
+    assert losses[-1] < 0.95 * losses[0] and losses == sorted(losses, reverse=True), losses
+    assert len(result.heldout["step_acc"]) == 3
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())
+    # the module trained its own weights and shares the target's embedding and head (never copied)
+    assert result.head.embed_tokens.weight is target.model.embed_tokens.weight
+    assert result.head.shared_head.head.weight is target.lm_head.weight
+
+
+def test_cli_writes_a_module_that_loads_and_drafts_plain_greedy(tiny_target, corpus, tmp_path):
+    out = tmp_path / "mtp"
+    res = CliRunner().invoke(main, [
+        "train-mtp", "--model", str(tiny_target), "--data", str(corpus), "--out", str(out), "--ttt-steps", "2",
+        "--steps", "3", "--batch", "4", "--seq-len", str(SEQ), "--device", "cpu", "--heldout", str(corpus)])
+    assert res.exit_code == 0, res.output
+    assert "held-out: loss" in res.output and "acceptance (8 heldout prompts" in res.output
+    cfg = mtp.parse_mtp(out / "config.json")
+    target = target_of(tiny_target, 64)
+    assert cfg.hidden_size == target.cfg.hidden_size and cfg.num_hidden_layers == 1
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:            # no copy of the target's tensors
+        assert not {"embed_tokens.weight", "shared_head.head.weight"} & set(f.keys())
+    module = load_mtp(out, target)
+    assert module.shared_head.head.weight is target.lm_head.weight
+    meta = json.loads((out / "xcompile_train.json").read_text())
+    assert meta["tap_layers"] == [target.cfg.num_hidden_layers - 1] and meta["options"]["ttt_steps"] == 2
+    assert meta["acceptance"]["match_plain"] == 1.0 and meta["acceptance"]["prompts"] == 8
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_target, tmp_path_factory) -> Path:
+    return fixtures.write_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "mtp", tiny_target, seed=1)
+
+
+@pytest.fixture(scope="module")
+def both_dir(tiny_target, tiny_eagle3, mtp_dir, tmp_path_factory) -> Path:
+    """The tiny target with an EAGLE3 head and an MTP module: the target taps four layers."""
+    return fixtures.exported_dir(tmp_path_factory, "tiny-mtp-eagle3", model=str(tiny_target), eagle3=str(tiny_eagle3),
+                                 mtp=str(mtp_dir), dtype="fp32")
+
+
+def generate(directory: Path, *args: str) -> dict:
+    res = CliRunner().invoke(xrun, ["generate", str(directory), "--backend", "ort", "--prompt-ids", "5,9,11,20,33,7",
+                                    "--max-new-tokens", "12", "--json", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_engine_dir_with_both_heads_gives_plain_greedy_and_passes_diff(both_dir):
+    m = Manifest.load(both_dir)
+    last = m.models["target"].config["num_hidden_layers"] - 1
+    assert m.models["target"].extra["taps"][-1] == last and len(m.models["target"].extra["taps"]) == 4
+    assert len(m.models["eagle3"].extra["taps"]) == 3 and "mtp" in m.graphs
+    h = m.models["target"].config["hidden_size"]
+    assert m.tap_columns("eagle3") == slice(0, 3 * h) and m.tap_columns("mtp") == slice(3 * h, 4 * h)
+    want = generate(both_dir, "--drafter", "none")["tokens"]
+    for args in (["--drafter", "mtp", "--gamma", "3"], ["--drafter", "mtp", "--tree-topk", "3", "--tree-depth", "3",
+                                                        "--tree-tokens", "8"], ["--drafter", "eagle3", "--gamma", "3"]):
+        got = generate(both_dir, *args)
+        assert got["tokens"] == want, args
+        assert got["stats"]["drafter"] == ("mtp-tree" if "--tree-topk" in args else args[1])
+    res = CliRunner().invoke(main, ["diff", str(both_dir)])
+    assert res.exit_code == 0, res.output
+    assert "mtp" in res.output and "PASSED" in res.output
+
+
+def test_tied_target_shares_its_embedding_as_the_head(tiny_target_tied, tmp_path_factory):
+    module = fixtures.write_mtp_checkpoint(tmp_path_factory.mktemp("mtp-tied") / "mtp", tiny_target_tied, seed=1)
+    out = fixtures.exported_dir(tmp_path_factory, "tiny-tied-mtp", model=str(tiny_target_tied), mtp=str(module),
+                                dtype="fp32")
+    want = generate(out, "--drafter", "none")["tokens"]
+    assert generate(out, "--drafter", "mtp", "--gamma", "4")["tokens"] == want
+
+
+def test_what_does_not_fit_is_refused(tiny_target, tiny_engine_dir, mtp_dir, tmp_path):
+    def export(*args):
+        return CliRunner().invoke(main, ["export", "--model", str(tiny_target), "--out", str(tmp_path / "out"),
+                                         "--dtype", "fp32", *args])
+
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    data = json.loads((mtp_dir / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**data, "hidden_size": 2 * data["hidden_size"]}))
+    refused(export("--mtp", str(wide)), "config.json", "'hidden_size'", "train-mtp", code=1)
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 2}))
+    refused(export("--mtp", str(two)), "'num_hidden_layers'", "one decoder layer", code=1)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**data, "architectures": ["Qwen3ForCausalLM"]}))
+    refused(export("--mtp", str(other)), "'architectures'", "Qwen3MTPModule", code=1)
+    refused(export("--mtp"), "no MTP module is known", "--mtp DIR", code=1)
+    res = CliRunner().invoke(main, ["export", "--model", "qwen3-0.6b", "--synthetic", "--mtp", str(mtp_dir),
+                                    "--out", str(tmp_path / "out")])
+    refused(res, "--synthetic", "give --mtp without a value", code=1)
+    assert not (tmp_path / "out").exists()
+    res = CliRunner().invoke(xrun, ["generate", str(tiny_engine_dir), "--backend", "ort", "--prompt-ids", "5,9",
+                                    "--drafter", "mtp"])
+    refused(res, "holds no MTP module", "--mtp", code=1)
