@@ -44,6 +44,7 @@ class BenchRequest:
     verify: bool = False
     sampling: SamplingParams = GREEDY
     quantize: str | None = None         # --synthetic: the target's linears in fp8 or int4 (compile/reference.py)
+    mtp: bool = False                   # --synthetic: an MTP module too
 
 
 def _room(req: BenchRequest) -> int:
@@ -60,7 +61,8 @@ def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
         raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     provider = torch_models()
     manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
-                                                     eagle3=True, draft=req.draft_model, quantize=req.quantize)
+                                                     eagle3=True, draft=req.draft_model, quantize=req.quantize,
+                                                     mtp=req.mtp)
     backend = "torch" if req.backend == "auto" and device.type != "cuda" else req.backend
     if backend == "auto":
         backend = pick_backend(manifest, "auto", device)

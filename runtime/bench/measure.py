@@ -4,18 +4,19 @@ What one run measures (docs/performance.md has today's figures):
   - the device's copy bandwidth (bytes read + written per second) and, from the target's weight
     bytes per token, the decode floor;
   - plain greedy decode ms/token at each context length (the Generator with no drafter);
-  - step costs at the first context: one draft step (EAGLE3 head, draft model), the EAGLE3 fc,
+  - step costs at the first context: one draft step (EAGLE3 head, MTP module, draft model), the EAGLE3 fc,
     verifying k+1 tokens (k = 1..8), a tree verify — each with and without CUDA graphs; and the
     sampler's share of a round at the target's vocabulary (drawing a token, accepting a chain or a
     tree) with the bench's sampling parameters (greedy: the argmax paths);
   - whole speculative rounds at the first context (the others run plain decoding only; the report
-    says so): the Generator with each drafter (EAGLE3 chain per gamma, tree, draft model) -> ms/round,
+    says so): the Generator with each drafter (EAGLE3 and MTP chains per gamma, trees, draft model) -> ms/round,
     measured acceptance length tau, tokens/s and speedup over plain, greedy or (``sampling``)
     speculative sampling with a fixed seed;
     and, beside them, the speedup a given tau would give (tau * decode / round), which is what
     synthetic weights can say (random heads accept nothing);
   - optionally a peer: Hugging Face ``generate()`` with a static cache on the same weights;
-  - the prefill of the longest context's prompt (TTFT) against the matmul rate measured in the run.
+  - the prefill of the longest context's prompt (TTFT) against the matmul rate measured in the run;
+  - the three drafting paradigms side by side (paradigms.py: alpha, gamma, draft / verify cost, tau, speedup).
 Timings use CUDA events (or the host clock on the CPU), after warm-up, median of repeats.
 """
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xcompile.runtime.bench.paradigms import format_paradigms, paradigm_rows
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal, prompt_inputs
@@ -35,7 +37,7 @@ from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams
 from xcompile.runtime.decoding.speculative import Block, accept_chain, accept_tree, ancestors, chain_block
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.engines.graphs import CudaGraphCapture, GraphedEngine, GraphUnavailable
 from xcompile.runtime.engines.load import EngineSet
 
@@ -158,7 +160,8 @@ def _step_inputs(tokens: int, write_index: int, vocab: int, device: torch.device
 def step_sizes(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> dict[str, list[int]]:
     """graph -> the token counts ``step_costs`` times it at (graphs the dir holds)."""
     sizes = {TARGET: sorted({1, *(g + 1 for g in opts.gammas), *( [tree_tokens] if tree_tokens else [])}),
-             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1]}
+             EAGLE3: [1] + ([opts.tree.topk] if opts.tree else []), DRAFT: [1], EAGLE3_FC: [1],
+             MTP: [1] + ([opts.tree.topk] if opts.tree else [])}
     return {graph: tokens for graph, tokens in sizes.items() if graph in es.engines}
 
 
@@ -179,8 +182,8 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
                 inputs = {"hidden_taps": torch.randn(1, s, _taps_width(es), device=dev, dtype=engine.dtype)}
             else:
                 inputs = _step_inputs(s, ctx, es.manifest.models[TARGET].config["vocab_size"], dev)
-                if graph == EAGLE3:
-                    inputs["hidden_states"] = torch.randn(1, s, _hidden(es), device=dev, dtype=engine.dtype)
+                if graph in (EAGLE3, MTP):
+                    inputs["hidden_states"] = torch.randn(1, s, _hidden(es, graph), device=dev, dtype=engine.dtype)
             row = {"graph": graph, "tokens": s, "eager_ms": timed(lambda: engine.run(**inputs), dev, opts.repeats)}
             if graphed is not None:
                 # the step's graph replayed with its inputs in place, as inside a round's graph (copying
@@ -240,8 +243,8 @@ def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) ->
     return rows
 
 
-def _hidden(es: EngineSet) -> int:
-    return es.manifest.models[EAGLE3].config["hidden_size"]
+def _hidden(es: EngineSet, graph: str) -> int:
+    return es.manifest.models[graph].config["hidden_size"]
 
 
 def _taps_width(es: EngineSet) -> int:
@@ -282,7 +285,8 @@ def generation_rows(es: EngineSet, ctx: int, opts: BenchOptions, cuda_graphs: bo
             drafted += s.drafted
             accepted += s.accepted
             accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)]
-        rows.append({"context": ctx, "drafter": name, "cuda_graphs": cuda_graphs,
+        rows.append({"context": ctx, "drafter": name, "paradigm": gen.drafter.name,
+                     "block_size": gen.drafter.block_size, "cuda_graphs": cuda_graphs,
                      "ms_per_round": 1e3 * decode_s / max(rounds, 1), "ms_per_token": 1e3 * decode_s / max(tokens, 1),
                      "tokens_per_s": tokens / decode_s if decode_s else 0.0,
                      "tau": tokens / rounds if rounds else 0.0, "drafted": drafted, "accepted": accepted,
@@ -315,7 +319,7 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     g = torch.Generator().manual_seed(0)
     vocab = es.manifest.models[TARGET].config["vocab_size"]
     graphs = dev.type == "cuda"
-    tree_tokens = opts.tree.total_tokens if opts.tree and EAGLE3 in es.engines else None
+    tree_tokens = opts.tree.total_tokens if opts.tree and (EAGLE3 in es.engines or MTP in es.engines) else None
     report["steps"] = []
     report["generation"] = []
     with logs.progress("bench", _measurements(es, opts, graphs, tree_tokens, peer is not None), "measurements") as bar:
@@ -328,6 +332,7 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
         raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
                           f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")
     _derive(report, opts)
+    report["paradigms"] = paradigm_rows(report)
     report["prompts"], report["notes"] = _caveats(es, opts, report)
     return report
 
@@ -479,6 +484,7 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['context']:>6} {('yes' if r['cuda_graphs'] else 'no'):>6} {r['drafter']:<26}"
                      f"{r['ms_per_round']:>9.3f}{r['ms_per_token']:>8.3f}{r['tokens_per_s']:>8.1f}{r['tau']:>6.2f}"
                      f"{r.get('speedup_e2e', float('nan')):>12.2f}{extra}{note}")
+    lines += format_paradigms(report.get("paradigms", []))
     lines += [f"note: {n}" for n in report.get("notes", [])]
     by_pos = [r for r in report["generation"] if r.get("acceptance_by_position")]
     if by_pos:

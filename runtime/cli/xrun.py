@@ -169,8 +169,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
         refuse_inert(ctx, ["top_k", "top_p", "min_p", "seed"], "greedy runs (--temperature 0, the default) do not "
                      "sample, so sampling options change nothing; add --temperature T (T > 0) or drop them")
     if synthetic is None:
-        refuse_inert(ctx, ["draft_model", "dtype", "quantize"], "apply to --synthetic weights only (an engine dir "
-                     "has its own)")
+        refuse_inert(ctx, ["draft_model", "mtp", "dtype", "quantize"], "apply to --synthetic weights only (an engine "
+                     "dir has its own)")
     elif prompts is not None:
         raise click.UsageError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
     if synthetic is not None and backend not in ("auto", "torch", "fast"):
@@ -188,6 +188,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.argument("engine_dir", required=False, type=click.Path(path_type=str))
 @click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
 @click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
+@click.option("--mtp", is_flag=True, help="With --synthetic: also a synthetic MTP module (one layer of the target's "
+              "shape), for the three paradigms side by side.")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
@@ -197,7 +199,7 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--gammas", type=IntList(), default="1,2,4,6,8", show_default=True,
               help="Chain lengths to measure ('' for none).")
 @click.option("--tree", type=IntList(length=3), default="10,6,32", show_default=True,
-              help="EAGLE3 tree topk,depth,tokens ('' for none).")
+              help="EAGLE3 / MTP tree topk,depth,tokens ('' for none).")
 @click.option("--contexts", type=IntList(empty="no prompt length given, so nothing would be measured"),
               default="128,1024,4096", show_default=True, help="Prompt lengths.")
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
@@ -218,8 +220,9 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 @click.pass_context
-def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, quantize, gammas, tree, contexts, new_tokens,
-          repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p, seed):
+def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, gammas, tree, contexts,
+          new_tokens, repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p,
+          seed):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
@@ -230,7 +233,8 @@ def bench(ctx, engine_dir, synthetic, draft_model, backend, device, dtype, quant
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize), echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp),
+        echo=click.echo)
 
 
 @main.command()
