@@ -311,10 +311,10 @@ def request_differs(req, plan, manifest: Manifest) -> str | None:
                               ("max_seq_len", manifest.max_seq_len, req.max_seq_len or manifest.max_seq_len)):
         if have != want:
             return f"its {field} is {have}, the request's {want}"
-    taps = manifest.models["target"].extra.get("taps")
+    head = manifest.models.get("eagle3")
+    taps = head.extra.get("taps") if head is not None else None         # the target's may end with MTP's tap
     if req.eagle3_taps is not None and sorted(req.eagle3_taps) != taps:
         return f"its EAGLE3 taps are {taps}, the request's --eagle3-taps {sorted(req.eagle3_taps)}"
-    head = manifest.models.get("eagle3")
     if req.eagle3_taps is None and head is not None and head.extra.get("taps_from") == "--eagle3-taps":
         return f"its EAGLE3 taps {taps} came from --eagle3-taps, the request reads the head's config"
     for part in plan.parts:

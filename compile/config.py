@@ -318,9 +318,11 @@ def parse_qwen3(path: Path, data: dict | None = None, architectures: tuple[str, 
     data = read_json(path) if data is None else data
     arch = architecture(path, data)
     if arch not in architectures:
-        what = "dense Qwen3 targets" if architectures == QWEN3_ARCHITECTURES else "here"
-        raise CompileError(f"{path}: field 'architectures' is {arch!r}; xcompile compiles {what} "
-                           f"({', '.join(architectures)})")
+        if architectures == QWEN3_ARCHITECTURES:
+            raise CompileError(f"{path}: field 'architectures' is {arch!r}; xcompile compiles dense Qwen3 "
+                               f"targets ({', '.join(architectures)})")
+        raise CompileError(f"{path}: field 'architectures' is {arch!r}; expected {', '.join(architectures)} (what "
+                           "`xcompile train-mtp` writes): pass an MTP module's directory")
     f = _Fields(path, data)
     hidden = f.get("hidden_size", int, required=True)
     heads = f.get("num_attention_heads", int, required=True)

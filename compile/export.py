@@ -3,7 +3,7 @@
 I/O (runtime/enginedir/contract.py is the source of truth; names, dtypes and order come from it):
 
     graph      inputs                                            outputs
-    target     input_ids [B,S] i64, position_ids [B,S] i64,     logits [B,R,V], hidden_taps [B,S,3H],
+    target     input_ids [B,S] i64, position_ids [B,S] i64,     logits [B,R,V], hidden_taps [B,S,3H or 4H],
                write_index [B] i64, tree_mask [B,S,S] bool,     present_key_i / present_value_i
                logit_rows [B,R] i64,                              (alias past_key_i / past_value_i)
                past_key_i / past_value_i [B,Hkv,S_max,D]
@@ -12,8 +12,9 @@ I/O (runtime/enginedir/contract.py is the source of truth; names, dtypes and ord
                write_index, tree_mask [B,S,W], logit_rows,       present_key_0, present_value_0
                past_key_0, past_value_0
     eagle3_fc  hidden_taps [B,S,3H]                              hidden_states [B,S,H]
+    mtp        as eagle3 (hidden: the target's last layer)       logits [B,R,V], hidden_out [B,S,H], present_*
 
-Only S (``tokens``), R (``rows``) and the eagle3 mask's W (``mask_keys``) are dynamic; B = max_batch and S_max = max_seq_len are fixed
+Only S (``tokens``), R (``rows``) and the eagle3 / mtp mask's W (``mask_keys``) are dynamic; B = max_batch and S_max = max_seq_len are fixed
 per engine. Floating tensors have the graph's dtype (fp32, fp16 or bf16; TensorRT 11 is strongly
 typed, so the ONNX precision is the engine's). The KV write is TensorScatter, attention is
 Attention with an explicit boolean mask, RoPE is RotaryEmbedding, norms are RMSNormalization

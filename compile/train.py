@@ -106,7 +106,7 @@ def ttt_loss(logits: list[torch.Tensor], soft: SoftTargets, tokens: torch.Tensor
 
 @torch.no_grad()
 def target_features(target, input_ids: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One causal target pass over fresh windows: (logits [B, T, V], taps [B, T, 3H])."""
+    """One causal target pass over fresh windows: (logits [B, T, V], taps [B, T, taps x H])."""
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril().expand(b, t, t)

@@ -71,7 +71,7 @@ class LLM:
                  drafter: str | DrafterSpec = "auto", gamma: int | None = None, tree: TreeShape | None = None,
                  cuda_graphs: bool = True, verify: bool = False, kernels: KernelConfig | None = None):
         """backend: auto | trt | fast | ort | torch; device: cpu | cuda (None: cuda when there is one); drafter:
-        auto | eagle3 | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3, a
+        auto | eagle3 | mtp | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3 and mtp, a
         ``tree`` (or a whole DrafterSpec); cuda_graphs: replay each round from a CUDA graph; verify: hash every byte of the dir's files
         first (default: sampled blocks); kernels: the fast backend's kernel choices. EngineError (one line
         naming the file or option) when the dir cannot serve this."""

@@ -372,6 +372,9 @@ def main() -> None:
     ap.add_argument("--head-epochs", type=float, help=f"corpus passes for the head (default {Demo.head_epochs})")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.mtp_only and (args.draft_only or args.tiny or args.distil or args.target_epochs or args.head_epochs):
+        ap.error("--mtp-only trains the module alone (its budget is --minutes): --draft-only, --tiny, --distil, "
+                 "--target-epochs and --head-epochs do nothing with it")
     d = TINY if args.tiny else DRAFT if args.draft_only else Demo()
     d = replace(d, target_epochs=args.target_epochs or d.target_epochs, head_epochs=args.head_epochs or d.head_epochs)
     device = torch.device(args.device)

@@ -57,9 +57,10 @@ def parse_mtp(path: Path, data: dict | None = None) -> Qwen3Config:
 
 def mtp_config(target: Qwen3Config, intermediate_size: int | None = None) -> Qwen3Config:
     """The MTP module shape for ``target``: one layer of the target's attention shape (and MLP, unless
-    ``intermediate_size``)."""
+    ``intermediate_size``), without attention biases (the module has none)."""
     from dataclasses import replace
-    return replace(target, num_hidden_layers=1, intermediate_size=intermediate_size or target.intermediate_size)
+    return replace(target, num_hidden_layers=1, intermediate_size=intermediate_size or target.intermediate_size,
+                   attention_bias=False)
 
 
 def check_mtp_fits(cfg: Qwen3Config, target: Qwen3Config, where: str) -> None:

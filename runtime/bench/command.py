@@ -136,7 +136,9 @@ def plot(report: dict, path: str | Path, format: str = "png") -> None:
     except ImportError:
         raise EngineError("--plot needs matplotlib (pip install matplotlib)") from None
     rows = [r for r in report["generation"] if r["cuda_graphs"] == any(x["cuda_graphs"] for x in report["generation"])]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    paradigms = report.get("paradigms") or []
+    fig, axes = plt.subplots(1, 2 if paradigms else 1, figsize=(15 if paradigms else 9, 4), squeeze=False)
+    ax = axes[0][0]
     labels = [f"{r['drafter']} @{r['context']}" for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows])
     if "floor_ms_per_token" in report:
@@ -144,5 +146,14 @@ def plot(report: dict, path: str | Path, format: str = "png") -> None:
         ax.legend()
     ax.set_xlabel("tokens/s")
     ax.set_title(f"{report['model']} on {report['device']} ({report['backend']}, {report['dtype']})")
+    if paradigms:                       # the three paradigms: tau against the draft cost per verify (c)
+        ax = axes[0][1]
+        for p in paradigms:
+            if p["draft_over_verify"] is not None:
+                ax.scatter(p["draft_over_verify"], p["tau"], label=p["drafter"])
+        ax.set_xlabel("c = draft cost / verify cost")
+        ax.set_ylabel("tau (tokens per round)")
+        ax.set_title("three paradigms")
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, format=format)

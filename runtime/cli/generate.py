@@ -12,9 +12,8 @@ from xcompile.runtime.api import LLM
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.outcome import Result
-from xcompile.runtime.decoding.registry import DrafterSpec
+from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
-from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.load import EngineSet
@@ -91,12 +90,13 @@ def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
     spec = req.drafter
     drafter = spec.name
     if drafter == "auto":
-        drafter = "eagle3" if EAGLE3 in manifest.graphs else "draft-model" if DRAFT in manifest.graphs else "none"
+        drafter = next((name for name, kind in DRAFTERS.items() if all(g in manifest.graphs for g in kind.graphs)))
     auto = f" (--drafter auto picks {drafter} for {req.engine_dir})" if spec.name == "auto" else ""
     if drafter == "none" and spec.tree:
         raise EngineError(f"--tree-* would do nothing: no drafter runs{auto}")
     if drafter == "draft-model" and spec.tree:
-        raise EngineError(f"--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens{auto}")
+        raise EngineError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
+                          f"tokens{auto}")
 
 
 def check_tokenizer(req: GenerateRequest) -> None:

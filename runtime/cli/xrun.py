@@ -50,10 +50,11 @@ def _check_drafter_options(drafter: str, gamma: int | None, tree: dict) -> None:
         raise click.UsageError("--drafter none drafts nothing, so --gamma / --tree-* would do nothing; drop them "
                                "or pick a drafter")
     if gamma and tree:
-        raise click.UsageError("--gamma sets the EAGLE3 chain's length, --tree-* select the EAGLE3 tree instead "
+        raise click.UsageError("--gamma sets a chain's length, --tree-* select the EAGLE3 or MTP tree instead "
                                "(its size is --tree-tokens); give one or the other")
     if tree and drafter == "draft-model":
-        raise click.UsageError("--tree-* shape the EAGLE3 tree; the draft model drafts a chain of --gamma tokens")
+        raise click.UsageError("--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
+                               "tokens")
     if tree:
         _check_tree(tree, "--tree-topk", "--tree-depth", "--tree-tokens")
 
@@ -114,13 +115,15 @@ def _check_sampling(ctx, req) -> None:
               help="New tokens at most; one that does not fit the context is refused  [default: 128, or what the "
                    "context leaves]")
 @click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto",
-              show_default=True, help="auto: eagle3 if the dir has a head, else the draft model, else none.")
+              show_default=True, help="auto: eagle3 if the dir has a head, else mtp if it has a module, else the "
+              "draft model, else none.")
 @click.option("--gamma", type=click.IntRange(min=1),
-              help="Draft tokens per round of the EAGLE3 chain or the draft model  [default: 4]")
-@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node  [default: 10]")
-@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round  [default: 6]")
+              help="Draft tokens per round of a chain (EAGLE3, MTP, the draft model)  [default: 4]")
+@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: children per expanded node  "
+              "[default: 10]")
+@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: draft steps per round  [default: 6]")
 @click.option("--tree-tokens", type=click.IntRange(min=2),
-              help="EAGLE3 tree: tokens verified per round, the root included  [default: 32]")
+              help="EAGLE3 / MTP tree: tokens verified per round, the root included  [default: 32]")
 @click.option("--stop", multiple=True, callback=stop_strings,
               help="Stop string (repeatable); the text up to it is kept.")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
@@ -245,9 +248,9 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default="auto", show_default=True)
 @click.option("--gamma", type=click.IntRange(min=1), help="Draft tokens per round (chain drafters).")
-@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 tree: children per expanded node.")
-@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 tree: draft steps per round.")
-@click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 tree: draft tokens verified per round.")
+@click.option("--tree-topk", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: children per expanded node.")
+@click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: draft steps per round.")
+@click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: draft tokens verified per round.")
 @click.option("--served-model-name", help="Model id clients send (default: the engine dir's model name).")
 @click.option("--api-key", envvar="XRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,

@@ -10,9 +10,9 @@ Symbolic dims (sizes fixed per engine are recorded in the manifest's ``dims``):
     batch        sequences in flight (1 for now; every graph keeps the axis)
     tokens       new tokens this call
     rows         rows whose logits are wanted (1 for prefill, ``tokens`` for verify)
-    mask_keys    keys ``tree_mask`` covers, >= tokens (``eagle3`` only; ``tokens`` elsewhere)
+    mask_keys    keys ``tree_mask`` covers, >= tokens (``eagle3`` and ``mtp``; ``tokens`` elsewhere)
     max_seq_len  static KV capacity per sequence
-    kv_heads, head_dim, vocab, hidden, taps_hidden (3 * target hidden), draft_vocab
+    kv_heads, head_dim, vocab, hidden, taps_hidden (3 * target hidden; 4 * with an MTP module), draft_vocab
 
 Graphs:
 

@@ -29,7 +29,7 @@ D2T_FILE = "d2t.safetensors"
 
 @dataclass
 class ModelEntry:
-    """One model of the dir: ``kind`` is "qwen3" or "eagle3"; ``config`` the parsed config's fields;
+    """One model of the dir: ``kind`` is "qwen3", "eagle3" or "mtp"; ``config`` the parsed config's fields;
     ``source`` the checkpoint dir it came from, or ``synthetic:<name>:<seed>``."""
 
     kind: str
@@ -123,7 +123,13 @@ class Manifest:
         A target built for both taps EAGLE3's three layers, then its last layer (sorted, the last comes last):
         EAGLE3 reads the first three taps, an MTP module the last one."""
         target = self.models[TARGET]
-        n, h = len(target.extra.get("taps") or ()), target.config["hidden_size"]
+        taps = list(target.extra.get("taps") or ())
+        n, h = len(taps), target.config["hidden_size"]
+        module = self.models.get(head)
+        if head != EAGLE3 and module is not None and (not taps or taps[-1] != module.extra.get("tap")):
+            raise EngineError(f"{MANIFEST}: models.{head}.extra.tap is {module.extra.get('tap')}, but the target's "
+                              f"last tap is {taps[-1] if taps else None}; the dir is damaged or hand-edited: "
+                              "re-export it (--force)")
         cols = slice(0, 3 * h) if head == EAGLE3 else slice((n - 1) * h, n * h)
         return None if cols.stop - cols.start == n * h else cols
 
