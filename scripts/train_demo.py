@@ -6,7 +6,7 @@ module for the demo target with ``xcompile train-mtp``'s function.
     python scripts/train_demo.py --device cuda --out demo --minutes 5     # one H200: ~5 minutes
     python scripts/train_demo.py --tiny --device cpu --out /tmp/demo       # smoke check, ~1 minute
     python scripts/train_demo.py --draft-only --distil --device cpu --out /tmp/demo-draft --minutes 12  # 2 cores
-    python scripts/train_demo.py --mtp-only --device cpu --out /tmp/demo-mtp --minutes 15   # 2 cores
+    python scripts/train_demo.py --mtp-only --device cpu --out /tmp/demo-mtp --minutes 25   # 2 cores
 
 Steps: byte-level BPE tokenizer on data/corpus.train.txt (scripts/make_corpus.py) -> target trained
 as a causal LM (bf16 autocast, fused AdamW, warmup + cosine, the held-out best kept) -> written to
@@ -336,8 +336,8 @@ def train_pair(args: argparse.Namespace, d: Demo, device: torch.device) -> None:
     print(f"done in {summary['seconds']:.0f} s -> {args.out}")
 
 
-# --mtp-only: the demo target's MTP module (compile/demo/mtp). Sized for ~15 minutes on 2 CPU cores (~2k
-# tokens/s there with 4 TTT steps at 256 tokens a window: about 1.5 passes over the 0.7M-token corpus).
+# --mtp-only: the demo target's MTP module (compile/demo/mtp). Sized for 25 minutes on 2 CPU cores (1.3k tokens/s
+# there with 4 TTT steps at 256 tokens a window: 968 steps, about 2.9 passes over the 0.7M-token corpus).
 MTP_OPTIONS = TrainOptions(ttt_steps=4, lr=2e-3, batch=8, seq_len=256, warmup=0.03, log_every=20, eval_every=0)
 
 

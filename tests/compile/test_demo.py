@@ -1,5 +1,5 @@
-"""The embedded demo pair (compile/demo: a trained Qwen3 target + its EAGLE3 head, and a small draft model)
-behind ``--model demo`` and ``--draft-model demo``: it resolves offline, loads strictly, and its exported
+"""The embedded demo pair (compile/demo: a trained Qwen3 target + its EAGLE3 head, its MTP module and a small draft
+model) behind ``--model demo``, ``--mtp`` and ``--draft-model demo``: it resolves offline, loads strictly, and its exported
 graphs speculate on held-out text with output equal to plain greedy decoding."""
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ MIN_TAU = 2.0
 # the draft model (compile/demo/draft), chain of GAMMA, same prompt and backend: tau 2.63 measured (2.71 earlier count)
 # (1.9-3.6 over held-out docs 0-11); a draft that agrees with nothing gives 1.0
 MIN_DRAFT_TAU = 1.8
+# the MTP module (compile/demo/mtp), chain of GAMMA, same prompt and backend: tau 3.15 measured (2026-12-04; the
+# EAGLE3 chain 3.00, the draft model 2.63 in the same run)
+MIN_MTP_TAU = 2.0
 # the target's teacher-forced next-token accuracy on that document's first MAX_SEQ_LEN tokens: 0.169
 # measured (demo.json: 0.232 over the whole held-out text); untrained weights score ~1/6144
 MIN_ACC = 0.1
@@ -74,17 +77,17 @@ def test_demo_pair_loads_and_predicts_heldout_text():
 
 @pytest.fixture(scope="module")
 def demo_engine_dir(tmp_path_factory) -> Path:
-    """``xcompile export --model demo --eagle3 --draft-model demo --dtype fp32``, once for the module
+    """``xcompile export --model demo --eagle3 --mtp --draft-model demo --dtype fp32``, once for the module
     (~10 s on 2 cores)."""
     from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 
     out = tmp_path_factory.mktemp("engines") / "demo"
-    export_engine_dir(ExportRequest(model="demo", out=out, eagle3="", draft_model="demo", dtype="fp32",
+    export_engine_dir(ExportRequest(model="demo", out=out, eagle3="", mtp="", draft_model="demo", dtype="fp32",
                                     max_seq_len=MAX_SEQ_LEN))
     return out
 
 
-@pytest.mark.parametrize("drafter, min_tau", [("eagle3", MIN_TAU), ("draft-model", MIN_DRAFT_TAU)])
+@pytest.mark.parametrize("drafter, min_tau", [("eagle3", MIN_TAU), ("draft-model", MIN_DRAFT_TAU), ("mtp", MIN_MTP_TAU)])
 def test_demo_speculates_heldout_text_like_plain_greedy(demo_engine_dir, drafter, min_tau):
     from xcompile.runtime.decoding.generator import Generator
     from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
@@ -117,3 +120,16 @@ def test_demo_draft_model_alias_resolves_and_loads(tmp_path, monkeypatch, tiny_t
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "config.json").write_text((tiny_target / "config.json").read_text())
     assert ck.resolve_draft("demo") == tmp_path / "demo"
+
+
+def test_demo_mtp_module_resolves_and_loads():
+    from xcompile.compile.models.mtp import parse_mtp
+    from xcompile.compile.train_mtp import load_mtp
+
+    target_dir, mtp_dir = ck.resolve("demo"), ck.resolve_mtp("demo", "")
+    assert mtp_dir == ck.DEMO_DIR / "mtp" and ck.resolve_mtp("DEMO", None) == mtp_dir
+    target = ck.load_qwen3(target_dir, MAX_SEQ_LEN, (parse_qwen3(target_dir / "config.json").num_hidden_layers - 1,))
+    module = load_mtp(mtp_dir, target)
+    assert parse_mtp(mtp_dir / "config.json").hidden_size == target.cfg.hidden_size
+    assert module.embed_tokens.weight is target.model.embed_tokens.weight            # tied target: one tensor
+    assert module.shared_head.head.weight is target.model.embed_tokens.weight
