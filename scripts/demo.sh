@@ -18,8 +18,8 @@ section "setup: .venv with torch (CPU) and xcompile (scripts/setup.sh)"
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
-section "export: the demo target + its EAGLE3 head -> engines/demo (fp32 ONNX graphs)"
-xcompile export --model demo --eagle3 --out engines/demo --dtype fp32 --max-seq-len 1024 --force
+section "export: the demo target + its EAGLE3 head + its MTP module -> engines/demo (fp32 ONNX graphs)"
+xcompile export --model demo --eagle3 --mtp --out engines/demo --dtype fp32 --max-seq-len 1024 --force
 
 section "diff: ONNX Runtime vs the PyTorch reference, teacher-forced, through Polygraphy"
 xcompile diff engines/demo --backend ort --prompt "$PROMPT"
@@ -36,9 +36,12 @@ section "generate: EAGLE3 dynamic tree, top-4 x depth 4, 16 drafts verified per 
 xrun generate engines/demo --prompt "$PROMPT" --max-new-tokens "$NEW_TOKENS" --drafter eagle3 \
     --tree-topk 4 --tree-depth 4 --tree-tokens 16
 
+section "generate: MTP module, chain of 4 drafts per round (same tokens)"
+xrun generate engines/demo --prompt "$PROMPT" --max-new-tokens "$NEW_TOKENS" --drafter mtp --gamma 4
+
 section "build: TensorRT-RTX engines for compute capability 8.9 -> engines/demo-rtx"
 echo "(built only: no GPU here can run them; xrun generate --backend trt needs a matching NVIDIA GPU)"
-xcompile build --model demo --eagle3 --trt rtx --compute-capability 8.9 --out engines/demo-rtx --force
+xcompile build --model demo --eagle3 --mtp --trt rtx --compute-capability 8.9 --out engines/demo-rtx --force
 
 section "done in $((SECONDS - START)) s"
 echo "tau = tokens emitted per verify round (the bonus token included; tokens cut by a stop or the length cap"

@@ -37,7 +37,7 @@ REQUIRED = ("tables", "date", "machine", "command")
 @dataclass(frozen=True)
 class Table:
     source: str                     # the tag in sources.json
-    kind: str                       # bench | tau | agreement | demo | json | load
+    kind: str                       # bench | tau | paradigms | agreement | demo | json | load
     rows: tuple[str, ...] = ()      # bench: keep only rows whose label starts with one of these (empty: all)
     # json: (label, key, format, scale) of the rows, read from the last JSON object a script printed
     fields: tuple[tuple[str, str, str, float], ...] = ()
@@ -56,6 +56,7 @@ TABLES = {
     "demo-cpu": Table("demo-cpu", "demo"),
     "drafters-cpu": Table("drafters-cpu", "tau"),
     "sampling-cpu": Table("sampling-cpu", "tau"),
+    "paradigms-cpu": Table("paradigms-cpu", "paradigms"),
     "export-cpu": Table("export-cpu", "json", fields=(
         ("wall time, `xcompile export` as a child process", "wall_s", "{:.0f} s", 1),
         ("its peak resident memory", "peak_rss_gb_child", "{:.2f} GiB", 1))),
@@ -330,6 +331,19 @@ def render_tau(columns: list[tuple[str, dict]]) -> list[str]:
                  [[d, *(f"{t[d]:.2f}" if d in t else "—" for t in taus)] for d in names])
 
 
+def render_paradigms(columns: list[tuple[str, dict]]) -> list[str]:
+    """xrun bench JSON reports' ``paradigms`` rows (runtime/bench/paradigms.py), one block of rows per report."""
+    rows = []
+    for label, r in columns:
+        if "paradigms" not in r:
+            raise PerfError(f"{label}: a bench report without 'paradigms' (written before 2026-12-04's MTP work)")
+        for p in r["paradigms"]:
+            c = "—" if p["draft_over_verify"] is None else f"{p['draft_over_verify']:.2f}"
+            rows.append([p["paradigm"], p["drafter"], str(p["gamma"]), " ".join(f"{a:.2f}" for a in p["alpha"]),
+                         f"{p['tau']:.2f}", c, f"{p['speedup']:.2f}" if p.get("speedup") is not None else "—"])
+    return _grid(["paradigm", "drafter", "γ", "α by position", "τ", "c = draft / verify", "speedup"], rows)
+
+
 def render_agreement(a: dict) -> list[str]:
     t = a["teacher"]
     lines = [f"Teacher-forced, the fast backend's greedy token equals the reference modules' at {t['same']} of "
@@ -389,6 +403,8 @@ def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -
         lines = render_bench(table, columns)
     elif table.kind == "tau":
         lines = render_tau(columns)
+    elif table.kind == "paradigms":
+        lines = render_paradigms(columns)
     elif table.kind == "json":
         lines = _grid(["quantity", *(label for label, _ in columns)],
                       [[label, *(fmt.format(rep[key] * scale) for _, rep in columns)]
