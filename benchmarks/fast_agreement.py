@@ -1,7 +1,7 @@
 """Greedy agreement of the fast backend (or ONNX Runtime's CUDA provider) with the reference path on a real
 trained model (the demo pair).
 
-    xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024
+    xcompile export --model demo --eagle3 [--mtp] [--draft-model demo] --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024
     python benchmarks/fast_agreement.py /tmp/demo-bf16 [--prompts data/corpus.heldout.txt] [--num-prompts 16]
         [--against fast|ort] [--gemv-all 4,64,4]
 
@@ -9,8 +9,9 @@ trained model (the demo pair).
    backend and the other backend; at every position the two argmaxes are compared. Each disagreement is
    reported with the reference's top-2 logit gap there (a near tie when small).
 2. Free-running on the other backend: plain greedy against the EAGLE3 chain (gamma 4, 6) and tree
-   (10/6/32), with whole-round CUDA graphs where the backend allows them: identical outputs, or the first
-   divergence with its gap. The measured tau of each is printed too.
+   (10/6/32), the same of the MTP module and the draft model's chain (gamma 4) where the dir holds them, with
+   whole-round CUDA graphs where the backend allows them: identical outputs, or the first divergence with its
+   gap. The measured tau of each is printed too.
 
 ``--gemv-all BN,BK,WARPS[,AHEAD]`` runs every one-row projection of the fast engines on the Triton GEMV with that
 tile (where BK divides K; a KernelConfig whose ``gemv`` table lists every weight shape of the engines): the
@@ -28,7 +29,7 @@ import torch
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import NoDrafter, causal, prompt_inputs
 from xcompile.runtime.decoding.generator import Generator, LoopOptions
-from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape, make_drafter
+from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
 from xcompile.runtime.engines.kernels.config import CudaGemv, Gemv, KernelConfig, shipped_tiles
@@ -168,7 +169,10 @@ def run(args, ref_es, fast_es) -> list[float]:
           f"({100 * (positions - disagreements) / positions:.2f} %); {disagreements} disagreements, reference top-2 "
           f"gaps there: {[round(g, 4) for g in sorted(gaps)]}; positions with a gap <= {eps:.4f}: {near}")
     fast_plain = graphed(fast_es, NoDrafter())
-    for spec in (DrafterSpec("eagle3", 4), DrafterSpec("eagle3", 6), DrafterSpec("eagle3", tree=TreeShape(10, 6, 32))):
+    specs = [s for name in ("eagle3", "mtp") if DRAFTERS[name].holds(fast_es)
+             for s in (DrafterSpec(name, 4), DrafterSpec(name, 6), DrafterSpec(name, tree=TreeShape(10, 6, 32)))]
+    specs += [DrafterSpec("draft-model", 4)] if DRAFTERS["draft-model"].holds(fast_es) else []
+    for spec in specs:
         name = spec.label
         taus = {}
         for label, es in (("torch", ref_es), (other, fast_es)):
