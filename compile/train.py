@@ -24,6 +24,7 @@ from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_qwen3, resolve
 from xcompile.compile.config import Qwen3Config, parse_generation_config, parse_qwen3, read_json
 from xcompile.compile.errors import CompileError
+from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.models.mtp import MTP
 from xcompile.compile.reference import eagle3_engines, qwen3_engine, torch_engines
 from xcompile.runtime.common import files, logs
@@ -66,6 +67,25 @@ def ttt_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
     i = torch.arange(seq_len, device=device)
     causal, diagonal = i[None, :] <= i[:, None], i[None, :] == i[:, None]
     return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def ttt_attention(attn, u: torch.Tensor, positions: torch.Tensor, step: int, keys: list[torch.Tensor],
+                  values: list[torch.Tensor]) -> torch.Tensor:
+    """Unrolled step ``step``'s attention of a draft layer over u [B, T, *]: q/k/v (q/k norms where the layer has
+    them), RoPE at positions + step, this step's K/V appended to ``keys`` / ``values`` and attended under
+    ``ttt_mask`` (instead of a KV cache, which cannot hold one entry per step and index) -> o_proj's output."""
+    b, t, _ = u.shape
+    q = attn.q_proj(u).view(b, t, attn.heads, attn.head_dim)
+    k = attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim)
+    v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)        # [B, Hkv, T, D]
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = attn.rotary(q.transpose(1, 2), positions + step), attn.rotary(k.transpose(1, 2), positions + step)
+    keys.append(k)
+    values.append(v)
+    mask = ttt_mask(t, step, u.device)[None, None]                                    # [1, 1, T, (step+1)T]
+    y = grouped_attention(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
+    return attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 @dataclass

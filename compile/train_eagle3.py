@@ -29,7 +29,6 @@ from xcompile.compile.checkpoint import load_eagle3
 from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
-from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.train import (  # noqa: F401  (the names callers of this module import from it)
     HEAD_INIT_STD,
     Recipe,
@@ -45,6 +44,7 @@ from xcompile.compile.train import (  # noqa: F401  (the names callers of this m
     target_features,
     train_files,
     train_head,
+    ttt_attention,
     ttt_loss,
     ttt_mask,
 )
@@ -81,15 +81,7 @@ def ttt_forward(head: Eagle3, input_ids: torch.Tensor, taps: torch.Tensor, steps
     for j in range(steps):
         tokens = F.pad(input_ids[:, 1 + j:], (0, 1 + j))                          # index t -> x_{t+1+j}
         u = torch.cat((layer.input_layernorm(head.embed_tokens(tokens)), layer.hidden_norm(hidden)), dim=-1)
-        q = attn.q_proj(u).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)          # [B, H, T, D]
-        k = attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)       # [B, Hkv, T, D]
-        v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = attn.rotary(q, positions + j), attn.rotary(k, positions + j)
-        keys.append(k)
-        values.append(v)
-        mask = ttt_mask(t, j, input_ids.device)[None, None]                       # [1, 1, T, (j+1)T]
-        y = grouped_attention(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
-        x = hidden + attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))             # residual = hidden
+        x = hidden + ttt_attention(attn, u, positions, j, keys, values)           # residual = hidden
         hidden = x + layer.mlp(layer.post_attention_layernorm(x))                 # pre-norm, fed back
         logits.append(head.lm_head(head.norm(hidden)))
     return logits

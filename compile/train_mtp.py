@@ -24,7 +24,6 @@ from torch import nn
 from xcompile.compile.checkpoint import build_mtp
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models import mtp
-from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.synthetic import SyntheticSource
 from xcompile.compile.train import (
     HEAD_INIT_STD,
@@ -37,8 +36,8 @@ from xcompile.compile.train import (
     target_features,
     train_files,
     train_head,
+    ttt_attention,
     ttt_loss,
-    ttt_mask,
 )
 
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")     # the target's tensors, never written
@@ -58,16 +57,7 @@ def ttt_forward(module: mtp.MTP, input_ids: torch.Tensor, last: torch.Tensor, st
     for j in range(steps):
         tokens = F.pad(input_ids[:, 1 + j:], (0, 1 + j))                          # index t -> x_{t+1+j}
         x = module.project(tokens, hidden)                                         # [B, T, H]
-        u = module.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(u).view(b, t, attn.heads, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = attn.rotary(q, positions + j), attn.rotary(k, positions + j)
-        keys.append(k)
-        values.append(v)
-        mask = ttt_mask(t, j, input_ids.device)[None, None]                       # [1, 1, T, (j+1)T]
-        y = grouped_attention(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
-        x = x + attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        x = x + ttt_attention(attn, module.input_layernorm(x), positions, j, keys, values)
         hidden = x + module.mlp(module.post_attention_layernorm(x))                # pre-norm, fed back
         logits.append(module.shared_head.head(module.shared_head.norm(hidden)))
     return logits
