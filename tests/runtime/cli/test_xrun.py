@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import fixtures
@@ -281,6 +282,23 @@ def test_bench_plot_is_a_png(tiny_engine_dir, tmp_path):
             "--tree", "", "--new-tokens", 4, "--repeats", 1, "--plot", png)
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_puts_the_paradigms_side_by_side(tiny_engine_dir, tmp_path):
+    """Every speculative row of the speculation context in the design's columns (runtime/bench/paradigms.py), in
+    the text report, the JSON and (with matplotlib) the plot's second panel; --mtp is for synthetic weights."""
+    js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    plot = ["--plot", png] if importlib.util.find_spec("matplotlib") else []
+    r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", 16, "--gammas", 2,
+            "--tree", "", "--new-tokens", 4, "--repeats", 1, "--json", js, *plot)
+    assert r.exit_code == 0, r.output
+    assert "three paradigms" in r.stdout
+    rows = json.loads(js.read_text())["paradigms"]
+    assert [(p["paradigm"], p["drafter"], p["gamma"]) for p in rows] == [("EAGLE3", "eagle3 chain g=2", 2),
+                                                                         ("draft model", "draft-model g=2", 2)]
+    assert all(len(p["alpha"]) == 2 and p["draft_over_verify"] is not None and p["tau"] >= 1 for p in rows)
+    assert not plot or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", "--mtp"), "--mtp", "--synthetic")
 
 
 def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
