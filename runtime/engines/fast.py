@@ -156,7 +156,7 @@ class _FastEngine(Engine):
     inputs of batch 1."""
 
     graph_capturable = True
-    batched = False             # the kernels take batch 1 (``_batch1``)
+    batched = False             # the kernels take batch 1 (``run``)
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
@@ -199,10 +199,20 @@ class _FastEngine(Engine):
         g = project(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=sums, cfg=cfg)
         project(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
 
-    @staticmethod
-    def _batch1(inputs: dict[str, torch.Tensor]) -> None:
-        if inputs["input_ids"].shape[0] != 1:
-            raise EngineError(f"fast backend: batch 1 only, got {inputs['input_ids'].shape[0]}")
+    def run(self, **inputs):
+        """A step of up to MAX_ROWS tokens of one sequence on the kernels (``_step``); longer passes (prompts) on
+        the reference module, whose cuBLAS matmuls and SDPA are what they need."""
+        ids = inputs["input_ids"]
+        if ids.shape[1] > MAX_ROWS:
+            return self.reference.run(**inputs)
+        if ids.shape[0] != 1:
+            raise EngineError(f"fast backend: batch 1 only, got {ids.shape[0]}")
+        return self._step(ids[0], inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0], inputs)
+
+    def _step(self, ids, pos, wi, mask, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The graph's outputs for ids [S], positions [S], write_index [1] and tree_mask [S, W] (and ``inputs``'
+        other tensors) on the kernels."""
+        raise NotImplementedError
 
 
 class FastQwen3Engine(_FastEngine):
@@ -225,15 +235,10 @@ class FastQwen3Engine(_FastEngine):
         self.taps = sorted(taps)
         self.hidden = config["hidden_size"]
 
-    def run(self, **inputs):
-        ids = inputs["input_ids"]
-        s = ids.shape[1]
-        if s > MAX_ROWS:
-            return self.reference.run(**inputs)
-        self._batch1(inputs)
-        pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
+    def _step(self, ids, pos, wi, mask, inputs):
+        s = ids.shape[0]
         sums, cfg = self.sums, self.kernels
-        x = embedding(ids[0], self.embed, sums_out=sums, cfg=cfg)             # [S, H], and its row sums
+        x = embedding(ids, self.embed, sums_out=sums, cfg=cfg)                # [S, H], and its row sums
         h = self.hidden
         taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
         for i, layer in enumerate(self.layers):
@@ -273,16 +278,11 @@ class FastEagle3Engine(_FastEngine):
         # speculators / vLLM heads: the attention residual is hidden_norm(hidden) (compile/models/eagle3.py)
         self.norm_before_residual = bool(config.get("norm_before_residual", False))
 
-    def run(self, **inputs):
-        ids = inputs["input_ids"]
-        if ids.shape[1] > MAX_ROWS:
-            return self.reference.run(**inputs)
-        self._batch1(inputs)
-        pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
+    def _step(self, ids, pos, wi, mask, inputs):
         hidden = inputs["hidden_states"][0]                                    # [S, H]
         layer, cfg = self.layer, self.kernels
         # u = [input_layernorm(embed(ids)), hidden_norm(hidden)]: embedding first (§3)
-        u = embed_norms(ids[0], self.embed, layer.ln1, hidden, self.hidden_norm, self.eps, cfg=cfg)
+        u = embed_norms(ids, self.embed, layer.ln1, hidden, self.hidden_norm, self.eps, cfg=cfg)
         qkv = linear(u, layer.qkv, cfg=cfg)
         a = self._attend(layer, qkv, self.kv[0], self.kv[1], pos, wi, mask, self.rope)
         h = hidden.shape[-1]
@@ -310,15 +310,10 @@ class FastMTPEngine(_FastEngine):
         self.lm_head, self.norm = p.get("shared_head.head.weight"), p.get("shared_head.norm.weight")
         self.rope = p.rope()
 
-    def run(self, **inputs):
-        ids = inputs["input_ids"]
-        if ids.shape[1] > MAX_ROWS:
-            return self.reference.run(**inputs)
-        self._batch1(inputs)
-        pos, wi, mask = inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0]
+    def _step(self, ids, pos, wi, mask, inputs):
         cfg = self.kernels
         # u = [enorm(embed(ids)), hnorm(hidden)]: embedding first, as DeepSeek-V3 concatenates them
-        u = embed_norms(ids[0], self.embed, self.enorm, inputs["hidden_states"][0], self.hnorm, self.eps, cfg=cfg)
+        u = embed_norms(ids, self.embed, self.enorm, inputs["hidden_states"][0], self.hnorm, self.eps, cfg=cfg)
         x = linear(u, self.eh, sums_out=self.sums, cfg=cfg)
         self._decoder(self.layer, x, self.kv[0], self.kv[1], pos, wi, mask)
         logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]

@@ -236,7 +236,7 @@ def test_help_shows_the_drafter_defaults():
     from xcompile.runtime.decoding.registry import DEFAULT_GAMMA, TreeShape
 
     text = " ".join(run("generate", "--help").output.split())
-    assert f"or the draft model [default: {DEFAULT_GAMMA}]" in text
+    assert f"(EAGLE3, MTP, the draft model) [default: {DEFAULT_GAMMA}]" in text
     for option, key in (("--tree-topk", "topk"), ("--tree-depth", "depth"), ("--tree-tokens", "total_tokens")):
         help_of = text.split(f"{option} INTEGER RANGE ", 1)[1].split(" --", 1)[0]
         assert f"[default: {getattr(TreeShape(), key)}]" in help_of, (option, help_of)
