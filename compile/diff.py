@@ -251,7 +251,7 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
             for i in range(opts.steps):
                 out = rec(f"decode{i + 1}", step_feed(_greedy(out["logits"]), n + i, [0]))
     # pairing: draft position t reads target feature t and token t+1 (docs/eagle3.md §3.1)
-    shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1) if prefill else None
+    shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1)
     for graph in (EAGLE3, MTP):
         if graph not in graphs:
             continue

@@ -219,7 +219,7 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
         taps = req.eagle3_taps or ckpt.tap_layers(head_cfg, cfg)
         check_eagle3_fits(head_cfg, cfg, _where(head_dir, "synthetic head"), taps)
     # an MTP module reads the last layer's output: tapped after EAGLE3's three (Manifest.tap_columns)
-    target_taps = (*taps, mtp.last_layer_tap(cfg)) if req.mtp is not None else tuple(taps)
+    target_taps = mtp.target_taps(taps, cfg) if req.mtp is not None else tuple(taps)
     with torch.device("meta"):
         target = Qwen3(cfg, max_seq_len, target_taps).to(dtype)
     parts = [_Part(TARGET, target, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source,

@@ -111,7 +111,8 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
     cfg = synthetic.known_config(name)
     if max_seq_len > cfg.context_length:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s {cfg.context_source}")
-    taps = [*(cfg.default_tap_layers if eagle3 else ()), *([mtp_model.last_layer_tap(cfg)] if mtp else [])]
+    taps = cfg.default_tap_layers if eagle3 else ()
+    taps = list(mtp_model.target_taps(taps, cfg) if mtp else taps)
     models = {TARGET: ModelEntry(qwen3.KIND, cfg.to_dict(), synthetic.source(name, seed), {"taps": taps})}
     if eagle3:
         head = synthetic_eagle3_config(cfg)

@@ -97,9 +97,13 @@ class SoftTargets:
     in_draft: torch.Tensor          # [B, T] bool, argmax is in the draft vocabulary
 
 
-def soft_targets(target_logits: torch.Tensor, tokens: torch.Tensor, t2d: torch.Tensor) -> SoftTargets:
-    """The target's logits [B, T, V] restricted to the draft vocabulary ``tokens`` [Vd] and renormalised."""
+def soft_targets(target_logits: torch.Tensor, tokens: torch.Tensor | None = None, t2d: torch.Tensor | None = None
+                 ) -> SoftTargets:
+    """The target's logits [B, T, V] restricted to the draft vocabulary ``tokens`` [Vd] and renormalised (None:
+    the whole vocabulary, which holds every argmax; no copy of the logits)."""
     argmax = target_logits.argmax(-1)
+    if tokens is None:
+        return SoftTargets(torch.softmax(target_logits.float(), -1), argmax, torch.ones_like(argmax, dtype=torch.bool))
     return SoftTargets(torch.softmax(target_logits[..., tokens].float(), -1), argmax, t2d[argmax])
 
 

@@ -21,18 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xcompile.compile.checkpoint import build_mtp
+from xcompile.compile.checkpoint import build_mtp, load_mtp
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models import mtp
 from xcompile.compile.synthetic import SyntheticSource
 from xcompile.compile.train import (
     HEAD_INIT_STD,
     Recipe,
-    SoftTargets,
     StepLoss,
     TrainOptions,
     TrainResult,
     check_target,
+    soft_targets,
     target_features,
     train_files,
     train_head,
@@ -69,7 +69,7 @@ def mtp_loss(target, module: mtp.MTP, opts: TrainOptions) -> StepLoss:
 
     def loss(ids: torch.Tensor, kv: list[torch.Tensor]):
         logits, last = target_features(target, ids, kv)
-        soft = SoftTargets(torch.softmax(logits.float(), -1), logits.argmax(-1), torch.ones_like(ids, dtype=torch.bool))
+        soft = soft_targets(logits)                                                # the whole vocabulary
         del logits
         return ttt_loss(ttt_forward(module, ids, last, opts.ttt_steps), soft, vocab)
     return loss
@@ -117,17 +117,8 @@ def save_mtp(module: mtp.MTP, out: str | Path, dtype: torch.dtype = torch.bfloat
     return out
 
 
-def load_mtp(path: Path, target, max_seq_len: int | None = None) -> mtp.MTP:
-    """The module written at ``path`` for ``target``, as an engine dir would load it."""
-    from xcompile.compile.checkpoint import CheckpointSource
-
-    config = Path(path) / "config.json"
-    cfg = mtp.parse_mtp(config)
-    mtp.check_mtp_fits(cfg, target.cfg, str(config))
-    return build_mtp(CheckpointSource(Path(path)), cfg, target, max_seq_len or target.max_seq_len)
-
-
-MTP_RECIPE = Recipe("train-mtp", lambda cfg: (mtp.last_layer_tap(cfg),), train_mtp, save_mtp, load_mtp)
+MTP_RECIPE = Recipe("train-mtp", lambda cfg: (mtp.last_layer_tap(cfg),), train_mtp, save_mtp,
+                    lambda out, target: load_mtp(out, target, target.max_seq_len))
 
 
 def train_mtp_files(model: str | Path, data: str | Path, out: str | Path, opts: TrainOptions,

@@ -6,8 +6,8 @@
     source.py       WeightSource: one model's weights (checkpoint or synthetic): files, hashes, tensors
 
 The key maps live with the model families (``Qwen3.key_map``, ``Eagle3.key_map``). This module builds
-modules from a ``WeightSource`` (``build``) and loads the checkpoint dirs of targets, draft models
-and EAGLE3 heads.
+modules from a ``WeightSource`` (``build``) and loads the checkpoint dirs of targets, draft models,
+EAGLE3 heads and MTP modules.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from xcompile.compile.config import (
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
-from xcompile.compile.models.mtp import MTP
+from xcompile.compile.models.mtp import MTP, check_mtp_fits, parse_mtp
 from xcompile.compile.models.qwen3 import Qwen3
 
 __all__ = [
     "DEMO_DIR", "Checkpoint", "CheckpointSource", "WeightSource", "build", "build_eagle3", "build_mtp", "build_qwen3",
-    "load_draft_model", "load_eagle3", "load_qwen3", "materialize", "module_state", "resolve", "resolve_draft",
-    "resolve_eagle3", "resolve_mtp", "tap_layers",
+    "load_draft_model", "load_eagle3", "load_mtp", "load_qwen3", "materialize", "module_state", "resolve",
+    "resolve_draft", "resolve_eagle3", "resolve_mtp", "tap_layers",
 ]
 
 
@@ -123,3 +123,12 @@ def load_eagle3(path: Path, target: Qwen3, max_seq_len: int, dtype: torch.dtype 
         raise CompileError(f"{config}: the head shares the target's embedding ({embed.dtype} on {embed.device}); "
                            f"load it with that dtype and device, not {dtype} on {device}")
     return build_eagle3(CheckpointSource(path), cfg, target, max_seq_len, rope_theta)
+
+
+def load_mtp(path: Path, target: Qwen3, max_seq_len: int) -> MTP:
+    """An MTP module for ``target`` from a checkpoint dir (what ``xcompile train-mtp`` writes), sharing the target's
+    embedding and lm_head (so in its dtype and on its device)."""
+    config = Path(path) / "config.json"
+    cfg = parse_mtp(config)
+    check_mtp_fits(cfg, target.cfg, str(config))
+    return build_mtp(CheckpointSource(Path(path)), cfg, target, max_seq_len)

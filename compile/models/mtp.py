@@ -165,3 +165,9 @@ class MTP(DecoderLayer):
 def last_layer_tap(target: Qwen3Config) -> int:
     """The tap the module reads: the output of the target's last layer (0-based)."""
     return target.num_hidden_layers - 1
+
+
+def target_taps(taps: tuple[int, ...] | list[int], target: Qwen3Config) -> tuple[int, ...]:
+    """A target's taps with an MTP module: ``taps`` (EAGLE3's) sorted, then the last layer's, which comes last
+    (the order Manifest.tap_columns reads)."""
+    return (*sorted(taps), last_layer_tap(target))

@@ -124,12 +124,11 @@ def test_demo_draft_model_alias_resolves_and_loads(tmp_path, monkeypatch, tiny_t
 
 def test_demo_mtp_module_resolves_and_loads():
     from xcompile.compile.models.mtp import parse_mtp
-    from xcompile.compile.train_mtp import load_mtp
 
     target_dir, mtp_dir = ck.resolve("demo"), ck.resolve_mtp("demo", "")
     assert mtp_dir == ck.DEMO_DIR / "mtp" and ck.resolve_mtp("DEMO", None) == mtp_dir
     target = ck.load_qwen3(target_dir, MAX_SEQ_LEN, (parse_qwen3(target_dir / "config.json").num_hidden_layers - 1,))
-    module = load_mtp(mtp_dir, target)
+    module = ck.load_mtp(mtp_dir, target, MAX_SEQ_LEN)
     assert parse_mtp(mtp_dir / "config.json").hidden_size == target.cfg.hidden_size
     assert module.embed_tokens.weight is target.model.embed_tokens.weight            # tied target: one tensor
     assert module.shared_head.head.weight is target.model.embed_tokens.weight

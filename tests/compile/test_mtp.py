@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from fixtures import refused
 
 from xcompile.compile import data as textdata
-from xcompile.compile.checkpoint import load_qwen3
+from xcompile.compile.checkpoint import load_mtp, load_qwen3
 from xcompile.compile.cli import main
 from xcompile.compile.models import mtp
 from xcompile.compile.train import TrainOptions, target_features
-from xcompile.compile.train_mtp import load_mtp, new_mtp, train_mtp, ttt_forward
+from xcompile.compile.train_mtp import new_mtp, train_mtp, ttt_forward
 from xcompile.runtime.cli.xrun import main as xrun
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
@@ -106,7 +106,7 @@ def test_cli_writes_a_module_that_loads_and_drafts_plain_greedy(tiny_target, cor
     from safetensors import safe_open
     with safe_open(str(out / "model.safetensors"), "pt") as f:            # no copy of the target's tensors
         assert not {"embed_tokens.weight", "shared_head.head.weight"} & set(f.keys())
-    module = load_mtp(out, target)
+    module = load_mtp(out, target, 64)
     assert module.shared_head.head.weight is target.lm_head.weight
     meta = json.loads((out / "xcompile_train.json").read_text())
     assert meta["tap_layers"] == [target.cfg.num_hidden_layers - 1] and meta["options"]["ttt_steps"] == 2
