@@ -1,6 +1,6 @@
 """Time the quantized projections (runtime/engines/kernels/qlinear.py) at the Qwen3-8B shapes, per candidate tile.
 
-    python benchmarks/qlinear_tiles.py [--kinds fp8,int4] [--rows 1,7]
+    python benchmarks/qlinear_tiles.py [--kinds fp8,int4] [--rows 1,7] [--cuda]
 
 For each kind (FP8 in 128 x 128 blocks, INT4 in groups of 128, as the published Qwen3-8B checkpoints store
 them) and each decoder projection, called as the fast engines call it (qkv and gate/up with the norm's weight
@@ -8,7 +8,8 @@ and the 1/rms from row sums, o and down adding into their output), every candida
 checked against qlinear_reference, then timed: the median µs of one call inside a CUDA graph of calls over
 rotating weight copies (L2 never holds the weights), with GB/s of the bytes the call reads. The last lines are
 each kind's best tile by the time of one decoder layer at each row count, which is what ``qlinear.GEMV_TILE`` (one
-row) and ``qlinear.TILE`` (several) ship.
+row) and ``qlinear.TILE`` (several) ship. With --cuda, one row times qgemv.cu's launches instead
+(``cuda_qgemv.TILE``), beside the shipped Triton GEMV ("triton").
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import itertools
 
 import torch
 
+from xcompile.runtime.engines.kernels import cuda_qgemv as C
 from xcompile.runtime.engines.kernels import qlinear as Q
+from xcompile.runtime.engines.kernels.config import KernelConfig
 from xcompile.runtime.engines.kernels.linear import RowSums
 from xcompile.runtime.engines.qweight import FP8, INT4, quantize
 
@@ -34,6 +37,8 @@ CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False,
 CANDIDATES = {True: list(itertools.product((4, 8), (512, 1024), (1, 2, 4), (0, 1, 2))),
               False: [(*t, p) for t in ((16, 1, 5), (16, 1, 8), (32, 1, 3), (32, 1, 5), (32, 2, 5))
                       for p in (0, 512, 1024)]}
+# qgemv.cu's (warps, bytes of a row a stage, stages, blocks: 0 as many as fit)
+CUDA = [C.QTile(*t) for t in itertools.product((4, 8), (512, 1024, 2048), (3, 4, 6), (0, 132))] + ["triton"]
 COPIES, CALLS_PER_GRAPH = 4, 32
 
 
@@ -61,7 +66,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="Time the quantized projections per candidate tile (module docstring).")
     ap.add_argument("--kinds", default="fp8,int4", help="fp8 and/or int4")
     ap.add_argument("--rows", default="1,7", help="row counts: 1 times the GEMV's candidates, more the tile kernel's")
+    ap.add_argument("--cuda", action="store_true", help="one row: time qgemv.cu's tiles and the Triton GEMV")
     args = ap.parse_args()
+    if args.cuda:
+        CANDIDATES[True] = CUDA
     kinds = args.kinds.split(",")
     if any(k not in BLOCKS for k in kinds):
         raise SystemExit(f"qlinear_tiles.py: --kinds {args.kinds!r}: expected fp8 and/or int4")
@@ -73,7 +81,7 @@ def main() -> None:
         raise SystemExit(f"qlinear_tiles.py: --rows {args.rows!r}: each row count must be 1..64 (MAX_ROWS)")
     if not torch.cuda.is_available():
         raise SystemExit("qlinear_tiles.py times kernels in CUDA graphs: no CUDA device is visible here")
-    shipped = {1: dict(Q.GEMV_TILE), 0: dict(Q.TILE)}
+    shipped = {1: {kind: (C.TILE.get(kind) if args.cuda else Q.GEMV_TILE[kind]) for kind in kinds}, 0: dict(Q.TILE)}
     for kind in kinds:
         layer = {r: {c: 0.0 for c in CANDIDATES[r == 1]} for r in rows_list}
         for name, n, k, parts, gated, norm, residual in CALLS:
@@ -90,10 +98,17 @@ def main() -> None:
                 out = torch.empty(rows, n, device=DEV, dtype=DT)
                 kw = dict(norm=g, sums=sums if norm else None, gated=gated)
                 want = Q.qlinear_reference(x, qws, norm=g, gated=gated)
-                table = Q.GEMV_TILE if rows == 1 else Q.TILE
+                table = (C.TILE if args.cuda else Q.GEMV_TILE) if rows == 1 else Q.TILE
                 for c in CANDIDATES[rows == 1]:
-                    table[kind] = c
+                    kw["cfg"] = KernelConfig(cuda_gemv=args.cuda and c != "triton")
+                    if args.cuda and rows == 1 and c != "triton" and C.fit(copies[0], c, gated) is None:
+                        layer[rows][c] = float("inf")           # a tile this shape cannot take
+                        continue
+                    if c != "triton":
+                        table[kind] = c
                     got = Q.qlinear(x, copies[0], **kw)
+                    if C.REFUSED:
+                        raise SystemExit(f"{kind} {name}: qgemv.cu refused {C.REFUSED}")
                     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
                     if err > 2e-2:
                         raise SystemExit(f"{kind} {name} rows {rows} tile {c}: relative error {err:.3g}")
@@ -106,6 +121,8 @@ def main() -> None:
             best = min(layer[rows], key=layer[rows].get)
             ship = shipped[rows == 1][kind]
             was = f"{layer[rows][ship]:.1f} us" if ship in layer[rows] else "not a candidate"
+            if ship is None:
+                was = f"the Triton GEMV, {layer[rows]['triton']:.1f} us"
             print(f"BEST {kind} rows {rows}: tile {best}, one layer's projections {layer[rows][best]:.1f} us "
                   f"(shipped {ship}: {was})")
 

@@ -4,7 +4,8 @@
 #   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
 #            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
 #   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
-#   quant    the quantized kernels' tests (all, compiled), benchmarks/qlinear_tiles.py at one row (TILES_ARGS: its options),
+#   quant    the quantized kernels' tests (all, compiled), benchmarks/qlinear_tiles.py at one row, qgemv.cu's tiles
+#            beside the Triton GEMV (TILES_ARGS: its options),
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
 #            tree 10/6/32)
@@ -77,9 +78,10 @@ for part in "$@"; do
     cat "$OUT/fast_decode.log"
     ;;
   quant)
-    run qlinear_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/engines/kernels/test_qlinear.py
+    run qlinear_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/engines/kernels/test_qlinear.py \
+      tests/runtime/engines/kernels/test_cuda_qgemv.py
     tail -1 "$OUT/qlinear_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/qlinear_tests.log" | head -20
-    run qlinear_tiles 280 python3 benchmarks/qlinear_tiles.py --rows 1 ${TILES_ARGS:-}
+    run qlinear_tiles 280 python3 benchmarks/qlinear_tiles.py --rows 1 --cuda ${TILES_ARGS:-}
     grep -E "^BEST" "$OUT/qlinear_tiles.log"
     run qlinear_timeline 200 python3 benchmarks/step_timeline.py --quantize "${QUANTIZE:-fp8}" --contexts 128 --tokens 1,7
     grep -E "^== |^ *(linear|qlinear|_q|_linear|attention|rope)" "$OUT/qlinear_timeline.log" | head -40

@@ -1,6 +1,7 @@
 """One-row bf16 projections in CUDA C++ (gemv.cu): the same operands, epilogues and RMSNorm rounding (its
 1/rms applied to the sums) as gemv.py's Triton GEMV, the weight rows streamed into shared memory by the copy engine (cp.async.bulk)
-a few stages ahead, so the bytes in flight are not bounded by the registers (gemv.cu's header).
+a few stages ahead, so the bytes in flight are not bounded by the registers (gemv.cu's header). The same
+library carries qgemv.cu, the one-row quantized kernel (cuda_qgemv.py).
 
 Built when first asked for (the fast engines ask when they are made, outside any graph capture) with the
 CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's architecture (sm_90 or newer: the
@@ -32,7 +33,7 @@ from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.engines.kernels.config import DEFAULT, CudaGemv, KernelConfig
 
-SOURCES = [Path(__file__).with_name(name) for name in ("common.cuh", "gemv.cu")]
+SOURCES = [Path(__file__).with_name(name) for name in ("common.cuh", "gemv.cu", "qgemv.cu")]
 log = logger(__name__)
 
 
@@ -88,11 +89,12 @@ def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCES[1])], capture_output=True, text=True)
+        units = [str(p) for p in SOURCES if p.suffix == ".cu"]
+        done = subprocess.run([compiler, *flags, "-o", tmp, *units], capture_output=True, text=True)
         if done.returncode:
             lines = (done.stderr or done.stdout).strip().splitlines()
             errors = [line.strip() for line in lines if "error" in line.lower()][:3] or lines[-3:]
-            raise RuntimeError(f"nvcc failed on {SOURCES[1]}: {' / '.join(errors)}")
+            raise RuntimeError(f"nvcc failed on {', '.join(units)}: {' / '.join(errors)}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -101,11 +103,12 @@ def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """The built library with xc_gemv's signature set."""
+    """The built library with xc_gemv's and xc_qgemv's signatures set."""
     lib = ctypes.CDLL(str(path))
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.xc_gemv.argtypes = [p, p, p, p, p, p, i, i, ctypes.c_float, i, i, i, i, i, i, i, i, i, i, p]
-    lib.xc_gemv.restype = i
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.xc_gemv.argtypes = [p, p, p, p, p, p, i, i, f, i, i, i, i, i, i, i, i, i, i, p]
+    lib.xc_qgemv.argtypes = [p] * 8 + [i] * 6 + [f] + [i] * 11 + [p]
+    lib.xc_gemv.restype = lib.xc_qgemv.restype = i
     return lib
 
 

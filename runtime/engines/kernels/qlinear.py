@@ -13,8 +13,9 @@ loaded in, they went back through shared memory), then scales the fp32 block sum
     int4   acc += s[n, b] * ((q - z)[n, b-block] . x)
 
 so no dequantized weight is ever rounded, and each row's sums run in the same order at any row count above
-one. The scales of the next step are requested before this step's sums. One row (decode) runs the GEMV of
-qgemv.py on the CUDA cores instead; its sums round in another order (as bf16's GEMV, kernels/gemv.py).
+one. The scales of the next step are requested before this step's sums. One row (decode) runs qgemv.cu's
+kernel where it is built (cuda_qgemv.py), else the GEMV of qgemv.py on the CUDA cores; either's sums round in
+another order (as bf16's GEMVs do, kernels/gemv.py).
 
 The INT4 codes are packed for this K step (``chunk``): byte j of a chunk holds code j in its low nibble and code
 j + chunk/2 in its high one, so a loaded tile splits into two halves that each meet a contiguous half of x, with
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.common.gpu import ieee_dot, interpreted
-from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
+from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE, cuda_qgemv
 from xcompile.runtime.engines.kernels.common import _load_x, counters
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.linear import RowSums, _finish, _zero_accs
@@ -251,7 +252,11 @@ def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, ep
               residual if residual is not None else dummy, extra_out if extra_out is not None else dummy)
     flags = dict(GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, INT4=w.kind == INT4,
                  PDL=cfg.pdl_on, CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NATIVE=not interpreted())
-    if m == 1:      # the GEMV (qgemv.py): its 1/rms from x as x streams, so it neither reads nor leaves row sums
+    if m == 1:      # a GEMV (qgemv.cu where it runs, else qgemv.py): its 1/rms from x as x streams, so it neither
+        # reads nor leaves row sums
+        if cuda_qgemv.qgemv(x, w, out, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out,
+                            cfg=cfg) is not None:
+            return out
         block_n, step, warps, ahead = GEMV_TILE[w.kind]
         least = w.chunk if w.kind == INT4 else 16         # a step: whole INT4 chunks
         step = max(step, least)

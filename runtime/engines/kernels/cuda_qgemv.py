@@ -1,0 +1,103 @@
+"""One-row quantized projections on qgemv.cu's kernel (built with gemv.cu into one library, cuda_gemv.py): the
+codes turned into bf16 by integer instructions and multiplied on the tensor cores, the rows streamed into
+shared memory by the copy engine (qgemv.cu's header). Where it runs (sm_90+, nvcc found, bf16, a layout it
+takes) qlinear() sends its one-row calls here; elsewhere they stay on the Triton GEMV (qgemv.py), which is
+also what CI's interpreter checks. Its tests are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from xcompile.runtime.common.gpu import interpreted
+from xcompile.runtime.common.logs import logger
+from xcompile.runtime.engines.kernels import cuda_gemv
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
+from xcompile.runtime.engines.qweight import FP8, INT4
+
+log = logger(__name__)
+SPAN, PAD = 64, 64      # qgemv.cu: bytes of a row a warp covers at once; the padding of a row in shared memory
+
+
+class QTile(NamedTuple):
+    """A launch of qgemv.cu: ``warps`` a block, ``ks`` bytes of each row a stage, ``stages`` (2-8) in shared
+    memory, ``grid`` blocks (0: as many as fit on the device)."""
+    warps: int
+    ks: int
+    stages: int
+    grid: int = 0
+
+
+# by kind, the fastest for one decoder layer's projections on the H200 (benchmarks/qlinear_tiles.py --cuda,
+# 2026-12-05): INT4 71.1 us against the Triton GEMV's 77.3; FP8 none: its best, 91.8 us, lost to Triton's 74.1
+TILE = {INT4: QTile(4, 1024, 3)}
+
+
+def smem_bytes(tile: QTile, gated: bool, k: int) -> int:
+    """Shared memory of a launch (xc_qgemv): the stages, x, the mbarriers, the warps' sums."""
+    rows = 32 if gated else 16
+    return tile.stages * rows * (tile.ks + PAD) + k * 2 + tile.stages * 8 + (tile.stages * tile.warps * rows
+                                                                             + tile.warps) * 4
+
+
+def fit(w, tile: QTile, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> QTile | None:
+    """``tile`` for QLinear ``w``, its ``ks`` halved until it divides a row's bytes of codes and each warp's
+    share is whole spans and whole scale blocks; None where qgemv.cu cannot take ``w`` (K not a multiple of
+    128, INT4 chunks other than 128 or groups not a multiple of 128, FP8 blocks not a multiple of 64 inputs)
+    or the tile cannot fit it."""
+    k = w.shape[1]
+    if k % 128 or (w.kind == INT4 and (w.chunk != 128 or w.cols % 128)) or (w.kind == FP8 and w.cols % SPAN):
+        return None
+    if not (1 <= tile.warps <= 16 and 2 <= tile.stages <= 8 and tile.grid >= 0):
+        return None
+    period = w.cols // 2 if w.kind == INT4 else w.cols          # bytes of codes under one scale
+    ck, ks = w.codes.shape[1], tile.ks
+    while ks >= SPAN * tile.warps and (ck % ks or (ks // tile.warps) % SPAN or (ks // tile.warps) % period):
+        ks //= 2
+    tile = tile._replace(ks=ks)
+    if ks < SPAN * tile.warps or smem_bytes(tile, gated, k) > smem_limit:
+        return None
+    return tile
+
+
+REFUSED: set[tuple] = set()         # (kind, shape, tile) whose launch the device refused
+
+
+def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, eps: float, gated: bool,
+          residual: torch.Tensor | None, extra_out: torch.Tensor | None, tile: QTile | None = None,
+          cfg: KernelConfig = DEFAULT) -> torch.Tensor | None:
+    """qlinear() of one row (its docstring) on qgemv.cu: x [1, K] -> out [1, N]; None where the kernel does not
+    run here (``cfg.cuda_gemv`` off, not CUDA or interpreted, not bf16, a kind ``TILE`` leaves to the Triton GEMV
+    and no ``tile`` given, a layout or tile it cannot take, no
+    library, a pointer not 16-byte aligned, the launch refused: warned once, and that shape stays on Triton)."""
+    if not cfg.cuda_gemv or x.device.type != "cuda" or interpreted():
+        return None
+    if any(t is not None and t.dtype != torch.bfloat16 for t in (x, out, norm, residual, extra_out)):
+        return None
+    tile = tile or TILE.get(w.kind)
+    if tile is None:
+        return None
+    index = x.device.index or 0
+    tile = fit(w, tile, gated, cuda_gemv.smem_limit(index))
+    key = (w.kind, w.shape, tile)
+    if tile is None or key in REFUSED or any(t is not None and t.data_ptr() % 16 for t in (x, w.codes, norm)):
+        return None
+    lib = cuda_gemv.library(index)
+    if lib is None:
+        return None
+    n_out, k = out.shape[1], x.shape[1]
+    ptrs = [t.data_ptr() if t is not None else None for t in (x, w.codes, w.scale, w.zero, out, residual, norm,
+                                                              extra_out)]
+    flags = (w.kind == INT4, *tile, norm is not None, gated, residual is not None, extra_out is not None, True,
+             cfg.pdl_on, torch.cuda.current_stream(x.device).cuda_stream)
+    with torch.cuda.device(x.device):
+        err = lib.xc_qgemv(*ptrs, n_out, k, w.codes.shape[1], w.scale.shape[1], w.rows, w.cols, eps, *flags)
+    if err:
+        reason = "no kernel for these flags" if err == -1 else f"cudaError_t {err}"
+        log.warning("CUDA quantized GEMV launch for %s %s with tile %s refused (%s); that shape stays on the "
+                    "Triton GEMV", w.kind, w.shape, tuple(tile), reason)
+        REFUSED.add(key)
+        return None
+    return out
