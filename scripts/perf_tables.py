@@ -57,6 +57,9 @@ TABLES = {
     "drafters-cpu": Table("drafters-cpu", "tau"),
     "sampling-cpu": Table("sampling-cpu", "tau"),
     "paradigms-cpu": Table("paradigms-cpu", "paradigms"),
+    "paradigms-8b": Table("paradigms-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
+                                                    "mtp (1", "draft-model step", "EAGLE3 chain round", "mtp chain round",
+                                                    "draft-model round", "EAGLE3 tree round", "mtp tree round")),
     "export-cpu": Table("export-cpu", "json", fields=(
         ("wall time, `xcompile export` as a child process", "wall_s", "{:.0f} s", 1),
         ("its peak resident memory", "peak_rss_gb_child", "{:.2f} GiB", 1))),
