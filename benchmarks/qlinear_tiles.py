@@ -19,6 +19,7 @@ import itertools
 
 import torch
 
+from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels import cuda_qgemv as C
 from xcompile.runtime.engines.kernels import qlinear as Q
 from xcompile.runtime.engines.kernels.config import KernelConfig
@@ -81,6 +82,8 @@ def main() -> None:
         raise SystemExit(f"qlinear_tiles.py: --rows {args.rows!r}: each row count must be 1..64 (MAX_ROWS)")
     if not torch.cuda.is_available():
         raise SystemExit("qlinear_tiles.py times kernels in CUDA graphs: no CUDA device is visible here")
+    if args.cuda and cuda_gemv.library(0) is None:       # else the CUDA rows would time the Triton fallback
+        raise SystemExit("qlinear_tiles.py --cuda: qgemv.cu is not built here (nvcc and an sm_90+ GPU; the log says why)")
     shipped = {1: {kind: (C.TILE.get(kind) if args.cuda else Q.GEMV_TILE[kind]) for kind in kinds}, 0: dict(Q.TILE)}
     for kind in kinds:
         layer = {r: {c: 0.0 for c in CANDIDATES[r == 1]} for r in rows_list}

@@ -8,8 +8,8 @@ One module per fused step, each with the plain-torch reference it is tested agai
     cuda_gemv.py  the same in CUDA C++ (gemv.cu, built with nvcc as the fast engines load) for the shapes the
                   tile tables list: weight rows streamed into shared memory by cp.async.bulk
     qlinear.py    the same with quantized weights (FP8 blocks, INT4 groups; codes converted in registers,
-                  qcodes.py); one row on qgemv.py's Triton GEMV, or in CUDA C++ on the tensor cores
-                  (qgemv.cu, cuda_qgemv.py) where nvcc builds it
+                  qcodes.py); one row on qgemv.py's Triton GEMV, or (INT4, where nvcc builds it) in
+                  CUDA C++ on the tensor cores (qgemv.cu, cuda_qgemv.py)
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
     norm.py       the embedding gather (with row sums), the EAGLE3 step's input norms, RMSNorm launches

@@ -7,8 +7,8 @@ Built when first asked for (the fast engines ask when they are made, outside any
 CUDA toolkit's ``nvcc`` (``$CUDA_HOME/bin`` or PATH) for the device's architecture (sm_90 or newer: the
 bulk copies are Hopper's), into ``$XCOMPILE_CACHE/cuda`` (else ``~/.cache/xcompile/cuda``) keyed by the
 sources, the architecture, the flags and nvcc's version, and called through ctypes on torch's current
-stream (so it records into CUDA graphs like any launch); one probe launch at load checks that the device runs
-the build. Without nvcc, on an older GPU, if the build or the probe fails or a launch is refused (a warning says
+stream (so it records into CUDA graphs like any launch); one probe launch of gemv.cu's kernel at load checks
+that the device runs the build. Without nvcc, on an older GPU, if the build or the probe fails or a launch is refused (a warning says
 why), one-row calls keep the Triton GEMV: the tile tables' ``cuda`` only says
 which shapes take this kernel where it runs (gate/up: faster there inside the graphed step; qkv was faster
 at context 128 and slower at 4096, o and down slower at both).
@@ -73,7 +73,7 @@ FLAGS = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
 
 
 def build(arch: str, compiler: str, out_dir: Path | None = None) -> Path:
-    """gemv.cu built for ``arch`` (e.g. 'sm_90') into the cache, unless a build of these sources, arch, flags
+    """gemv.cu and qgemv.cu built for ``arch`` (e.g. 'sm_90') into the cache, unless a build of these sources, arch, flags
     and nvcc is there; the library's path. Written under a temporary name and renamed into place, so a
     concurrent or interrupted build never leaves a partial library. RuntimeError with nvcc's error lines."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout

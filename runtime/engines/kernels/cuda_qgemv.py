@@ -54,7 +54,7 @@ def fit(w, tile: QTile, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> 
         return None
     period = w.cols // 2 if w.kind == INT4 else w.cols          # bytes of codes under one scale
     ck, ks = w.codes.shape[1], tile.ks
-    while ks >= SPAN * tile.warps and (ck % ks or (ks // tile.warps) % SPAN or (ks // tile.warps) % period):
+    while ks >= SPAN * tile.warps and (ck % ks or ks % (SPAN * tile.warps) or (ks // tile.warps) % period):
         ks //= 2
     tile = tile._replace(ks=ks)
     if ks < SPAN * tile.warps or smem_bytes(tile, gated, k) > smem_limit:
@@ -70,7 +70,7 @@ def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, e
           cfg: KernelConfig = DEFAULT) -> torch.Tensor | None:
     """qlinear() of one row (its docstring) on qgemv.cu: x [1, K] -> out [1, N]; None where the kernel does not
     run here (``cfg.cuda_gemv`` off, not CUDA or interpreted, not bf16, a kind ``TILE`` leaves to the Triton GEMV
-    and no ``tile`` given, a layout or tile it cannot take, no
+    and no ``tile`` given, a layout or tile it cannot take, operands not dense rows of w's shape, no
     library, a pointer not 16-byte aligned, the launch refused: warned once, and that shape stays on Triton)."""
     if not cfg.cuda_gemv or x.device.type != "cuda" or interpreted():
         return None
@@ -82,12 +82,16 @@ def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, e
     index = x.device.index or 0
     tile = fit(w, tile, gated, cuda_gemv.smem_limit(index))
     key = (w.kind, w.shape, tile)
+    n_out, k = (w.shape[0] // 2 if gated else w.shape[0]), x.shape[1]
     if tile is None or key in REFUSED or any(t is not None and t.data_ptr() % 16 for t in (x, w.codes, norm)):
+        return None
+    # the kernel indexes x, out, the residual and the second output as dense rows of w's output columns
+    if (x.shape != (1, w.shape[1]) or out.shape != (1, n_out) or (gated and n_out % w.rows)
+            or any(t is not None and t.stride(-1) != 1 for t in (x, out, residual, extra_out))):
         return None
     lib = cuda_gemv.library(index)
     if lib is None:
         return None
-    n_out, k = out.shape[1], x.shape[1]
     ptrs = [t.data_ptr() if t is not None else None for t in (x, w.codes, w.scale, w.zero, out, residual, norm,
                                                               extra_out)]
     flags = (w.kind == INT4, *tile, norm is not None, gated, residual is not None, extra_out is not None, True,

@@ -1,4 +1,5 @@
-// One-row quantized projections (FP8 e4m3 in scale blocks, INT4 in groups of 128 with zero points) on the
+// One-row quantized projections (FP8 e4m3 in scale blocks, INT4 in groups of 128 inputs or a multiple, with zero
+// points) on the
 // tensor cores, in CUDA C++ (cuda_gemv.py builds it beside gemv.cu and calls xc_qgemv): qgemv.py's operands
 // and epilogues, y = epilogue(prologue(x) W^T) for x [1, K] and W as qlinear.py's QLinear stores it.
 //
@@ -293,11 +294,11 @@ cudaError_t launch(cudaLaunchConfig_t& cfg, int grid, int sms, const Args& a) {
 
 }  // namespace
 
-// The launch (cuda_gemv.py checks the arguments): codes uint8 [N, ck] (FP8: ck = K; INT4: K / 2 bytes, each
+// The launch (cuda_qgemv.py's fit() and qgemv() check the arguments): codes uint8 [N, ck] (FP8: ck = K; INT4: K / 2 bytes, each
 // chunk of 128 inputs packed as qlinear.py packs it), scale (INT4: and zero) fp32 [ceil(N / rows), sk]; ks
 // bytes of a row a stage (dividing ck, a multiple of 64 x warps; each warp's share a multiple of the bytes
 // under one scale), stages 2-8, grid blocks (0: as many as fit), K a multiple of 128 (INT4: cols a multiple
-// of 128, FP8: of 64), every pointer 16-byte aligned. Returns the launch's cudaError_t (0: cudaSuccess).
+// of 128, FP8: of 64); x, codes and g 16-byte aligned (read 16 bytes at a time). Returns the launch's cudaError_t (0: cudaSuccess).
 extern "C" int xc_qgemv(const void* x, const void* codes, const void* scale, const void* zero, void* y, const void* r,
                         const void* g, void* y2, int n_out, int k, int ck, int sk, int rows, int cols, float eps,
                         int int4, int warps, int ks, int stages, int grid, int norm, int gated, int residual,

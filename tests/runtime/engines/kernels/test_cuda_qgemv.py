@@ -47,6 +47,12 @@ def test_fit_refuses_what_the_kernel_does_not_take(kind, block, k):
     assert C.fit(w, C.QTile(2, 256, 2), gated=False) is None
 
 
+def test_fit_refuses_a_stage_that_the_warps_cannot_split_into_whole_spans():
+    """257 bytes a stage divides the row (K = 257 x 128) and 4 warps would take 64 bytes each, one left over."""
+    _, w = weights(16, 257 * 128, FP8, (128, 64), device="cpu")
+    assert C.fit(w, C.QTile(4, 257, 2), gated=False) is None
+
+
 def test_fit_refuses_a_tile_beyond_shared_memory():
     _, w = weights(32, 4096, FP8, (128, 128), device="cpu")
     tile = C.QTile(8, 4096, 3)
