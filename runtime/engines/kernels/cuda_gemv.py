@@ -163,17 +163,23 @@ def smem_limit(index: int) -> int:
 REFUSED: set[tuple[int, int, CudaGemv]] = set()     # (N_OUT, K, tile) whose launch the device refused
 
 
+def runnable(x: torch.Tensor, cfg: KernelConfig, bf16: tuple, aligned: tuple) -> bool:
+    """Whether a one-row call may take a CUDA C++ kernel of this library: ``cfg.cuda_gemv`` on, x on a CUDA
+    device (not Triton's interpreter), the tensors of ``bf16`` bf16 and those of ``aligned`` (read in 16-byte
+    chunks) 16-byte aligned; None entries are skipped."""
+    if not cfg.cuda_gemv or x.device.type != "cuda" or interpreted():
+        return False
+    return (all(t is None or t.dtype == torch.bfloat16 for t in bf16)
+            and all(t is None or t.data_ptr() % 16 == 0 for t in aligned))
+
+
 def tile_for(x: torch.Tensor, w: torch.Tensor, n_out: int, k: int, norm: torch.Tensor | None,
              *tensors: torch.Tensor | None, cfg: KernelConfig = DEFAULT) -> CudaGemv | None:
     """The CUDA GEMV's tile for this one-row call, or None (``cfg.cuda_gemv`` off, the shape has none, K not a
     multiple of 8, not bf16, no CUDA device or no library, x, w or norm not 16-byte aligned, more shared
     memory than the device has, a launch of it refused before)."""
     tile = cfg.tiles.cuda.get((n_out, k))
-    if tile is None or k % 8 or not cfg.cuda_gemv or x.device.type != "cuda" or interpreted():
-        return None
-    if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w, norm, *tensors)):
-        return None
-    if any(t is not None and t.data_ptr() % 16 for t in (x, w, norm)):       # read in 16-byte chunks
+    if tile is None or k % 8 or not runnable(x, cfg, bf16=(x, w, norm, *tensors), aligned=(x, w, norm)):
         return None
     index = x.device.index or 0
     try:

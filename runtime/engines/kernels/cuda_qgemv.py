@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import torch
 
-from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
@@ -72,9 +71,7 @@ def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, e
     run here (``cfg.cuda_gemv`` off, not CUDA or interpreted, not bf16, a kind ``TILE`` leaves to the Triton GEMV
     and no ``tile`` given, a layout or tile it cannot take, operands not dense rows of w's shape, no
     library, a pointer not 16-byte aligned, the launch refused: warned once, and that shape stays on Triton)."""
-    if not cfg.cuda_gemv or x.device.type != "cuda" or interpreted():
-        return None
-    if any(t is not None and t.dtype != torch.bfloat16 for t in (x, out, norm, residual, extra_out)):
+    if not cuda_gemv.runnable(x, cfg, bf16=(x, out, norm, residual, extra_out), aligned=(x, w.codes, norm)):
         return None
     tile = tile or TILE.get(w.kind)
     if tile is None:
@@ -83,7 +80,7 @@ def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, e
     tile = fit(w, tile, gated, cuda_gemv.smem_limit(index))
     key = (w.kind, w.shape, tile)
     n_out, k = (w.shape[0] // 2 if gated else w.shape[0]), x.shape[1]
-    if tile is None or key in REFUSED or any(t is not None and t.data_ptr() % 16 for t in (x, w.codes, norm)):
+    if tile is None or key in REFUSED:
         return None
     # the kernel indexes x, out, the residual and the second output as dense rows of w's output columns
     if (x.shape != (1, w.shape[1]) or out.shape != (1, n_out) or (gated and n_out % w.rows)
