@@ -117,14 +117,18 @@ def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_
 
 @main.command("train-mtp")
 @_train_options("mtp-module", "Module directory")
-def train_mtp_cmd(ctx, model, revision, data, heldout, out, ttt_steps, steps, tokens, minutes, lr, batch, seq_len,
-                  device, seed, regenerate, max_new_tokens, force) -> None:
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=32000, show_default=True,
+              help="Draft vocabulary: the module's head reads the target's lm_head rows of the N most frequent "
+                   "tokens (the whole vocabulary when N reaches it).")
+def train_mtp_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr, batch,
+                  seq_len, device, seed, regenerate, max_new_tokens, force) -> None:
     """Train an MTP module (DeepSeek-V3 style, one layer over the target's last hidden) for a frozen target and
     write it to --out; build it into an engine dir with --mtp DIR."""
     from xcompile.compile.train_mtp import train_mtp_files
 
     _train(ctx, train_mtp_files, dict(ttt_steps=ttt_steps, steps=steps, tokens=tokens, minutes=minutes, lr=lr,
-                                      batch=batch, seq_len=seq_len, seed=seed, device=device),
+                                      batch=batch, seq_len=seq_len, draft_vocab=draft_vocab, seed=seed,
+                                      device=device),
            data, heldout, out, regenerate, max_new_tokens, model, revision, force)
 
 

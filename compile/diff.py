@@ -235,7 +235,7 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOptions, manifest: Manifest,
-                    d2t: torch.Tensor | None) -> dict[str, _Recorder]:
+                    d2t: dict[str, torch.Tensor]) -> dict[str, _Recorder]:
     batch = manifest.max_batch
     keep = opts.save is not None
     ids = torch.tensor([prompt] * batch, dtype=torch.int64)
@@ -265,8 +265,8 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
         out = head("prompt", step_feed(shifted, 0, [n - 1], taps))
         for j in range(opts.draft_steps):
             draft = _greedy(out["logits"])
-            if graph == EAGLE3 and d2t is not None:
-                draft = draft + d2t[draft]                                   # target = draft + d2t[draft]
+            if graph in d2t:
+                draft = draft + d2t[graph][draft]                            # target = draft + d2t[draft]
             out = head(f"draft{j + 1}", step_feed(draft, n + j, [0], out["hidden_out"][:, -1:]))
     return runs
 
@@ -343,7 +343,9 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
         if opts.save is not None else contextlib.nullcontext()
     with save as save_dir:
         graphs = _graphs(directory, manifest, opts.backend, device)
-        d2t = graphs[EAGLE3].module.d2t.cpu() if EAGLE3 in graphs else None
+        # the draft vocabularies' maps: an EAGLE3 head's, an MTP module's when it has one
+        d2t = {g: graphs[g].module.d2t.cpu() for g in (EAGLE3, MTP)
+               if g in graphs and hasattr(graphs[g].module, "d2t")}
         runs = _reference_pass(graphs, prompt, opts, manifest, d2t)
         report = DiffReport(str(directory), opts.backend, manifest.dtype, prompt,
                             {"": DEFAULT_ATOL[manifest.dtype], **opts.atol}, {"": DEFAULT_RTOL[manifest.dtype],

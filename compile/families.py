@@ -62,7 +62,7 @@ def _load_eagle3(source, cfg, max_seq_len, dtype, device, target, extra) -> nn.M
 def _load_mtp(source, cfg, max_seq_len, dtype, device, target, extra) -> nn.Module:
     if target is None:
         raise CompileError("an MTP module needs its target model (it shares the target's embedding and lm_head)")
-    return build_mtp(source, cfg, target, max_seq_len)
+    return build_mtp(source, cfg, target, max_seq_len, extra.get("draft_vocab"))
 
 
 FAMILIES: dict[str, Family] = {f.kind: f for f in (

@@ -1,7 +1,7 @@
 """``xcompile export``: checkpoint (or synthetic weights) -> an engine dir of ONNX graphs.
 
     resolve -> parse configs (+ checks) -> meta-device modules -> export each graph, weights
-    streamed tensor by tensor -> tokenizer files, d2t.safetensors -> manifest.json
+    streamed tensor by tensor -> tokenizer files, d2t maps -> manifest.json
 
 Atomic and locked (runtime/common/files.py): everything is written into a staging dir next to ``out`` and
 renamed onto it at the end, so a failure (or Ctrl-C) leaves nothing half-written; an existing dir is
@@ -44,7 +44,7 @@ from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir import integrity
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, MTP, TARGET
-from xcompile.runtime.enginedir.manifest import D2T_FILE, GraphEntry, Manifest, ModelEntry, io_table
+from xcompile.runtime.enginedir.manifest import D2T_FILES, GraphEntry, Manifest, ModelEntry, io_table
 from xcompile.runtime.enginedir.text import vocabulary
 from xcompile.runtime.engines.base import MODEL_TORCH_DTYPES
 
@@ -161,8 +161,8 @@ def export_into(directory: Path, name: str, req: ExportRequest, plan: ExportPlan
     written = []
     for p in parts:
         if p.d2t is not None:
-            _write_d2t(p, directory / D2T_FILE)
-            written.append(D2T_FILE)
+            _write_d2t(p, directory / D2T_FILES[p.key])
+            written.append(D2T_FILES[p.key])
     if target_dir is not None:
         manifest.tokenizer_files = _copy_tokenizer(target_dir, directory)
         written += manifest.tokenizer_files
@@ -268,16 +268,25 @@ def _mtp_part(req: ExportRequest, target: _Part, dtype: torch.dtype) -> _Part:
     the module's names (shared tensors, compile/models/mtp.py)."""
     cfg, source, mtp_dir = _open(req, MTP, target.module.cfg)
     mtp.check_mtp_fits(cfg, target.module.cfg, _where(mtp_dir, "synthetic MTP module"))
+    config = mtp_dir / "config.json" if mtp_dir else None
+    vocab = mtp.draft_vocab_size(config, read_json(config), cfg.vocab_size) if config else mtp.synthetic_draft_vocab(cfg)
     with torch.device("meta"):
-        module = mtp.MTP(cfg, target.module.max_seq_len, tied=target.module.cfg.tie_word_embeddings).to(dtype)
-    entry = ModelEntry(mtp.KIND, cfg.to_dict(), source.source, {"tap": mtp.last_layer_tap(target.module.cfg)})
+        module = mtp.MTP(cfg, target.module.max_seq_len, tied=target.module.cfg.tie_word_embeddings,
+                         draft_vocab=vocab).to(dtype)
+    extra = {"tap": mtp.last_layer_tap(target.module.cfg), **({"draft_vocab": vocab} if vocab else {})}
+    entry = ModelEntry(mtp.KIND, cfg.to_dict(), source.source, extra)
+    d2t = (lambda: source.tensor(module, "d2t")) if vocab else None
 
     def shared() -> Weights:
         t = target.module
-        yield "embed_tokens.weight", target.source.tensor(t, "model.embed_tokens.weight")
-        if not module.tied:
+        embed = target.source.tensor(t, "model.embed_tokens.weight")
+        yield "embed_tokens.weight", embed
+        if vocab:                       # the draft vocabulary's rows of the target's head (its embedding when tied)
+            head = embed if module.tied else target.source.tensor(t, "lm_head.weight")
+            yield "shared_head.head.weight", head[torch.arange(vocab) + d2t().to(torch.int64)]
+        elif not module.tied:
             yield "shared_head.head.weight", target.source.tensor(t, "lm_head.weight")
-    return _Part(MTP, module, source, entry, shared)
+    return _Part(MTP, module, source, entry, shared, d2t)
 
 
 def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, dtype: torch.dtype,
@@ -330,7 +339,7 @@ def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:
 
 
 def _write_d2t(head: _Part, path: Path) -> None:
-    """The head's draft->target id offsets (target = draft + d2t[draft]) as int64 ``d2t``."""
+    """The head's (an EAGLE3 head's, an MTP module's) draft->target id offsets (target = draft + d2t[draft]) as int64 ``d2t``."""
     from safetensors.torch import save_file
 
     save_file({"d2t": head.d2t().to(torch.int64).contiguous()}, str(path))

@@ -119,8 +119,9 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
         models[EAGLE3] = ModelEntry(Eagle3.kind, head.to_dict(), synthetic.source(name, seed, EAGLE3),
                                     {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
     if mtp:
+        vocab = mtp_model.synthetic_draft_vocab(cfg)
         models[MTP] = ModelEntry(mtp_model.KIND, mtp_model.mtp_config(cfg).to_dict(), synthetic.source(name, seed, MTP),
-                                 {"tap": mtp_model.last_layer_tap(cfg)})
+                                 {"tap": mtp_model.last_layer_tap(cfg), **({"draft_vocab": vocab} if vocab else {})})
     if draft:
         models[DRAFT] = ModelEntry(qwen3.KIND, synthetic.known_config(draft).to_dict(),
                                    synthetic.source(draft, seed, DRAFT))
@@ -129,8 +130,9 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
 
 def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device | str, eagle3: bool = True,
                    draft: str | None = None, seed: int = 0, quantize: str | None = None, mtp: bool = False
-                   ) -> tuple[Manifest, dict[str, Engine], torch.Tensor | None]:
-    """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the head's d2t.
+                   ) -> tuple[Manifest, dict[str, Engine], dict[str, torch.Tensor]]:
+    """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the d2t maps by graph (an
+    EAGLE3 head's, an MTP module's with a draft vocabulary).
     ``quantize`` (``fp8`` or ``int4``): the target's decoder linears rounded to that scheme (SYNTHETIC_SCHEMES),
     as a quantized checkpoint of that shape would hold them; the head stays in ``dtype``. ``mtp``: an MTP module
     too."""
@@ -141,7 +143,7 @@ def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device
         quantize_linears(engines[TARGET].module, quantize, block)
         manifest.models[TARGET].extra["quantization"] = {"method": "synthetic round-to-nearest", "kind": quantize,
                                                          "block": list(block)}
-    d2t = engines[EAGLE3].module.d2t if EAGLE3 in engines else None
+    d2t = {g: engines[g].module.d2t for g in (EAGLE3, MTP) if g in engines and hasattr(engines[g].module, "d2t")}
     return manifest, engines, d2t
 
 

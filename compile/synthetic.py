@@ -5,8 +5,8 @@ stream one tensor at a time onto a meta-device model (an 8B model does not fit t
 RAM) and still give the same weights as a fully built ``synthetic_qwen3``.
 
 Init: projections and embeddings N(0, std) with std 0.02 (HF ``initializer_range`` of Qwen3), RMSNorm
-weights 1, so residual activations stay O(1..100) and finite in bf16. An EAGLE3 head's d2t is a
-valid offset table: sorted distinct target ids minus arange (docs/eagle3.md §2).
+weights 1, so residual activations stay O(1..100) and finite in bf16. A draft vocabulary's d2t (an EAGLE3 head's,
+an MTP module's) is a valid offset table: sorted distinct target ids minus arange (docs/eagle3.md §2).
 
 An engine dir exported from synthetic weights records each model's source as
 ``synthetic:<name>:<seed>`` (``source``/``parse_source``): the target draws from the request's seed,
@@ -26,7 +26,7 @@ from xcompile.compile.checkpoint import build_eagle3, build_qwen3, module_state
 from xcompile.compile.checkpoint.source import WeightSource
 from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models import eagle3
+from xcompile.compile.models import eagle3, mtp
 from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.models.layers import RMSNorm
 from xcompile.compile.models.qwen3 import Qwen3
@@ -56,12 +56,12 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def draft_ids(seed: int, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
-    """The target ids an EAGLE3 draft vocabulary covers: sorted, distinct, [draft_vocab] int64."""
+    """The target ids a synthetic draft vocabulary covers: sorted, distinct, [draft_vocab] int64."""
     return torch.randperm(vocab_size, generator=_generator(seed, "d2t"))[:draft_vocab_size].sort().values
 
 
 def _d2t(model: nn.Module, seed: int) -> torch.Tensor:
-    ids = draft_ids(seed, model.cfg.vocab_size, model.cfg.draft_vocab_size)
+    ids = draft_ids(seed, model.cfg.vocab_size, model.d2t.shape[0])
     return ids - torch.arange(ids.shape[0])
 
 
@@ -69,8 +69,8 @@ def _t2d(model: nn.Module, seed: int) -> torch.Tensor:
     return eagle3.t2d_from_d2t(_d2t(model, seed), model.cfg.vocab_size)
 
 
-# state that is not a random weight, by model kind: an EAGLE3 head's valid vocabulary map
-_SPECIAL = {eagle3.KIND: {"d2t": _d2t, "t2d": _t2d}}
+# state that is not a random weight, by model kind: a draft vocabulary's valid map (EAGLE3 head, MTP module)
+_SPECIAL = {eagle3.KIND: {"d2t": _d2t, "t2d": _t2d}, mtp.KIND: {"d2t": _d2t}}
 
 
 def synthetic_tensor(model: nn.Module, name: str, like: torch.Tensor, seed: int, std: float = INIT_STD,

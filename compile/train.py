@@ -53,7 +53,7 @@ class TrainOptions:
     grad_clip: float = 0.5              # EAGLE/SpecForge max grad norm
     batch: int = 8
     seq_len: int = 512
-    draft_vocab: int = 32000            # EAGLE3's draft vocabulary (an MTP module drafts over the whole one)
+    draft_vocab: int = 32000            # the draft vocabulary (an MTP module's: the whole one where N reaches it)
     seed: int = 0
     device: str = "cuda"
     log_every: int = 10

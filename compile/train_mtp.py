@@ -6,9 +6,10 @@ evaluation, acceptance through the runtime), with the MTP module in the head's p
   - step 0 at index t reads h_t and token x_{t+1} and predicts x_{t+2}; step j > 0 reads step j-1's pre-norm
     output and x_{t+1+j}, as the chained module does at inference (DeepSeek-V3 trains one depth; chaining
     one module for gamma > 1, as vLLM and SGLang do, is what the unroll teaches it);
-  - loss_j = soft cross-entropy against the target's whole distribution at t+1+j (there is no draft
-    vocabulary: the module reads logits through the target's own lm_head);
-  - the embedding and lm_head are the target's, frozen and shared; the rest starts at std 0.02 (norms at 1).
+  - a draft vocabulary (``--draft-vocab``, EAGLE3's: the N most frequent tokens of the data) picks the rows of
+    the target's lm_head the module reads; loss_j = soft cross-entropy against the target's distribution at
+    t+1+j over those tokens (over the whole vocabulary when N reaches it);
+  - the embedding and lm_head (rows) are the target's, frozen; the rest starts at std 0.02 (norms at 1).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from xcompile.compile.train import (
     ttt_attention,
     ttt_loss,
 )
+from xcompile.compile.train_eagle3 import draft_vocabulary
 
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")     # the target's tensors, never written
 
@@ -64,23 +66,36 @@ def ttt_forward(module: mtp.MTP, input_ids: torch.Tensor, last: torch.Tensor, st
 
 
 def mtp_loss(target, module: mtp.MTP, opts: TrainOptions) -> StepLoss:
-    """The module's TTT loss against the target's whole next-token distribution."""
-    vocab = torch.arange(module.cfg.vocab_size, device=module.eh_proj.weight.device)
+    """The module's TTT loss against the target's next-token distribution over its head's tokens."""
+    rows = module.head_rows()
+    vocab = torch.arange(module.cfg.vocab_size, device=module.eh_proj.weight.device) if rows is None else rows
+    covered = None
+    if rows is not None:
+        covered = torch.zeros(module.cfg.vocab_size, dtype=torch.bool, device=rows.device)
+        covered[rows] = True
 
     def loss(ids: torch.Tensor, kv: list[torch.Tensor]):
         logits, last = target_features(target, ids, kv)
-        soft = soft_targets(logits)                                                # the whole vocabulary
+        soft = soft_targets(logits) if rows is None else soft_targets(logits, rows, covered)
         del logits
         return ttt_loss(ttt_forward(module, ids, last, opts.ttt_steps), soft, vocab)
     return loss
 
 
-def new_mtp(target, max_seq_len: int, seed: int) -> mtp.MTP:
-    """A fresh module for ``target`` (one layer of its shape) sharing its embedding and lm_head: linears at std
-    0.02 and norms at 1 (seeded), fp32 master weights on the target's device, trainable but for the shared."""
+def new_mtp(target, max_seq_len: int, seed: int, windows: torch.Tensor | None = None,
+            draft_vocab: int | None = None) -> mtp.MTP:
+    """A fresh module for ``target`` (one layer of its shape) sharing its embedding and lm_head (with
+    ``draft_vocab``: the rows of the most frequent tokens of ``windows``): linears at std 0.02 and norms at 1
+    (seeded), fp32 master weights on the target's device, trainable but for the target's tensors."""
+    vocab = draft_vocab if draft_vocab and draft_vocab < target.cfg.vocab_size else None
     module = build_mtp(SyntheticSource("mtp-init", seed, HEAD_INIT_STD), mtp.mtp_config(target.cfg), target,
-                       max_seq_len)
-    shared = {id(p) for p in target.parameters()}
+                       max_seq_len, vocab)
+    if vocab:
+        _, d2t, _ = draft_vocabulary(windows, target.cfg.vocab_size, vocab)
+        with torch.no_grad():
+            module.d2t.copy_(d2t)
+            module.shared_head.head.weight.copy_(target.lm_head.weight[module.head_rows()])
+    shared = {id(p) for p in target.parameters()} | {id(module.shared_head.head.weight)}
     for owner in module.modules():
         for attr, p in list(owner.named_parameters(recurse=False)):
             if id(p) not in shared:
@@ -95,9 +110,12 @@ def train_mtp(target, windows: torch.Tensor, opts: TrainOptions, heldout: torch.
     check_target(target, windows, opts, "train_mtp")
     if target.taps != (mtp.last_layer_tap(target.cfg),):
         raise CompileError(f"train_mtp needs the target tapping its last layer alone, got taps {list(target.taps)}")
-    module = new_mtp(target, windows.shape[1] + opts.ttt_steps, opts.seed)
-    log(f"train-mtp: one {target.cfg.hidden_size}-wide layer over the target's last hidden, whole vocabulary "
-        f"({target.cfg.vocab_size})")
+    module = new_mtp(target, windows.shape[1] + opts.ttt_steps, opts.seed, windows, opts.draft_vocab)
+    rows = module.head_rows()
+    vocab = (f"whole vocabulary ({target.cfg.vocab_size})" if rows is None else
+             f"draft vocabulary {len(rows)} of {target.cfg.vocab_size} (covers "
+             f"{float(torch.isin(windows, rows.cpu()).float().mean()):.1%} of the data's tokens)")
+    log(f"train-mtp: one {target.cfg.hidden_size}-wide layer over the target's last hidden, {vocab}")
     return train_head(target, module, mtp_loss(target, module, opts), windows, opts, heldout, log)
 
 
@@ -108,10 +126,10 @@ def save_mtp(module: mtp.MTP, out: str | Path, dtype: torch.dtype = torch.bfloat
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(dtype).cpu().contiguous() for name, t in module.state_dict().items()
-               if name not in SHARED}
+    tensors = {name: t.detach().to(dtype if t.is_floating_point() else t.dtype).cpu().contiguous()
+               for name, t in module.state_dict().items() if name not in SHARED}     # d2t stays int64
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    mtp.write_config(module.cfg, out / "config.json")
+    mtp.write_config(module.cfg, out / "config.json", module.draft_vocab)
     if metadata is not None:
         (out / "xcompile_train.json").write_text(json.dumps(metadata, indent=2) + "\n")
     return out

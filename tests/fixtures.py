@@ -263,16 +263,19 @@ def staging_leftovers(parent: Path) -> list[str]:
                   p.name.endswith((".partial", ".old", ".lock")))
 
 
-def write_mtp_checkpoint(path: Path, target_dir: Path, seed: int = 0, std: float = 0.2) -> Path:
+def write_mtp_checkpoint(path: Path, target_dir: Path, seed: int = 0, std: float = 0.2,
+                         draft_vocab: int | None = None) -> Path:
     """A random MTP module for the checkpoint ``target_dir`` written as ``xcompile train-mtp`` writes one (fp32;
-    every term non-trivial: matrices at ``std``, norms at 1 +- 0.1)."""
+    every term non-trivial: matrices at ``std``, norms at 1 +- 0.1); ``draft_vocab``: with a draft vocabulary
+    of that many tokens, the most frequent of random windows."""
     from xcompile.compile.checkpoint import load_qwen3
     from xcompile.compile.train_mtp import new_mtp, save_mtp
 
     layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
     target = load_qwen3(target_dir, 64, (layers - 1,))
-    module = new_mtp(target, 64, seed)
     g = torch.Generator().manual_seed(seed)
+    windows = torch.randint(0, target.cfg.vocab_size, (8, 64), generator=g)
+    module = new_mtp(target, 64, seed, windows, draft_vocab)
     with torch.no_grad():
         for name, p in sorted(module.named_parameters()):
             if name not in ("embed_tokens.weight", "shared_head.head.weight"):

@@ -62,6 +62,7 @@ class Tiny:
     d2t: torch.Tensor
     max_seq_len: int
     mtp: MTP
+    mtp_vocab: MTP                  # the same module with a draft vocabulary (the EAGLE3 head's, its head those rows)
 
     def target_engine(self) -> TorchEngine:
         return qwen3_engine(self.target)
@@ -79,8 +80,8 @@ class Tiny:
     def eagle3_engines(self) -> tuple[TorchEngine, TorchEngine]:
         return eagle3_engines(self.eagle3, self.max_seq_len)
 
-    def mtp_engine(self) -> TorchEngine:
-        return torch_engines(self.mtp, MTP_GRAPH, self.max_seq_len)[MTP_GRAPH]
+    def mtp_engine(self, vocab: bool = False) -> TorchEngine:
+        return torch_engines(self.mtp_vocab if vocab else self.mtp, MTP_GRAPH, self.max_seq_len)[MTP_GRAPH]
 
 
 def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -99,8 +100,14 @@ def build(max_seq_len: int = 160, seed: int = 0, device: str = "cpu", dtype: tor
     eagle3.d2t.copy_(d2t)
     mtp = init_(MTP(mtp_config(cfgs[0]), max_seq_len), seed + 4)
     mtp.embed_tokens.weight, mtp.shared_head.head.weight = target.model.embed_tokens.weight, target.lm_head.weight
-    target, draft, eagle3, mtp = (m.to(device, dtype) for m in (target, draft, eagle3, mtp))
-    return Tiny(target, draft, eagle3, d2t.to(device), max_seq_len, mtp)
+    mtp_vocab = MTP(mtp_config(cfgs[0]), max_seq_len, draft_vocab=DRAFT_VOCAB)
+    own = {k: v for k, v in mtp.state_dict().items() if not k.startswith(("embed_tokens.", "shared_head.head."))}
+    mtp_vocab.load_state_dict(own, strict=False)
+    mtp_vocab.d2t.copy_(d2t)
+    mtp_vocab.embed_tokens.weight = target.model.embed_tokens.weight
+    mtp_vocab.shared_head.head.weight = torch.nn.Parameter(target.lm_head.weight.detach()[hot].clone())
+    target, draft, eagle3, mtp, mtp_vocab = (m.to(device, dtype) for m in (target, draft, eagle3, mtp, mtp_vocab))
+    return Tiny(target, draft, eagle3, d2t.to(device), max_seq_len, mtp, mtp_vocab)
 
 
 def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -178,4 +185,6 @@ DRAFTERS = {
     "eagle3-tree": lambda t: Eagle3TreeDrafter(*t.eagle3_engines(), t.d2t, 4, 3, 12),
     "mtp": lambda t: MTPChainDrafter(t.mtp_engine(), 3, MTP_COLUMNS),
     "mtp-tree": lambda t: MTPTreeDrafter(t.mtp_engine(), 4, 3, 12, columns=MTP_COLUMNS),
+    "mtp-vocab": lambda t: MTPChainDrafter(t.mtp_engine(vocab=True), 3, MTP_COLUMNS, d2t=t.d2t),
+    "mtp-vocab-tree": lambda t: MTPTreeDrafter(t.mtp_engine(vocab=True), 4, 3, 12, columns=MTP_COLUMNS, d2t=t.d2t),
 }

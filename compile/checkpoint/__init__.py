@@ -28,10 +28,11 @@ from xcompile.compile.config import (
     check_eagle3_fits,
     parse_eagle3,
     parse_qwen3,
+    read_json,
 )
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
-from xcompile.compile.models.mtp import MTP, check_mtp_fits, parse_mtp
+from xcompile.compile.models.mtp import MTP, check_mtp_fits, draft_vocab_size, parse_mtp
 from xcompile.compile.models.qwen3 import Qwen3
 
 __all__ = [
@@ -70,15 +71,25 @@ def build_eagle3(source: WeightSource, cfg: Eagle3Config, target: Qwen3, max_seq
     return build(head, source, embed.dtype, embed.device)
 
 
-def build_mtp(source: WeightSource, cfg: Qwen3Config, target: Qwen3, max_seq_len: int) -> MTP:
+def build_mtp(source: WeightSource, cfg: Qwen3Config, target: Qwen3, max_seq_len: int,
+              draft_vocab: int | None = None) -> MTP:
     """An MTP module of config ``cfg`` from ``source``, sharing the target's embedding and lm_head tensors (so in
-    the target's dtype and on its device)."""
+    the target's dtype and on its device); with ``draft_vocab``, its head is a copy of the lm_head rows its
+    d2t names."""
     embed, head = target.model.embed_tokens.weight, target.lm_head.weight
     with torch.device("meta"):
-        module = MTP(cfg, max_seq_len, tied=target.cfg.tie_word_embeddings).to(embed.dtype)
+        module = MTP(cfg, max_seq_len, tied=target.cfg.tie_word_embeddings, draft_vocab=draft_vocab).to(embed.dtype)
     module.embed_tokens.weight = embed              # shared, not copied: external in the key map
-    module.shared_head.head.weight = head           # the target's (its embedding when tied)
-    return build(module, source, embed.dtype, embed.device)
+    if draft_vocab:                                  # filled once d2t is read
+        module.shared_head.head.weight = nn.Parameter(torch.empty(draft_vocab, head.shape[1], dtype=head.dtype,
+                                                                  device=head.device), requires_grad=False)
+    else:
+        module.shared_head.head.weight = head       # the target's (its embedding when tied)
+    module = build(module, source, embed.dtype, embed.device)
+    if draft_vocab:
+        with torch.no_grad():
+            module.shared_head.head.weight.copy_(head[module.head_rows()])
+    return module
 
 
 def load_qwen3(path: Path, max_seq_len: int, taps: tuple[int, ...] | None = None,
@@ -129,6 +140,8 @@ def load_mtp(path: Path, target: Qwen3, max_seq_len: int) -> MTP:
     """An MTP module for ``target`` from a checkpoint dir (what ``xcompile train-mtp`` writes), sharing the target's
     embedding and lm_head (so in its dtype and on its device)."""
     config = Path(path) / "config.json"
-    cfg = parse_mtp(config)
+    data = read_json(config)
+    cfg = parse_mtp(config, data)
     check_mtp_fits(cfg, target.cfg, str(config))
-    return build_mtp(CheckpointSource(Path(path)), cfg, target, max_seq_len)
+    return build_mtp(CheckpointSource(Path(path)), cfg, target, max_seq_len,
+                     draft_vocab_size(config, data, cfg.vocab_size))

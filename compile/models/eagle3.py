@@ -47,11 +47,12 @@ def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return t2d
 
 
-def _check_d2t(cfg: Eagle3Config, d2t: torch.Tensor, where: str) -> None:
+def check_d2t(vocab_size: int, d2t: torch.Tensor, where: str) -> None:
+    """A draft vocabulary's d2t (an EAGLE3 head's, an MTP module's) maps draft ids into the target vocabulary."""
     ids = torch.arange(d2t.shape[0]) + d2t
-    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise CompileError(f"{where}: tensor 'd2t' maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
-                           f"outside the target vocabulary [0, {cfg.vocab_size}); d2t holds offsets "
+                           f"outside the target vocabulary [0, {vocab_size}); d2t holds offsets "
                            "(target = draft + d2t[draft])")
 
 
@@ -74,7 +75,7 @@ def key_map(cfg: Eagle3Config) -> KeyMap:
         external=frozenset({"embed_tokens.weight"}),
         # t2d is unused at inference (vLLM/sglang skip it); some heads do not ship it
         derived={"t2d": t2d},
-        checks={"d2t": partial(_check_d2t, cfg)},
+        checks={"d2t": partial(check_d2t, cfg.vocab_size)},
     )
 
 

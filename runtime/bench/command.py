@@ -16,6 +16,7 @@ from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.registry import TreeShape
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+from xcompile.runtime.enginedir.contract import EAGLE3, MTP
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.load import EngineSet, fast_engines, open_engine_dir, pick_backend, torch_models
@@ -68,7 +69,7 @@ def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
         backend = pick_backend(manifest, "auto", device)
     if backend == "fast":
         engines = fast_engines(manifest, engines)
-    return EngineSet(None, manifest, backend, engines, d2t, {"provider": provider})
+    return EngineSet(None, manifest, backend, engines, d2t.get(EAGLE3), {"provider": provider}, d2t.get(MTP))
 
 
 def check_contexts(req: BenchRequest) -> None:

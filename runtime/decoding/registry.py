@@ -137,8 +137,8 @@ def _mtp(es: EngineSet, spec: DrafterSpec) -> Drafter:
     cols = es.manifest.tap_columns(MTP)
     if spec.tree is not None:
         t = spec.tree
-        return MTPTreeDrafter(es.engines[MTP], t.topk, t.depth, t.total_tokens, columns=cols)
-    return MTPChainDrafter(es.engines[MTP], spec.gamma, cols)
+        return MTPTreeDrafter(es.engines[MTP], t.topk, t.depth, t.total_tokens, columns=cols, d2t=es.mtp_d2t)
+    return MTPChainDrafter(es.engines[MTP], spec.gamma, cols, d2t=es.mtp_d2t)
 
 
 # order is auto's preference (module docstring); "none" holds always, so auto always finds one

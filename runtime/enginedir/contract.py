@@ -24,8 +24,8 @@ Graphs:
     eagle3_fc  the EAGLE3 ``fc`` projection of target taps (3H -> H); kept apart so the
             ``eagle3`` graph takes one hidden width for target features and its own feedback.
     mtp     one step of a DeepSeek-V3-style MTP module (compile/models/mtp.py): the ``eagle3`` graph's
-            inputs and outputs, logits over the target's ``vocab``; its hidden input is the target's last
-            layer output (one of the target's taps).
+            inputs and outputs, logits over its ``draft_vocab`` (the target's ``vocab`` without one); its
+            hidden input is the target's last layer output (one of the target's taps).
 
 KV caches: input ``past_key_{i}`` [batch, kv_heads, max_seq_len, head_dim] is updated in place;
 output ``present_key_{i}`` aliases it (TensorRT KVCacheUpdate / ORT TensorScatter in place).
@@ -165,7 +165,7 @@ def target_spec(num_layers: int, taps: bool = True) -> GraphSpec:
 
 def eagle3_spec(graph: str = EAGLE3, vocab: str = "draft_vocab") -> GraphSpec:
     """EAGLE3 step: draft-vocab logits of the selected rows and the pre-norm hidden to feed back (the ``mtp``
-    step: the same over the target's ``vocab``)."""
+    step: the same, over its draft vocabulary or the target's whole one)."""
     mask = TensorSpec("tree_mask", "bool", ("batch", "tokens", "mask_keys"))
     inputs = (_STEP_INPUTS[0], TensorSpec("hidden_states", MODEL_DTYPE, ("batch", "tokens", "hidden")),
               *(mask if t.name == "tree_mask" else t for t in _STEP_INPUTS[1:]))
@@ -196,7 +196,7 @@ def graph_spec(graph: str, num_layers: int = 0) -> GraphSpec:
     if graph == EAGLE3_FC:
         return eagle3_fc_spec()
     if graph == MTP:
-        return eagle3_spec(MTP, "vocab")
+        return eagle3_spec(MTP)
     raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
 
 @dataclass(frozen=True)

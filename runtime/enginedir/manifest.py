@@ -8,6 +8,7 @@ Layout of an engine dir (engines/README.md):
     *.engine                TensorRT engines, one per entry of ``engines`` (after ``xcompile build``)
     tokenizer.json, tokenizer_config.json, ...   the target's tokenizer files
     d2t.safetensors         EAGLE3 draft->target id offsets (when an EAGLE3 head is present)
+    mtp_d2t.safetensors     the same for an MTP module's draft vocabulary (when it has one)
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from pathlib import Path
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir import integrity
-from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, EAGLE3, TARGET, GraphSpec, KVShape, TensorSpec
+from xcompile.runtime.enginedir.contract import CONTRACT_VERSION, EAGLE3, MTP, TARGET, GraphSpec, KVShape, TensorSpec
 from xcompile.runtime.enginedir.schema import validate
 
 MANIFEST = "manifest.json"
 FORMAT = "xcompile-engine-dir"
 D2T_FILE = "d2t.safetensors"
+D2T_FILES = {EAGLE3: D2T_FILE, MTP: "mtp_d2t.safetensors"}     # by graph: its draft vocabulary's ids
 
 
 @dataclass
@@ -154,10 +156,16 @@ class Manifest:
                              "exported weights: re-export from it (`xcompile export/build ... --force`), or run the "
                              "graphs with --backend ort/trt")
 
+    def d2t_files(self) -> dict[str, str]:
+        """graph -> the file of its draft vocabulary's d2t: an EAGLE3 head's always, an MTP module's when the
+        module has a draft vocabulary (``extra.draft_vocab``)."""
+        return {g: f for g, f in D2T_FILES.items() if g in self.graphs
+                and (g == EAGLE3 or self.models[g].extra.get("draft_vocab"))}
+
     def needed_files(self) -> list[str]:
-        """Every file the dir's graphs, engines, d2t map and tokenizer need, then any other recorded one."""
+        """Every file the dir's graphs, engines, d2t maps and tokenizer need, then any other recorded one."""
         names = [f for g in self.graphs for f in self.graph_files(g)] + [e.file for e in self.engines.values()]
-        names += ([D2T_FILE] if EAGLE3 in self.graphs else []) + list(self.tokenizer_files)
+        names += list(self.d2t_files().values()) + list(self.tokenizer_files)
         return names + sorted(set(self.files) - set(names))
 
     def graph_spec(self, graph: str) -> GraphSpec:

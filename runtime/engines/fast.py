@@ -298,8 +298,8 @@ class FastEagle3Engine(_FastEngine):
 
 class FastMTPEngine(_FastEngine):
     """The ``mtp`` graph (compile/models/mtp.py) on the kernels: embedding + enorm / hnorm in one launch (the
-    EAGLE3 step's), eh_proj, a Qwen3 decoder layer as the target's, and the target's lm_head behind the
-    module's own norm (not folded: the head is the target's tensor)."""
+    EAGLE3 step's), eh_proj, a Qwen3 decoder layer as the target's, and the target's lm_head (or the rows of
+    the module's draft vocabulary) behind the module's own norm (not folded: the head may be the target's tensor)."""
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference, config, kernels)
@@ -345,8 +345,11 @@ def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],
         if not isinstance(engine, TorchEngine):
             raise EngineError(f"fast backend: {graph} is not a torch-backend engine")
         if graph in (TARGET, DRAFT):
+            # an MTP module without a draft vocabulary reads the target's head itself
+            shared = graph == TARGET and MTP in engines and (
+                engines[MTP].module.shared_head.head.weight.data_ptr() == engine.module.lm_head.weight.data_ptr())
             out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (), kernels,
-                                         shared_head=graph == TARGET and MTP in engines)
+                                         shared_head=shared)
         elif graph == MTP:
             out[graph] = FastMTPEngine(engine, configs[graph], kernels)
         elif graph == EAGLE3:

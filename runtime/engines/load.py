@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, TARGET
+from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, MTP, TARGET
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +38,8 @@ AUTO = "auto"
 
 @dataclass
 class EngineSet:
-    """The engines of one engine dir on one backend (+ the EAGLE3 d2t map), as ``open_engine_dir`` opens
-    them. A context manager: ``with open_engine_dir(d) as es: ...`` closes every engine on the way out."""
+    """The engines of one engine dir on one backend (+ the d2t maps of an EAGLE3 head and of an MTP module with
+    a draft vocabulary), as ``open_engine_dir`` opens them. A context manager: ``with open_engine_dir(d) as es: ...`` closes every engine on the way out."""
 
     directory: Path | None
     manifest: Manifest
@@ -47,6 +47,7 @@ class EngineSet:
     engines: dict[str, Engine]
     d2t: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    mtp_d2t: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -198,7 +199,7 @@ def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
 def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "cpu", *,
                     cuda_graphs: bool = True, max_draft_tokens: int = 64, verify: bool = False,
                     kernels: KernelConfig | None = None) -> EngineSet:
-    """Every graph of the dir as an Engine on ``backend``; d2t loaded when an EAGLE3 head is there.
+    """Every graph of the dir as an Engine on ``backend``; the d2t maps loaded (EngineSet).
     Use it as a context manager (``with open_engine_dir(...) as es:``) or close it in a ``finally``.
     Every file used is checked against the manifest's sizes and hashes first: sampled blocks, or
     every byte with ``verify`` (runtime/enginedir/integrity.py).
@@ -208,7 +209,7 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     (``LoopOptions(cuda_graphs=...)``, runtime/decoding/rounds.py)."""
     import torch
 
-    from xcompile.runtime.enginedir.manifest import D2T_FILE, Manifest
+    from xcompile.runtime.enginedir.manifest import Manifest
 
     directory = Path(directory)
     manifest = Manifest.load(directory)
@@ -219,13 +220,16 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     if backend == "trt" and dev.type != "cuda":
         raise EngineError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
                           "machine with an NVIDIA GPU, or --backend ort/torch here")
-    manifest.verify(directory, ([D2T_FILE] if EAGLE3 in manifest.graphs else []) + manifest.tokenizer_files, verify)
+    d2t_files = manifest.d2t_files()
+    manifest.verify(directory, list(d2t_files.values()) + manifest.tokenizer_files, verify)
     engines = BACKENDS[backend].load(directory, manifest, dev, OpenOptions(cuda_graphs, max_draft_tokens, verify,
                                                                                 kernels))
     es = EngineSet(directory, manifest, backend, engines)
     try:
-        if EAGLE3 in engines:
-            es.d2t = load_d2t(directory / D2T_FILE, dev)
+        if EAGLE3 in d2t_files:
+            es.d2t = load_d2t(directory / d2t_files[EAGLE3], dev)
+        if MTP in d2t_files:
+            es.mtp_d2t = load_d2t(directory / d2t_files[MTP], dev)
     except BaseException:
         es.close()
         raise
@@ -233,9 +237,10 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
 
 
 def load_d2t(path: Path, device: torch.device) -> torch.Tensor:
-    """The EAGLE3 draft->target id offsets of an engine dir (``d2t.safetensors``)."""
+    """The draft->target id offsets of an engine dir (``d2t.safetensors``: the EAGLE3 head's;
+    ``mtp_d2t.safetensors``: the MTP module's)."""
     if not path.is_file():
-        raise EngineError(f"{path}: missing; the EAGLE3 head needs its draft->target map (re-export the dir)")
+        raise EngineError(f"{path}: missing; the draft vocabulary needs its draft->target map (re-export the dir)")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -6,6 +6,7 @@ trees and passes ``xcompile diff``, and what does not fit is refused in one line
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import fixtures
@@ -176,6 +177,77 @@ def test_tied_target_shares_its_embedding_as_the_head(tiny_target_tied, tmp_path
     assert generate(out, "--drafter", "mtp", "--gamma", "4")["tokens"] == want
 
 
+@pytest.fixture(scope="module")
+def vocab_dir(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
+    """A module with a draft vocabulary of 100 of the tiny target's tokens, and the target exported with it."""
+    module = fixtures.write_mtp_checkpoint(tmp_path_factory.mktemp("mtp-vocab") / "mtp", tiny_target, seed=2,
+                                           draft_vocab=100)
+    return module, fixtures.exported_dir(tmp_path_factory, "tiny-mtp-vocab", model=str(tiny_target),
+                                         mtp=str(module), dtype="fp32")
+
+
+def test_a_draft_vocabulary_reads_those_rows_of_the_target_head_and_drafts_plain_greedy(vocab_dir, tiny_target):
+    module_dir, out = vocab_dir
+    assert json.loads((module_dir / "config.json").read_text())["draft_vocab_size"] == 100
+    target = target_of(tiny_target, 64)
+    module = load_mtp(module_dir, target, 64)
+    rows = module.head_rows()
+    assert rows.shape == (100,) and len(set(rows.tolist())) == 100
+    assert torch.equal(module.shared_head.head.weight, target.lm_head.weight[rows])
+    m = Manifest.load(out)
+    assert m.models["mtp"].extra["draft_vocab"] == 100 and m.graphs["mtp"].dims["draft_vocab"] == 100
+    assert m.d2t_files() == {"mtp": "mtp_d2t.safetensors"} and (out / "mtp_d2t.safetensors").is_file()
+    want = generate(out, "--drafter", "none")["tokens"]
+    for args in (["--gamma", "3"], ["--tree-topk", "3", "--tree-depth", "3", "--tree-tokens", "8"]):
+        assert generate(out, "--drafter", "mtp", *args)["tokens"] == want, args
+    res = CliRunner().invoke(main, ["diff", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "mtp" in res.output and "PASSED" in res.output
+    (out / "mtp_d2t.safetensors").unlink()                     # the map is part of the dir
+    res = CliRunner().invoke(xrun, ["generate", str(out), "--backend", "ort", "--prompt-ids", "5,9", "--drafter",
+                                    "mtp"])
+    refused(res, "mtp_d2t.safetensors", code=1)
+
+
+def test_train_mtp_with_a_draft_vocabulary_keeps_the_head_rows_frozen(tiny_target, corpus, tmp_path):
+    out = tmp_path / "mtp"
+    res = CliRunner().invoke(main, [
+        "train-mtp", "--model", str(tiny_target), "--data", str(corpus), "--out", str(out), "--ttt-steps", "2",
+        "--steps", "3", "--batch", "4", "--seq-len", str(SEQ), "--device", "cpu", "--draft-vocab", "40"])
+    assert res.exit_code == 0, res.output
+    assert "draft vocabulary 40 of" in res.output
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "d2t" in f.keys() and not {"embed_tokens.weight", "shared_head.head.weight"} & set(f.keys())
+    target = target_of(tiny_target, 64)
+    module = load_mtp(out, target, 64)
+    # the 40 most frequent tokens of the training windows, the head those rows of lm_head
+    text = Text(tiny_target)
+    windows = textdata.pack(textdata.tokenize(textdata.read_records(corpus), text), textdata.doc_end_id(text), SEQ)
+    counts = torch.bincount(windows.flatten(), minlength=target.cfg.vocab_size)
+    assert counts[module.head_rows()].min() >= counts.sort(descending=True).values[39]
+    assert torch.equal(module.shared_head.head.weight, target.lm_head.weight[module.head_rows()])
+
+
+def test_bad_draft_vocabularies_are_refused(tiny_target, mtp_dir, tmp_path):
+    def export(module):
+        return CliRunner().invoke(main, ["export", "--model", str(tiny_target), "--out", str(tmp_path / "out"),
+                                         "--dtype", "fp32", "--mtp", str(module)])
+
+    data = json.loads((mtp_dir / "config.json").read_text())
+    for value in (0, data["vocab_size"] + 1, "many"):
+        bad = tmp_path / f"bad-{value}"
+        shutil.copytree(mtp_dir, bad)
+        (bad / "config.json").write_text(json.dumps({**data, "draft_vocab_size": value}))
+        refused(export(bad), "'draft_vocab_size'", "whole vocabulary", code=1)
+    # a size the checkpoint's tensors do not carry: no d2t in a module trained without one
+    missing = tmp_path / "missing"
+    shutil.copytree(mtp_dir, missing)
+    (missing / "config.json").write_text(json.dumps({**data, "draft_vocab_size": 50}))
+    refused(export(missing), "d2t", code=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_what_does_not_fit_is_refused(tiny_target, tiny_engine_dir, mtp_dir, tmp_path):
     def export(*args):
         return CliRunner().invoke(main, ["export", "--model", str(tiny_target), "--out", str(tmp_path / "out"),
@@ -202,3 +274,18 @@ def test_what_does_not_fit_is_refused(tiny_target, tiny_engine_dir, mtp_dir, tmp
     res = CliRunner().invoke(xrun, ["generate", str(tiny_engine_dir), "--backend", "ort", "--prompt-ids", "5,9",
                                     "--drafter", "mtp"])
     refused(res, "holds no MTP module", "--mtp", code=1)
+
+
+def test_a_synthetic_module_of_a_large_vocabulary_has_a_valid_draft_vocabulary():
+    """xrun bench --synthetic qwen3-8b --mtp: a 32,000-token draft vocabulary, its d2t a valid random map."""
+    from xcompile.compile import synthetic
+    from xcompile.compile.reference import synthetic_manifest
+
+    m = synthetic_manifest("qwen3-8b", 256, mtp=True)
+    assert m.models["mtp"].extra["draft_vocab"] == 32000
+    cfg = mtp.mtp_config(synthetic.known_config("qwen3-8b"))
+    with torch.device("meta"):
+        module = mtp.MTP(cfg, 256, draft_vocab=32000)
+    d2t = synthetic.synthetic_tensor(module, "d2t", module.d2t, seed=3)
+    ids = torch.arange(32000) + d2t
+    assert d2t.dtype == torch.int64 and ids.unique().numel() == 32000 and 0 <= ids.min() and ids.max() < 151936

@@ -1,6 +1,7 @@
 """The EAGLE3 drafters: the head's chain, and the EAGLE-2 dynamic tree (docs/eagle3.md §3-4); and the MTP
 drafters, the same rounds over an MTP module (compile/models/mtp.py), which reads the target's last layer
-output as it is where EAGLE3 reads ``fc`` of three taps, and drafts over the whole target vocabulary.
+output as it is where EAGLE3 reads ``fc`` of three taps, and drafts over its draft vocabulary (d2t) or the whole
+target vocabulary.
 
 Draft position t pairs the target feature at t with the token at t+1; ``fc`` applies to target taps only, the
 head's own pre-norm output is fed back as is; the persistent draft KV holds only entries computed from target
@@ -187,7 +188,7 @@ class Eagle3TreeDrafter(_Eagle3):
         super().__init__(eagle3_engine, fc_engine, d2t, max_depth=depth, block_size=total_tokens,
                          lookahead=max(total_tokens, topk * (depth - 1), depth + 1), columns=columns)
         if self.d2t is not None and topk > self.d2t.numel():
-            raise EngineError(f"EAGLE3 tree: topk {topk} exceeds the draft vocabulary ({self.d2t.numel()})")
+            raise EngineError(f"{self.name}: topk {topk} exceeds the draft vocabulary ({self.d2t.numel()})")
         self.topk, self.depth, self.total_tokens, self.pool = topk, depth, total_tokens, pool
         self.fused = fused          # the tree kernels (None: on a CUDA device with triton; True: also interpreted)
 
@@ -257,22 +258,23 @@ class Eagle3TreeDrafter(_Eagle3):
 
 
 class MTPChainDrafter(Eagle3ChainDrafter):
-    """An MTP module's chain of k tokens: EAGLE3's chain over the target's last layer output, full vocabulary."""
+    """An MTP module's chain of k tokens: EAGLE3's chain over the target's last layer output (``d2t``: the
+    module's draft vocabulary; None: the whole vocabulary)."""
 
     name = "mtp"
 
-    def __init__(self, mtp_engine: Engine, k: int, columns: slice | None = None):
-        super().__init__(mtp_engine, None, None, k, columns)
+    def __init__(self, mtp_engine: Engine, k: int, columns: slice | None = None, d2t: torch.Tensor | None = None):
+        super().__init__(mtp_engine, None, d2t, k, columns)
 
 
 class MTPTreeDrafter(Eagle3TreeDrafter):
-    """An MTP module's EAGLE-2 dynamic tree (the EAGLE3 tree's rounds, full vocabulary)."""
+    """An MTP module's EAGLE-2 dynamic tree (the EAGLE3 tree's rounds, over its draft vocabulary or the whole)."""
 
     name = "mtp-tree"
 
     def __init__(self, mtp_engine: Engine, topk: int, depth: int, total_tokens: int, fused: bool | None = None,
-                 columns: slice | None = None):
-        super().__init__(mtp_engine, None, None, topk, depth, total_tokens, fused, columns)
+                 columns: slice | None = None, d2t: torch.Tensor | None = None):
+        super().__init__(mtp_engine, None, d2t, topk, depth, total_tokens, fused, columns)
 
 
 def check_d2t(d2t: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,10 @@ DRAFTERS = {
        for a, b, c in ((1, 1, 2), (2, 3, 6), (4, 4, 16), (3, 5, 12), (8, 2, 24), (2, 6, 20))},
     **{f"mtp-k{k}": (lambda t, k=k: MTPChainDrafter(t.mtp_engine(), k, T.MTP_COLUMNS)) for k in (1, 4, 8)},
     "mtp-tree-4x4x16": lambda t: MTPTreeDrafter(t.mtp_engine(), 4, 4, 16, columns=T.MTP_COLUMNS),
+    # a module with a draft vocabulary: its logits over those rows, mapped to target ids by d2t
+    "mtp-vocab-k4": lambda t: MTPChainDrafter(t.mtp_engine(vocab=True), 4, T.MTP_COLUMNS, d2t=t.d2t),
+    "mtp-vocab-tree-4x4x16": lambda t: MTPTreeDrafter(t.mtp_engine(vocab=True), 4, 4, 16, columns=T.MTP_COLUMNS,
+                                                      d2t=t.d2t),
 }
 
 

@@ -167,16 +167,19 @@ def test_eagle3_steps_match_the_reference(tiny):
         assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
 
 
-def test_mtp_steps_match_the_reference_and_the_shared_head_is_left_alone():
+@pytest.mark.parametrize("vocab", [False, True], ids=["whole-vocab", "draft-vocab"])
+def test_mtp_steps_match_the_reference_and_the_shared_head_is_left_alone(vocab):
     """The MTP step (embedding + both norms, eh_proj, a Qwen3 layer, the target's head) against the module, for
     a prompt pass, one row (the GEMV) and a tree; wrapped with it, the target does not fold its final norm into
-    the lm_head both share, so neither the head nor the target's norm changes."""
+    the lm_head both share, so neither the head nor the target's norm changes. With a draft vocabulary the
+    module's head is its own copy of those rows, and the target folds its norm as it does alone."""
     tiny = T.build(MAX_SEQ_LEN, head_dim=16)
     head, norm = tiny.target.lm_head.weight.clone(), tiny.target.model.norm.weight.clone()
-    engines = fast.wrap({TARGET: tiny.target_engine(), MTP: tiny.mtp_engine()},
+    engines = fast.wrap({TARGET: tiny.target_engine(), MTP: tiny.mtp_engine(vocab)},
                         {TARGET: cfg(tiny.target), MTP: cfg(tiny.mtp)}, list(T.TAPS))
-    assert torch.equal(tiny.target.lm_head.weight, head) and torch.equal(tiny.target.model.norm.weight, norm)
-    ref, got = tiny.mtp_engine(), engines[MTP]
+    kept = torch.equal(tiny.target.lm_head.weight, head) and torch.equal(tiny.target.model.norm.weight, norm)
+    assert kept != vocab
+    ref, got = tiny.mtp_engine(vocab), engines[MTP]
     ref.new_kv()
     got.new_kv()
     hidden = torch.randn(1, 5, T.TARGET_CFG.hidden_size)
@@ -185,11 +188,12 @@ def test_mtp_steps_match_the_reference_and_the_shared_head_is_left_alone():
         n = inputs["input_ids"].shape[1]
         want = ref.run(hidden_states=hidden[:, :n], **inputs)
         have = got.run(hidden_states=hidden[:, :n], **inputs)
+        assert have["logits"].shape[-1] == (T.DRAFT_VOCAB if vocab else T.VOCAB)
         assert close(have["logits"], want["logits"]) and close(have["hidden_out"], want["hidden_out"])
     assert all(close(a, b) for a, b in zip(got.kv, ref.kv))
     prompt = [5, 9, 11, 20, 33, 7]
-    r = Generator(engines[TARGET], MTPChainDrafter(got, 3, T.MTP_COLUMNS), [], MAX_SEQ_LEN,
-                  options=LoopOptions(debug=True)).generate(prompt, 8)
+    r = Generator(engines[TARGET], MTPChainDrafter(got, 3, T.MTP_COLUMNS, d2t=tiny.d2t if vocab else None), [],
+                  MAX_SEQ_LEN, options=LoopOptions(debug=True)).generate(prompt, 8)
     assert r.tokens == T.greedy_reference(tiny.target, prompt, 8)
 
 
