@@ -46,6 +46,8 @@ class Table:
 TABLES = {
     "bench-8b": Table("bench-8b", "bench"),
     "bench-8b-quantized": Table("bench-8b-quantized", "bench"),
+    "bench-8b-int4-qgemv": Table("bench-8b-int4-qgemv", "bench", ("decode floor", "plain decode, context",
+                                                                  "decode step", "verify", "EAGLE3 chain round")),
     "bench-8b-sampled": Table("bench-8b-sampled", "bench"),
     "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
                                            "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
