@@ -260,7 +260,13 @@ def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtyp
     def embedding() -> Weights:
         # the head embeds with the target's table: streamed from the target's weights under the head's name
         yield "embed_tokens.weight", target.source.tensor(target.module, "model.embed_tokens.weight")
-    return _Part(EAGLE3, head, source, entry, embedding, lambda: source.tensor(head, "d2t"))
+    return _Part(EAGLE3, head, source, entry, embedding, _early_d2t(source, head))
+
+
+def _early_d2t(source: WeightSource, module: torch.nn.Module) -> Callable[[], torch.Tensor]:
+    """A draft vocabulary's map, read (and value-checked by the key map) now, before any graph is exported."""
+    d2t = source.tensor(module, "d2t").to(torch.int64)
+    return lambda: d2t
 
 
 def _mtp_part(req: ExportRequest, target: _Part, dtype: torch.dtype) -> _Part:
@@ -268,14 +274,13 @@ def _mtp_part(req: ExportRequest, target: _Part, dtype: torch.dtype) -> _Part:
     the module's names (shared tensors, compile/models/mtp.py)."""
     cfg, source, mtp_dir = _open(req, MTP, target.module.cfg)
     mtp.check_mtp_fits(cfg, target.module.cfg, _where(mtp_dir, "synthetic MTP module"))
-    config = mtp_dir / "config.json" if mtp_dir else None
-    vocab = mtp.draft_vocab_size(config, read_json(config), cfg.vocab_size) if config else mtp.synthetic_draft_vocab(cfg)
+    vocab = ckpt.mtp_draft_vocab(source, cfg) if mtp_dir else mtp.synthetic_draft_vocab(cfg)
     with torch.device("meta"):
         module = mtp.MTP(cfg, target.module.max_seq_len, tied=target.module.cfg.tie_word_embeddings,
                          draft_vocab=vocab).to(dtype)
     extra = {"tap": mtp.last_layer_tap(target.module.cfg), **({"draft_vocab": vocab} if vocab else {})}
     entry = ModelEntry(mtp.KIND, cfg.to_dict(), source.source, extra)
-    d2t = (lambda: source.tensor(module, "d2t")) if vocab else None
+    d2t = _early_d2t(source, module) if vocab else None
 
     def shared() -> Weights:
         t = target.module

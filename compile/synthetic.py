@@ -75,7 +75,7 @@ _SPECIAL = {eagle3.KIND: {"d2t": _d2t, "t2d": _t2d}, mtp.KIND: {"d2t": _d2t}}
 
 def synthetic_tensor(model: nn.Module, name: str, like: torch.Tensor, seed: int, std: float = INIT_STD,
                      norm_std: float = 0.0) -> torch.Tensor:
-    """The synthetic value of one state tensor of ``model`` (a Qwen3 or an Eagle3), on the CPU."""
+    """The synthetic value of one state tensor of ``model`` (a Qwen3, an Eagle3 or an MTP module), on the CPU."""
     special = _SPECIAL.get(model.kind, {}).get(name)
     if special is not None:
         return special(model, seed)

@@ -218,7 +218,8 @@ def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.
     held-out evaluations."""
     device = next(target.parameters()).device
     shared = {id(p) for p in target.parameters()}
-    params = [p for p in head.parameters() if id(p) not in shared]
+    # not the target's tensors, nor what the head keeps frozen (an MTP module's copy of draft-vocabulary head rows)
+    params = [p for p in head.parameters() if id(p) not in shared and p.requires_grad]
     opt = optimizer(params, opts.lr, opts.weight_decay, device)
     per_step = opts.batch * windows.shape[1]
     steps = opts.steps or (-(-opts.tokens // per_step) if opts.tokens else None)
@@ -267,7 +268,7 @@ def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.
 def chain_drafter(head: torch.nn.Module, k: int) -> Drafter:
     """The runtime's chain drafter of a trained head (an EAGLE3 head or an MTP module) on torch engines."""
     if isinstance(head, MTP):
-        return MTPChainDrafter(torch_engines(head, MTP_GRAPH)[MTP_GRAPH], k)
+        return MTPChainDrafter(torch_engines(head, MTP_GRAPH)[MTP_GRAPH], k, d2t=getattr(head, "d2t", None))
     return Eagle3ChainDrafter(*eagle3_engines(head), head.d2t, k)
 
 
@@ -359,6 +360,8 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
     result = recipe.train(target, windows, opts, heldout, log)
     meta = {"target": str(model), "revision": revision, "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
             "regenerate": regenerate, "tap_layers": list(target.taps), "options": asdict(opts),
+            # the head's draft vocabulary as built (None: the whole vocabulary, where --draft-vocab reached it)
+            "draft_vocab": int(result.head.d2t.numel()) if hasattr(result.head, "d2t") else None,
             "heldout": result.heldout, "history": result.history}
     recipe.save(result.head, out, metadata=meta)
     if opts.acceptance_prompts:

@@ -47,7 +47,7 @@ SHARED = ("embed_tokens.weight", "shared_head.head.weight")     # the target's t
 
 def ttt_forward(module: mtp.MTP, input_ids: torch.Tensor, last: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Unrolled MTP steps on a window. input_ids [B, T], last [B, T, H] (the target's last layer output) -> per
-    step j logits [B, T, V]; index t of step j predicts x_{t+2+j} (indices t > T-3-j are padding).
+    step j logits [B, T, Vd] over the module's head rows; index t of step j predicts x_{t+2+j} (indices t > T-3-j are padding).
 
     The module's own submodules in its forward's order, with the per-step K/V concatenated under ``ttt_mask``
     instead of a KV cache (compile/train_eagle3.py's ttt_forward, with q/k norms and the eh_proj input)."""

@@ -37,7 +37,8 @@ from xcompile.compile.models.qwen3 import Qwen3
 
 __all__ = [
     "DEMO_DIR", "Checkpoint", "CheckpointSource", "WeightSource", "build", "build_eagle3", "build_mtp", "build_qwen3",
-    "load_draft_model", "load_eagle3", "load_mtp", "load_qwen3", "materialize", "module_state", "resolve",
+    "load_draft_model", "load_eagle3", "load_mtp", "load_qwen3", "materialize", "module_state", "mtp_draft_vocab",
+    "resolve",
     "resolve_draft", "resolve_eagle3", "resolve_mtp", "tap_layers",
 ]
 
@@ -140,8 +141,24 @@ def load_mtp(path: Path, target: Qwen3, max_seq_len: int) -> MTP:
     """An MTP module for ``target`` from a checkpoint dir (what ``xcompile train-mtp`` writes), sharing the target's
     embedding and lm_head (so in its dtype and on its device)."""
     config = Path(path) / "config.json"
-    data = read_json(config)
-    cfg = parse_mtp(config, data)
+    cfg = parse_mtp(config)
     check_mtp_fits(cfg, target.cfg, str(config))
-    return build_mtp(CheckpointSource(Path(path)), cfg, target, max_seq_len,
-                     draft_vocab_size(config, data, cfg.vocab_size))
+    source = CheckpointSource(Path(path))
+    return build_mtp(source, cfg, target, max_seq_len, mtp_draft_vocab(source, cfg))
+
+
+def mtp_draft_vocab(source: CheckpointSource, cfg: Qwen3Config) -> int | None:
+    """An MTP checkpoint's draft vocabulary: config.json's ``draft_vocab_size`` (None: none), which must agree
+    with whether the weights hold the map ``d2t``."""
+    config = source.path / "config.json"
+    size = draft_vocab_size(config, read_json(config), cfg.vocab_size)
+    ckpt = source.checkpoint
+    if size and "d2t" not in ckpt:
+        raise CompileError(f"{config}: field 'draft_vocab_size' is {size}, but the module's weights hold no tensor "
+                           "'d2t' (the draft vocabulary's map); remove the field, or train the module with "
+                           "`xcompile train-mtp --draft-vocab N`")
+    if not size and "d2t" in ckpt:
+        raise CompileError(f"{config}: no field 'draft_vocab_size', but {ckpt.file('d2t').name} holds a draft "
+                           f"vocabulary map 'd2t' of {ckpt.shape('d2t')[0]} tokens; add \"draft_vocab_size\": "
+                           f"{ckpt.shape('d2t')[0]} to the config")
+    return size

@@ -48,12 +48,16 @@ def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def check_d2t(vocab_size: int, d2t: torch.Tensor, where: str) -> None:
-    """A draft vocabulary's d2t (an EAGLE3 head's, an MTP module's) maps draft ids into the target vocabulary."""
+    """A draft vocabulary's d2t (an EAGLE3 head's, an MTP module's) maps draft ids to distinct target ids."""
     ids = torch.arange(d2t.shape[0]) + d2t
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise CompileError(f"{where}: tensor 'd2t' maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
                            f"outside the target vocabulary [0, {vocab_size}); d2t holds offsets "
                            "(target = draft + d2t[draft])")
+    if ids.unique().numel() != ids.numel():
+        raise CompileError(f"{where}: tensor 'd2t' maps {ids.numel() - ids.unique().numel()} draft id(s) to a target "
+                           "id another draft id has; a draft vocabulary is distinct target tokens: re-train or "
+                           "re-write the map")
 
 
 def key_map(cfg: Eagle3Config) -> KeyMap:

@@ -135,6 +135,12 @@ def _mtp(es: EngineSet, spec: DrafterSpec) -> Drafter:
     from xcompile.runtime.decoding.drafters import MTPChainDrafter, MTPTreeDrafter
 
     cols = es.manifest.tap_columns(MTP)
+    size = es.manifest.models[MTP].extra.get("draft_vocab")
+    if (size is None) != (es.mtp_d2t is None) or (size is not None and es.mtp_d2t.numel() != size):
+        have = "none" if es.mtp_d2t is None else f"{es.mtp_d2t.numel()} tokens"
+        raise EngineError(f"{es.directory or es.manifest.name}: the MTP module's draft vocabulary is {size or 'none'} "
+                          f"in the manifest but its d2t map holds {have}; the dir is damaged or hand-edited: "
+                          "re-export it (--force)")
     if spec.tree is not None:
         t = spec.tree
         return MTPTreeDrafter(es.engines[MTP], t.topk, t.depth, t.total_tokens, columns=cols, d2t=es.mtp_d2t)

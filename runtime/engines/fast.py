@@ -346,8 +346,9 @@ def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],
             raise EngineError(f"fast backend: {graph} is not a torch-backend engine")
         if graph in (TARGET, DRAFT):
             # an MTP module without a draft vocabulary reads the target's head itself
-            shared = graph == TARGET and MTP in engines and (
-                engines[MTP].module.shared_head.head.weight.data_ptr() == engine.module.lm_head.weight.data_ptr())
+            module = getattr(engines.get(MTP), "module", None)
+            shared = graph == TARGET and module is not None and (
+                module.shared_head.head.weight.data_ptr() == engine.module.lm_head.weight.data_ptr())
             out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (), kernels,
                                          shared_head=shared)
         elif graph == MTP:

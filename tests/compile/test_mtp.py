@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from fixtures import refused
+from safetensors.torch import load_file, save_file
 
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_mtp, load_qwen3
@@ -203,6 +204,15 @@ def test_a_draft_vocabulary_reads_those_rows_of_the_target_head_and_drafts_plain
     res = CliRunner().invoke(main, ["diff", str(out)])
     assert res.exit_code == 0, res.output
     assert "mtp" in res.output and "PASSED" in res.output
+    from xcompile.runtime.common.errors import EngineError
+    from xcompile.runtime.decoding.registry import DrafterSpec, make_drafter
+    from xcompile.runtime.engines.load import open_engine_dir
+
+    with open_engine_dir(out, "ort") as es:                    # the map and the graph must agree
+        assert es.mtp_d2t.numel() == 100
+        es.mtp_d2t = es.mtp_d2t[:50]
+        with pytest.raises(EngineError, match="draft vocabulary is 100 in the manifest but its d2t map holds 50"):
+            make_drafter(es, DrafterSpec("mtp", gamma=3))
     (out / "mtp_d2t.safetensors").unlink()                     # the map is part of the dir
     res = CliRunner().invoke(xrun, ["generate", str(out), "--backend", "ort", "--prompt-ids", "5,9", "--drafter",
                                     "mtp"])
@@ -229,6 +239,24 @@ def test_train_mtp_with_a_draft_vocabulary_keeps_the_head_rows_frozen(tiny_targe
     assert torch.equal(module.shared_head.head.weight, target.lm_head.weight[module.head_rows()])
 
 
+def test_training_with_a_draft_vocabulary_freezes_the_rows_and_measures_through_the_map(target, corpus, tiny_target):
+    from xcompile.compile.train import chain_drafter
+
+    text = Text(tiny_target)
+    windows = textdata.pack(textdata.tokenize(textdata.read_records(corpus), text), textdata.doc_end_id(text), SEQ)
+    opts = TrainOptions(steps=3, lr=1e-2, batch=4, seq_len=SEQ, ttt_steps=2, device="cpu", draft_vocab=40)
+    module = train_mtp(target, windows, opts, log=lambda _: None).head
+    rows = module.head_rows()
+    assert rows.shape == (40,) and torch.equal(module.shared_head.head.weight, target.lm_head.weight[rows])
+    assert not module.shared_head.head.weight.requires_grad
+    # the acceptance the trainer reports maps the module's draft ids to target ids
+    assert torch.equal(chain_drafter(module, 3).d2t, module.d2t)
+    # a size that reaches the vocabulary: the whole one
+    whole = train_mtp(target, windows, TrainOptions(**{**opts.__dict__, "draft_vocab": 10 ** 6}),
+                      log=lambda _: None).head
+    assert whole.head_rows() is None and whole.shared_head.head.weight is target.lm_head.weight
+
+
 def test_bad_draft_vocabularies_are_refused(tiny_target, mtp_dir, tmp_path):
     def export(module):
         return CliRunner().invoke(main, ["export", "--model", str(tiny_target), "--out", str(tmp_path / "out"),
@@ -244,7 +272,19 @@ def test_bad_draft_vocabularies_are_refused(tiny_target, mtp_dir, tmp_path):
     missing = tmp_path / "missing"
     shutil.copytree(mtp_dir, missing)
     (missing / "config.json").write_text(json.dumps({**data, "draft_vocab_size": 50}))
-    refused(export(missing), "d2t", code=1)
+    refused(export(missing), "'draft_vocab_size' is 50", "no tensor 'd2t'", "--draft-vocab", code=1)
+    # and a map the config does not announce
+    unannounced = tmp_path / "unannounced"
+    shutil.copytree(mtp_dir, unannounced)
+    tensors = load_file(str(mtp_dir / "model.safetensors"))
+    save_file({**tensors, "d2t": torch.arange(50) * 2}, str(unannounced / "model.safetensors"))
+    refused(export(unannounced), "no field 'draft_vocab_size'", "\"draft_vocab_size\": 50", code=1)
+    # a map whose draft ids collide on one target id
+    repeated = tmp_path / "repeated"
+    shutil.copytree(unannounced, repeated)
+    save_file({**tensors, "d2t": -torch.arange(50)}, str(repeated / "model.safetensors"))
+    (repeated / "config.json").write_text(json.dumps({**data, "draft_vocab_size": 50}))
+    refused(export(repeated), "tensor 'd2t' maps 49 draft id(s)", code=1)
     assert not (tmp_path / "out").exists()
 
 

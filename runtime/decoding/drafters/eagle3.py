@@ -283,5 +283,6 @@ def check_d2t(d2t: torch.Tensor) -> torch.Tensor:
         raise EngineError(f"d2t must be a 1-D int64 tensor of offsets, got {tuple(d2t.shape)} {d2t.dtype}")
     target = target_table(d2t)
     if bool((target < 0).any()) or target.unique().numel() != target.numel():
-        raise EngineError("d2t maps draft ids to negative or repeated target ids; re-export the EAGLE3 head")
+        raise EngineError("a draft vocabulary's d2t maps draft ids to negative or repeated target ids (the engine "
+                          "dir's d2t.safetensors or mtp_d2t.safetensors is damaged); re-export the dir")
     return d2t
