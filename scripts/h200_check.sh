@@ -10,6 +10,8 @@
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
 #            tree 10/6/32)
 #   sample   the sampler's gpu tests, then the bf16 bench sampled (T 0.6, top-k 20, top-p 0.95; context 128)
+#   paradigms  xrun bench --synthetic qwen3-8b with an MTP module (32,000-row draft vocabulary) and a Qwen3-0.6B-shape
+#            draft model beside the EAGLE3 head: chains at gamma 2, 4, 6 and trees 10/6/32 (context 128)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -21,12 +23,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench|sample ... (see its header)"
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench|sample|paradigms ... (see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|compare|quant|qbench|sample) ;;
-  *) echo "unknown part '$part': tests, bench, agree, compare, quant, qbench or sample"; exit 2;;
+  tests|bench|agree|compare|quant|qbench|sample|paradigms) ;;
+  *) echo "unknown part '$part': tests, bench, agree, compare, quant, qbench, sample or paradigms"; exit 2;;
   esac
 done
 
@@ -99,6 +101,11 @@ for part in "$@"; do
     run bench_sampled 270 xrun bench "${BENCH[@]}" --contexts 128 --temperature 0.6 --top-k 20 --top-p 0.95 \
       --json "$OUT/bench_sampled.json"
     grep -E "$SHOW|sample|accept" "$OUT/bench_sampled.log"
+    ;;
+  paradigms)
+    run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \
+      --contexts 128 --gammas 2,4,6 --tree 10,6,32 --num-prompts 1 --json "$OUT/paradigms.json"
+    grep -E "$SHOW|^(mtp|draft) |round" "$OUT/paradigms.log" | head -30
     ;;
   agree)
     run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \
