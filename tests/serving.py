@@ -72,14 +72,16 @@ class ThreadServer:
 class XrunServe:
     """``xrun serve DIR ARGS --port 0`` as a subprocess; ``url`` from the port uvicorn reports."""
 
-    def __init__(self, engine_dir: Path, *args: str, port: int = 0):
+    def __init__(self, engine_dir: Path, *args: str, port: int = 0, session: bool = False):
         xrun = Path(sys.executable).with_name("xrun")           # the console script beside this interpreter
         self.cmd = [str(xrun), "serve", str(engine_dir), "--port", str(port), *args]
+        self.session = session                                  # its own process group, as a terminal's job
         self.url = f"http://127.0.0.1:{port}" if port else None
         self.log = ""
 
     def start(self, timeout: float = START_TIMEOUT) -> XrunServe:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=self.session)
         deadline = time.monotonic() + timeout
         while self.url is None:                             # uvicorn: "Uvicorn running on http://127.0.0.1:PORT"
             line = self.proc.stdout.readline()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.logs import logger
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.engines.load import pick_backend
 from xcompile.runtime.serve.scheduler import ServeConfig
+
+log = logger(__name__)
 
 
 def check(config: ServeConfig) -> None:
@@ -40,30 +46,62 @@ def serve_http(config: ServeConfig, host: str, port: int) -> None:
         raise EngineError(failed[0])
 
 
+STOP_SECONDS = 5     # how long Ray may take to delete the app and stop once asked (issue 37: stopped within 10 s)
+
+
 def serve_ray(config: ServeConfig, host: str, port: int, replicas: int) -> None:
     """``replicas`` Ray Serve replicas behind Ray's proxy on host:port; blocks until Ctrl-C or SIGTERM,
-    then deletes the application (a Ray started here stops with the process)."""
+    then deletes the application and shuts Ray down (a Ray started here stops with the process).
+
+    Ctrl-C in a terminal signals the whole process group, which holds the Ray processes this one started:
+    they are gone by the time the app would be deleted, and Ray's client then waits 60 s for them before it
+    aborts the process. So the app is deployed, and later deleted, in a thread while this one only waits for a
+    signal: the stop takes at most STOP_SECONDS, and what Ray has not finished by then is left behind (its
+    processes got the signal too). The signal handlers are set after ray.init, which installs its own."""
     import dataclasses
     import signal
+    import threading
 
     import ray
     from ray import serve
 
     from xcompile.runtime.serve.ray_app import NAME, deployment, uses_gpus
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
     check(config)
+    stop, failed = threading.Event(), []
     ray.init()                      # joins the cluster RAY_ADDRESS names, else starts one on this machine
     gpu = uses_gpus(config)
     if gpu and config.device is None:
         config = dataclasses.replace(config, device="cuda")
-    serve.start(http_options={"host": host, "port": port})
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        serve.run(deployment(config, replicas, gpu=gpu).bind(), name=NAME, route_prefix="/", blocking=True)
-    except KeyboardInterrupt:
-        serve.delete(NAME)
-    finally:
-        ray.shutdown()
+
+    def start() -> None:
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(deployment(config, replicas, gpu=gpu).bind(), name=NAME, route_prefix="/", blocking=False)
+            log.info("serving %s on http://%s:%d with %d Ray Serve replica(s); Ctrl-C or SIGTERM stops",
+                     config.engine_dir, host, port, replicas)
+        except BaseException as e:  # noqa: BLE001 - reported below, after Ray is stopped
+            failed.append(e)
+            stop.set()
+
+    def shut_down() -> None:
+        try:
+            serve.delete(NAME)
+        finally:
+            ray.shutdown()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    threading.Thread(target=start, daemon=True, name="ray-start").start()
+    while not stop.wait(0.5):
+        pass
+    done = threading.Thread(target=shut_down, daemon=True, name="ray-stop")
+    done.start()
+    done.join(STOP_SECONDS)
+    if done.is_alive():
+        log.warning("Ray did not stop within %d s (its processes got the same signal, or the cluster is "
+                    "unreachable); exiting without it", STOP_SECONDS)
+        logging.shutdown()
+        os._exit(1 if failed else 0)    # Ray's exit hooks would wait 60 s for processes that are gone
+    if failed:
+        raise EngineError(f"xrun serve --ray: Ray Serve did not start ({failed[0]!r})") from None

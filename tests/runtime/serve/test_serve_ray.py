@@ -6,7 +6,9 @@ text of ``xrun generate`` from it, and both replicas answer. About a minute on t
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import time
 
 import pytest
 
@@ -22,6 +24,26 @@ from xcompile.runtime.common.errors import EngineError  # noqa: E402
 
 ARGS = ("--backend", "ort", "--device", "cpu", "--drafter", "eagle3", "--gamma", "3")
 PROMPT, NEW = "the cat", 16
+
+
+def test_a_signal_to_the_process_group_stops_it_within_ten_seconds(tiny_engine_dir):
+    """What Ctrl-C in a terminal does: every process of the job (the server and the Ray it started) gets the
+    signal at once. Runs before the module's server starts, so its Ray is the only one on the machine."""
+    s = serving.XrunServe(tiny_engine_dir, *ARGS, "--ray", "--replicas", "1", port=serving.free_port(),
+                          session=True).start(timeout=300)
+    t0 = time.monotonic()
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(30) == 0, s.log
+    assert time.monotonic() - t0 < 10, s.log
+    deadline = time.monotonic() + 20                   # and nothing of the job is left running
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(s.proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"processes of the job still run 20 s after the server exited:\n{s.log}")
 
 
 @pytest.fixture(scope="module")
