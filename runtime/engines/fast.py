@@ -298,8 +298,8 @@ class FastEagle3Engine(_FastEngine):
 
 class FastMTPEngine(_FastEngine):
     """The ``mtp`` graph (compile/models/mtp.py) on the kernels: embedding + enorm / hnorm in one launch (the
-    EAGLE3 step's), eh_proj, a Qwen3 decoder layer as the target's, and the target's lm_head (or the rows of
-    the module's draft vocabulary) behind the module's own norm (not folded: the head may be the target's tensor)."""
+    EAGLE3 step's), eh_proj, a Qwen3 decoder layer as the target's, and the target's lm_head behind the module's
+    own norm (not folded: the target's tensor), or the rows of its draft vocabulary with the norm folded in."""
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference, config, kernels)
@@ -307,7 +307,12 @@ class FastMTPEngine(_FastEngine):
         self.layer = _Layer(p, "", qk_norm=True, unit=self.sums.unit)
         self.embed, self.eh = p.get("embed_tokens.weight"), p.get("eh_proj.weight")
         self.enorm, self.hnorm = p.get("enorm.weight"), p.get("hnorm.weight")
-        self.lm_head, self.norm = p.get("shared_head.head.weight"), p.get("shared_head.norm.weight")
+        self.lm_head = p.get("shared_head.head.weight")
+        # the target's own head is shared and left alone; a draft vocabulary's rows are the module's copy, so its
+        # norm folds into them as the EAGLE3 head's does (1/rms then comes from the row sums)
+        own = getattr(reference.module, "draft_vocab", None)
+        self.norm = (p.fold("shared_head.norm.weight", self.lm_head, self.sums.unit) if own
+                     else p.get("shared_head.norm.weight"))
         self.rope = p.rope()
 
     def _step(self, ids, pos, wi, mask, inputs):

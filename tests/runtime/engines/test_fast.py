@@ -172,13 +172,15 @@ def test_mtp_steps_match_the_reference_and_the_shared_head_is_left_alone(vocab):
     """The MTP step (embedding + both norms, eh_proj, a Qwen3 layer, the target's head) against the module, for
     a prompt pass, one row (the GEMV) and a tree; wrapped with it, the target does not fold its final norm into
     the lm_head both share, so neither the head nor the target's norm changes. With a draft vocabulary the
-    module's head is its own copy of those rows, and the target folds its norm as it does alone."""
+    module's head is its own copy of those rows: the target folds its norm as it does alone, the module its own."""
     tiny = T.build(MAX_SEQ_LEN, head_dim=16)
     head, norm = tiny.target.lm_head.weight.clone(), tiny.target.model.norm.weight.clone()
     engines = fast.wrap({TARGET: tiny.target_engine(), MTP: tiny.mtp_engine(vocab)},
                         {TARGET: cfg(tiny.target), MTP: cfg(tiny.mtp)}, list(T.TAPS))
     kept = torch.equal(tiny.target.lm_head.weight, head) and torch.equal(tiny.target.model.norm.weight, norm)
     assert kept != vocab
+    module = tiny.mtp_vocab if vocab else tiny.mtp          # its own rows take its norm folded in
+    assert torch.equal(module.shared_head.norm.weight, torch.ones_like(module.shared_head.norm.weight)) == vocab
     ref, got = tiny.mtp_engine(vocab), engines[MTP]
     ref.new_kv()
     got.new_kv()
