@@ -278,8 +278,7 @@ def _mtp_part(req: ExportRequest, target: _Part, dtype: torch.dtype) -> _Part:
     with torch.device("meta"):
         module = mtp.MTP(cfg, target.module.max_seq_len, tied=target.module.cfg.tie_word_embeddings,
                          draft_vocab=vocab).to(dtype)
-    extra = {"tap": mtp.last_layer_tap(target.module.cfg), **({"draft_vocab": vocab} if vocab else {})}
-    entry = ModelEntry(mtp.KIND, cfg.to_dict(), source.source, extra)
+    entry = ModelEntry(mtp.KIND, cfg.to_dict(), source.source, mtp.manifest_extra(target.module.cfg, vocab))
     d2t = _early_d2t(source, module) if vocab else None
 
     def shared() -> Weights:
@@ -288,7 +287,7 @@ def _mtp_part(req: ExportRequest, target: _Part, dtype: torch.dtype) -> _Part:
         yield "embed_tokens.weight", embed
         if vocab:                       # the draft vocabulary's rows of the target's head (its embedding when tied)
             head = embed if module.tied else target.source.tensor(t, "lm_head.weight")
-            yield "shared_head.head.weight", head[torch.arange(vocab) + d2t().to(torch.int64)]
+            yield "shared_head.head.weight", head[eagle3.target_ids(d2t())]
         elif not module.tied:
             yield "shared_head.head.weight", target.source.tensor(t, "lm_head.weight")
     return _Part(MTP, module, source, entry, shared, d2t)
@@ -344,7 +343,8 @@ def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:
 
 
 def _write_d2t(head: _Part, path: Path) -> None:
-    """The head's (an EAGLE3 head's, an MTP module's) draft->target id offsets (target = draft + d2t[draft]) as int64 ``d2t``."""
+    """The draft->target id offsets (target = draft + d2t[draft]) of an EAGLE3 head or an MTP module, as int64
+    ``d2t``."""
     from safetensors.torch import save_file
 
     save_file({"d2t": head.d2t().to(torch.int64).contiguous()}, str(path))

@@ -119,9 +119,8 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
         models[EAGLE3] = ModelEntry(Eagle3.kind, head.to_dict(), synthetic.source(name, seed, EAGLE3),
                                     {"taps": list(cfg.default_tap_layers), "rope_theta": head.rope_theta})
     if mtp:
-        vocab = mtp_model.synthetic_draft_vocab(cfg)
         models[MTP] = ModelEntry(mtp_model.KIND, mtp_model.mtp_config(cfg).to_dict(), synthetic.source(name, seed, MTP),
-                                 {"tap": mtp_model.last_layer_tap(cfg), **({"draft_vocab": vocab} if vocab else {})})
+                                 mtp_model.manifest_extra(cfg, mtp_model.synthetic_draft_vocab(cfg)))
     if draft:
         models[DRAFT] = ModelEntry(qwen3.KIND, synthetic.known_config(draft).to_dict(),
                                    synthetic.source(draft, seed, DRAFT))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from xcompile.compile.checkpoint import load_eagle3
 from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import Eagle3
+from xcompile.compile.models.eagle3 import Eagle3, target_ids
 from xcompile.compile.train import (  # noqa: F401  (the names callers of this module import from it)
     HEAD_INIT_STD,
     Recipe,
@@ -116,7 +116,7 @@ def new_head(target, draft_vocab: int, windows: torch.Tensor, max_seq_len: int, 
 
 def eagle3_loss(target, head: Eagle3, opts: TrainOptions) -> StepLoss:
     """The head's TTT loss against the target's distribution over the draft vocabulary."""
-    tokens = head.d2t + torch.arange(len(head.d2t), device=head.d2t.device)
+    tokens = target_ids(head.d2t)
 
     def loss(ids: torch.Tensor, kv: list[torch.Tensor]):
         logits, taps = target_features(target, ids, kv)

@@ -25,6 +25,7 @@ from torch import nn
 from xcompile.compile.checkpoint import build_mtp, load_mtp
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models import mtp
+from xcompile.compile.models.eagle3 import t2d_from_d2t
 from xcompile.compile.synthetic import SyntheticSource
 from xcompile.compile.train import (
     HEAD_INIT_STD,
@@ -47,7 +48,8 @@ SHARED = ("embed_tokens.weight", "shared_head.head.weight")     # the target's t
 
 def ttt_forward(module: mtp.MTP, input_ids: torch.Tensor, last: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Unrolled MTP steps on a window. input_ids [B, T], last [B, T, H] (the target's last layer output) -> per
-    step j logits [B, T, Vd] over the module's head rows; index t of step j predicts x_{t+2+j} (indices t > T-3-j are padding).
+    step j logits [B, T, Vd] over the module's head rows; index t of step j predicts x_{t+2+j} (indices
+    t > T-3-j are padding).
 
     The module's own submodules in its forward's order, with the per-step K/V concatenated under ``ttt_mask``
     instead of a KV cache (compile/train_eagle3.py's ttt_forward, with q/k norms and the eh_proj input)."""
@@ -69,10 +71,7 @@ def mtp_loss(target, module: mtp.MTP, opts: TrainOptions) -> StepLoss:
     """The module's TTT loss against the target's next-token distribution over its head's tokens."""
     rows = module.head_rows()
     vocab = torch.arange(module.cfg.vocab_size, device=module.eh_proj.weight.device) if rows is None else rows
-    covered = None
-    if rows is not None:
-        covered = torch.zeros(module.cfg.vocab_size, dtype=torch.bool, device=rows.device)
-        covered[rows] = True
+    covered = None if rows is None else t2d_from_d2t(module.d2t, module.cfg.vocab_size)
 
     def loss(ids: torch.Tensor, kv: list[torch.Tensor]):
         logits, last = target_features(target, ids, kv)
@@ -92,9 +91,8 @@ def new_mtp(target, max_seq_len: int, seed: int, windows: torch.Tensor | None = 
                        max_seq_len, vocab)
     if vocab:
         _, d2t, _ = draft_vocabulary(windows, target.cfg.vocab_size, vocab)
-        with torch.no_grad():
-            module.d2t.copy_(d2t)
-            module.shared_head.head.weight.copy_(target.lm_head.weight[module.head_rows()])
+        module.d2t.copy_(d2t)
+        module.gather_head(target.lm_head.weight)
     shared = {id(p) for p in target.parameters()} | {id(module.shared_head.head.weight)}
     for owner in module.modules():
         for attr, p in list(owner.named_parameters(recurse=False)):

@@ -88,8 +88,7 @@ def build_mtp(source: WeightSource, cfg: Qwen3Config, target: Qwen3, max_seq_len
         module.shared_head.head.weight = head       # the target's (its embedding when tied)
     module = build(module, source, embed.dtype, embed.device)
     if draft_vocab:
-        with torch.no_grad():
-            module.shared_head.head.weight.copy_(head[module.head_rows()])
+        module.gather_head(head)
     return module
 
 

@@ -40,16 +40,21 @@ _NAMES = (
 )
 
 
+def target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """A draft vocabulary's target ids, draft + d2t[draft], on d2t's device (the runtime's target_table)."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
 def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """t2d [vocab] bool: which target ids the draft vocabulary covers (target = draft + d2t[draft])."""
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[torch.arange(d2t.shape[0]) + d2t] = True
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
+    t2d[target_ids(d2t)] = True
     return t2d
 
 
 def check_d2t(vocab_size: int, d2t: torch.Tensor, where: str) -> None:
     """A draft vocabulary's d2t (an EAGLE3 head's, an MTP module's) maps draft ids to distinct target ids."""
-    ids = torch.arange(d2t.shape[0]) + d2t
+    ids = target_ids(d2t)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise CompileError(f"{where}: tensor 'd2t' maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
                            f"outside the target vocabulary [0, {vocab_size}); d2t holds offsets "

@@ -12,8 +12,8 @@ target's tensors, shared, never stored in the module's checkpoint. A module may 
 (config.json ``draft_vocab_size``, tensor ``d2t`` as an EAGLE3 head's: target = draft + d2t[draft]): its head is
 then those rows of the target's lm_head, gathered at load, the most frequent tokens of its training text, as
 FR-Spec restricts a shared head (Zhao et al. 2025). On the Qwen3-8B shape the whole head is 1.24 GB a draft
-step, 2.2x an EAGLE3 step (docs/performance.md, paradigms-8b); 32,000 rows read a fifth of it. Chained for gamma > 1 as vLLM and SGLang
-chain one DeepSeek MTP layer: the module's own pre-norm output x is fed back as the next step's h. The
+step, 2.2x an EAGLE3 step (docs/performance.md, paradigms-8b); 32,000 rows read a fifth of it. Chained for
+gamma > 1 as vLLM and SGLang chain one DeepSeek MTP layer: the module's own pre-norm output x is fed back as the next step's h. The
 pairing is EAGLE3's: draft position t reads the feature at t and the token at t+1.
 
 Parameter names are DeepSeek-V3's names for its MTP layer (``enorm``, ``hnorm``, ``eh_proj``,
@@ -35,7 +35,7 @@ from torch import nn
 
 from xcompile.compile.config import EAGLE3_DRAFT_VOCAB, Qwen3Config, parse_qwen3, read_json
 from xcompile.compile.errors import CompileError
-from xcompile.compile.models.eagle3 import check_d2t
+from xcompile.compile.models.eagle3 import check_d2t, target_ids
 from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap
 from xcompile.compile.models.layers import RMSNorm, Rotary, make_step, select_rows
 from xcompile.compile.models.qwen3 import _LAYER, DecoderLayer
@@ -77,6 +77,11 @@ def synthetic_draft_vocab(cfg: Qwen3Config) -> int | None:
     return EAGLE3_DRAFT_VOCAB if cfg.vocab_size > EAGLE3_DRAFT_VOCAB else None
 
 
+def manifest_extra(target: Qwen3Config, draft_vocab: int | None) -> dict:
+    """The module's manifest ``extra``: the target tap it reads and its draft vocabulary's size, if any."""
+    return {"tap": last_layer_tap(target), **({"draft_vocab": draft_vocab} if draft_vocab else {})}
+
+
 def mtp_config(target: Qwen3Config, intermediate_size: int | None = None) -> Qwen3Config:
     """The MTP module shape for ``target``: one layer of the target's attention shape (and MLP, unless
     ``intermediate_size``), without attention biases (the module has none)."""
@@ -112,7 +117,8 @@ def key_map(cfg: Qwen3Config, tied: bool, draft_vocab: int | None = None) -> Key
         {n: n for n in names},
         ignored={r"self_attn\.rotary_emb\.inv_freq": ROPE_CACHE,
                  r"(embed_tokens|shared_head\.head)\.weight": "the target's embedding and lm_head, shared"},
-        external=frozenset({"embed_tokens.weight"} | (set() if tied and not draft_vocab else {"shared_head.head.weight"})),
+        external=frozenset({"embed_tokens.weight"} | (set() if tied and not draft_vocab
+                                                      else {"shared_head.head.weight"})),
         checks={"d2t": lambda d2t, where: check_d2t(cfg.vocab_size, d2t, where)} if draft_vocab else {},
     )
 
@@ -154,7 +160,12 @@ class MTP(DecoderLayer):
 
     def head_rows(self) -> torch.Tensor | None:
         """The target ids of the head's rows (draft + d2t[draft]); None: the whole vocabulary in order."""
-        return torch.arange(self.draft_vocab, device=self.d2t.device) + self.d2t if self.draft_vocab else None
+        return target_ids(self.d2t) if self.draft_vocab else None
+
+    @torch.no_grad()
+    def gather_head(self, lm_head: torch.Tensor) -> None:
+        """With a draft vocabulary: its rows of the target's ``lm_head`` into the module's own head, per d2t."""
+        self.shared_head.head.weight.copy_(lm_head[self.head_rows()])
 
     def project(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """h' = eh_proj([enorm(embed(ids)), hnorm(hidden)]) [B, S, H]."""
