@@ -81,6 +81,7 @@ class LLM:
         from xcompile.runtime.decoding.generator import Generator, LoopOptions
         from xcompile.runtime.decoding.registry import make_drafter
         from xcompile.runtime.enginedir.text import Text
+        from xcompile.runtime.engines.graphs import CudaGraphCapture
         from xcompile.runtime.engines.load import open_engine_dir
 
         if isinstance(drafter, DrafterSpec):
@@ -106,8 +107,10 @@ class LLM:
                                       f"{m.max_batch}, whose batched steps do not speculate yet; use --drafter none, "
                                       "or an engine dir exported with --max-batch 1")
                 self.spec, self.drafter = DrafterSpec("none"), None
-                self.batch = BatchGenerator(self.engines.engines["target"], m.eos_token_ids, m.max_seq_len,
-                                            detokenize=detokenize)
+                target = self.engines.engines["target"]
+                graphed = cuda_graphs and self.device.type == "cuda" and target.graph_capturable
+                self.batch = BatchGenerator(target, m.eos_token_ids, m.max_seq_len, detokenize=detokenize,
+                                            capture=CudaGraphCapture() if graphed else None)
             else:
                 self.spec = spec.resolve(self.engines)          # auto replaced by what the dir holds
                 self.drafter = make_drafter(self.engines, self.spec)

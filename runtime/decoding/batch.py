@@ -24,8 +24,11 @@ S tokens whether the decode rows need one or not, so an extra prefill-only step 
 again; the chunk bounds how long a joining prompt stretches one step for the others. S is also capped by the
 room every row has left in its slot (a padded row must not write past S_max).
 
-What is not batched: speculation (a batch step verifies no drafts: sequences decode one token a step), and
-the fast backend (its kernels take one sequence; ``Engine.batched``). The batch-1 ``Generator`` keeps both.
+On the fast backend a step of up to MAX_ROWS rows in all (B sequences of one token, or short chunks) runs on
+the kernels, each sequence over its own cache row (runtime/engines/fast.py), and longer steps on the
+reference module; with ``capture``, steps of one token a row replay one graph. What is not batched:
+speculation (a batch step verifies no drafts: sequences decode one token a step; the batch-1 ``Generator``
+keeps it).
 
 Equality: a greedy sequence gets the tokens plain greedy decoding gives it alone (the tests hold it to the
 batch-1 Generator). A sampled sequence draws from a ``Sampler`` of its slot, reset with its own seed and
@@ -51,6 +54,7 @@ from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, 
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.decoding.warmup import SHORT_PASSES, Parts, Warmed, describe, spans
 from xcompile.runtime.engines.base import Engine
+from xcompile.runtime.engines.graphs import Capture, GraphedEngine
 
 # Prompt tokens a prefilling sequence feeds per step: the largest step the loop's other paths keep on their
 # short-step routes (layers.MATMUL_ATTENTION_MAX_QUERIES, ort.GRAPH_MAX_TOKENS, the fast kernels' 64 rows).
@@ -104,7 +108,11 @@ class BatchGenerator:
     """The continuous-batching loop over one target engine (module docstring)."""
 
     def __init__(self, target: Engine, eos_ids: Iterable[int], max_seq_len: int, *,
-                 detokenize: Callable[[list[int]], str] | None = None, chunk: int = CHUNK):
+                 detokenize: Callable[[list[int]], str] | None = None, chunk: int = CHUNK,
+                 capture: Capture | None = None):
+        """capture: record the steps of one token a row (every sequence decoding) as one graph and replay it
+        (GraphedEngine; LLM passes CudaGraphCapture on CUDA): a step of 36 layers is some 250 launches, which
+        the host would otherwise issue one by one every step. Steps that carry prompt chunks run eagerly."""
         kv = target.kv_shape
         if kv is None or kv.max_seq_len < max_seq_len:
             raise EngineError(f"target engine KV {None if kv is None else kv.shape} holds fewer than max_seq_len "
@@ -117,6 +125,7 @@ class BatchGenerator:
         if not target.kv:
             target.new_kv()
         self.target, self.device, self.chunk = target, target.device, chunk
+        self._run = target.run if capture is None else GraphedEngine(target, [1], capture).run
         self.max_batch, self.max_seq_len = kv.batch, max_seq_len
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
         self.slots = [_Slot(Sampler(self.device)) for _ in range(self.max_batch)]
@@ -230,8 +239,8 @@ class BatchGenerator:
             write[b], last[b, 0] = q.length, k - 1
         dev = self.device
         write_d = write.to(dev)
-        out = self.target.run(input_ids=ids.to(dev), position_ids=write_d[:, None] + torch.arange(s, device=dev),
-                              write_index=write_d, tree_mask=self._mask(s), logit_rows=last.to(dev))
+        out = self._run(input_ids=ids.to(dev), position_ids=write_d[:, None] + torch.arange(s, device=dev),
+                        write_index=write_d, tree_mask=self._mask(s), logit_rows=last.to(dev))
         logits = out["logits"]                                                  # [B, 1, V]
         greedy = logits[:, 0].argmax(-1).tolist()                               # the one host read of a step
         self.stats.steps += 1

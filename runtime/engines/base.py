@@ -50,7 +50,7 @@ class Engine(ABC):
     # host code that may allocate or synchronise. A backend whose steps are capturable sets it True.
     graph_capturable = False
     # Whether the rows of one step may hold different sequences (each its own write_index and positions, the
-    # continuous-batching loop, runtime/decoding/batch.py). The fast backend's kernels take one sequence.
+    # continuous-batching loop, runtime/decoding/batch.py). The fast backend's heads take one sequence.
     batched = True
 
     def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):

@@ -153,10 +153,12 @@ def nbytes(w: torch.Tensor | QLinear) -> int:
 
 class _FastEngine(Engine):
     """What the fast engines share: the reference engine for long passes, the KV it shares, the step
-    inputs of batch 1."""
+    inputs. A target / draft step may carry B sequences of S tokens each (the batch loop's step, B*S up to
+    MAX_ROWS rows): the projections take the B*S rows as any rows, rope_kv and attention give each sequence its
+    own cache row, write_index and mask. The heads' steps take one sequence (the loop does not batch drafts)."""
 
     graph_capturable = True
-    batched = False             # the kernels take batch 1 (``run``)
+    batched = False             # whether ``run`` takes B > 1 (the Qwen3 engines)
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
@@ -200,23 +202,27 @@ class _FastEngine(Engine):
         project(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
 
     def run(self, **inputs):
-        """A step of up to MAX_ROWS tokens of one sequence on the kernels (``_step``); longer passes (prompts) on
-        the reference module, whose cuBLAS matmuls and SDPA are what they need."""
+        """A step of up to MAX_ROWS tokens in all on the kernels (``_step``); longer passes (prompts, batch steps
+        that carry prompt chunks) on the reference module, whose cuBLAS matmuls and SDPA are what they need."""
         ids = inputs["input_ids"]
-        if ids.shape[1] > MAX_ROWS:
+        batch, s = ids.shape
+        if batch * s > MAX_ROWS:
             return self.reference.run(**inputs)
-        if ids.shape[0] != 1:
-            raise EngineError(f"fast backend: batch 1 only, got {ids.shape[0]}")
-        return self._step(ids[0], inputs["position_ids"][0], inputs["write_index"], inputs["tree_mask"][0], inputs)
+        if batch != 1 and not self.batched:
+            raise EngineError(f"fast backend: the {self.spec.graph} step takes one sequence, got {batch}")
+        return self._step(ids.reshape(-1), inputs["position_ids"].reshape(-1), inputs["write_index"],
+                          inputs["tree_mask"], inputs)
 
     def _step(self, ids, pos, wi, mask, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The graph's outputs for ids [S], positions [S], write_index [1] and tree_mask [S, W] (and ``inputs``'
-        other tensors) on the kernels."""
+        """The graph's outputs for ids [B*S], positions [B*S], write_index [B] and tree_mask [B, S, W] (and
+        ``inputs``' other tensors) on the kernels."""
         raise NotImplementedError
 
 
 class FastQwen3Engine(_FastEngine):
-    """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels."""
+    """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels, for one sequence or a batch of them."""
+
+    batched = True
 
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
                  kernels: KernelConfig = DEFAULT, shared_head: bool = False):
@@ -236,19 +242,25 @@ class FastQwen3Engine(_FastEngine):
         self.hidden = config["hidden_size"]
 
     def _step(self, ids, pos, wi, mask, inputs):
-        s = ids.shape[0]
+        batch, s = mask.shape[:2]
         sums, cfg = self.sums, self.kernels
-        x = embedding(ids, self.embed, sums_out=sums, cfg=cfg)                # [S, H], and its row sums
+        x = embedding(ids, self.embed, sums_out=sums, cfg=cfg)                # [B*S, H], and its row sums
         h = self.hidden
-        taps = torch.empty(1, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
+        taps = torch.empty(batch, s, len(self.taps) * h, dtype=x.dtype, device=x.device) if self.taps else None
+        rows = taps.view(batch * s, -1) if self.taps else None
         for i, layer in enumerate(self.layers):
             slots = [j for j, t in enumerate(self.taps) if t == i]
-            extra = taps[0, :, slots[0] * h:(slots[0] + 1) * h] if slots else None
+            extra = rows[:, slots[0] * h:(slots[0] + 1) * h] if slots else None
             self._decoder(layer, x, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, extra)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
-                taps[0, :, j * h:(j + 1) * h] = x
-        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
-        out = {"logits": logits}
+                rows[:, j * h:(j + 1) * h] = x
+        picked = inputs["logit_rows"]                                          # [B, R]: rows of each sequence
+        if batch == 1:
+            picked = picked[0]
+        else:                                                                  # -> rows of the B*S
+            picked = (picked + torch.arange(0, batch * s, s, device=picked.device)[:, None]).reshape(-1)
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=picked, cfg=cfg)
+        out = {"logits": logits.view(batch, -1, logits.shape[-1])}
         if "hidden_taps" in self.spec.output_names:
             out["hidden_taps"] = taps
         return out

@@ -147,7 +147,7 @@ def _fast_load(directory, manifest, device, options):
 
 
 def _fast_auto(manifest, device) -> bool:
-    if device.type != "cuda" or manifest.max_batch > 1:     # its kernels take one sequence (the batch loop: ort)
+    if device.type != "cuda":
         return False
     from xcompile.runtime.common.gpu import available
 

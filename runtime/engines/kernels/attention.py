@@ -1,15 +1,18 @@
 """Split-KV attention of a step's new tokens over the live KV length, then the reduction of the splits.
 
-    q [M, Hq*D] (rotated), k/v caches [1, Hkv, S_max, D], write_index [1], tree_mask [M, W] bool
-    ->  out [M, Hq*D]
+    q [B*M, Hq*D] (rotated), k/v caches [B, Hkv, S_max, D], write_index [B], tree_mask [B, M, W] bool
+    ->  out [B*M, Hq*D]
+
+B sequences of M tokens each (the continuous-batching loop's step; B = 1 everywhere else): sequence b's rows
+are b*M..b*M+M-1 of q, it reads and writes row b of the caches at its own write_index[b], under its own mask.
 
 The I/O contract's rule: the mask's columns are keys origin..origin+W-1, origin = write_index + M - W;
 token m sees every key j < origin and key origin + i iff tree_mask[m, i] (W = M: every committed key
 and the new ones the mask allows). Only keys below write_index + M are read: the live length
 lives on the device, so the same launch serves every context length inside one CUDA graph.
 
-Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (kv head, split, tile
-of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g, head r%g),
+Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (sequence and kv head,
+split, tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g, head r%g),
 so each KV tile is read once per head group. Splits past the live length return at once; the reduction
 combines the live ones in a fixed order. Chunks at absolute positions chosen from write_index alone, and
 fixed row tiles, make a row's result independent of how many rows (from 2) the call carries.
@@ -95,16 +98,20 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_tm, sm_scale, CHUNK,
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_ch, stride_tb, stride_tm, sm_scale,
+                  CHUNK,
                   SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   FIRST: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # the reduction, then the o projection, launch now
-    kvh = tl.program_id(0)
+    HKV: tl.constexpr = HQ // G
+    b = tl.program_id(0) // HKV                         # the sequence: its cache row, write_index and mask
+    kvh = tl.program_id(0) % HKV
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    tok = rows // G
+    tok = rows // G                                     # the sequence's token; its row of Q is b*M + tok
+    TM += b * stride_tb
     head = kvh * G + rows % G
     live = tok < M
     d = tl.arange(0, D)
@@ -112,12 +119,12 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
     # writes only keys write_index..write_index+M-1 and lets this launch start once its own wait is over):
     # splits past the live length return at once, and the first block's cached keys and values are in
     # flight before the wait (programmatic dependent launch).
-    wi = tl.load(WI)
+    wi = tl.load(WI + b)
     chunk = _chunk(wi, CHUNK, tl.num_programs(1), SMALL, MAX_M)
     start = split * chunk
     end = tl.minimum(start + chunk, wi + M)
     if start < end:
-        base = kvh * stride_ch
+        base = b * stride_cb + kvh * stride_ch
         keys = start + tl.arange(0, BLOCK_S)
         cached = keys < tl.minimum(end, wi)
         offs = base + keys[:, None] * D + d[None, :]
@@ -130,7 +137,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
         new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
         k = tl.load(KC + offs, mask=new[:, None], other=k)                  # in place: no second tile live
         v = tl.load(VC + offs, mask=new[:, None], other=v)
-        q = tl.load(Q + tok[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        q = tl.load(Q + (b * M + tok)[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None],
+                    other=0.0)
         m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
@@ -143,8 +151,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
             v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
                                           l_i, acc, IEEE)
-        # partials [splits, M, HQ, (D | m, l)]; the combine reads the live splits only
-        slot = (split * M + tok) * HQ + head
+        # partials [splits, B*M, HQ, (D | m, l)]; the combine reads the live splits only
+        slot = ((split * (tl.num_programs(0) // HKV) + b) * M + tok) * HQ + head
         tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
         tl.store(MLP + slot * 2, m_i, mask=live)
         tl.store(MLP + slot * 2 + 1, l_i, mask=live)
@@ -154,7 +162,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_ch, stride_
 def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.constexpr, MAX_M: tl.constexpr,
                     HQ: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
                     FIRST: tl.constexpr):
-    """One program per (token, head, DB of the head's D columns): the live splits' partials of those
+    """One program per (row of the B*M, head, DB of the head's D columns): the live splits' partials of those
     columns, weighted by their softmax statistics, summed over the splits."""
     if PDL:
         if FIRST:
@@ -162,12 +170,12 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
         tl.extra.cuda.gdc_wait()
         if not FIRST:
             tl.extra.cuda.gdc_launch_dependents()
-    tok = tl.program_id(0)
+    row = tl.program_id(0)                                                  # of sequence row // M
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
-    wi = tl.load(WI)
+    wi = tl.load(WI + row // M)
     ok = s < tl.cdiv(wi + M, _chunk(wi, CHUNK, SPLITS, SMALL, MAX_M))       # the splits that hold live keys
-    slot = (s * M + tok) * HQ + head
+    slot = (s * tl.num_programs(0) + row) * HQ + head
     m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
     l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
     top = tl.max(m, axis=0)
@@ -175,7 +183,7 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
     d = tl.program_id(2) * DB + tl.arange(0, DB)
     acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + tok * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
+    tl.store(OUT + row * stride_o + head * D + d, y.to(OUT.dtype.element_ty))
 
 
 @functools.cache
@@ -200,39 +208,49 @@ def chunk_for(max_seq_len: int, rows: int = 1) -> int:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
               cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """q [M, Hq*D]; caches [1, Hkv, S_max, D]; write_index [1]; tree_mask [M, W >= M] bool (rows may be
-    strided) -> [M, Hq*D]. chunk: keys per split (None: chunk_for the cache and M; the tests set it)."""
-    m = q.shape[0]
+    """q [B*M, Hq*D]; caches [B, Hkv, S_max, D]; write_index [B]; tree_mask [B, M, W >= M] bool, or [M, W] for
+    B = 1 (rows may be strided) -> [B*M, Hq*D]. chunk: keys per split (None: chunk_for the cache and M; the tests
+    set it)."""
+    if tree_mask.dim() == 2:
+        tree_mask = tree_mask[None]
+    batch, m, w = tree_mask.shape
+    rows = q.shape[0]
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
     chunk = chunk or chunk_for(max_seq_len, m)
     splits = math.ceil(max_seq_len / chunk)
-    assert m <= MAX_ROWS
+    assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
     small = SHORT_CHUNK if SHORT_CHUNK < chunk else 0       # a chunk no longer than the short one: nothing to switch
-    w = tree_mask.shape[1]
-    assert tree_mask.shape[0] == m and w >= m and tree_mask.stride(1) == 1 and q.stride(1) == 1
-    grid = (kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
+    assert w >= m and tree_mask.stride(2) == 1 and q.stride(1) == 1 and k_cache.stride() == v_cache.stride()
+    grid = (batch * kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
     regs = {"maxnreg": MAXNREG} if many(math.prod(grid), q.device) else {}
-    partial = torch.empty(splits, m, heads, d, dtype=torch.float32, device=q.device)
-    stats = torch.empty(splits, m, heads, 2, dtype=torch.float32, device=q.device)
+    partial = torch.empty(splits, rows, heads, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(splits, rows, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[grid](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
-        k_cache.stride(1), tree_mask.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g, HQ=heads, D=d,
-        BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=cfg.pdl_on, FIRST=m > 1, num_warps=WARPS,
-        num_stages=2, **regs, **cfg.launch())
+        k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
+        MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
+        PDL=cfg.pdl_on, FIRST=rows > 1, num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
     if out is None:
-        out = torch.empty(m, heads * d, dtype=q.dtype, device=q.device)
+        out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
     db = min(d, COMBINE_BLOCK)
     assert d % db == 0, f"combine_block {db} does not divide head_dim {d}"
-    _combine_kernel[(m, heads, d // db)](partial, stats, out, write_index, m, out.stride(0), chunk, splits, SMALL=small,
-                                         MAX_M=MAX_ROWS, HQ=heads, D=d, DB=db, SPLITS_P2=p2, PDL=cfg.pdl_on,
-                                         FIRST=m > 1, num_warps=min(8, max(1, p2 * db // 2048)), **cfg.launch())
+    _combine_kernel[(rows, heads, d // db)](partial, stats, out, write_index, m, out.stride(0), chunk, splits,
+                                            SMALL=small, MAX_M=MAX_ROWS, HQ=heads, D=d, DB=db, SPLITS_P2=p2,
+                                            PDL=cfg.pdl_on, FIRST=rows > 1, num_warps=min(8, max(1, p2 * db // 2048)),
+                                            **cfg.launch())
     return out
 
 
 def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
-    """What ``attention`` computes: softmax(q k^T / sqrt(D) + mask) v over the visible keys, in fp32."""
+    """What ``attention`` computes: softmax(q k^T / sqrt(D) + mask) v over the visible keys, in fp32; each
+    sequence of a batch (tree_mask [B, M, W]) over its own cache row."""
+    if tree_mask.dim() == 3:
+        m = tree_mask.shape[1]
+        return torch.cat([attention_reference(q[i * m:(i + 1) * m], k_cache[i:i + 1], v_cache[i:i + 1],
+                                              write_index[i:i + 1], tree_mask[i], heads)
+                          for i in range(tree_mask.shape[0])])
     m = q.shape[0]
     _, kv_heads, _, d = k_cache.shape
     wi = int(write_index[0])

@@ -1,8 +1,10 @@
 """q/k RMSNorm + RoPE + KV-cache write for one step's new tokens, in one kernel.
 
-    qkv [M, (Hq + 2 Hkv) * D]  the fused projection's output: q heads, then k heads, then v heads
-    ->  q [M, Hq * D]           normed (Qwen3's q_norm) and rotated
-        k_cache/v_cache [Hkv, S_max, D] (batch 1) rows write_index + m: normed and rotated k, and v
+    qkv [B*M, (Hq + 2 Hkv) * D]  the fused projection's output: q heads, then k heads, then v heads
+    ->  q [B*M, Hq * D]           normed (Qwen3's q_norm) and rotated
+        k_cache/v_cache [B, Hkv, S_max, D], row b at write_index[b] + m: sequence b's normed and rotated k, and v
+
+B sequences of M tokens each (rows b*M..b*M+M-1 are sequence b's; B = 1 but in the batch loop's steps).
 
 One program per (token, head): each head's D values fit in registers. Rotate-half RoPE (HF
 Qwen3/Llama) at position_ids[m]; tree nodes share their depth's position. The arithmetic rounds where
@@ -31,13 +33,13 @@ def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.c
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, stride_q, stride_ch, eps,
+def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, M, stride_qkv, stride_q, stride_cb, stride_ch, eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         # attention may launch (and request the cached keys, which this kernel does not write) before the wait
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    m = tl.program_id(0)
+    m = tl.program_id(0)                    # row m of the B*M: token m % M of sequence m // M
     h = tl.program_id(1)                    # 0..HQ-1: q heads; HQ..HQ+HKV-1: kv heads
     dt = Q.dtype.element_ty
     half: tl.constexpr = D // 2
@@ -60,27 +62,29 @@ def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, stride_qkv, strid
         tl.store(Q + m * stride_q + h * D + d, y)
     else:
         kv = h - HQ
-        slot = tl.load(WI) + m
-        tl.store(KC + kv * stride_ch + slot * D + d, y)
+        b = m // M
+        at = b * stride_cb + kv * stride_ch + (tl.load(WI + b) + m % M) * D + d
+        tl.store(KC + at, y)
         v = tl.load(row + (HQ + HKV + kv) * D + d)
-        tl.store(VC + kv * stride_ch + slot * D + d, v)
+        tl.store(VC + at, v)
 
 
 def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
             head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
             eps: float = 1e-6, out: torch.Tensor | None = None, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """qkv [M, (Hq+2Hkv)*D]; position_ids [M]; write_index [1]; cos/sin [P, D/2] fp32; caches
-    [1, Hkv, S_max, D] written in place at rows write_index + 0..M-1 -> q [M, Hq*D]."""
-    m = qkv.shape[0]
-    assert k_cache.shape[0] == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(1) == 1
+    """qkv [B*M, (Hq+2Hkv)*D]; position_ids [B*M]; write_index [B]; cos/sin [P, D/2] fp32; caches
+    [B', Hkv, S_max, D] (B' >= B), row b written in place at write_index[b] + 0..M-1 -> q [B*M, Hq*D]."""
+    rows, batch = qkv.shape[0], write_index.shape[0]
+    assert rows % batch == 0 and k_cache.shape[0] >= batch and position_ids.shape == (rows,)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(1) == 1
     if out is None:
-        out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+        out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
-    _rope_kv_kernel[(m, heads + kv_heads)](
+    _rope_kv_kernel[(rows, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
-        k_norm if norm else cos, qkv.stride(0), out.stride(0), k_cache.stride(1), eps,
-        HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=cfg.pdl_on, num_warps=1, **cfg.launch())
+        k_norm if norm else cos, rows // batch, qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
+        eps, HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=cfg.pdl_on, num_warps=1, **cfg.launch())
     return out
 
 
@@ -100,7 +104,9 @@ def rope_kv_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache
         return x * c + torch.cat((-x2, x1), dim=-1) * s
 
     q, k = rotate(q), rotate(k)
-    slots = int(write_index[0]) + torch.arange(m)
-    k_cache[0, :, slots] = k.transpose(0, 1)
-    v_cache[0, :, slots] = v.transpose(0, 1)
+    per = m // write_index.shape[0]
+    for b in range(write_index.shape[0]):                  # sequence b: rows b*per.., its cache row b
+        slots, own = int(write_index[b]) + torch.arange(per), slice(b * per, (b + 1) * per)
+        k_cache[b, :, slots] = k[own].transpose(0, 1)
+        v_cache[b, :, slots] = v[own].transpose(0, 1)
     return q.reshape(m, heads * head_dim)

@@ -55,6 +55,16 @@ def test_each_sequence_gets_its_greedy_tokens_alone(tiny, prompts, chunk):
     assert batch.stats.rows_used[BATCH - 1] > 0          # all four slots busy at once
 
 
+def test_steps_of_one_token_a_row_replay_one_recorded_step(tiny, prompts):
+    """With a capture (CUDA graphs on a GPU, LLM's choice there; here the CPU stand-in), the steps in which every
+    row carries one token are recorded once and replayed, steps carrying prompt chunks run eagerly, and every
+    sequence still gets its tokens alone."""
+    capture = T.Emulated()
+    batch = BatchGenerator(T.qwen3_engine(tiny.target, batch=BATCH), [], MAX_SEQ_LEN, chunk=8, capture=capture)
+    assert [r.tokens for r in batch.generate([(p, NEW) for p in prompts])] == alone(tiny, prompts)
+    assert capture.captures == 1 and capture.replays >= NEW
+
+
 def test_greedy_tokens_equal_speculative_decoding_alone(tiny, prompts):
     ref = alone(tiny, prompts[:4], drafter=Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3))
     assert [r.tokens for r in batch_of(tiny).generate([(p, NEW) for p in prompts[:4]])] == ref

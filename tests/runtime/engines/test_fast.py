@@ -29,6 +29,7 @@ from xcompile.runtime.decoding.drafters import (  # noqa: E402
     MTPTreeDrafter,
     NoDrafter,
 )
+from xcompile.runtime.decoding.batch import BatchGenerator  # noqa: E402
 from xcompile.runtime.decoding.generator import Generator, LoopOptions  # noqa: E402
 from xcompile.runtime.enginedir.contract import DRAFT, MTP, TARGET  # noqa: E402
 from xcompile.runtime.engines import fast  # noqa: E402
@@ -151,6 +152,54 @@ def test_long_passes_run_the_reference(tiny):
     got.new_kv()
     prompt = step_inputs(torch.arange(70)[None] % T.VOCAB, 0)                    # > MAX_ROWS tokens
     assert torch.equal(got.run(**prompt)["logits"], ref.run(**prompt)["logits"])
+
+
+def batch_step(wi: list[int], tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    """A batch loop's step: len(wi) sequences of ``tokens`` new tokens, sequence b written at wi[b] in cache row b,
+    each under its own causal mask, the logits of its last two rows (or its only one)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(wi)
+    ids = torch.randint(0, T.VOCAB, (b, tokens), generator=g)
+    positions = torch.tensor(wi)[:, None] + torch.arange(tokens)
+    rows = torch.arange(max(0, tokens - 2), tokens).expand(b, -1)
+    inputs = step_inputs(ids, 0, positions=positions, rows=rows)
+    return {**inputs, "write_index": torch.tensor(wi)}
+
+
+def test_batch_steps_of_several_sequences_match_the_reference(tiny):
+    """Steps of the continuous-batching loop (runtime/decoding/batch.py): B sequences each at its own KV length in
+    its own cache row, on the kernels while the B*S rows fit MAX_ROWS, on the reference past that. Logits, taps
+    and every cache row match the torch engine's batched step."""
+    ref = qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN, batch=4)
+    got = fast.FastQwen3Engine(qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN, batch=4), cfg(tiny.target), T.TAPS)
+    ref.new_kv()
+    got.new_kv()
+    steps = [batch_step([0, 0, 0, 0], 20, 1),             # 80 rows: prompt chunks on the reference
+             batch_step([20, 20, 20, 20], 1, 2),          # decode rows of 4 sequences
+             batch_step([21, 21, 21, 21], 3, 3),          # a chunk each (12 rows)
+             batch_step([24, 24, 24, 24], 1, 4)]
+    for inputs in steps:
+        want, have = ref.run(**inputs), got.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    uneven = batch_step([25, 7, 25, 13], 2, 5)          # the loop's sequences stand at different lengths
+    want, have = ref.run(**uneven), got.run(**uneven)
+    assert have["logits"].shape == want["logits"].shape == (4, 2, T.VOCAB)
+    assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    for a, b in zip(got.kv, ref.kv):
+        assert close(a[:, :, :27], b[:, :, :27])
+
+
+def test_batch_loop_on_the_fast_backend_gives_each_sequence_its_tokens_alone(tiny):
+    """The continuous-batching loop over a fast target (4 slots, 6 prompts of 1..40 tokens, chunks of 8): every
+    sequence gets the greedy tokens the batch-1 Generator gives it alone on the torch reference."""
+    prompts = T.random_prompts((1, 7, 19, 40, 3, 9), seed=5)
+    alone = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN)
+    want = [alone.generate(p, 12).tokens for p in prompts]
+    target = fast.FastQwen3Engine(qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN, batch=4), cfg(tiny.target),
+                                  T.TAPS)
+    batch = BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8)
+    assert [r.tokens for r in batch.generate([(p, 12) for p in prompts])] == want
+    assert batch.stats.rows_used[3] > 0
 
 
 def test_eagle3_steps_match_the_reference(tiny):

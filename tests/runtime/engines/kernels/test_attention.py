@@ -174,3 +174,20 @@ def test_attention_tree_level_mask_at_qwen3_8b_head_shape(ctx):
     tm[torch.arange(10), 40 + torch.arange(10)] = True
     wi = torch.tensor([ctx + 40], device=DEV)
     assert rel(attention(q, kc, vc, wi, tm, 32), attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_attention_batch_of_sequences(rows):
+    """B sequences of ``rows`` tokens, each at its own write_index over its own cache row and under its own mask
+    (the batch loop's step): accurate, and each sequence's rows bit for bit those of a call of it alone."""
+    torch.manual_seed(rows)
+    d, heads, batch = 64, 8, 3
+    kc, vc = randn(batch, 2, 640, d, dtype=torch.float32), randn(batch, 2, 640, d, dtype=torch.float32)
+    q = randn(batch * rows, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(batch, rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([517, 0, 63], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+    for b in range(batch):
+        alone = attention(q[b * rows:(b + 1) * rows], kc[b:b + 1], vc[b:b + 1], wi[b:b + 1], tm[b], heads)
+        assert torch.equal(got[b * rows:(b + 1) * rows], alone)
