@@ -21,6 +21,7 @@ from xcompile.compile.config import Yarn  # noqa: E402
 from xcompile.compile.models.layers import Rotary  # noqa: E402
 from xcompile.compile.reference import eagle3_engines, qwen3_engine  # noqa: E402
 from xcompile.runtime.common.errors import EngineError  # noqa: E402
+from xcompile.runtime.decoding.batch import BatchGenerator  # noqa: E402
 from xcompile.runtime.decoding.drafters import (  # noqa: E402
     DraftModelDrafter,
     Eagle3ChainDrafter,
@@ -29,7 +30,6 @@ from xcompile.runtime.decoding.drafters import (  # noqa: E402
     MTPTreeDrafter,
     NoDrafter,
 )
-from xcompile.runtime.decoding.batch import BatchGenerator  # noqa: E402
 from xcompile.runtime.decoding.generator import Generator, LoopOptions  # noqa: E402
 from xcompile.runtime.enginedir.contract import DRAFT, MTP, TARGET  # noqa: E402
 from xcompile.runtime.engines import fast  # noqa: E402
