@@ -14,7 +14,8 @@ For bf16 (the shipped checkpoint), fp8 and int4-awq, every model computing in fp
                  verify round, runtime/decoding/outcome.py): --prompts held-out prompts (the first 48 tokens of
                  held-out documents 0, 1, ...), --new-tokens each
 
-Calibration (int4-awq) reads the training text by default, so the held-out text it is scored on stays unseen.
+Calibration (both schemes: GPTQ, and AWQ before it for int4-awq) reads the training text by default, so the
+held-out text it is scored on stays unseen.
 Prints a table, then the JSON report (one object per model) that docs/perf keeps.
 """
 
@@ -76,7 +77,7 @@ def evaluate(target_dir: Path, head_dir: Path, windows: torch.Tensor, prompts: l
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, default=DATA / "corpus.train.txt")
-    parser.add_argument("--samples", type=int, default=64, help="calibration windows (int4-awq)")
+    parser.add_argument("--samples", type=int, default=64, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--heldout", type=Path, default=DATA / "corpus.heldout.txt")
     parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")

@@ -141,24 +141,20 @@ QUANTIZE_SCHEMES = ("fp8", "int4-awq")
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--scheme", required=True, type=click.Choice(QUANTIZE_SCHEMES),
               help="fp8: fp8 weights, a scale per 128x128 block; int4-awq: int4 weights, a scale and zero point "
-                   "per 128 inputs, AWQ-calibrated.")
+                   "per 128 inputs, AWQ-calibrated. Both rounded by GPTQ on the calibration text.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False),
-              help="int4-awq's calibration text: plain text (documents split at form-feed lines) or JSONL with "
+              help="Calibration text: plain text (documents split at form-feed lines) or JSONL with "
                    "'text' or 'prompt' [default: data/corpus.heldout.txt, the demo's held-out text].")
 @click.option("--samples", type=click.IntRange(min=1), default=64, show_default=True,
-              help="int4-awq: calibration windows, spread over the text.")
+              help="Calibration windows, spread over the text.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=512, show_default=True,
-              help="int4-awq: tokens per calibration window.")
+              help="Tokens per calibration window.")
 @click.option("--out", required=True, callback=writable_dir, help="Checkpoint directory to write.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (only a dir xcompile wrote, or an empty one).")
-@click.pass_context
-def quantize_cmd(ctx, model, revision, scheme, calibration, samples, seq_len, out, force) -> None:
+def quantize_cmd(model, revision, scheme, calibration, samples, seq_len, out, force) -> None:
     """Quantize a Qwen3 checkpoint with llm-compressor into a compressed-tensors checkpoint xcompile loads."""
     from pathlib import Path
 
-    if scheme == "fp8":
-        refuse_inert(ctx, ["calibration", "samples", "seq_len"], "fp8 scales come from the weights alone (its "
-                     "activations are quantized dynamically at run time): no calibration runs")
     from xcompile.compile.quantize import QuantizeOptions, quantize_checkpoint
 
     opts = QuantizeOptions(scheme=scheme, calibration=None if calibration is None else Path(calibration),
