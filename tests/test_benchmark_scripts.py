@@ -32,7 +32,7 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 
 def test_every_script_is_checked_here():
-    assert SCRIPTS == ["dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
+    assert SCRIPTS == ["batch_decode.py", "dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
                        "graph_equivalence.py", "kernels.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
                        "serve_load.py", "step_timeline.py", "verify_speed.py"]
 
@@ -60,6 +60,7 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("fast_decode.py", ["--tiles", "no-such-tiles.json"], "--tiles: no-such-tiles.json: not a tile tables file"),
     ("step_timeline.py", ["--tiles", "no-such-tiles.json"], "--tiles: no-such-tiles.json: not a tile tables file"),
     ("fast_decode.py", [], "no CUDA device is visible here"),
+    ("batch_decode.py", [], "no CUDA device is visible here"),
     ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
     ("kernels.py", [], "no CUDA device is visible here"),
     ("qlinear_tiles.py", [], "no CUDA device is visible here"),
@@ -84,6 +85,17 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
 def test_what_a_script_cannot_do_here_is_refused_in_one_line(script, args, said):
     assert refused(run(script, *args), said)
     assert not (BENCHMARKS / "never-written.pt").exists()
+
+
+def test_batch_decode_runs_the_tiny_shape_in_the_interpreter(tmp_path):
+    report = tmp_path / "batch.json"
+    done = run("batch_decode.py", "--tiny", "--batches", "2", "--new-tokens", "3", "--prompt-tokens", "4",
+               "--json", str(report), timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(report.read_text())
+    level = got["levels"][0]
+    assert level["batch"] == 2 and level["one"]["tokens"] == 3 and level["all"]["tokens"] == 6
+    assert got["batch1"]["tok_s"] > 0 and level["all"]["step_ms"] > 0
 
 
 def test_dump_logits_runs_the_tiny_model_in_the_interpreter_and_compares_dumps(tmp_path):

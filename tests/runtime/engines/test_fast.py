@@ -340,6 +340,22 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fast_batch_loop_on_the_gpu(graphs):
+    """bf16 on the GPU: the continuous-batching loop over a fast target (8 slots, 12 prompts), eager or with its
+    steps of one token a row replayed from a CUDA graph, gives every sequence the tokens it gets alone."""
+    from xcompile.runtime.engines.graphs import CudaGraphCapture
+
+    tiny = T.build(256, device="cuda", dtype=torch.bfloat16, head_dim=16)
+    prompts = T.random_prompts((1, 5, 9, 30, 70, 2, 3, 17, 40, 8, 1, 12), seed=3)
+    plain = Generator(fast_target(tiny), NoDrafter(), [], 256)
+    want = [plain.generate(p, 48).tokens for p in prompts]
+    target = fast.FastQwen3Engine(qwen3_engine(tiny.target, max_seq_len=256, batch=8), cfg(tiny.target), T.TAPS)
+    batch = BatchGenerator(target, [], 256, capture=CudaGraphCapture() if graphs else None)
+    assert [r.tokens for r in batch.generate([(p, 48) for p in prompts])] == want
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_pdl_changes_no_bits_of_a_step_on_the_gpu(tokens):
     """Programmatic dependent launch (KernelConfig.pdl) is scheduling only: a bf16 target step and an EAGLE3
