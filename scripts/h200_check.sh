@@ -12,6 +12,8 @@
 #   sample   the sampler's gpu tests, then the bf16 bench sampled (T 0.6, top-k 20, top-p 0.95; context 128)
 #   paradigms  xrun bench --synthetic qwen3-8b with an MTP module (32,000-row draft vocabulary) and a Qwen3-0.6B-shape
 #            draft model beside the EAGLE3 head: chains at gamma 2, 4, 6 and trees 10/6/32 (context 128)
+#   batch    benchmarks/batch_decode.py: the continuous-batching loop on the fast backend at --max-batch 1, 4, 16, 64
+#            (one stream vs all, decode step ms, TTFT; the batch-1 loop beside), Qwen3-8B shape, 256 tokens each
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -23,12 +25,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench|sample|paradigms ... (see its header)"
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench|sample|paradigms|batch ... (see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|compare|quant|qbench|sample|paradigms) ;;
-  *) echo "unknown part '$part': tests, bench, agree, compare, quant, qbench, sample or paradigms"; exit 2;;
+  tests|bench|agree|compare|quant|qbench|sample|paradigms|batch) ;;
+  *) echo "unknown part '$part': tests, bench, agree, compare, quant, qbench, sample, paradigms or batch"; exit 2;;
   esac
 done
 
@@ -101,6 +103,10 @@ for part in "$@"; do
     run bench_sampled 270 xrun bench "${BENCH[@]}" --contexts 128 --temperature 0.6 --top-k 20 --top-p 0.95 \
       --json "$OUT/bench_sampled.json"
     grep -E "$SHOW|sample|accept" "$OUT/bench_sampled.log"
+    ;;
+  batch)
+    run batch_decode 420 python3 benchmarks/batch_decode.py --json "$OUT/batch_decode.json"
+    cat "$OUT/batch_decode.log" | grep -v "^ *$" | tail -8
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \
