@@ -101,16 +101,23 @@ class LLM:
             self.generator: Generator | None = None
             self.batch: BatchGenerator | None = None
             if m.max_batch > 1:
-                # the continuous-batching loop: plain decoding in every slot (speculation is not batched yet)
-                if spec.name not in ("auto", "none"):
+                # the continuous-batching loop: plain decoding in every slot, and a lone greedy sequence
+                # speculating on the batch-1 Generator in slot 0 where the engines can run one sequence (solo.py)
+                engines = self.engines.engines
+                target, lone = engines["target"], all(e.partial_batch for e in engines.values())
+                if spec.name not in ("auto", "none") and not lone:
                     raise EngineError(f"--drafter {spec.name}: {directory} was exported with --max-batch "
-                                      f"{m.max_batch}, whose batched steps do not speculate yet; use --drafter none, "
-                                      "or an engine dir exported with --max-batch 1")
-                self.spec, self.drafter = DrafterSpec("none"), None
-                target = self.engines.engines["target"]
-                graphed = cuda_graphs and self.device.type == "cuda" and target.graph_capturable
+                                      f"{m.max_batch}, and the {self.engines.backend} backend's graphs fix the "
+                                      "batch, so its lone sequence cannot speculate; use --drafter none, --backend "
+                                      "fast or torch, or an engine dir exported with --max-batch 1")
+                self.spec = spec.resolve(self.engines) if lone and spec.name != "none" else DrafterSpec("none")
+                self.drafter = make_drafter(self.engines, self.spec) if self.spec.name != "none" else None
+                graphed = cuda_graphs and self.device.type == "cuda"
+                solo = Generator(target, self.drafter, m.eos_token_ids, m.max_seq_len, detokenize=detokenize,
+                                 options=LoopOptions(cuda_graphs=graphed)) if self.drafter is not None else None
                 self.batch = BatchGenerator(target, m.eos_token_ids, m.max_seq_len, detokenize=detokenize,
-                                            capture=CudaGraphCapture() if graphed else None)
+                                            capture=CudaGraphCapture() if graphed and target.graph_capturable
+                                            else None, solo=solo)
             else:
                 self.spec = spec.resolve(self.engines)          # auto replaced by what the dir holds
                 self.drafter = make_drafter(self.engines, self.spec)

@@ -7,33 +7,22 @@
         batch.step()                                    # one target pass over every slot
     a.result.tokens, b.result.tokens
 
-Slots. The target engine's KV buffers are [B, Hkv, S_max, D] with B = the engine dir's ``max_batch``; slot b
-owns row b of every buffer. A submitted sequence waits (first come, first served) until a slot is free, takes
-it between two steps and gives it back when it stops (EOS, a stop string, its budget, the cache's end, a
-cancel, or an error of its own). Nothing is cleared: a new sequence's prefill writes its slot from row 0, and
-rows past a slot's length are stale and never read (the I/O contract's mask rule).
+Slots: the target's KV buffers are [B, Hkv, S_max, D], B the dir's ``max_batch``, and slot b owns row b. A
+sequence waits (first come, first served) for a free slot, takes it between two steps and gives it back when it
+stops; nothing is cleared (rows past a slot's length are stale, the contract's mask rule).
 
-A step. One ``target.run`` over all B rows with a single S (ORT and TensorRT graphs fix B, and one call
-takes one S): row b writes its tokens at ``write_index[b]`` = its KV length, positions follow, the mask is
-causal, and ``logit_rows[b]`` picks its last real token. A decoding row feeds one token (its root, the last
-committed one) and a prefilling row the next chunk of its prompt (at most ``chunk`` tokens); shorter rows and
-free slots are padded after their real tokens with token 0, which the causal mask hides from the real ones and
-whose KV writes land past the row's length in its own slot (stale, overwritten later). So prefill chunks of
-every joining sequence and the decode tokens of the others share one step: the graph computes all B rows at
-S tokens whether the decode rows need one or not, so an extra prefill-only step would cost the same pass
-again; the chunk bounds how long a joining prompt stretches one step for the others. S is also capped by the
-room every row has left in its slot (a padded row must not write past S_max).
+A step is one ``target.run`` over all B rows with one S (ORT and TensorRT graphs fix B): row b writes at
+``write_index[b]`` = its KV length under a causal mask, ``logit_rows[b]`` its last real token. A decoding row
+feeds its root, a prefilling one the next chunk of its prompt (at most ``chunk`` tokens); shorter rows and free
+slots are padded with token 0 after their real tokens (hidden by the mask, written past the row's length). So
+prompt chunks share steps with decode tokens, the chunk bounding how long a joining prompt stretches a step.
+On the fast backend a step of up to MAX_ROWS rows in all runs on the kernels, each sequence over its own cache
+row; with ``capture``, steps of one token a row replay one graph. A lone greedy sequence speculates on the
+batch-1 Generator instead, until another arrives (``solo``, solo.py); batch steps verify no drafts.
 
-On the fast backend a step of up to MAX_ROWS rows in all (B sequences of one token, or short chunks) runs on
-the kernels, each sequence over its own cache row (runtime/engines/fast.py), and longer steps on the
-reference module; with ``capture``, steps of one token a row replay one graph. What is not batched:
-speculation (a batch step verifies no drafts: sequences decode one token a step; the batch-1 ``Generator``
-keeps it).
-
-Equality: a greedy sequence gets the tokens plain greedy decoding gives it alone (the tests hold it to the
-batch-1 Generator). A sampled sequence draws from a ``Sampler`` of its slot, reset with its own seed and
-stream, making exactly the batch-1 loop's draws (the first token's, then one plain round's each step), so it
-also gets the tokens it gets alone on the same backend.
+Equality: a greedy sequence gets plain greedy decoding's tokens; a sampled one draws from a ``Sampler`` of its
+slot reset with its own seed and stream, as a plain round of the batch-1 loop draws, so it also gets the tokens
+it gets alone on the same backend. docs/design.md ("The batch loop") says more.
 """
 
 from __future__ import annotations
@@ -49,10 +38,12 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal
+from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
+from xcompile.runtime.decoding.solo import Solo
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
-from xcompile.runtime.decoding.warmup import SHORT_PASSES, Parts, Warmed, describe, spans
+from xcompile.runtime.decoding.warmup import Warmed, warm_batch
 from xcompile.runtime.engines.base import Engine
 from xcompile.runtime.engines.graphs import Capture, GraphedEngine
 
@@ -99,6 +90,7 @@ class BatchStats:
     """What the loop did: target passes, and the tokens they carried (real, not padding)."""
 
     steps: int = 0
+    solo_rounds: int = 0        # rounds of a lone sequence on the batch-1 Generator (solo.py)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     rows_used: list[int] = field(default_factory=list)     # [k]: steps with k + 1 occupied slots
@@ -109,10 +101,12 @@ class BatchGenerator:
 
     def __init__(self, target: Engine, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, chunk: int = CHUNK,
-                 capture: Capture | None = None):
+                 capture: Capture | None = None, solo: Generator | None = None):
         """capture: record the steps of one token a row (every sequence decoding) as one graph and replay it
         (GraphedEngine; LLM passes CudaGraphCapture on CUDA): a step of 36 layers is some 250 launches, which
-        the host would otherwise issue one by one every step. Steps that carry prompt chunks run eagerly."""
+        the host would otherwise issue one by one every step. Steps that carry prompt chunks run eagerly.
+        solo: a batch-1 Generator over the same target (and a drafter) that a lone greedy sequence runs on,
+        speculating, until another arrives (solo.py)."""
         kv = target.kv_shape
         if kv is None or kv.max_seq_len < max_seq_len:
             raise EngineError(f"target engine KV {None if kv is None else kv.shape} holds fewer than max_seq_len "
@@ -125,7 +119,11 @@ class BatchGenerator:
         if not target.kv:
             target.new_kv()
         self.target, self.device, self.chunk = target, target.device, chunk
-        self._run = target.run if capture is None else GraphedEngine(target, [1], capture).run
+        self._graphed = GraphedEngine(target, [1], capture) if capture is not None else None
+        if solo is not None and (solo.target is not target or not target.partial_batch):
+            raise EngineError("solo: a Generator over this loop's target, which must take fewer sequences than its "
+                              "KV slots (the torch and fast backends)")
+        self.solo = Solo(solo) if solo is not None else None
         self.max_batch, self.max_seq_len = kv.batch, max_seq_len
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
         self.slots = [_Slot(Sampler(self.device)) for _ in range(self.max_batch)]
@@ -193,26 +191,16 @@ class BatchGenerator:
 
     def warm_up(self, samplings: Sequence[SamplingParams] = (GREEDY,),
                 on_part: Callable[[Warmed], None] | None = None) -> list[Warmed]:
-        """Run a step of every token count S a step can take (1 .. the chunk), greedy, and two steps of one
-        sequence under each sampled mode of ``samplings`` (decoding/warmup.py); then clear the KV buffers and
-        the stats as a fresh loop has them. Only while idle. Returns the parts, timed."""
+        """Run a step of every token count S a step can take, and the lone sequence's Generator's warm-up
+        (warmup.warm_batch); then clear the KV buffers and the stats as a fresh loop has them. Only while idle.
+        Returns the parts, timed."""
         if not self.idle:
             raise EngineError("warm_up runs before any sequence is submitted")
-        parts, sync = Parts(on_part), (lambda: torch.cuda.synchronize(self.device)
-                                       if self.device.type == "cuda" else None)
-        sizes = list(range(1, min(self.chunk, self.max_seq_len - 1) + 1))
-        with parts.part(f"batch steps of {spans(sizes)} tokens, greedy", sync):
-            for s in sizes:                 # one sequence at a time: a step of s tokens each
-                for _ in range(SHORT_PASSES):
-                    self.generate([([0] * s, 1)])
-        for sampling in samplings:
-            if not sampling.greedy:
-                with parts.part(f"batch steps, {describe(sampling)}", sync):
-                    self.generate([([0], 2, (), sampling)])
+        done = warm_batch(self, samplings, on_part)
         for buf in self.target.kv:
             buf.zero_()
         self.stats = BatchStats(rows_used=[0] * self.max_batch)
-        return parts.done
+        return done
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -222,6 +210,9 @@ class BatchGenerator:
         it gave each row. Returns the sequences that stopped during this call."""
         # the sequences that stop in this call, kept where abort() finds them should the step raise midway
         ended = self._pending = self._drop_cancelled()
+        if self.solo is not None and self._solo_step(ended):
+            self._pending = []
+            return ended
         self._seat()
         rows = [(b, s.seq) for b, s in enumerate(self.slots) if s.seq is not None]
         if not rows:
@@ -239,8 +230,9 @@ class BatchGenerator:
             write[b], last[b, 0] = q.length, k - 1
         dev = self.device
         write_d = write.to(dev)
-        out = self._run(input_ids=ids.to(dev), position_ids=write_d[:, None] + torch.arange(s, device=dev),
-                        write_index=write_d, tree_mask=self._mask(s), logit_rows=last.to(dev))
+        out = (self._graphed or self.target).run(input_ids=ids.to(dev), write_index=write_d, tree_mask=self._mask(s),
+                                                 position_ids=write_d[:, None] + torch.arange(s, device=dev),
+                                                 logit_rows=last.to(dev))
         logits = out["logits"]                                                  # [B, 1, V]
         greedy = logits[:, 0].argmax(-1).tolist()                               # the one host read of a step
         self.stats.steps += 1
@@ -265,11 +257,35 @@ class BatchGenerator:
         self._pending = []
         return ended
 
+    def _solo_step(self, ended: list[BatchSequence]) -> bool:
+        """One round of the lone sequence, when there is one (solo.py); False: this step is a batch step."""
+        solo = self.solo
+        if solo.seq is not None and (solo.seq.result is not None or self.waiting):
+            solo.release()              # cancelled (finished by _drop_cancelled), or it goes on in the batch
+        if solo.seq is None:
+            if not solo.eligible(self.waiting, self.running):
+                return False
+            self._seat()                # every slot free: it takes slot 0
+            solo.start(self.slots[0].seq)
+        q = solo.seq
+        tokens = solo.next_round()
+        self.stats.solo_rounds += 1
+        if tokens is None:              # ended on its own: the loop's stops agree but for the cache's end
+            q.stops.reason = q.stops.reason or solo.finish_reason
+            self._finish(q)
+        elif not self._emit(q, tokens):
+            return True
+        solo.release()
+        ended.append(q)
+        return True
+
     def abort(self, why: str) -> list[BatchSequence]:
         """Stop every sequence, running or waiting, with reason "error" (``why``): what a caller does when a
         step itself raised (an engine failure), after which no row's state can be trusted. The slots are free
         again; the next sequence's prefill rewrites its slot from row 0."""
         done, self._pending = self._pending, []        # stopped already in the step that raised
+        if self.solo is not None:
+            self.solo.release()
         ended = [s.seq for s in self.slots if s.seq is not None] + list(self.waiting)
         self.waiting.clear()
         for q in ended:

@@ -73,7 +73,9 @@ class Generator:
         """target: the ``target`` graph's engine; drafter: what proposes blocks (``NoDrafter()`` for plain
         decoding); max_seq_len: the KV capacity used (the engines may hold more); detokenize: ids -> text,
         needed for stop strings."""
-        if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or target.kv_shape.batch != 1:
+        # a batch dir's target runs one sequence in its first slot where it can (the batch loop's lone sequence)
+        if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or (
+                target.kv_shape.batch != 1 and not target.partial_batch):
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
             raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
                               "rebuild the engine dir with a larger --max-seq-len or lower it here")
@@ -144,21 +146,25 @@ class Generator:
         return run.result
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
-               sampling: SamplingParams = GREEDY, index: int = 0, cancel: threading.Event | None = None) -> Run:
+               sampling: SamplingParams = GREEDY, index: int = 0, cancel: threading.Event | None = None,
+               stats: Stats | None = None) -> Run:
         """One sequence of up to ``max_new_tokens`` after ``prompt_ids``, greedy unless ``sampling`` has a
         temperature (``index``: which stream of the seed, i.e. sample ``index`` of ``generate_n``), as an
         iterator of each round's new tokens; its ``result`` once exhausted. Stops at an EOS id or a stop
         string (both kept). Setting ``cancel`` (from another thread) ends it before its next round (reason
-        "cancelled"). Checked before any work; nothing runs until the first token is asked for."""
+        "cancelled"). Checked before any work; nothing runs until the first token is asked for. ``stats``:
+        count into this object, round by round (the batch loop's lone sequence, runtime/decoding/solo.py)."""
         self.check_request(prompt_ids, max_new_tokens, stop, sampling)
-        return Run(self._rounds(list(prompt_ids), max_new_tokens, stop, sampling, index, cancel))
+        stats = stats if stats is not None else Stats()
+        return Run(self._rounds(list(prompt_ids), max_new_tokens, stop, sampling, index, cancel, stats))
 
     # -- the loop ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def _rounds(self, prompt_ids: list[int], max_new_tokens: int, stop: Sequence[str], sampling: SamplingParams,
-                index: int, cancel: threading.Event | None) -> Iterator[list[int]]:
-        stats = Stats(prompt_tokens=len(prompt_ids), target_forwards=1, accepted_at=[0] * self.drafter.max_depth)
+                index: int, cancel: threading.Event | None, stats: Stats) -> Iterator[list[int]]:
+        stats.prompt_tokens, stats.accepted_at = len(prompt_ids), [0] * self.drafter.max_depth
+        stats.target_forwards += 1
         stops = Stops(max_new_tokens, self.eos_ids, stop, self.detokenize)
         seed = self.sampler.reset(sampling, index)
         self._forget_stale_graphs()

@@ -248,8 +248,9 @@ def compact_kv(kv: list[torch.Tensor], write_index: torch.Tensor, path: torch.Te
     move in one gather and one scatter over all of them (2 launches, not 2 per buffer: 144 for Qwen3-8B)."""
     src = write_index[:, None] + path                                       # [B, D+1]
     dst = write_index[:, None] + torch.arange(path.shape[1], device=path.device)
-    stacked = _stacked(kv)
-    for buf in [stacked] if stacked is not None else kv:
+    stacked, b = _stacked(kv), path.shape[0]
+    # buffers of more slots than the block's sequences (a batch dir's lone sequence, decoding/solo.py): rows 0..B-1
+    for buf in [stacked[:, :b]] if stacked is not None else [t[:b] for t in kv]:
         moved = buf.gather(-2, _row_index(src, buf))                         # a copy: src and dst may overlap
         buf.scatter_(-2, _row_index(dst, buf), moved)
 

@@ -16,7 +16,8 @@ What a cold request pays, and where:
                    the cache's end is another. Each is run twice (eager; recorded and replayed) under each
                    sampler mode of ``sampler_modes``.
     batch steps    the batch loop's steps take S = 1 .. its chunk tokens (ORT graphs one per S): each is run
-                   twice, greedy, and sampled steps once per sampled mode.
+                   twice, greedy, and sampled steps once per sampled mode; its lone sequence's Generator
+                   (solo.py) is warmed as above.
 
 Afterwards the KV buffers and the loop's state are cleared as a fresh loop has them (the recordings, compiled
 kernels and cached masks stay: that is the point), so a request's output is what it is without warm-up.
@@ -28,6 +29,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
 
@@ -112,3 +115,30 @@ def spans(lengths: list[int]) -> str:
             out.append(str(a) if a == b else f"{a}..{b}")
             start = i
     return ", ".join(out)
+
+
+def warm_batch(loop, samplings: list[SamplingParams] | tuple[SamplingParams, ...],
+               on_part: Callable[[Warmed], None] | None) -> list[Warmed]:
+    """The batch loop's steps of every S from 1 to its chunk, one sequence at a time, greedy, then two steps under
+    each sampled mode of ``samplings``, then its lone sequence's Generator's warm-up (greedy: it runs no other);
+    the caller clears the KV and the loop's stats."""
+    device = loop.device
+    parts = Parts(on_part)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sizes = list(range(1, min(loop.chunk, loop.max_seq_len - 1) + 1))
+    solo, loop.solo = loop.solo, None           # these single sequences take batch steps
+    try:
+        with parts.part(f"batch steps of {spans(sizes)} tokens, greedy", sync):
+            for s in sizes:                     # one sequence at a time: a step of s tokens each
+                for _ in range(SHORT_PASSES):
+                    loop.generate([([0] * s, 1)])
+        for sampling in samplings:
+            if not sampling.greedy:
+                with parts.part(f"batch steps, {describe(sampling)}", sync):
+                    loop.generate([([0], 2, (), sampling)])
+    finally:
+        loop.solo = solo
+    return parts.done + (solo.gen.warm_up(on_part=on_part) if solo is not None else [])

@@ -52,6 +52,10 @@ class Engine(ABC):
     # Whether the rows of one step may hold different sequences (each its own write_index and positions, the
     # continuous-batching loop, runtime/decoding/batch.py). The fast backend's heads take one sequence.
     batched = True
+    # Whether a step may carry fewer sequences than the KV buffers have slots (rows 0..B-1 of each): the batch
+    # loop's lone sequence runs the batch-1 loop in slot 0 (runtime/decoding/solo.py). ORT and TensorRT graphs
+    # fix the batch.
+    partial_batch = False
 
     def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
         self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, normalize_device(device)

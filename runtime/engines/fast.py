@@ -159,6 +159,7 @@ class _FastEngine(Engine):
 
     graph_capturable = True
     batched = False             # whether ``run`` takes B > 1 (the Qwen3 engines)
+    partial_batch = True        # the kernels index cache rows 0..B-1; the reference slices its buffers alike
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)

@@ -17,6 +17,7 @@ class TorchEngine(Engine):
     record them (``GraphedEngine``)."""
 
     graph_capturable = True
+    partial_batch = True        # a step of B sequences runs on rows 0..B-1 of each KV buffer
 
     def __init__(self, module: torch.nn.Module, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
                  device: torch.device | str):
@@ -27,7 +28,10 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = self.module(*(inputs[n] for n in self._inputs), *self.kv)
+        kv, batch = self.kv, inputs[self._inputs[0]].shape[0]
+        if kv and batch < kv[0].shape[0]:
+            kv = [t[:batch] for t in kv]            # views: the module writes into the first rows in place
+        out = self.module(*(inputs[n] for n in self._inputs), *kv)
         out = out if isinstance(out, tuple) else (out,)
         # KV outputs are the bound buffers themselves (written in place by layers.write_kv)
         return dict(zip(self._outputs, out[: len(self._outputs)]))

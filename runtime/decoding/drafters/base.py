@@ -82,7 +82,9 @@ class Drafter(ABC):
             if e.device != device:
                 raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine is on {e.device}, the target on {device}")
             if e.kv_shape is not None:
-                if e.kv_shape.max_seq_len < max_seq_len or e.kv_shape.batch != batch:
+                # more slots than sequences: a batch dir's engines, whose first rows the lone sequence uses
+                if e.kv_shape.max_seq_len < max_seq_len or e.kv_shape.batch < batch or (
+                        e.kv_shape.batch > batch and not e.partial_batch):
                     raise EngineError(f"drafter {self.name!r}: {e.spec.graph} engine holds {e.kv_shape.batch} x "
                                       f"{e.kv_shape.max_seq_len} KV slots, the generator needs {batch} x {max_seq_len}; "
                                       "rebuild the engine dir with a larger --max-seq-len or lower it here")

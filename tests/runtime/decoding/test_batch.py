@@ -182,3 +182,66 @@ def test_an_engine_that_takes_one_sequence_is_refused(tiny):
     engine.batched = False          # what the fast backend's engines say
     with pytest.raises(EngineError, match="cannot batch.*--max-batch 1"):
         BatchGenerator(engine, [], MAX_SEQ_LEN)
+
+
+# -- the lone sequence: speculation below a load of two (runtime/decoding/solo.py) --------------------------------
+
+def solo_batch(tiny, drafter: str, eos=(), detokenize=None) -> BatchGenerator:
+    """A 4-slot loop whose lone greedy sequence runs the batch-1 Generator with ``drafter`` (tiny_engines.DRAFTERS)
+    in slot 0 of the same target."""
+    target = T.qwen3_engine(tiny.target, batch=BATCH)
+    solo = Generator(target, T.DRAFTERS[drafter](tiny), eos, MAX_SEQ_LEN, detokenize=detokenize)
+    return BatchGenerator(target, eos, MAX_SEQ_LEN, chunk=8, detokenize=detokenize, solo=solo)
+
+
+@pytest.mark.parametrize("drafter", ["draft", "eagle3", "eagle3-tree"])
+def test_a_lone_sequence_speculates_and_gets_plain_greedy(tiny, prompts, drafter):
+    """Sequences submitted one at a time each run alone: speculative rounds of the Generator in slot 0 (a tree's
+    accepted path compacted there), no batch step, plain greedy's tokens."""
+    batch = solo_batch(tiny, drafter)
+    results = [batch.generate([(p, NEW)])[0] for p in prompts]
+    assert [r.tokens for r in results] == alone(tiny, prompts)
+    assert batch.stats.steps == 0 and batch.stats.solo_rounds == sum(r.stats.rounds + 1 for r in results)
+    assert all(r.stats.drafted > 0 and r.finish_reason == "max_tokens" for r in results)
+    if drafter == "draft":                  # the noisy copy of the target is often right: 0.59 rounds a token
+        assert sum(r.stats.rounds for r in results) < 0.7 * len(prompts) * (NEW - 1)
+
+
+def test_a_lone_sequence_hands_over_when_another_arrives(tiny, prompts):
+    """Two rounds alone, then a second sequence arrives: the first goes on one token a step in the batch from where
+    its last round left it, and both get plain greedy's tokens; once alone again it keeps batch-decoding."""
+    batch = solo_batch(tiny, "draft")
+    first = batch.submit(prompts[2], NEW)
+    for _ in range(3):                      # the prefill's first token, then two rounds
+        batch.step()
+    assert batch.stats.solo_rounds == 3 and batch.stats.steps == 0 and first.slot == 0
+    second = batch.submit(prompts[1], NEW)
+    while not batch.idle:
+        batch.step()
+    assert [first.result.tokens, second.result.tokens] == alone(tiny, [prompts[2], prompts[1]])
+    assert batch.stats.solo_rounds == 3 and batch.stats.steps > 0 and first.result.stats.drafted > 0
+    third = batch.generate([(prompts[0], NEW)])[0]          # alone again: speculates again
+    assert third.tokens == alone(tiny, [prompts[0]])[0] and third.stats.drafted > 0
+
+
+def test_a_lone_sequence_stops_and_cancels_as_the_loop_does(tiny, prompts):
+    """EOS and a stop string end a lone sequence where the batch-1 loop ends it; a cancel frees slot 0 within one
+    step, the next sequence runs alone; a sampled sequence never runs alone (it batches from the start)."""
+    words = lambda ids: " " + " ".join(map(str, ids)) + " "      # noqa: E731 (ids as text for stop strings)
+    greedy = alone(tiny, prompts[:3])
+    eos, stop = greedy[0][5], " " + " ".join(map(str, greedy[2][2:4])) + " "
+    g = Generator(tiny.target_engine(), NoDrafter(), [eos], MAX_SEQ_LEN, detokenize=words)
+    requests = [(prompts[0], NEW), (prompts[2], NEW, [stop])]
+    refs = [g.generate(*r) for r in requests]
+    batch = solo_batch(tiny, "draft", eos=[eos], detokenize=words)
+    results = [batch.generate([r])[0] for r in requests]
+    assert [(r.tokens, r.finish_reason) for r in results] == [(r.tokens, r.finish_reason) for r in refs]
+    assert batch.stats.steps == 0
+    cancel = threading.Event()
+    q = batch.submit(prompts[3], NEW, cancel=cancel)
+    batch.step()
+    cancel.set()
+    assert batch.step() == [q] and q.result.finish_reason == "cancelled" and batch.idle
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    r = batch.generate([(prompts[1], NEW, (), sampled)])[0]
+    assert r.stats.drafted == 0 and r.tokens == batch_of(tiny).generate([(prompts[1], NEW, (), sampled)])[0].tokens

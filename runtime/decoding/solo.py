@@ -1,0 +1,80 @@
+"""The batch loop's lone sequence: speculation while a ``--max-batch N`` dir serves one request at a time.
+
+The continuous-batching loop (batch.py) decodes one token per sequence a step, so a batch dir would give up the
+drafter's 2-3x exactly when it has one user. Instead, a greedy sequence that arrives at an idle loop (nothing
+running, nothing else waiting) runs the batch-1 ``Generator``'s speculative rounds in slot 0, one round a loop
+step, as it would on a ``--max-batch 1`` dir. When another sequence arrives it hands over between two rounds
+and goes on one token a step beside the newcomer: after a round the Generator's state is the target's KV of
+the prompt and every committed token but the last, which is exactly the batch loop's state of a decoding row
+(``length``, ``root``), so the sequence gets the same greedy tokens either way. The drafter's own state is
+dropped at the hand-over (a batch step does not feed the head); the next lone sequence starts it afresh.
+
+The rule is "speculate below a load of two": batched speculation (every row drafting and verifying its own
+chain in one step) is not built. Sampled sequences never run alone here: the Generator draws from its own
+stream, and a hand-over would switch a sequence to its slot's, so they batch from the start (the same law,
+another draw). The Generator queues each round ahead of the one the host reads (generator.py, pipelining):
+the one left unread at a hand-over writes only target rows past the committed length, which the next step
+overwrites, and runs before it on the same stream.
+
+Needs engines that take fewer sequences than their KV has slots (``Engine.partial_batch``: the torch and fast
+backends; the ORT and TensorRT graphs fix the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.generator import Generator, Run
+
+if TYPE_CHECKING:
+    from xcompile.runtime.decoding.batch import BatchSequence
+
+
+class Solo:
+    """The lone sequence of a batch loop and its Generator run (module docstring)."""
+
+    def __init__(self, generator: Generator):
+        self.gen = generator
+        self.seq: BatchSequence | None = None
+        self.run: Run | None = None
+        self._emitted = 0
+
+    def eligible(self, waiting: Sequence[BatchSequence], running: Sequence[BatchSequence]) -> bool:
+        """Whether the one waiting sequence runs alone: nothing else running or waiting, greedy, and a request the
+        Generator takes (its prompt leaves room for the drafter's round)."""
+        if self.seq is not None or running or len(waiting) != 1 or not waiting[0].sampling.greedy:
+            return False
+        q = waiting[0]
+        try:
+            self.gen.check_request(q.prompt, q.stops.max_new_tokens, (), q.sampling)
+        except EngineError:
+            return False
+        return True
+
+    def start(self, q: BatchSequence) -> None:
+        """Run ``q`` (seated in slot 0) on the Generator, counting into its stats; its stops stay the loop's."""
+        self.seq, self._emitted = q, 0
+        self.run = self.gen.stream(q.prompt, q.stops.max_new_tokens, stats=q.stats)
+
+    def next_round(self) -> list[int] | None:
+        """The next round's tokens (the first call: the prefill's first token), with ``length`` and ``root`` of the
+        sequence kept as a decoding row of the batch has them; None once the run ended on its own."""
+        try:
+            tokens = next(self.run)
+        except StopIteration:
+            return None
+        q = self.seq
+        self._emitted += len(tokens)
+        q.length, q.root = len(q.prompt) + self._emitted - 1, tokens[-1]
+        return tokens
+
+    @property
+    def finish_reason(self) -> str:
+        """Why the run ended on its own (after next_round returned None)."""
+        return self.run.result.finish_reason if self.run is not None and self.run.result else "error"
+
+    def release(self) -> None:
+        """End the run: the sequence stopped, or goes on in the batch from where the last round left it."""
+        self.seq = self.run = None
