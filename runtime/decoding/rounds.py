@@ -2,7 +2,8 @@
 target's logits are verified (``Verifier``) and how the round runs (``Executor``).
 
     round:     propose -> verify (one target pass over the block) -> accept -> commit
-    verifier:  FusedChainVerifier (a greedy chain: kernels/accept.py, two launches) or TorchVerifier
+    verifier:  FusedChainVerifier (a greedy chain: kernels/accept.py, two launches), FusedSampledVerifier
+               (a sampled chain or tree, top-k 1..32: kernels/accept_sampled*.py, two launches) or TorchVerifier
                (speculative.accept_chain / accept_tree with the request's sampler: greedy or speculative
                sampling, chains and trees)
     executor:  Eager, or Graphed: the whole round recorded as one CUDA graph and replayed (the torch and fast
@@ -22,6 +23,7 @@ from typing import Protocol
 import torch
 
 from xcompile.runtime.decoding.drafters import Drafter
+from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K
 from xcompile.runtime.decoding.sampling import Sampler
 from xcompile.runtime.decoding.speculative import Accepted, Block, accept_chain, accept_tree, bonus, compact_kv
 from xcompile.runtime.engines.base import Engine
@@ -93,10 +95,36 @@ class FusedChainVerifier:
         return None if self.kernel is None else self.kernel.host
 
 
+class FusedSampledVerifier(TorchVerifier):
+    """Speculative sampling in two launches, of a chain (kernels/accept_sampled.py) or of a tree of deterministic
+    drafts (kernels/accept_sampled_tree.py), where the torch rule takes a dozen over the block's [S, V] logits;
+    other blocks by the torch rule; the state update as TorchVerifier's."""
+
+    def __init__(self, sampler: Sampler):
+        super().__init__(sampler)
+        self.kernel = None                              # made by the first round, which runs eagerly
+
+    def accept(self, block: Block, logits: torch.Tensor) -> Accepted:
+        from xcompile.runtime.decoding.kernels.accept_sampled import SampledChainAccept
+        from xcompile.runtime.decoding.kernels.accept_sampled_tree import SampledTreeAccept
+        if SampledChainAccept.fits(self.sampler, block):
+            self.kernel = self.kernel or SampledChainAccept(*block.tokens.shape, logits.device)
+        elif SampledTreeAccept.fits(self.sampler, block):
+            self.kernel = self.kernel or SampledTreeAccept(*block.tokens.shape, block.max_depth, logits.device)
+        else:
+            return super().accept(block, logits)
+        return self.kernel(block, logits, self.sampler)
+
+
 def verifier_for(drafter: Drafter, sampler: Sampler, fused: bool) -> Verifier:
-    """The fused kernels for greedy chains that fit them (when ``fused``), else torch's ops."""
-    if fused and sampler.greedy and drafter.chains and drafter.block_size <= MAX_FUSED_NODES:
-        return FusedChainVerifier()
+    """The fused kernels (when ``fused``) for greedy chains that fit them and for sampled chains and trees whose
+    top-k is 1..SAMPLE_MAX_K, else torch's ops."""
+    if fused and drafter.block_size <= MAX_FUSED_NODES:
+        if sampler.greedy and drafter.chains:
+            return FusedChainVerifier()
+        # (plain decoding's sampled token is sample.py's draw, inside the torch rule)
+        if not sampler.greedy and drafter.block_size > 1 and 0 < sampler.params.top_k <= SAMPLE_MAX_K:
+            return FusedSampledVerifier(sampler)
     return TorchVerifier(sampler)
 
 

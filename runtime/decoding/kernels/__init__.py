@@ -1,5 +1,7 @@
 """The generation loop's kernels: greedy chain verification and the round's state update, a drafter's greedy
-pick (accept.py), the EAGLE-2 tree's per-level top-k and candidate pool (topk.py) and its selection (tree.py).
+pick (accept.py), the EAGLE-2 tree's per-level top-k and candidate pool (topk.py) and its selection (tree.py),
+the warped draw of a sampled token (sample.py) and speculative sampling of a chain or a tree of deterministic
+drafts (accept_sampled.py, accept_sampled_tree.py).
 
 Each replaces a handful of torch's small launches with one or two; each is tested against the torch ops it
 replaces (runtime/decoding/speculative.py), in Triton's interpreter on the CPU.

@@ -1,0 +1,219 @@
+"""Speculative sampling of a chain in two launches: speculative.accept_sampled's rule for a chain (the coins, the
+first rejection, the bonus drawn from the residual left there) for a sampler whose top-k is 1..MAX_K, from the
+same stream (two draws: one coin per node, then the bonus's Gumbel noise), with no sort and no host sync.
+
+    blocks   [B*S rows, column blocks]: each block's MAX_K + 1 largest scaled logits (sample.py's first launch)
+    chain    one program per sequence, node by node: row r's warp from its candidates (top-k, then top-p and
+             min-p cut them; a tie at the k-th value streams the row, as sample.py does), p of draft r + 1 under
+             it, the coin; from the first rejection on nothing more is read. Then the residual at the last
+             accepted node: p with the rejected draft zeroed (drafts picked deterministically, q = None), or
+             max(0, p - q) over the draft's own q row (drafts drawn from q, through q_ids when q is over a
+             draft vocabulary); and the bonus, a Gumbel-max over the residual's support, which is inside p's kept
+             set (its candidates, or the streamed row on a tie)
+
+Only p's kept tokens can carry weight, so everything but a tie reads the S rows' candidates alone. The torch rule
+takes the whole vocabulary through warp, probs, the residual and the noise of every column: a dozen launches
+over [S, V] (0.399 ms for a γ 6 chain round of the Qwen3 vocabulary on the H200, 2026-12-04). As sample.py, the
+sums run in another order and the GPU's exp and log round otherwise, so a near tie at a coin, a cut or the
+Gumbel argmax can go the other way than in the torch rule (in the interpreter the tests see the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
+from xcompile.runtime.decoding.kernels import launch, pdl
+from xcompile.runtime.decoding.kernels.sample import _SCRATCH, _gumbel, _mix32, _sample_blocks_kernel, _scaled
+from xcompile.runtime.decoding.kernels.topk import BLOCK_V, _top
+from xcompile.runtime.decoding.speculative import Accepted, Block
+
+
+@triton.jit
+def _uniform(e, base, key1):
+    """Element e (uint32) of the draw whose mixed counter is ``base`` (Sampler.uniform)."""
+    x = _mix32(_mix32((e * tl.full(e.shape, 0x9E3779B9, tl.uint32)) ^ base) ^ key1)
+    return ((x >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08            # 2^-24
+
+
+@triton.jit
+def _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1: tl.constexpr, KP2: tl.constexpr,
+          NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``row``'s warp (Sampler.warp): its candidates (values, ids, in the top k), the row's top, the threshold
+    tau, the normaliser z of the kept tokens (sum of exp(s - top) over s >= tau) and whether the k-th value ties
+    the (k + 1)-th (then the kept set may hold tokens past the candidates: z was streamed over the row)."""
+    j = tl.arange(0, KP2)
+    blk = tl.arange(0, NBP2)
+    cand = (row * NB + blk[:, None]) * KP2 + j[None, :]
+    ok = (blk[:, None] < NB) & (j[None, :] < K1)
+    vals, ids = _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
+                     K1, KP2)
+    top = tl.max(vals, axis=0)
+    tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
+    tie = tl.max(tl.where(j == K, vals, float("-inf")), axis=0) == tau_k
+    live = j < K
+    z = tl.sum(tl.where(live, tl.exp(vals - top), 0.0), axis=0)
+    if tie:
+        z = 0.0
+        for c0 in range(0, V, BLOCK):
+            s = _scaled(X + row * stride_x, c0 + tl.arange(0, BLOCK), V, temp)
+            z += tl.sum(tl.where(s >= tau_k, tl.exp(s - top), 0.0), axis=0)
+    tau = tl.maximum(tau_k, top + tl.log(min_p))
+    if TOPP:
+        pv = tl.where(live, tl.exp(vals - top) / z, 0.0)
+        above = tl.sum(tl.where(vals[None, :] > vals[:, None], pv[None, :], 0.0), axis=1)
+        tau = tl.maximum(tau, tl.min(tl.where(live & (above < top_p), vals, float("inf")), axis=0))
+    # the kept tokens' normaliser: the candidates at or above tau, or the streamed row on a tie
+    kept = tl.sum(tl.where(live & (vals >= tau), tl.exp(vals - top), 0.0), axis=0)
+    if tie:
+        kept = 0.0
+        for c0 in range(0, V, BLOCK):
+            s = _scaled(X + row * stride_x, c0 + tl.arange(0, BLOCK), V, temp)
+            kept += tl.sum(tl.where(s >= tau, tl.exp(s - top), 0.0), axis=0)
+    return vals, ids, live, top, tau, kept, tie
+
+
+@triton.jit
+def _residual(s, x, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr):
+    """p at the tokens x (scaled logits s) under the row's warp, and the residual's weight there: p with the
+    rejected draft zeroed (no q), or max(0, p - q) with q the rejected draft's row (q None past the chain)."""
+    p = tl.where(s >= tau, tl.exp(s - top) / kept, 0.0)
+    if HAS_Q:
+        col = tl.where((x >= 0) & (x < V), x, -1)
+        if HAS_T2D:
+            col = tl.load(T2D + col, mask=col >= 0, other=-1)
+        ok = (col >= 0) & ((col * 0 + rejected) >= 0)
+        q = tl.load(Qrow + tl.where(ok, col, 0), mask=ok, other=0.0)
+        r = tl.maximum(p - q, 0.0)
+    else:
+        r = tl.where(x == rejected, 0.0, p)
+    return p, r
+
+
+@triton.jit(do_not_specialize=["K"])
+def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT, OUT, V, VQ, NB, S, stride_x, K,
+                  K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    temp, top_p, min_p = tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b)
+    key0 = tl.load(KEY + 2 * b).to(tl.uint32)
+    key1 = tl.load(KEY + 2 * b + 1).to(tl.uint32)
+    cnt = tl.load(CNT + b)
+    coins = _mix32(tl.full([1], 0, tl.uint32) + (cnt & 0xFFFFFFFF).to(tl.uint32) ^ key0)          # draw c
+    noise = _mix32(tl.full([1], 0, tl.uint32) + ((cnt + 1) & 0xFFFFFFFF).to(tl.uint32) ^ key0)    # draw c + 1
+    # the walk: node i (1..S-1) is kept iff every node before it was and u_i * q(x_i) < p(x_i | row i - 1)
+    count = tl.zeros([], tl.int32)
+    alive = tl.full([], 1, tl.int1)
+    for i in range(1, S):
+        if alive:
+            row = b * S + i - 1
+            vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K,
+                                                         K1, KP2, NBP2, TOPP, BLOCK)
+            x = tl.load(TOK + b * S + i)
+            s_x = tl.math.div_rn(tl.load(X + row * stride_x + x).to(tl.float32), temp)
+            p_x = tl.where(s_x >= tau, tl.exp(s_x - top) / kept, 0.0)
+            u = tl.max(_uniform((tl.zeros([1], tl.int32) + i).to(tl.uint32), coins, key1), axis=0)
+            q_x = 1.0
+            if HAS_Q:
+                q_x = tl.load(QTOK + b * S + i)
+            passed = u * q_x < p_x
+            count += passed.to(tl.int32)
+            alive = passed
+    # the bonus: from the residual at node `count` (its row's p, less the rejected draft), Gumbel-max
+    row = b * S + count
+    vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
+                                                 NBP2, TOPP, BLOCK)
+    rejected = tl.load(TOK + b * S + count + 1, mask=count + 1 < S, other=-1)
+    Qrow = Q + (b * S + count + 1) * VQ
+    if tie:                             # the kept set may reach past the candidates: stream the row
+        mass = 0.0
+        for c0 in range(0, V, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            s = _scaled(X + row * stride_x, cols, V, temp)
+            p, r = _residual(s, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
+            mass += tl.sum(r, axis=0)
+        use_r = mass > 0                # rounding left nothing: p itself (speculative.accept_sampled)
+        best = tl.full([], float("-inf"), tl.float32)
+        pick = tl.zeros([], tl.int32)
+        for c0 in range(0, V, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            s = _scaled(X + row * stride_x, cols, V, temp)
+            p, r = _residual(s, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
+            w = tl.where(use_r, r, p)
+            g = tl.where(w > 0, tl.log(w) + _gumbel(cols.to(tl.uint32), noise, key1), float("-inf"))
+            m = tl.max(g, axis=0)
+            at = tl.min(tl.where(g == m, cols, 2147483647), axis=0)
+            pick = tl.where(m > best, at, pick)
+            best = tl.maximum(best, m)
+    else:
+        p, r = _residual(vals, ids, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
+        p = tl.where(live, p, 0.0)
+        r = tl.where(live, r, 0.0)
+        w = tl.where(tl.sum(r, axis=0) > 0, r, p)
+        g = tl.where(w > 0, tl.log(w) + _gumbel(ids.to(tl.uint32), noise, key1), float("-inf"))
+        m = tl.max(g, axis=0)
+        pick = tl.min(tl.where(g == m, ids, 2147483647), axis=0)
+    # emitted: the accepted drafts (x_1 .. x_count), then the bonus; past it the drafts rolled (accept_sampled)
+    for j in range(0, S):
+        t = tl.load(TOK + b * S + (j + 1) % S)
+        tl.store(OUT + b * S + j, tl.where(j == count, pick.to(tl.int64), t))
+    tl.store(COUNT + b, count.to(tl.int64))
+    tl.store(CNT + b, cnt + 2)
+
+
+class SampledChainAccept:
+    """speculative.accept_sampled for chains, top-k 1..MAX_K, in two launches (module docstring), into buffers
+    of its own (rewritten by every call: a recorded round reads them)."""
+
+    def __init__(self, batch: int, nodes: int, device: torch.device):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.count = torch.zeros(batch, **i64)
+        self.path = torch.arange(nodes, device=device).expand(batch, nodes)
+        self.tokens = torch.zeros(batch, nodes, **i64)
+        self._t2d: dict[tuple[int, int], torch.Tensor] = {}
+        self._none = torch.zeros(1, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def fits(sampler, block: Block) -> bool:
+        """Whether the kernels take this block under this sampler (else the torch rule)."""
+        return block.chain and block.tokens.shape[1] > 1 and not sampler.greedy and 0 < sampler.params.top_k <= MAX_K
+
+    def t2d(self, q_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        """target id -> draft column (-1: outside the draft vocabulary) of the drafter's fixed q_ids table, made
+        once (on the first round, which runs eagerly)."""
+        key = (q_ids.data_ptr(), vocab)
+        table = self._t2d.get(key)
+        if table is None:
+            table = torch.full((vocab,), -1, dtype=torch.int64, device=q_ids.device)
+            table[q_ids] = torch.arange(q_ids.shape[0], device=q_ids.device)
+            self._t2d[key] = table
+        return table
+
+    def __call__(self, block: Block, logits: torch.Tensor, sampler) -> Accepted:
+        b, s, v = logits.shape
+        k = min(sampler.params.top_k, v)
+        k1 = min(MAX_K + 1, v)
+        x = logits.reshape(b * s, v)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        kp2 = triton.next_power_of_2(k1)
+        bl = min(BLOCK_V, triton.next_power_of_2(v))
+        nb = triton.cdiv(v, bl)
+        pv, pi, _, _ = _SCRATCH.get(b * s, nb, kp2, x.device)
+        _sample_blocks_kernel[(b * s, nb)](x, sampler.temperature, pv, pi, v, nb, s, x.stride(0), K1=k1, KP2=kp2,
+                                           BLOCK=bl, PDL=pdl(), num_warps=8, **launch())
+        has_q = block.q is not None
+        q = block.q if has_q else self._none
+        has_t2d = has_q and block.q_ids is not None
+        t2d = self.t2d(block.q_ids, v) if has_t2d else self.count
+        _chain_kernel[(b,)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key, sampler.counter, pv,
+                            pi, block.tokens, block.q_tok if has_q else self._none, q, t2d, self.count, self.tokens,
+                            v, q.shape[-1], nb, s, x.stride(0), k, K1=k1, KP2=kp2, NBP2=triton.next_power_of_2(nb),
+                            TOPP=sampler.params.top_p < 1, BLOCK=bl, HAS_Q=has_q, HAS_T2D=has_t2d, PDL=pdl(),
+                            num_warps=8, **launch())
+        return Accepted(self.count, self.path, self.tokens)
