@@ -85,6 +85,7 @@ TABLES = {
         ("default check, files evicted from the page cache", "fast_cold_s", "{:.3f} s", 1),
         ("full check (`--verify`, `xcompile verify`), files in the page cache", "full_warm_s", "{:.2f} s", 1))),
     "serve-load-cpu": Table("serve-load-cpu", "load"),
+    "serve-load-cpu-solo": Table("serve-load-cpu-solo", "load"),
 }
 
 

@@ -90,7 +90,7 @@ class BatchStats:
     """What the loop did: target passes, and the tokens they carried (real, not padding)."""
 
     steps: int = 0
-    solo_rounds: int = 0        # rounds of a lone sequence on the batch-1 Generator (solo.py)
+    solo_rounds: int = 0        # steps of a lone sequence on the batch-1 Generator: its prefill, then a round each
     prefill_tokens: int = 0
     decode_tokens: int = 0
     rows_used: list[int] = field(default_factory=list)     # [k]: steps with k + 1 occupied slots

@@ -8,6 +8,7 @@ non-KV outputs by name. Backends differ only in how they execute the graph.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -71,6 +72,13 @@ class Engine(ABC):
                 raise EngineError(f"{self.spec.graph}: KV buffer {tuple(b.shape)} {b.dtype} on {b.device} does not "
                                   f"match {self.kv_shape.shape} {self.dtype} on {self.device}")
         self.kv = list(buffers)
+
+    def narrow_batch(self, batch: int) -> None:
+        """Hold KV for ``batch`` sequences instead of the graph's slots (a partial_batch engine, none bound yet): a
+        batch dir's drafter serves only the lone sequence in the first slot (runtime/decoding/solo.py)."""
+        if not self.partial_batch or self.kv or self.kv_shape is None:
+            raise EngineError(f"{self.spec.graph}: cannot narrow the KV of this engine to {batch} sequences")
+        self.kv_shape = dataclasses.replace(self.kv_shape, batch=batch)
 
     def new_kv(self) -> list[torch.Tensor]:
         """Allocate and bind fresh zeroed KV buffers for this engine."""

@@ -181,6 +181,10 @@ class _FastEngine(Engine):
         super().bind_kv(buffers)
         self.reference.bind_kv(buffers)
 
+    def narrow_batch(self, batch: int) -> None:
+        super().narrow_batch(batch)
+        self.reference.narrow_batch(batch)
+
     def close(self) -> None:
         self.reference.close()
         super().close()

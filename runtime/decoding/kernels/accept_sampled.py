@@ -209,6 +209,7 @@ class SampledChainAccept:
                                            BLOCK=bl, PDL=pdl(), num_warps=8, **launch())
         has_q = block.q is not None
         q = block.q if has_q else self._none
+        assert block.tokens.is_contiguous() and q.is_contiguous() and (not has_q or block.q_tok.is_contiguous())
         has_t2d = has_q and block.q_ids is not None
         t2d = self.t2d(block.q_ids, v) if has_t2d else self.count
         _chain_kernel[(b,)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key, sampler.counter, pv,

@@ -31,6 +31,17 @@ from xcompile.runtime.decoding.speculative import Accepted, Block
 MAX_NODES = 64      # the sibling and ancestor matrices of a tree in one register tile
 
 
+@triton.jit
+def _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S):
+    """Whether each of the columns is the token of a child of node ``best`` (one child a step: a [BLOCK] mask,
+    where a [BLOCK, S] comparison would not fit a program's registers)."""
+    hit = cols < 0
+    for c in range(1, S):
+        child = tl.load(PAR + b * stride_pb + c) == best
+        hit = hit | (child & (cols == tl.load(TOK + b * stride_tb + c)))
+    return hit
+
+
 @triton.jit(do_not_specialize=["K"])
 def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, COUNT, PATH, OUT, V, NB, S, D,
                  stride_x, stride_tb, stride_pb, stride_db, stride_mb, stride_mi, K, K1: tl.constexpr,
@@ -91,14 +102,13 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
     row = b * S + best
     vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
                                                  NBP2, TOPP, BLOCK)
-    if tie:
+    if tie:                             # the kept set may reach past the candidates: stream the row
         mass = 0.0
         for c0 in range(0, V, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             s = _scaled(X + row * stride_x, cols, V, temp)
             p = tl.where(s >= tau, tl.exp(s - top) / kept, 0.0)
-            hit = tl.max((cols[:, None] == children[None, :]).to(tl.int32), axis=1) > 0
-            mass += tl.sum(tl.where(hit, 0.0, p), axis=0)
+            mass += tl.sum(tl.where(_hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S), 0.0, p), axis=0)
         use_r = mass > 0
         best_g = tl.full([], float("-inf"), tl.float32)
         pick = tl.zeros([], tl.int32)
@@ -106,7 +116,7 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
             cols = c0 + tl.arange(0, BLOCK)
             s = _scaled(X + row * stride_x, cols, V, temp)
             p = tl.where(s >= tau, tl.exp(s - top) / kept, 0.0)
-            hit = tl.max((cols[:, None] == children[None, :]).to(tl.int32), axis=1) > 0
+            hit = _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S)
             w = tl.where(hit, tl.where(use_r, 0.0, p), p)
             g = tl.where(w > 0, tl.log(w) + _gumbel(cols.to(tl.uint32), noise, key1), float("-inf"))
             m = tl.max(g, axis=0)

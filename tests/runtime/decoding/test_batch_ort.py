@@ -93,6 +93,9 @@ def test_llm_on_a_batch_dir_speculates_for_a_lone_request_on_the_torch_backend(t
                                      eagle3=str(tiny_eagle3), dtype="fp32", max_batch=4)
     with LLM(head_dir, backend="torch", device="cpu", gamma=3) as llm:
         assert llm.spec.name == "eagle3"
+        # the head's KV holds the lone sequence only, the target's every slot
+        assert [b.shape[0] for e in llm.drafter.engines for b in e.kv] == [1, 1]
+        assert llm.engines.engines["target"].kv[0].shape[0] == 4
         one = llm.generate([prompts[0]], max_new_tokens=NEW)[0].outputs[0]
         assert llm.batch.stats.steps == 0 and llm.batch.stats.solo_rounds > 0
         many = [c.outputs[0].token_ids for c in llm.generate(prompts, max_new_tokens=NEW)]
