@@ -4,6 +4,12 @@ trained model (the demo pair).
     xcompile export --model demo --eagle3 [--mtp] [--draft-model demo] --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024
     python benchmarks/fast_agreement.py /tmp/demo-bf16 [--prompts data/corpus.heldout.txt] [--num-prompts 16]
         [--against fast|ort] [--gemv-all 4,64,4]
+    python benchmarks/fast_agreement.py --synthetic qwen3-8b --num-prompts 8 --new-tokens 512
+
+``--synthetic NAME`` takes seeded synthetic weights in a known shape instead of a dir (``xrun bench --synthetic``'s,
+with an EAGLE3 head; two copies, one for each backend, a minute each to draw on the CPU) and random token prompts:
+random heads accept next to nothing, so every speculative token is a verify block's bonus, computed as a row of a
+block where plain decoding computes it alone (issue 38's row invariance, at the real shapes).
 
 1. Teacher-forced: the reference's greedy tokens are fed one decode step at a time into both the torch
    backend and the other backend; at every position the two argmaxes are compared. Each disagreement is
@@ -33,7 +39,7 @@ from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape,
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
 from xcompile.runtime.engines.kernels.config import CudaGemv, Gemv, KernelConfig, shipped_tiles
-from xcompile.runtime.engines.load import open_engine_dir
+from xcompile.runtime.engines.load import EngineSet, fast_engines, open_engine_dir
 
 
 def step(engine, token: int, pos: int) -> torch.Tensor:
@@ -56,6 +62,17 @@ def gap(logits: torch.Tensor) -> float:
 def graphed(es, drafter):
     """A Generator over the engine set's target that records whole rounds as CUDA graphs where the backend allows."""
     return Generator(es.engines["target"], drafter, [], es.manifest.max_seq_len, options=LoopOptions(cuda_graphs=True))
+
+
+def synthetic_set(args, backend: str) -> EngineSet:
+    """``args.synthetic``'s seeded weights (bf16, an EAGLE3 head) as an engine set on the torch or fast backend."""
+    from xcompile.compile.reference import open_synthetic
+
+    max_seq_len = args.prompt_len + args.new_tokens + 64
+    manifest, engines, d2t = open_synthetic(args.synthetic, max_seq_len, "bf16", args.device)
+    if backend == "fast":
+        engines = fast_engines(manifest, engines)
+    return EngineSet(None, manifest, backend, engines, d2t=d2t.get("eagle3"))
 
 
 def weight_shapes(engines: dict) -> set[tuple[int, int]]:
@@ -100,7 +117,8 @@ def tile_arg(kind: type, text: str, option: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("engine_dir")
+    ap.add_argument("engine_dir", nargs="?")
+    ap.add_argument("--synthetic", help="a known shape's seeded synthetic weights instead of a dir (qwen3-8b)")
     ap.add_argument("--prompts", default="data/corpus.heldout.txt")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -113,15 +131,20 @@ def main() -> None:
     ap.add_argument("--gemv-all", help="BN,BK,WARPS[,AHEAD]: every one-row projection on this GEMV tile (docstring)")
     ap.add_argument("--cuda-all", help="COLS,WARPS,STAGES: every one-row projection on gemv.cu's kernel (docstring)")
     args = ap.parse_args()
+    if (args.engine_dir is None) == (args.synthetic is None):
+        ap.error("give an ENGINE_DIR or --synthetic NAME, not both")
     gemv = tile_arg(Gemv, args.gemv_all, "--gemv-all") if args.gemv_all else None
     cuda = tile_arg(CudaGemv, args.cuda_all, "--cuda-all") if args.cuda_all else None
     if (gemv or cuda) and args.against != "fast":
         raise SystemExit("--gemv-all / --cuda-all choose the fast backend's kernels: use them with --against fast")
     try:
         # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
-        with open_engine_dir(args.engine_dir, "torch", args.device) as ref_es, \
-                open_engine_dir(args.engine_dir, args.against, args.device,
-                                cuda_graphs=args.against != "ort") as fast_es:
+        if args.synthetic and args.against != "fast":
+            raise EngineError("--synthetic has no ONNX graphs: use it with --against fast")
+        opened = (synthetic_set(args, "torch"), synthetic_set(args, "fast")) if args.synthetic else (
+            open_engine_dir(args.engine_dir, "torch", args.device),
+            open_engine_dir(args.engine_dir, args.against, args.device, cuda_graphs=args.against != "ort"))
+        with opened[0] as ref_es, opened[1] as fast_es:
             if gemv or cuda:
                 kernels = every_shape_on(fast_es.engines, gemv, cuda)
                 for e in fast_es.engines.values():
@@ -141,9 +164,13 @@ def main() -> None:
 
 def run(args, ref_es, fast_es) -> list[float]:
     """Prints both checks; returns the top-2 gap at every disagreement and first divergence."""
-    ids = Text(Path(args.engine_dir)).encode(Path(args.prompts).read_text())
     n = args.prompt_len
-    prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
+    if args.synthetic:
+        vocab = ref_es.manifest.models["target"].config["vocab_size"]
+        prompts = torch.randint(0, vocab, (args.num_prompts, n), generator=torch.Generator().manual_seed(0)).tolist()
+    else:
+        ids = Text(Path(args.engine_dir)).encode(Path(args.prompts).read_text())
+        prompts = [ids[i * n:(i + 1) * n] for i in range(args.num_prompts)]
     ref_t, fast_t = ref_es.engines["target"], fast_es.engines["target"]
     other = fast_es.backend
     ref_gen = graphed(ref_es, NoDrafter())

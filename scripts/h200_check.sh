@@ -4,6 +4,7 @@
 #   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
 #            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
 #   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
+#   agree8b  the same on the Qwen3-8B shape's synthetic weights (8 prompts x 512 tokens; issue 38 item 3)
 #   quant    the quantized kernels' tests (all, compiled), benchmarks/qlinear_tiles.py at one row, qgemv.cu's tiles
 #            beside the Triton GEMV (TILES_ARGS: its options),
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
@@ -26,12 +27,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|compare|quant|qbench|sample|paradigms|batch ... (see its header)"
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch ... (see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|compare|quant|qbench|sample|paradigms|batch) ;;
-  *) echo "unknown part '$part': tests, bench, agree, compare, quant, qbench, sample, paradigms or batch"; exit 2;;
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch) ;;
+  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms or batch"; exit 2;;
   esac
 done
 
@@ -104,6 +105,10 @@ for part in "$@"; do
     run bench_sampled 270 xrun bench "${BENCH[@]}" --contexts 128 --temperature 0.6 --top-k 20 --top-p 0.95 \
       --json "$OUT/bench_sampled.json"
     grep -E "$SHOW|sample|accept" "$OUT/bench_sampled.log"
+    ;;
+  agree8b)
+    run agree8b 540 python3 benchmarks/fast_agreement.py --synthetic qwen3-8b --num-prompts 8 --new-tokens 512
+    grep -E "teacher-forced|tau" "$OUT/agree8b.log"
     ;;
   batch)
     run batch_decode 420 python3 benchmarks/batch_decode.py --json "$OUT/batch_decode.json"

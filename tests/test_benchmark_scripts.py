@@ -71,6 +71,7 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,64,4,5"], "AHEAD 1-4"),
     ("fast_agreement.py", ["no-such-dir", "--cuda-all", "2,4,2", "--against", "ort"], "use them with --against fast"),
     ("fast_agreement.py", ["no-such-dir", "--device", "cpu"], "no-such-dir"),
+    ("fast_agreement.py", ["--synthetic", "qwen3-8b", "--against", "ort"], "--synthetic has no ONNX graphs"),
     ("dump_logits.py", ["--out", "never-written.pt"], "no CUDA device here"),
     ("dump_logits.py", ["--compare", "no-such-a.pt", "no-such-b.pt"], "no-such-a.pt: not readable as a dump"),
     ("serve_load.py", [], "give an ENGINE_DIR (a server is started) or --url of a running server, not both"),
