@@ -20,14 +20,24 @@ Gumbel argmax can go the other way than in the torch rule (in the interpreter th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
-from xcompile.runtime.decoding.kernels.sample import _SCRATCH, _gumbel, _mix32, _sample_blocks_kernel, _scaled
-from xcompile.runtime.decoding.kernels.topk import BLOCK_V, _top
+from xcompile.runtime.decoding.kernels.sample import (
+    _SCRATCH,
+    _draw_base,
+    _gumbel,
+    _mix32,
+    _sample_blocks_kernel,
+    _scaled,
+    _warp,
+)
+from xcompile.runtime.decoding.kernels.topk import BLOCK_V
 from xcompile.runtime.decoding.speculative import Accepted, Block
 
 
@@ -36,43 +46,6 @@ def _uniform(e, base, key1):
     """Element e (uint32) of the draw whose mixed counter is ``base`` (Sampler.uniform)."""
     x = _mix32(_mix32((e * tl.full(e.shape, 0x9E3779B9, tl.uint32)) ^ base) ^ key1)
     return ((x >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08            # 2^-24
-
-
-@triton.jit
-def _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1: tl.constexpr, KP2: tl.constexpr,
-          NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``row``'s warp (Sampler.warp): its candidates (values, ids, in the top k), the row's top, the threshold
-    tau, the normaliser z of the kept tokens (sum of exp(s - top) over s >= tau) and whether the k-th value ties
-    the (k + 1)-th (then the kept set may hold tokens past the candidates: z was streamed over the row)."""
-    j = tl.arange(0, KP2)
-    blk = tl.arange(0, NBP2)
-    cand = (row * NB + blk[:, None]) * KP2 + j[None, :]
-    ok = (blk[:, None] < NB) & (j[None, :] < K1)
-    vals, ids = _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
-                     K1, KP2)
-    top = tl.max(vals, axis=0)
-    tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
-    tie = tl.max(tl.where(j == K, vals, float("-inf")), axis=0) == tau_k
-    live = j < K
-    z = tl.sum(tl.where(live, tl.exp(vals - top), 0.0), axis=0)
-    if tie:
-        z = 0.0
-        for c0 in range(0, V, BLOCK):
-            s = _scaled(X + row * stride_x, c0 + tl.arange(0, BLOCK), V, temp)
-            z += tl.sum(tl.where(s >= tau_k, tl.exp(s - top), 0.0), axis=0)
-    tau = tl.maximum(tau_k, top + tl.log(min_p))
-    if TOPP:
-        pv = tl.where(live, tl.exp(vals - top) / z, 0.0)
-        above = tl.sum(tl.where(vals[None, :] > vals[:, None], pv[None, :], 0.0), axis=1)
-        tau = tl.maximum(tau, tl.min(tl.where(live & (above < top_p), vals, float("inf")), axis=0))
-    # the kept tokens' normaliser: the candidates at or above tau, or the streamed row on a tie
-    kept = tl.sum(tl.where(live & (vals >= tau), tl.exp(vals - top), 0.0), axis=0)
-    if tie:
-        kept = 0.0
-        for c0 in range(0, V, BLOCK):
-            s = _scaled(X + row * stride_x, c0 + tl.arange(0, BLOCK), V, temp)
-            kept += tl.sum(tl.where(s >= tau, tl.exp(s - top), 0.0), axis=0)
-    return vals, ids, live, top, tau, kept, tie
 
 
 @triton.jit
@@ -101,11 +74,9 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     temp, top_p, min_p = tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b)
-    key0 = tl.load(KEY + 2 * b).to(tl.uint32)
-    key1 = tl.load(KEY + 2 * b + 1).to(tl.uint32)
+    key1, coins = _draw_base(KEY, CNT, b, 0)                                  # draw c: a coin per node
+    _, noise = _draw_base(KEY, CNT, b, 1)                                     # draw c + 1: the bonus's noise
     cnt = tl.load(CNT + b)
-    coins = _mix32(tl.full([1], 0, tl.uint32) + (cnt & 0xFFFFFFFF).to(tl.uint32) ^ key0)          # draw c
-    noise = _mix32(tl.full([1], 0, tl.uint32) + ((cnt + 1) & 0xFFFFFFFF).to(tl.uint32) ^ key0)    # draw c + 1
     # the walk: node i (1..S-1) is kept iff every node before it was and u_i * q(x_i) < p(x_i | row i - 1)
     count = tl.zeros([], tl.int32)
     alive = tl.full([], 1, tl.int1)
@@ -113,7 +84,7 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT
         if alive:
             row = b * S + i - 1
             vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K,
-                                                         K1, KP2, NBP2, TOPP, BLOCK)
+                                                         K1, KP2, NBP2, TOPP, BLOCK, True)
             x = tl.load(TOK + b * S + i)
             s_x = tl.math.div_rn(tl.load(X + row * stride_x + x).to(tl.float32), temp)
             p_x = tl.where(s_x >= tau, tl.exp(s_x - top) / kept, 0.0)
@@ -127,7 +98,7 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT
     # the bonus: from the residual at node `count` (its row's p, less the rejected draft), Gumbel-max
     row = b * S + count
     vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
-                                                 NBP2, TOPP, BLOCK)
+                                                 NBP2, TOPP, BLOCK, True)
     rejected = tl.load(TOK + b * S + count + 1, mask=count + 1 < S, other=-1)
     Qrow = Q + (b * S + count + 1) * VQ
     if tie:                             # the kept set may reach past the candidates: stream the row
@@ -166,6 +137,33 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT
     tl.store(CNT + b, cnt + 2)
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The launch sizes of a block's candidate search: top-k, candidates a column block keeps (MAX_K + 1) and its
+    power of two, columns a block, blocks a row."""
+
+    k: int
+    k1: int
+    kp2: int
+    block: int
+    nb: int
+
+
+def candidates(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Candidates]:
+    """The first launch: every row's column blocks' MAX_K + 1 largest scaled logits (sample.py's blocks kernel) of
+    logits [B, S, V] -> (the rows [B*S, V], candidate values and ids [B*S, blocks, KP2], the sizes)."""
+    b, s, v = logits.shape
+    c = Candidates(min(sampler.params.top_k, v), min(MAX_K + 1, v), triton.next_power_of_2(min(MAX_K + 1, v)),
+                   min(BLOCK_V, triton.next_power_of_2(v)), triton.cdiv(v, min(BLOCK_V, triton.next_power_of_2(v))))
+    x = logits.reshape(b * s, v)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    pv, pi, _, _ = _SCRATCH.get(b * s, c.nb, c.kp2, x.device)
+    _sample_blocks_kernel[(b * s, c.nb)](x, sampler.temperature, pv, pi, v, c.nb, s, x.stride(0), K1=c.k1, KP2=c.kp2,
+                                         BLOCK=c.block, PDL=pdl(), num_warps=8, **launch())
+    return x, pv, pi, c
+
+
 class SampledChainAccept:
     """speculative.accept_sampled for chains, top-k 1..MAX_K, in two launches (module docstring), into buffers
     of its own (rewritten by every call: a recorded round reads them)."""
@@ -196,17 +194,8 @@ class SampledChainAccept:
 
     def __call__(self, block: Block, logits: torch.Tensor, sampler) -> Accepted:
         b, s, v = logits.shape
-        k = min(sampler.params.top_k, v)
-        k1 = min(MAX_K + 1, v)
-        x = logits.reshape(b * s, v)
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        kp2 = triton.next_power_of_2(k1)
-        bl = min(BLOCK_V, triton.next_power_of_2(v))
-        nb = triton.cdiv(v, bl)
-        pv, pi, _, _ = _SCRATCH.get(b * s, nb, kp2, x.device)
-        _sample_blocks_kernel[(b * s, nb)](x, sampler.temperature, pv, pi, v, nb, s, x.stride(0), K1=k1, KP2=kp2,
-                                           BLOCK=bl, PDL=pdl(), num_warps=8, **launch())
+        x, pv, pi, c = candidates(logits, sampler)
+        k, k1, kp2, bl, nb = c.k, c.k1, c.kp2, c.block, c.nb
         has_q = block.q is not None
         q = block.q if has_q else self._none
         assert block.tokens.is_contiguous() and q.is_contiguous() and (not has_q or block.q_tok.is_contiguous())

@@ -23,9 +23,13 @@ import triton.language as tl
 
 from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
-from xcompile.runtime.decoding.kernels.accept_sampled import _uniform, _warp
-from xcompile.runtime.decoding.kernels.sample import _SCRATCH, _gumbel, _mix32, _sample_blocks_kernel, _scaled
-from xcompile.runtime.decoding.kernels.topk import BLOCK_V
+from xcompile.runtime.decoding.kernels.accept_sampled import _uniform, candidates
+from xcompile.runtime.decoding.kernels.sample import (
+    _draw_base,
+    _gumbel,
+    _scaled,
+    _warp,
+)
 from xcompile.runtime.decoding.speculative import Accepted, Block
 
 MAX_NODES = 64      # the sibling and ancestor matrices of a tree in one register tile
@@ -52,15 +56,13 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     temp, top_p, min_p = tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b)
-    key0 = tl.load(KEY + 2 * b).to(tl.uint32)
-    key1 = tl.load(KEY + 2 * b + 1).to(tl.uint32)
+    key1, coins = _draw_base(KEY, CNT, b, 0)                                  # draw c: a coin per node
+    _, noise = _draw_base(KEY, CNT, b, 1)                                     # draw c + 1: the bonus's noise
     cnt = tl.load(CNT + b)
-    coins = _mix32(tl.full([1], 0, tl.uint32) + (cnt & 0xFFFFFFFF).to(tl.uint32) ^ key0)          # draw c
-    noise = _mix32(tl.full([1], 0, tl.uint32) + ((cnt + 1) & 0xFFFFFFFF).to(tl.uint32) ^ key0)    # draw c + 1
     # every node row's warp: (top, tau, kept normaliser) into the scratch, read back by node below
     for r in range(0, S):
         vals, ids, live, top, tau, kept, tie = _warp(X, b * S + r, stride_x, temp, top_p, min_p, PV, PI, NB, V, K,
-                                                     K1, KP2, NBP2, TOPP, BLOCK)
+                                                     K1, KP2, NBP2, TOPP, BLOCK, True)
         tl.store(ST + (b * S + r) * 3, top)
         tl.store(ST + (b * S + r) * 3 + 1, tau)
         tl.store(ST + (b * S + r) * 3 + 2, kept)
@@ -101,7 +103,7 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
     children = tl.where(drafted & (par == best), x, -1)
     row = b * S + best
     vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
-                                                 NBP2, TOPP, BLOCK)
+                                                 NBP2, TOPP, BLOCK, True)
     if tie:                             # the kept set may reach past the candidates: stream the row
         mass = 0.0
         for c0 in range(0, V, BLOCK):
@@ -160,16 +162,8 @@ class SampledTreeAccept:
 
     def __call__(self, block: Block, logits: torch.Tensor, sampler) -> Accepted:
         b, s, v = logits.shape
-        k, k1 = min(sampler.params.top_k, v), min(MAX_K + 1, v)
-        x = logits.reshape(b * s, v)
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        kp2 = triton.next_power_of_2(k1)
-        bl = min(BLOCK_V, triton.next_power_of_2(v))
-        nb = triton.cdiv(v, bl)
-        pv, pi, _, _ = _SCRATCH.get(b * s, nb, kp2, x.device)
-        _sample_blocks_kernel[(b * s, nb)](x, sampler.temperature, pv, pi, v, nb, s, x.stride(0), K1=k1, KP2=kp2,
-                                           BLOCK=bl, PDL=pdl(), num_warps=8, **launch())
+        x, pv, pi, c = candidates(logits, sampler)
+        k, k1, kp2, bl, nb = c.k, c.k1, c.kp2, c.block, c.nb
         tok, par, dep, mask = block.tokens, block.parents, block.depth, block.mask
         assert tok.stride(1) == par.stride(1) == dep.stride(1) == mask.stride(2) == 1
         d = block.max_depth

@@ -73,6 +73,54 @@ def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP
     tl.store(PI + out, idx)
 
 
+@triton.jit
+def _draw_base(KEY, CNT, b, ahead):
+    """Row b's second key word and the mixed counter of its draw ``ahead`` draws from now (Sampler.uniform)."""
+    key0 = tl.load(KEY + 2 * b).to(tl.uint32)
+    key1 = tl.load(KEY + 2 * b + 1).to(tl.uint32)
+    return key1, _mix32(tl.full([1], 0, tl.uint32) + ((tl.load(CNT + b) + ahead) & 0xFFFFFFFF).to(tl.uint32) ^ key0)
+
+
+@triton.jit
+def _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1: tl.constexpr, KP2: tl.constexpr,
+          NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr, KEPT: tl.constexpr):
+    """Row ``row``'s warp (Sampler.warp) from its blocks' candidates: the candidates (values, ids, in the top k),
+    the row's top, the threshold tau, whether the k-th value ties the (k + 1)-th (then tokens past the candidates
+    may be kept, and the sums stream the row) and, with KEPT, the kept tokens' normaliser (sum of exp(s - top) over
+    s >= tau; else 0)."""
+    j = tl.arange(0, KP2)
+    blk = tl.arange(0, NBP2)
+    cand = (row * NB + blk[:, None]) * KP2 + j[None, :]                      # [NBP2, KP2]
+    ok = (blk[:, None] < NB) & (j[None, :] < K1)
+    vals, ids = _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
+                     K1, KP2)
+    top = tl.max(vals, axis=0)
+    tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
+    tie = tl.max(tl.where(j == K, vals, float("-inf")), axis=0) == tau_k
+    live = j < K
+    # the normaliser of the top-k-kept tokens (all of them: streamed when some may lie outside)
+    z = tl.sum(tl.where(live, tl.exp(vals - top), 0.0), axis=0)
+    if tie:
+        z = 0.0
+        for c0 in range(0, V, BLOCK):
+            s = _scaled(X + row * stride_x, c0 + tl.arange(0, BLOCK), V, temp)
+            z += tl.sum(tl.where(s >= tau_k, tl.exp(s - top), 0.0), axis=0)
+    tau = tl.maximum(tau_k, top + tl.log(min_p))
+    if TOPP:    # keep x iff the mass strictly above it is < top_p (sampling.Sampler.warp)
+        pv = tl.where(live, tl.exp(vals - top) / z, 0.0)
+        above = tl.sum(tl.where(vals[None, :] > vals[:, None], pv[None, :], 0.0), axis=1)
+        tau = tl.maximum(tau, tl.min(tl.where(live & (above < top_p), vals, float("inf")), axis=0))
+    kept = 0.0
+    if KEPT:
+        kept = tl.sum(tl.where(live & (vals >= tau), tl.exp(vals - top), 0.0), axis=0)
+        if tie:
+            kept = 0.0
+            for c0 in range(0, V, BLOCK):
+                s = _scaled(X + row * stride_x, c0 + tl.arange(0, BLOCK), V, temp)
+                kept += tl.sum(tl.where(s >= tau, tl.exp(s - top), 0.0), axis=0)
+    return vals, ids, live, top, tau, kept, tie
+
+
 @triton.jit(do_not_specialize=["K"])      # k an argument: no top-k value compiles a kernel of its own
 def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, stride_x, K, K1: tl.constexpr,
                         KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr,
@@ -81,35 +129,12 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, str
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    temp = tl.load(T + b)
-    key0 = tl.load(KEY + 2 * b).to(tl.uint32)
-    key1 = tl.load(KEY + 2 * b + 1).to(tl.uint32)
-    base = _mix32(tl.full([1], 0, tl.uint32) + (tl.load(CNT + b) & 0xFFFFFFFF).to(tl.uint32) ^ key0)
-    j = tl.arange(0, KP2)
-    blk = tl.arange(0, NBP2)
+    temp, top_p, min_p = tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b)
+    key1, base = _draw_base(KEY, CNT, b, 0)
     for r in range(R):
         row = b * R + r
-        cand = (row * NB + blk[:, None]) * KP2 + j[None, :]                  # [NBP2, KP2]
-        ok = (blk[:, None] < NB) & (j[None, :] < K1)
-        vals, ids = _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
-                         K1, KP2)
-        top = tl.max(vals, axis=0)
-        tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
-        tie = tl.max(tl.where(j == K, vals, float("-inf")), axis=0) == tau_k
-        live = j < K
-        # the normaliser of the top-k-kept tokens (all of them: streamed when some may lie outside)
-        z = tl.sum(tl.where(live, tl.exp(vals - top), 0.0), axis=0)
-        if tie:
-            z = 0.0
-            for c0 in range(0, V, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                s = _scaled(X + row * stride_x, cols, V, temp)
-                z += tl.sum(tl.where(s >= tau_k, tl.exp(s - top), 0.0), axis=0)
-        tau = tl.maximum(tau_k, top + tl.log(tl.load(MIN_P + b)))
-        if TOPP:    # keep x iff the mass strictly above it is < top_p (sampling.Sampler.warp)
-            pv = tl.where(live, tl.exp(vals - top) / z, 0.0)
-            above = tl.sum(tl.where(vals[None, :] > vals[:, None], pv[None, :], 0.0), axis=1)
-            tau = tl.maximum(tau, tl.min(tl.where(live & (above < tl.load(TOP_P + b)), vals, float("inf")), axis=0))
+        vals, ids, live, top, tau, _, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
+                                                  NBP2, TOPP, BLOCK, False)
         e0 = (tl.zeros([1], tl.int32) + r * V).to(tl.uint32)          # row r's first element of the draw
         if tie:     # the draw over the whole row
             best = tl.full([], float("-inf"), tl.float32)

@@ -45,6 +45,21 @@ def chain(logits: torch.Tensor, q_kind: str, seed: int, vocab_ids: torch.Tensor 
     return block
 
 
+def same_draws(blocks, logits, kernel_for, torch_sampler, kernel_sampler) -> list[int]:
+    """Each block accepted by the torch rule and by its kernel (``kernel_for(block)``), one after the other from the
+    same stream: the same count, path and tokens every time, the counters two draws a block on; the counts."""
+    counts = []
+    for r, block in enumerate(blocks):
+        kernel = kernel_for(block)
+        assert kernel.fits(kernel_sampler, block)
+        want, got = accept_sampled(block, logits, torch_sampler), kernel(block, logits, kernel_sampler)
+        assert torch.equal(got.count, want.count) and torch.equal(got.path, want.path), r
+        assert torch.equal(got.tokens, want.tokens), r
+        counts += got.count.tolist()
+    assert kernel_sampler.counter.tolist() == torch_sampler.counter.tolist() == [2 * len(blocks)] * 2
+    return counts
+
+
 @pytest.mark.parametrize("q_kind", ["none", "full", "vocab"])
 @pytest.mark.parametrize("nodes, vocab, k, top_p, min_p, ties", [
     (5, 3000, 20, 0.95, 0.0, False),
@@ -63,15 +78,8 @@ def test_kernel_accepts_as_the_torch_rule(nodes, vocab, k, top_p, min_p, ties, q
     kernel_sampler.reset(params)
     kernel = SampledChainAccept(2, nodes, torch.device(DEV))
     vocab_ids = torch.randperm(vocab)[: vocab // 2].sort().values.to(DEV)     # the drafter's fixed table
-    counts = []
-    for r in range(12):
-        block = chain(logits, q_kind, r, vocab_ids)
-        assert SampledChainAccept.fits(kernel_sampler, block)
-        want, got = accept_sampled(block, logits, torch_sampler), kernel(block, logits, kernel_sampler)
-        assert torch.equal(got.count, want.count) and torch.equal(got.path, want.path), r
-        assert torch.equal(got.tokens, want.tokens), r
-        counts += got.count.tolist()
-    assert kernel_sampler.counter.tolist() == torch_sampler.counter.tolist() == [24, 24]
+    blocks = [chain(logits, q_kind, r, vocab_ids) for r in range(12)]
+    counts = same_draws(blocks, logits, lambda block: kernel, torch_sampler, kernel_sampler)
     assert 0 < sum(counts) < len(counts) * (nodes - 1) or q_kind != "none"   # both outcomes met
 
 
@@ -147,14 +155,7 @@ def test_tree_kernel_accepts_as_the_torch_rule(parents, vocab, k, top_p, ties):
     torch_sampler, kernel_sampler = Sampler(DEV, 2, fused=False), Sampler(DEV, 2, fused=False)
     torch_sampler.reset(params)
     kernel_sampler.reset(params)
-    counts = []
-    for r in range(12):
-        block = tree(logits, parents, r)
-        kernel = SampledTreeAccept(2, len(parents), block.max_depth, torch.device(DEV))
-        assert SampledTreeAccept.fits(kernel_sampler, block)
-        want, got = accept_sampled(block, logits, torch_sampler), kernel(block, logits, kernel_sampler)
-        assert torch.equal(got.count, want.count) and torch.equal(got.path, want.path), r
-        assert torch.equal(got.tokens, want.tokens), r
-        counts += got.count.tolist()
-    assert kernel_sampler.counter.tolist() == torch_sampler.counter.tolist() == [24, 24]
+    blocks = [tree(logits, parents, r) for r in range(12)]
+    counts = same_draws(blocks, logits, lambda block: SampledTreeAccept(2, len(parents), block.max_depth,
+                                                                        torch.device(DEV)), torch_sampler, kernel_sampler)
     assert 0 < sum(counts) and min(counts) == 0                # paths accepted and rejected both met
