@@ -137,3 +137,31 @@ def test_a_client_that_leaves_frees_its_slot_within_a_step(server):
             assert worker.steps - left <= 3, worker.steps - left     # not the 49 steps its budget had left
     finally:
         worker.delay = 0.0
+
+
+def test_a_lone_request_speculates_and_a_crowd_batches_on_the_torch_backend(tiny_target, tiny_eagle3,
+                                                                           tmp_path_factory, refs):
+    """A --max-batch 4 dir with an EAGLE3 head served on the torch backend (runtime/decoding/solo.py): a request
+    alone runs speculative rounds (no batch step), concurrent ones batch; every answer is the batch-1 tokens."""
+    head_dir = fixtures.exported_dir(tmp_path_factory, "tiny-batch4-eagle3", model=str(tiny_target),
+                                     eagle3=str(tiny_eagle3), dtype="fp32", max_batch=4)
+    config = ServeConfig(str(head_dir), "torch", "cpu", DrafterSpec("eagle3", 3), max_queue=8)
+    s = serving.ThreadServer(config).start()
+    try:
+        batch = s.scheduler.worker.batch
+        batch.eos_ids = frozenset()                     # full budgets, as refs have them
+        batch.solo.gen.eos_ids = frozenset()
+        assert httpx.get(f"{s.url}/health").json()["drafter"] == "eagle3 chain g=3"
+        alone = httpx.post(f"{s.url}/v1/completions", json=body(PROMPTS[0], BUDGETS[0]), timeout=60)
+        assert alone.json()["choices"][0]["token_ids"] == refs[0]
+        assert batch.stats.steps == 0 and batch.stats.solo_rounds > 0
+
+        async def crowd():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body(p, n))
+                                              for p, n in zip(PROMPTS, BUDGETS)))
+
+        done = asyncio.run(asyncio.wait_for(crowd(), 120))
+        assert [r.json()["choices"][0]["token_ids"] for r in done] == refs and batch.stats.steps > 0
+    finally:
+        s.stop()
