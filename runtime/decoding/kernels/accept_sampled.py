@@ -49,6 +49,23 @@ def _uniform(e, base, key1):
 
 
 @triton.jit
+def _sequence(T, TOP_P, MIN_P, KEY, CNT, b):
+    """Sequence b's sampler: temperature, top-p, min-p, its second key word, the mixed counters of the round's two
+    draws (c: a coin per node; c + 1: the bonus's Gumbel noise) and c itself."""
+    key1, coins = _draw_base(KEY, CNT, b, 0)
+    _, noise = _draw_base(KEY, CNT, b, 1)
+    return tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b), key1, coins, noise, tl.load(CNT + b)
+
+
+@triton.jit
+def _gumbel_max(w, cols, noise, key1):
+    """The largest log w + Gumbel noise over the columns ``cols`` that have weight (w > 0), and its first column."""
+    g = tl.where(w > 0, tl.log(w) + _gumbel(cols.to(tl.uint32), noise, key1), float("-inf"))
+    m = tl.max(g, axis=0)
+    return m, tl.min(tl.where(g == m, cols, 2147483647), axis=0)
+
+
+@triton.jit
 def _residual(s, x, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr):
     """p at the tokens x (scaled logits s) under the row's warp, and the residual's weight there: p with the
     rejected draft zeroed (no q), or max(0, p - q) with q the rejected draft's row (q None past the chain)."""
@@ -73,10 +90,7 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    temp, top_p, min_p = tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b)
-    key1, coins = _draw_base(KEY, CNT, b, 0)                                  # draw c: a coin per node
-    _, noise = _draw_base(KEY, CNT, b, 1)                                     # draw c + 1: the bonus's noise
-    cnt = tl.load(CNT + b)
+    temp, top_p, min_p, key1, coins, noise, cnt = _sequence(T, TOP_P, MIN_P, KEY, CNT, b)
     # the walk: node i (1..S-1) is kept iff every node before it was and u_i * q(x_i) < p(x_i | row i - 1)
     count = tl.zeros([], tl.int32)
     alive = tl.full([], 1, tl.int1)
@@ -115,20 +129,14 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, QTOK, Q, T2D, COUNT
             cols = c0 + tl.arange(0, BLOCK)
             s = _scaled(X + row * stride_x, cols, V, temp)
             p, r = _residual(s, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
-            w = tl.where(use_r, r, p)
-            g = tl.where(w > 0, tl.log(w) + _gumbel(cols.to(tl.uint32), noise, key1), float("-inf"))
-            m = tl.max(g, axis=0)
-            at = tl.min(tl.where(g == m, cols, 2147483647), axis=0)
+            m, at = _gumbel_max(tl.where(use_r, r, p), cols, noise, key1)
             pick = tl.where(m > best, at, pick)
             best = tl.maximum(best, m)
     else:
         p, r = _residual(vals, ids, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
         p = tl.where(live, p, 0.0)
         r = tl.where(live, r, 0.0)
-        w = tl.where(tl.sum(r, axis=0) > 0, r, p)
-        g = tl.where(w > 0, tl.log(w) + _gumbel(ids.to(tl.uint32), noise, key1), float("-inf"))
-        m = tl.max(g, axis=0)
-        pick = tl.min(tl.where(g == m, ids, 2147483647), axis=0)
+        _, pick = _gumbel_max(tl.where(tl.sum(r, axis=0) > 0, r, p), ids, noise, key1)
     # emitted: the accepted drafts (x_1 .. x_count), then the bonus; past it the drafts rolled (accept_sampled)
     for j in range(0, S):
         t = tl.load(TOK + b * S + (j + 1) % S)

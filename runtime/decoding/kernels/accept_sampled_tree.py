@@ -23,10 +23,8 @@ import triton.language as tl
 
 from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
-from xcompile.runtime.decoding.kernels.accept_sampled import _uniform, candidates
+from xcompile.runtime.decoding.kernels.accept_sampled import _gumbel_max, _sequence, _uniform, candidates
 from xcompile.runtime.decoding.kernels.sample import (
-    _draw_base,
-    _gumbel,
     _scaled,
     _warp,
 )
@@ -55,10 +53,7 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    temp, top_p, min_p = tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b)
-    key1, coins = _draw_base(KEY, CNT, b, 0)                                  # draw c: a coin per node
-    _, noise = _draw_base(KEY, CNT, b, 1)                                     # draw c + 1: the bonus's noise
-    cnt = tl.load(CNT + b)
+    temp, top_p, min_p, key1, coins, noise, cnt = _sequence(T, TOP_P, MIN_P, KEY, CNT, b)
     # every node row's warp: (top, tau, kept normaliser) into the scratch, read back by node below
     for r in range(0, S):
         vals, ids, live, top, tau, kept, tie = _warp(X, b * S + r, stride_x, temp, top_p, min_p, PV, PI, NB, V, K,
@@ -119,20 +114,14 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
             s = _scaled(X + row * stride_x, cols, V, temp)
             p = tl.where(s >= tau, tl.exp(s - top) / kept, 0.0)
             hit = _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S)
-            w = tl.where(hit, tl.where(use_r, 0.0, p), p)
-            g = tl.where(w > 0, tl.log(w) + _gumbel(cols.to(tl.uint32), noise, key1), float("-inf"))
-            m = tl.max(g, axis=0)
-            at_m = tl.min(tl.where(g == m, cols, 2147483647), axis=0)
+            m, at_m = _gumbel_max(tl.where(hit, tl.where(use_r, 0.0, p), p), cols, noise, key1)
             pick = tl.where(m > best_g, at_m, pick)
             best_g = tl.maximum(best_g, m)
     else:
         p = tl.where(live & (vals >= tau), tl.exp(vals - top) / kept, 0.0)
         hit = tl.max((ids[:, None] == children[None, :]).to(tl.int32), axis=1) > 0
         r = tl.where(hit, 0.0, p)
-        w = tl.where(tl.sum(r, axis=0) > 0, r, p)
-        g = tl.where(w > 0, tl.log(w) + _gumbel(ids.to(tl.uint32), noise, key1), float("-inf"))
-        m = tl.max(g, axis=0)
-        pick = tl.min(tl.where(g == m, ids, 2147483647), axis=0)
+        _, pick = _gumbel_max(tl.where(tl.sum(r, axis=0) > 0, r, p), ids, noise, key1)
     # emitted: the path's drafts (x at path[1..count]), then the bonus; past it the path's tokens rolled
     live_d = lev <= D
     nxt = tl.sum(tl.where(lev[None, :] == (lev[:, None] + 1) % (D + 1), path[None, :], 0), axis=1)   # path[d + 1]

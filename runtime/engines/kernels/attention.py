@@ -99,8 +99,7 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 
 @triton.jit
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_ch, stride_tb, stride_tm, sm_scale,
-                  CHUNK,
-                  SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+                  CHUNK, SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   FIRST: tl.constexpr):
     if PDL and FIRST:
