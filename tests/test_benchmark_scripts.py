@@ -146,6 +146,17 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("script,args,said", [
+    ("fast_agreement.py", [], "give an ENGINE_DIR or --synthetic NAME, not both"),
+    ("fast_agreement.py", ["some-dir", "--synthetic", "qwen3-8b"], "give an ENGINE_DIR or --synthetic NAME, not both"),
+    ("batch_decode.py", ["--batches", "4,0"], "--batches: '4,0': expected positive integers"),
+    ("batch_decode.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
+])
+def test_bad_options_are_refused_as_argparse_does(script, args, said):
+    done = run(script, *args)
+    assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
+
+
 @pytest.fixture(scope="module")
 def batch4_dir(tiny_target, tmp_path_factory):
     import fixtures
