@@ -44,8 +44,9 @@ __all__ = [
 
 
 def build(meta: nn.Module, source: WeightSource, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """Fill ``meta`` (a module on the meta device) from ``source``, tensor by tensor, on ``device``."""
-    return materialize(meta, source.tensors(meta), dtype, device)
+    """Fill ``meta`` (a module on the meta device) from ``source``, tensor by tensor, on ``device`` (each read,
+    cast and checked there)."""
+    return materialize(meta, source.tensors(meta, device=device), dtype, device)
 
 
 def tap_layers(head_cfg: Eagle3Config, target_cfg: Qwen3Config) -> tuple[int, ...]:

@@ -90,17 +90,20 @@ class WeightSource(ABC):
         """Raise now, before any weight is read, where this source cannot fill ``model`` (keys, shapes, dtypes)."""
         self._names(model, self.key_map(model))
 
-    def tensors(self, model: nn.Module, quantized: bool = False) -> Weights:
+    def tensors(self, model: nn.Module, quantized: bool = False, device: torch.device | str = "cpu") -> Weights:
         """Stream (module state name, tensor) for ``model`` (which may live on the meta device), one
-        tensor in memory at a time, floating-point tensors cast to the model's dtype. External state
-        (an EAGLE3 head's ``embed_tokens.weight``: the target's) is not yielded. ``quantized``: a quantized
-        linear comes as its ``QWeight`` (runtime/engines/qweight.py), checked as its dequantized weight would be."""
+        tensor in memory at a time, floating-point tensors cast to the model's dtype, on ``device``: each is
+        moved (or drawn) there before it is cast and checked, so on a GPU the casts and checks of an 8B model
+        cost milliseconds, not the CPU's minute. External state (an EAGLE3 head's ``embed_tokens.weight``: the
+        target's) is not yielded. ``quantized``: a quantized linear comes as its ``QWeight``
+        (runtime/engines/qweight.py, on the host), checked as its dequantized weight would be."""
+        device = torch.device(device)
         key_map = self.key_map(model)
         state = module_state(model)
         for name in self._names(model, key_map):
             q = self.quantized(model, name) if quantized and name in key_map.packed else None
             if q is None:
-                yield name, self._read(model, key_map, name, state[name])
+                yield name, self._read(model, key_map, name, state[name], device)
                 continue
             # the graph computes with the fp32 dequantized weight rounded to its dtype: NaN codes (e4m3 has
             # them) or an overflow of that dtype are refused here as for a dequantized read
@@ -110,13 +113,15 @@ class WeightSource(ABC):
 
     def tensor(self, model: nn.Module, name: str) -> torch.Tensor:
         """One state tensor of ``model`` (e.g. an EAGLE3 head's ``d2t``, a target's embedding), in its dtype."""
-        return self._read(model, self.key_map(model), name, module_state(model)[name])
+        return self._read(model, self.key_map(model), name, module_state(model)[name], torch.device("cpu"))
 
-    def _read(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Every tensor of every source passes here: fetched, value-checked by the key map (d2t's range),
-        cast to the module's dtype (floating point only) and refused if not finite. Per-tensor value
-        checks go here."""
-        tensor, where = self._fetch(model, key_map, name, like)
+    def _read(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor,
+              device: torch.device) -> torch.Tensor:
+        """Every tensor of every source passes here: fetched onto ``device``, value-checked by the key map
+        (d2t's range), cast to the module's dtype (floating point only) and refused if not finite. Per-tensor
+        value checks go here."""
+        tensor, where = self._fetch(model, key_map, name, like, device)
+        tensor = tensor.to(device)
         if name in key_map.checks:
             key_map.checks[name](tensor, where)
         if not tensor.is_floating_point():
@@ -134,8 +139,10 @@ class WeightSource(ABC):
         """The state names ``tensors`` yields, in order; raises before any read if the source cannot fill them."""
 
     @abstractmethod
-    def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
-        """The raw tensor for state ``name`` (shaped like ``like``) and where it came from (for error messages)."""
+    def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor,
+               device: torch.device) -> tuple[torch.Tensor, str]:
+        """The raw tensor for state ``name`` (shaped like ``like``; on ``device`` where the source can make it
+        there, else on the host) and where it came from (for error messages)."""
 
 
 def _check_finite(name: str, tensor: torch.Tensor, cast: torch.Tensor, where: str) -> None:
@@ -191,7 +198,8 @@ class CheckpointSource(WeightSource):
         packed = key_map.packed.get(name)
         return str(self.checkpoint.file(packed.stored[0].key if packed else key_map.tensors[name]))
 
-    def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
+    def _fetch(self, model: nn.Module, key_map: KeyMap, name: str, like: torch.Tensor,
+               device: torch.device) -> tuple[torch.Tensor, str]:
         ckpt = self.checkpoint
         if name in key_map.packed:                  # a quantized linear, dequantized here
             packed = key_map.packed[name]

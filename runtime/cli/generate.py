@@ -135,6 +135,12 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
         text = llm.tokenizer if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
         max_new = new_tokens(req, len(ids), es.manifest.max_seq_len)
+        # on a GPU the first prompt pass and rounds compile kernels and record graphs: done here, so the
+        # prefill and decode times below are the request's own
+        warmed = time.perf_counter()
+        if llm.generator is not None and es.device.type == "cuda":
+            llm.generator.warm_up([sampling], prompt=len(ids))
+        warm_up_s = time.perf_counter() - warmed
         stream = None
         if not as_json and text is not None:
             done: dict[int, list[int]] = {}
@@ -154,7 +160,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     for result in results:
         stats = stats_dict(result)
         stats.update(backend=es.backend, device=str(es.device), drafter=drafter.name if drafter else "none",
-                     sampling=sampling_dict(sampling), load_s=round(load_s, 6))
+                     sampling=sampling_dict(sampling), load_s=round(load_s, 6), warm_up_s=round(warm_up_s, 6))
         outs.append({"tokens": result.tokens, "text": text.decode(result.tokens) if text else None, "stats": stats})
     if as_json:
         echo(json.dumps(outs[0] if sampling.n == 1 else {"samples": outs}))
@@ -172,9 +178,10 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
                  f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['acceptance_length']:.2f} tokens per verify round "
                  f"({stats['accepted']}/{stats['drafted']} drafts accepted, {stats['target_forwards']} target "
                  f"forwards), finish: {stats['finish_reason']}{seed}")
-        # where the wall time went: opening the dir, the prompt pass (with the first calls' compiles and graph
-        # captures on a GPU), the rounds
-        log.info(f"load {stats['load_s']:.2f} s, prefill {1e3 * stats['prefill_s']:.1f} ms, decode "
+        # where the wall time went: opening the dir, the compiles and graph captures (a GPU), the prompt pass,
+        # the rounds
+        log.info(f"load {stats['load_s']:.2f} s, warm-up {stats['warm_up_s']:.2f} s, prefill "
+                 f"{1e3 * stats['prefill_s']:.1f} ms, decode "
                  f"{stats['decode_s']:.3f} s ({stats['decode_tokens_per_s']:.1f} tok/s after the first token)")
     return results
 

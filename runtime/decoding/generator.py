@@ -217,12 +217,13 @@ class Generator:
 
     @torch.inference_mode()
     def warm_up(self, samplings: Sequence[SamplingParams] = (GREEDY,),
-                on_part: Callable[[Warmed], None] | None = None) -> list[Warmed]:
+                on_part: Callable[[Warmed], None] | None = None, prompt: int | None = None) -> list[Warmed]:
         """Run every prompt-pass shape and every round a request can reach (decoding/warmup.py), rounds under each
         of ``samplings``' sampler modes, so that no request waits on a kernel compile or a graph capture; then
-        clear the KV buffers and the round state as a fresh generator has them. Returns the parts, timed."""
+        clear the KV buffers and the round state as a fresh generator has them. ``prompt``: only the pass of a
+        prompt of that many tokens (one known request, as ``xrun generate`` has). Returns the parts, timed."""
         parts, sync = Parts(on_part), (lambda: self.state.root.tolist())
-        lengths = prompt_lengths(self.max_seq_len - self.drafter.lookahead)
+        lengths = [prompt] if prompt is not None else prompt_lengths(self.max_seq_len - self.drafter.lookahead)
         self._forget_stale_graphs()
         for group in ([n for n in lengths if n <= SHORT], [n for n in lengths if n > SHORT]):
             if group:

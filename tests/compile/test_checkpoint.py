@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from xcompile.compile import checkpoint as ck
+from xcompile.compile import synthetic
 from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, parse_eagle3, parse_qwen3, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.eagle3 import Eagle3
@@ -333,6 +334,21 @@ def test_synthetic_is_deterministic_and_streams_per_name():
     assert all(torch.equal(streamed[k], v) for k, v in ck.module_state(model).items())
     assert torch.equal(model.model.layers[1].input_layernorm.weight, torch.ones(256, dtype=torch.bfloat16))
     assert abs(model.lm_head.weight.float().std().item() - 0.02) < 1e-3
+
+
+def test_synthetic_draw_is_counter_based(monkeypatch):
+    # the GPU draws in steps of 2^26 elements, the CPU of 2^16: element i depends on (key, i) only, so any
+    # step size (and device) gives the same bits; values are symmetric in (-1, 1) with a uniform's spread
+    u = synthetic.uniform((1000, 777), key=12345)
+    monkeypatch.setattr(synthetic, "_CPU_CHUNK", 4093)
+    assert torch.equal(u, synthetic.uniform((1000, 777), key=12345))
+    assert torch.equal(u.flatten()[:5000], synthetic.uniform((5000,), key=12345))
+    assert not torch.equal(u, synthetic.uniform((1000, 777), key=12346))
+    assert u.dtype == torch.float32 and -1 < u.min() and u.max() < 1
+    assert abs(u.mean().item()) < 3e-3 and abs(u.std().item() - 3 ** -0.5) < 3e-3
+    # 24 bits a value: every value an odd multiple of 2^-24, distinct draws almost all distinct
+    assert torch.equal(torch.remainder(u.double() * 2 ** 24, 2), torch.ones_like(u.double()))
+    assert u.unique().numel() > 0.95 * u.numel()
 
 
 def test_synthetic_bf16_forward_is_finite():

@@ -90,7 +90,7 @@ def test_log_levels_change_what_generate_prints(tiny_engine_dir, flags, stats, d
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() and "tok/s" not in r.stdout
     assert ("tok/s" in r.stderr and "tokens per verify round" in r.stderr) == stats
-    assert bool(re.search(r"load \d+\.\d\d s, prefill \d+\.\d ms, decode \d+\.\d{3} s", r.stderr)) == stats
+    assert bool(re.search(r"load \d+\.\d\d s, warm-up \d+\.\d\d s, prefill \d+\.\d ms, decode \d+\.\d{3} s", r.stderr)) == stats
     assert ("debug: opened" in r.stderr) == debug
 
 

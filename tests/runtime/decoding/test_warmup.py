@@ -72,6 +72,21 @@ def test_after_warm_up_requests_record_nothing_and_get_a_fresh_generators_tokens
     assert capture.captures == 6                    # the requests recorded nothing new
 
 
+def test_a_warm_up_for_one_prompt_runs_its_pass_and_rounds_only(tiny):
+    """``xrun generate`` warms its one request (prompt=N): that pass and the rounds of its sampler mode, and the
+    request after it gets a fresh generator's tokens and records nothing new."""
+    capture = T.RoundRecorder()
+    g = Generator(tiny.target_engine(), T.DRAFTERS["eagle3"](tiny), [], MAX_SEQ_LEN,
+                  options=LoopOptions(cuda_graphs=True, capture=capture))
+    parts = g.warm_up([SAMPLED], prompt=17)
+    assert [p.what for p in parts] == ["prompt passes of 17 tokens",
+                                       "rounds (eagle3; plain, as near the cache's end), sampled"]
+    prompt = T.random_prompts((17,), seed=5)[0]
+    fresh = Generator(tiny.target_engine(), T.DRAFTERS["eagle3"](tiny), [], MAX_SEQ_LEN)
+    assert g.generate(prompt, 20, sampling=SAMPLED).tokens == fresh.generate(prompt, 20, sampling=SAMPLED).tokens
+    assert capture.captures == 2
+
+
 def test_warm_up_records_the_plain_round_near_the_caches_end(tiny):
     """A request whose length nears max_seq_len switches to plain rounds: warmed too, so it records nothing."""
     capture = T.RoundRecorder()
