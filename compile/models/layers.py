@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from xcompile.compile.config import Yarn
 
@@ -155,20 +156,53 @@ class Step:
 
     position_ids: torch.Tensor                  # [B, S]
     write_index: torch.Tensor                   # [B]
-    mask: torch.Tensor                          # additive; eager: grouped [B, 1, g*S, S_max] (grouped_attention)
+    mask: torch.Tensor | None                   # additive; eager: grouped [B, 1, g*S, S_max] (grouped_attention),
+                                                # or None for a causal prompt pass (``live``)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None   # eager: cos/sin [B, 1, S, D]
     kv_rows: torch.Tensor | None = None         # eager: cache rows written, [B, 1, S, 1]
+    live: int | None = None                     # eager causal prompt pass: it sees keys 0..live-1 (causal_attention)
 
 
 def make_step(position_ids: torch.Tensor, write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_len: int,
               dtype: torch.dtype, rotary: "Rotary", groups: int) -> Step:
-    mask = attention_mask(write_index, tree_mask, max_seq_len, dtype)
     if exporting():
-        return Step(position_ids, write_index, mask)
+        return Step(position_ids, write_index, attention_mask(write_index, tree_mask, max_seq_len, dtype))
     b, s = position_ids.shape
     rows = write_index[:, None] + torch.arange(s, device=position_ids.device)      # [B, S]
-    return Step(position_ids, write_index, group_mask(mask, groups), rotary.tables(position_ids, dtype),
-                rows[:, None, :, None])
+    rope, kv_rows = rotary.tables(position_ids, dtype), rows[:, None, :, None]
+    if causal_prompt(tree_mask):
+        return Step(position_ids, write_index, None, rope, kv_rows, live=int(write_index[0]) + s)
+    mask = attention_mask(write_index, tree_mask, max_seq_len, dtype)
+    return Step(position_ids, write_index, group_mask(mask, groups), rope, kv_rows)
+
+
+# A causal pass of more than MATMUL_ATTENTION_MAX_QUERIES tokens of one sequence (a prompt) attends over the live
+# keys through SDPA's causal kernels (flash on a GPU), never building the additive mask over the whole cache: for
+# a 32,000-token prompt that mask was [g*S, S_max] = 8 GB of bf16, and the kernels behind it read every slot.
+CAUSAL_CHECK_ROWS = 2048        # rows of tree_mask checked at a time (a block's temporary: 2048 x S bools)
+
+
+def causal_prompt(tree_mask: torch.Tensor) -> bool:
+    """Whether tree_mask [1, S, S] is the causal triangle of a prompt pass of S > MATMUL_ATTENTION_MAX_QUERIES
+    tokens: row i holds i + 1 visible keys and none past column i (so exactly 0..i), checked in row blocks."""
+    b, s, w = tree_mask.shape
+    if b != 1 or s != w or s <= MATMUL_ATTENTION_MAX_QUERIES:
+        return False
+    m = tree_mask[0]
+    if not torch.equal(m.sum(-1), torch.arange(1, s + 1, device=m.device)):
+        return False
+    return not any(bool(torch.triu(m[r:r + CAUSAL_CHECK_ROWS], diagonal=r + 1).any())
+                   for r in range(0, s, CAUSAL_CHECK_ROWS))
+
+
+def causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, live: int) -> torch.Tensor:
+    """q [1, Hq, S, D], the S newest of ``live`` keys, causal over the caches' first ``live`` rows [1, Hkv, live, D]
+    (the KV heads shared by groups of query heads, as SDPA's enable_gqa reads them) -> [1, Hq, S, D]."""
+    s = q.shape[2]
+    k, v = k_cache[:, :, :live], v_cache[:, :, :live]
+    if live == s:                               # from an empty cache: upper-left and lower-right causal agree
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, live), enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -205,6 +239,8 @@ class Attention(nn.Module):
         # never is_causal with a cache: ONNX aligns it upper-left; the explicit mask is right
         if exporting():
             y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=step.mask, enable_gqa=True)
+        elif step.mask is None:
+            y = causal_attention(q, k_cache, v_cache, step.live)
         else:
             y = grouped_attention(q, k_cache, v_cache, step.mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1)), k_cache, v_cache

@@ -32,7 +32,7 @@ import torch
 from xcompile.runtime.bench.paradigms import format_paradigms, paradigm_rows
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.drafters import causal, prompt_inputs
+from xcompile.runtime.decoding.drafters import causal, prompt_pass
 from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams
@@ -135,14 +135,14 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def prefill_cost(es: EngineSet, ctx: int) -> dict:
-    """TTFT of a ``ctx``-token prompt pass of the target (eager, as the Generator runs prompts) against
-    the matmul rate measured here."""
+    """TTFT of a ``ctx``-token prompt pass of the target (eager and in chunks, as the Generator runs prompts:
+    drafters.prompt_pass) against the matmul rate measured here."""
     dev, engine = es.device, es.engines[TARGET]
     config = es.manifest.models[TARGET].config
     if not engine.kv and engine.kv_shape:
         engine.new_kv()
-    prompt = prompt_inputs(torch.randint(0, config["vocab_size"], (1, ctx), device=dev))
-    ms = timed(lambda: engine.run(**prompt), dev, repeats=5, warmup=1)
+    prompt = torch.randint(0, config["vocab_size"], (1, ctx), device=dev)
+    ms = timed(lambda: prompt_pass(engine, prompt), dev, repeats=5, warmup=1)
     rate = matmul_rate(dev, engine.dtype)
     achieved = prefill_flops(config, ctx) / (ms / 1e3)
     return {"tokens": ctx, "ttft_ms": ms, "tflops": achieved / 1e12, "matmul_tflops": rate / 1e12,

@@ -29,7 +29,7 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
-from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_inputs
+from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_pass
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
@@ -211,9 +211,9 @@ class Generator:
     def _prefill(self, prompt_ids: list[int]) -> None:
         """The target's pass over the prompt and the drafter's own; the first token (the sampler's) in state.root."""
         prompt = torch.tensor([prompt_ids], dtype=torch.int64, device=self.device)
-        out = self.target.run(**prompt_inputs(prompt))
+        out, _, taps = prompt_pass(self.target, prompt, keep="hidden_taps")
         self.state.root.copy_(self.sampler.sample(out["logits"][:, -1]))
-        self.drafter.start(prompt, out.get("hidden_taps"), self.state.root)
+        self.drafter.start(prompt, taps, self.state.root)
 
     @torch.inference_mode()
     def warm_up(self, samplings: Sequence[SamplingParams] = (GREEDY,),

@@ -139,3 +139,42 @@ def test_batch_rows_decode_at_their_own_lengths(target):
                             torch.ones(2, 1, 1, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.int64), *kv)
     assert (logits[0, 0] - ref_a[0, 7]).abs().max() <= TOL
     assert (logits[1, 0] - ref_b[0, 5]).abs().max() <= TOL
+
+
+def test_long_causal_passes_attend_over_the_live_keys_without_a_mask(tmp_path, monkeypatch):
+    """A prompt pass of more than 64 tokens takes SDPA's causal kernels over the live keys (layers.causal_attention),
+    from an empty cache and in chunks after earlier ones (lower-right causal): transformers' logits, and the
+    additive-mask path's."""
+    from xcompile.compile.models import layers
+
+    path = write_qwen3_checkpoint(tmp_path, CONFIGS["gqa4-rope-params"], seed=4, tokenizer=False)
+    hf = hf_model(path)
+    ours = load_qwen3(path, 256)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    calls, real = [], layers.causal_attention
+    monkeypatch.setattr(layers, "causal_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    (whole, *_), _ = forward(ours, ids)
+    (first, *_), kv = forward(ours, ids[:, :70])
+    (second, *_), _ = forward(ours, ids[:, 70:], start=70, kv=kv)
+    assert set(calls) == {150, 70, 150}                            # every layer of every pass: the live keys
+    assert (whole - ref).abs().max() <= TOL
+    assert (torch.cat([first, second], 1) - ref).abs().max() <= TOL
+    monkeypatch.setattr(layers, "causal_prompt", lambda mask: False)    # the additive mask over the whole cache
+    (masked, *_), _ = forward(ours, ids)
+    assert (masked - whole).abs().max() <= TOL
+
+
+def test_causal_prompt_recognises_exactly_the_causal_triangle(monkeypatch):
+    from xcompile.compile.models import layers
+
+    monkeypatch.setattr(layers, "CAUSAL_CHECK_ROWS", 16)        # several row blocks
+    tri = torch.ones(70, 70, dtype=torch.bool).tril()[None]
+    assert layers.causal_prompt(tri)
+    swapped = tri.clone()
+    swapped[0, 40, 10], swapped[0, 40, 41] = False, True        # row counts kept, a key past the diagonal
+    assert not layers.causal_prompt(swapped)
+    assert not layers.causal_prompt(tri[:, :64, :64])           # short passes keep the mask path (graphs)
+    assert not layers.causal_prompt(tri.expand(2, 70, 70))      # batches keep it
+    assert not layers.causal_prompt(torch.ones(1, 70, 72, dtype=torch.bool).tril(2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_inputs
+from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_pass
 from xcompile.runtime.decoding.speculative import chain_block
 from xcompile.runtime.enginedir.contract import DRAFT, TARGET
 from xcompile.runtime.engines.base import Engine
@@ -40,7 +40,7 @@ class DraftModelDrafter(Drafter):
         self.length = torch.zeros(batch, dtype=torch.int64, device=device)
 
     def start(self, prompt, taps, root):
-        self.engine.run(**prompt_inputs(prompt))
+        prompt_pass(self.engine, prompt)
         self.pair[:, 0] = prompt[:, -1]
         self.length.fill_(prompt.shape[1])
 

@@ -15,7 +15,7 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
-from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_inputs
+from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_pass
 from xcompile.runtime.decoding.speculative import (
     Block,
     chain_block,
@@ -87,10 +87,8 @@ class _Eagle3(Drafter):
     def start(self, prompt, taps, root):
         # pairing: feature t goes with token t+1, so the prompt shifted left with the root appended
         tokens = torch.cat((prompt[:, 1:], root[:, None]), dim=1)
-        inputs = prompt_inputs(tokens)
-        hidden = self._features(taps)
-        out = self.eagle3.run(hidden_states=hidden, **inputs)
-        self._seed(out, inputs["logit_rows"][:, 0])
+        out, last, _ = prompt_pass(self.eagle3, tokens, {"hidden_states": self._features(taps)})
+        self._seed(out, last)
         self.length.fill_(prompt.shape[1])
 
     def commit(self, block, acc, taps, length):

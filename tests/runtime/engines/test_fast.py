@@ -356,6 +356,50 @@ def test_fast_batch_loop_on_the_gpu(graphs):
 
 
 @pytest.mark.gpu
+def test_long_prompts_take_flash_attention_in_chunks_on_the_gpu(monkeypatch):
+    """bf16 on the GPU: a causal prompt pass over the live keys (layers.causal_attention) runs on the flash kernel
+    with the KV heads shared (SDPA refuses otherwise under FLASH_ATTENTION alone), from an empty cache and after
+    earlier chunks; a prompt in chunks gives the whole pass's last logits and taps, and the additive-mask path's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from xcompile.compile.models import layers
+    from xcompile.runtime.decoding.drafters import base
+
+    q = torch.randn(1, 32, 300, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, 1, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for live in (300, 900):
+            assert layers.causal_attention(q, kv[0], kv[1], live).shape == q.shape
+    tiny = T.build(1024, device="cuda", dtype=torch.bfloat16, head_dim=16)
+    prompt = torch.tensor([T.random_prompts((700,), seed=6)[0]], device="cuda")
+
+    def run(chunk: int, causal: bool = True):
+        monkeypatch.setattr(base, "PROMPT_CHUNK", chunk)
+        monkeypatch.setattr(layers, "causal_prompt", layers.causal_prompt if causal else (lambda mask: False))
+        engine = fast_target(tiny)
+        engine.new_kv()
+        out, _, taps = base.prompt_pass(engine, prompt, keep="hidden_taps")
+        return out["logits"][:, -1].float(), taps.float()
+
+    whole = run(8192)
+    for got in (run(256), run(8192, causal=False)):
+        assert all(close(a, b, 0.05) for a, b in zip(got, whole))
+
+
+@pytest.mark.gpu
+def test_synthetic_weights_drawn_on_the_gpu_are_the_cpus():
+    """A synthetic dir's weights are drawn where they live (compile/synthetic.py): on the GPU, in steps of 2^26
+    elements, the very bits the CPU export drew, an embedding of more elements than one step included."""
+    from xcompile.compile.config import Qwen3Config
+    from xcompile.compile.synthetic import synthetic_qwen3
+
+    cfg = Qwen3Config(70000, 1024, 3072, 1, 8, 4, 128)          # embedding and lm_head: 71.7M elements each
+    cpu, gpu = (synthetic_qwen3(cfg, 64, seed=5, device=d, norm_std=0.1) for d in ("cpu", "cuda"))
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
+        assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_pdl_changes_no_bits_of_a_step_on_the_gpu(tokens):
     """Programmatic dependent launch (KernelConfig.pdl) is scheduling only: a bf16 target step and an EAGLE3
