@@ -16,6 +16,11 @@
 #            draft model beside the EAGLE3 head: chains at gamma 2, 4, 6 and trees 10/6/32 (context 128)
 #   batch    benchmarks/batch_decode.py: the continuous-batching loop on the fast backend at --max-batch 1, 4, 16, 64
 #            (one stream vs all, decode step ms, TTFT; the batch-1 loop beside), Qwen3-8B shape, 256 tokens each
+#   open     benchmarks/open_dir.py: opening the Qwen3-8B shape on the fast backend (weights drawn on the GPU; then
+#            written as a safetensors checkpoint and opened from it), the warm-up, an 8-token prefill, a round
+#   long     xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000 (chain gamma 6): decode
+#            and verify against the floor counting KV bytes, and the 32,000-token prefill against the matmul rate;
+#            then benchmarks/attention_splits.py (one layer's attention per chunk size at 4K-32K, 1 / 7 / 32 rows)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -27,12 +32,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch ... (see its header)"
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long ... (see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch) ;;
-  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms or batch"; exit 2;;
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long) ;;
+  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open or long"
+     exit 2;;
   esac
 done
 
@@ -113,6 +119,17 @@ for part in "$@"; do
   batch)
     run batch_decode 420 python3 benchmarks/batch_decode.py --json "$OUT/batch_decode.json"
     cat "$OUT/batch_decode.log" | grep -v "^ *$" | tail -8
+    ;;
+  open)
+    run open_dir 300 python3 benchmarks/open_dir.py --checkpoint /tmp/ckpt-qwen3-8b --json "$OUT/open_dir.json"
+    cat "$OUT/open_dir.log"
+    ;;
+  long)
+    run long_bench 420 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --num-prompts 1 \
+      --contexts 128,16384,32000 --json "$OUT/long_bench.json"
+    grep -E "$SHOW|^ +(16384|32000) +yes|prefill" "$OUT/long_bench.log"
+    run attention_splits 150 python3 benchmarks/attention_splits.py
+    cat "$OUT/attention_splits.log"
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \

@@ -32,9 +32,9 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 
 def test_every_script_is_checked_here():
-    assert SCRIPTS == ["batch_decode.py", "dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
-                       "graph_equivalence.py", "kernels.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
-                       "serve_load.py", "step_timeline.py", "verify_speed.py"]
+    assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
+                       "graph_equivalence.py", "kernels.py", "open_dir.py", "ort_layers.py", "qlinear_tiles.py",
+                       "quant_quality.py", "serve_load.py", "step_timeline.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -61,6 +61,8 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("step_timeline.py", ["--tiles", "no-such-tiles.json"], "--tiles: no-such-tiles.json: not a tile tables file"),
     ("fast_decode.py", [], "no CUDA device is visible here"),
     ("batch_decode.py", [], "no CUDA device is visible here"),
+    ("open_dir.py", [], "no CUDA device is visible here"),
+    ("attention_splits.py", [], "no CUDA device is visible here"),
     ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
     ("kernels.py", [], "no CUDA device is visible here"),
     ("qlinear_tiles.py", [], "no CUDA device is visible here"),
@@ -151,6 +153,10 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("fast_agreement.py", ["some-dir", "--synthetic", "qwen3-8b"], "give an ENGINE_DIR or --synthetic NAME, not both"),
     ("batch_decode.py", ["--batches", "4,0"], "--batches: '4,0': expected positive integers"),
     ("batch_decode.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
+    ("open_dir.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
+    ("attention_splits.py", ["--chunks", "64,100"], "--chunks: each a multiple of 64 keys"),
+    ("attention_splits.py", ["--rows", "1,65"], "--rows: at most 64 rows a call"),
+    ("open_dir.py", ["--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder does not exist"),
 ])
 def test_bad_options_are_refused_as_argparse_does(script, args, said):
     done = run(script, *args)

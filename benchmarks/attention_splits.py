@@ -1,0 +1,105 @@
+"""Time the fast backend's split-KV attention (runtime/engines/kernels/attention.py) at long contexts, per chunk
+size: what a verify block of several rows pays over a decode step's one row (issue 39, item 2).
+
+    python benchmarks/attention_splits.py [--contexts 4096,16384,32000] [--rows 1,7,32] [--chunks 64,128,...]
+
+One Qwen3-8B layer's attention (32 query heads over 8 KV heads of 128), bf16, on a cache of context + 64
+slots: for each context and row count, the shipped chunk (attention.chunk_for) and each --chunks value, the
+median µs of one call (split kernel and reduction) inside a CUDA graph of calls over rotating caches (so L2
+never holds the keys), its GB/s of the live K/V bytes read, and that rate against the bytes a device copy moves
+a second here (read + write: the memory system's rate, which a verify reading the keys once would approach). Each chunk's output is first checked against the shipped
+chunk's (the same softmax, summed in another order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from xcompile.runtime.bench.measure import copy_bandwidth
+from xcompile.runtime.engines.kernels import attention as A
+
+HQ, HKV, D = 32, 8, 128
+COPIES = 8          # caches rotated through the graph: 8 x 2 x 8 x 32K x 128 x 2 B = 1 GB at 32K, past L2
+
+
+def positive_list(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, comma-separated")
+    return values
+
+
+def time_calls(call, repeats: int = 20) -> float:
+    """Median µs of ``call(i)`` (i: the cache copy) inside a CUDA graph of COPIES calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(COPIES):
+            call(i)                             # compiles, and the graph's pools see every allocation
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(COPIES):
+                call(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / COPIES)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=positive_list, default=[4096, 16384, 32000])
+    ap.add_argument("--rows", type=positive_list, default=[1, 7, 32])
+    ap.add_argument("--chunks", type=positive_list, default=[64, 128, 256, 512, 1024])
+    args = ap.parse_args()
+    if max(args.rows) > A.MAX_ROWS:
+        ap.error(f"--rows: at most {A.MAX_ROWS} rows a call")
+    if any(c % A.BLOCK_S for c in args.chunks):
+        ap.error(f"--chunks: each a multiple of {A.BLOCK_S} keys")
+    if not torch.cuda.is_available():
+        print("attention_splits.py times the kernels on a GPU: no CUDA device is visible here", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    print(f"{'context':>8} {'rows':>4} {'chunk':>6} {'splits':>6} {'us':>8} {'GB/s':>6} {'of copy':>7}")
+    for ctx in args.contexts:
+        slots = ctx + A.MAX_ROWS
+        caches = torch.randn(COPIES, 2, 1, HKV, slots, D, device=dev, dtype=torch.bfloat16)
+        for m in args.rows:
+            q = torch.randn(m, HQ * D, device=dev, dtype=torch.bfloat16)
+            wi = torch.tensor([ctx - m], device=dev)
+            mask = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+            shipped = A.chunk_for(slots, m)
+            want = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ)
+            for chunk in [shipped] + [c for c in args.chunks if c != shipped]:
+                got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, chunk=chunk)
+                if ((got.float() - want.float()).norm() / want.float().norm()).item() > 2e-2:
+                    print(f"chunk {chunk}: output differs from the shipped chunk's at context {ctx}, {m} rows")
+                    return 1
+                us = time_calls(lambda i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, chunk=chunk))
+                read = 2 * HKV * ctx * D * 2
+                rate = read / (us / 1e6)
+                label = f"{chunk}{'*' if chunk == shipped else ''}"
+                print(f"{ctx:>8} {m:>4} {label:>6} {math.ceil(slots / chunk):>6} {us:>8.1f} {rate / 1e9:>6.0f} "
+                      f"{100 * rate / bandwidth:>6.0f}%")
+        del caches
+    print("* the shipped chunk (attention.chunk_for); 'of copy': the K/V bytes read a second against the bytes a "
+          "copy moves a second (read + write)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
