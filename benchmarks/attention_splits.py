@@ -7,8 +7,8 @@ One Qwen3-8B layer's attention (32 query heads over 8 KV heads of 128), bf16, on
 slots: for each context and row count, the shipped chunk (attention.chunk_for) and each --chunks value, the
 median µs of one call (split kernel and reduction) inside a CUDA graph of calls over rotating caches (so L2
 never holds the keys), its GB/s of the live K/V bytes read, and that rate against the bytes a device copy moves
-a second here (read + write: the memory system's rate, which a verify reading the keys once would approach). Each chunk's output is first checked against the shipped
-chunk's (the same softmax, summed in another order).
+a second here (read + write: the memory system's rate, which a verify reading the keys once would approach).
+Each chunk's output is first checked against the shipped chunk's (the same softmax, summed in another order).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ same bits, and an 8B model's weights are drawn on the GPU in well under a second
 a minute of an 8B dir's opening, issue 37).
 
 Init: projections and embeddings uniform with standard deviation std = 0.02 (HF ``initializer_range`` of
-Qwen3), RMSNorm weights 1, so residual activations stay O(1..100) and finite in bf16. A draft vocabulary's d2t (an EAGLE3 head's,
-an MTP module's) is a valid offset table: sorted distinct target ids minus arange (docs/eagle3.md §2).
+Qwen3), RMSNorm weights 1, so residual activations stay O(1..100) and finite in bf16. A draft vocabulary's d2t
+(an EAGLE3 head's, an MTP module's) is a valid offset table: sorted distinct target ids minus arange
+(docs/eagle3.md §2).
 
 An engine dir exported from synthetic weights records each model's source as
 ``synthetic:<name>:<seed>`` (``source``/``parse_source``): the target draws from the request's seed,

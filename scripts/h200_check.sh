@@ -21,6 +21,8 @@
 #   long     xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000 (chain gamma 6): decode
 #            and verify against the floor counting KV bytes, and the 32,000-token prefill against the matmul rate;
 #            then benchmarks/attention_splits.py (one layer's attention per chunk size at 4K-32K, 1 / 7 / 32 rows)
+#   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
+#            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens (carry .whl: fastapi, uvicorn, openai...)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -32,12 +34,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long ... (see its header)"
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, qbench," \
+  "sample, paradigms, batch, open, long, serve: see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long) ;;
-  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open or long"
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|serve) ;;
+  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long or serve"
      exit 2;;
   esac
 done
@@ -130,6 +133,13 @@ for part in "$@"; do
     grep -E "$SHOW|^ +(16384|32000) +yes|prefill" "$OUT/long_bench.log"
     run attention_splits 150 python3 benchmarks/attention_splits.py
     cat "$OUT/attention_splits.log"
+    ;;
+  serve)
+    run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
+      --out /tmp/serve-8b --force
+    run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams 1,4,16 \
+      --max-tokens 256 --json "$OUT/serve_load.json"
+    tail -12 "$OUT/serve_load.log"
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \
