@@ -95,7 +95,6 @@ def main() -> int:
                 label = f"{chunk}{'*' if chunk == shipped else ''}"
                 print(f"{ctx:>8} {m:>4} {label:>6} {math.ceil(slots / chunk):>6} {us:>8.1f} {rate / 1e9:>6.0f} "
                       f"{100 * rate / bandwidth:>6.0f}%")
-        del caches
     print("* the shipped chunk (attention.chunk_for); 'of copy': the K/V bytes read a second against the bytes a "
           "copy moves a second (read + write)")
     return 0

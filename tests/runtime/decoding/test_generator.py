@@ -384,24 +384,6 @@ def test_a_sampled_request_between_greedy_ones(k, tiny, prompts, reference):
     assert_reference_drafts(tiny, p + r.tokens, g.drafter.proposed[:8], k)
 
 
-@pytest.mark.parametrize("name", ["none", "draft-k4", "eagle3-k4", "tree-4x4x16", "mtp-k4"])
-def test_prompts_in_chunks_give_the_whole_passs_tokens(name, tiny, monkeypatch):
-    """A prompt longer than PROMPT_CHUNK runs in causal chunks (drafters.prompt_pass: target, draft model, EAGLE3
-    head and MTP module alike), each over the keys before it: the tokens of one whole pass, and every chunk
-    row's hidden taps reach the drafter."""
-    from xcompile.runtime.decoding.drafters import base
-
-    prompt = T.random_prompts((100,), seed=4)[0]
-    want = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN).generate(prompt, 24).tokens
-    runs = []
-    monkeypatch.setattr(base, "PROMPT_CHUNK", 30)               # 30 + 30 + 30 + 10 tokens
-    g = Generator(tiny.target_engine(), DRAFTERS[name](tiny), [], MAX_SEQ_LEN)
-    target_run = g.target.run
-    monkeypatch.setattr(g.target, "run", lambda **i: runs.append(i["input_ids"].shape[1]) or target_run(**i))
-    assert g.generate(prompt, 24).tokens == want
-    assert runs[:4] == [30, 30, 30, 10]
-
-
 @pytest.mark.parametrize("name", ["none", "draft-k4", "noisy-draft-k6", "eagle3-k4", "tree-4x4x16", "tree-2x6x20",
                                   "mtp-k4", "mtp-tree-4x4x16"])
 def test_sampled_rounds_keep_the_kv_invariants(name, tiny, prompts):
