@@ -273,15 +273,17 @@ def chain_drafter(head: torch.nn.Module, k: int) -> Drafter:
 
 
 @torch.no_grad()
-def measure_acceptance(target, head: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, k: int = 4
-                       ) -> dict:
+def measure_acceptance(target, head: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, k: int = 4,
+                       kv_dtype: torch.dtype | None = None) -> dict:
     """Real acceptance: greedy generation through the runtime (torch backend) with ``head`` (an EAGLE3 head or
     an MTP module) drafting chains of ``k``, next to plain greedy decoding on the same target engine. Returns τ
     (tokens emitted per verify round, bonus included, as ``Stats.acceptance_length``), acceptance by draft
     depth, and the fraction of prompts whose output equals plain greedy token for token (1.0 in fp32; bf16
-    near-ties may flip a few)."""
+    near-ties may flip a few). ``kv_dtype``: the target's KV cache in that dtype (an FP8 cache)."""
     n = min(target.max_seq_len, head.max_seq_len)
     target_engine = qwen3_engine(target)
+    if kv_dtype is not None:
+        target_engine.set_kv_dtype(kv_dtype)
     plain = Generator(target_engine, NoDrafter(), [], n)                       # no EOS: full-length runs
     spec = Generator(target_engine, chain_drafter(head, k), [], n)
     rounds = emitted = same = 0

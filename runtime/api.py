@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 Prompt = str | Sequence[int]           # text (the dir's tokenizer encodes it) or token ids
 DEFAULT_NEW_TOKENS = 128
+# --kv-cache-dtype: the torch dtype of the target's KV cache (None: the engines' own)
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 
 
 @dataclass
@@ -69,11 +71,13 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, *, backend: str = "auto", device: str | None = None,
                  drafter: str | DrafterSpec = "auto", gamma: int | None = None, tree: TreeShape | None = None,
-                 cuda_graphs: bool = True, verify: bool = False, kernels: KernelConfig | None = None):
+                 cuda_graphs: bool = True, verify: bool = False, kernels: KernelConfig | None = None,
+                 kv_cache_dtype: str = "auto"):
         """backend: auto | trt | fast | ort | torch; device: cpu | cuda (None: cuda when there is one); drafter:
         auto | eagle3 | mtp | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3 and mtp, a
         ``tree`` (or a whole DrafterSpec); cuda_graphs: replay each round from a CUDA graph; verify: hash every byte of the dir's files
-        first (default: sampled blocks); kernels: the fast backend's kernel choices. EngineError (one line
+        first (default: sampled blocks); kernels: the fast backend's kernel choices; kv_cache_dtype: auto (the
+        engines' dtype) or fp8 (the target's cache in e4m3, unscaled: the torch backend). EngineError (one line
         naming the file or option) when the dir cannot serve this."""
         import torch
 
@@ -91,10 +95,19 @@ class LLM:
         else:
             tree_options = (tree.topk, tree.depth, tree.total_tokens) if tree is not None else (None, None, None)
             spec = DrafterSpec.from_options(drafter, gamma, *tree_options)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.engines = open_engine_dir(engine_dir, backend, device, cuda_graphs=cuda_graphs, verify=verify,
                                        kernels=kernels)
         try:
+            if KV_CACHE_DTYPES[kv_cache_dtype] is not None:
+                target, kv_dtype = self.engines.engines["target"], getattr(torch, KV_CACHE_DTYPES[kv_cache_dtype])
+                if kv_dtype not in target.kv_dtypes:
+                    raise EngineError(f"--kv-cache-dtype {kv_cache_dtype}: the {self.engines.backend} backend holds "
+                                      "the KV cache in the engines' dtype; an FP8 cache runs on --backend torch (the "
+                                      "fast kernels and the ONNX / TensorRT graphs read bf16 caches for now)")
+                target.set_kv_dtype(kv_dtype)
             m, directory = self.engines.manifest, self.engines.directory
             self.tokenizer = Text(directory) if (directory / "tokenizer.json").is_file() else None
             detokenize = self.tokenizer.decode if self.tokenizer else None

@@ -79,6 +79,13 @@ TABLES = {
         ("perplexity against bf16", "perplexity_delta", "{:+.2f} %", 100),
         ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
         ("τ against bf16", "tau_delta", "{:+.2f} %", 100))),
+    "kv-cache-quality": Table("kv-cache-quality", "json", fields=(
+        ("top-1 agreement with the bf16 cache, teacher-forced", "agreement", "{:.2f} %", 100),
+        ("held-out perplexity", "perplexity", "{:.3f}", 1),
+        ("perplexity against the bf16 cache", "perplexity_delta", "{:+.2f} %", 100),
+        ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
+        ("τ against the bf16 cache", "tau_delta", "{:+.2f} %", 100),
+        ("speculative = plain greedy (of 32 prompts)", "match_plain", "{:.0f} %", 100))),
     "verify-cpu": Table("verify-cpu", "json", fields=(
         ("engine dir", "bytes", "{:.2f} GB", 1e-9),
         ("default check (every load), files in the page cache", "fast_warm_s", "{:.3f} s", 1),

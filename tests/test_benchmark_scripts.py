@@ -32,9 +32,10 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 
 def test_every_script_is_checked_here():
-    assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py", "fast_agreement.py", "fast_decode.py",
-                       "graph_equivalence.py", "kernels.py", "open_dir.py", "ort_layers.py", "qlinear_tiles.py",
-                       "quant_quality.py", "serve_load.py", "step_timeline.py", "verify_speed.py"]
+    assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
+                       "fast_agreement.py", "fast_decode.py", "graph_equivalence.py", "kernels.py",
+                       "kv_cache_quality.py", "open_dir.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
+                       "serve_load.py", "step_timeline.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -154,6 +155,8 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("batch_decode.py", ["--batches", "4,0"], "--batches: '4,0': expected positive integers"),
     ("batch_decode.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
     ("open_dir.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
+    ("kv_cache_quality.py", ["--window", "0"], "--window must be at least 1"),
+    ("kv_cache_quality.py", ["--heldout", "no-such.txt"], "--heldout no-such.txt: no such file"),
     ("attention_splits.py", ["--chunks", "64,100"], "--chunks: each a multiple of 64 keys"),
     ("attention_splits.py", ["--rows", "1,65"], "--rows: at most 64 rows a call"),
     ("open_dir.py", ["--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder does not exist"),

@@ -128,7 +128,23 @@ def write_kv(cache: torch.Tensor, update: torch.Tensor, step: "Step") -> torch.T
             "TensorScatter", (cache, update, step.write_index), {"axis": -2, "mode": "linear"},
             dtype=cache.dtype, shape=cache.shape, version=ONNX_OPSET,
         )
-    return cache.scatter_(2, step.kv_rows.expand(update.shape), update)
+    rows = step.kv_rows.expand(update.shape)
+    if cache.dtype == KV_FP8:
+        # e4m3 codes, unscaled (vLLM's default without calibrated scales), values past +-448 saturated; written
+        # as bytes (torch has no float8 scatter)
+        codes = update.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
+        cache.view(torch.uint8).scatter_(2, rows, codes.view(torch.uint8))
+        return cache
+    return cache.scatter_(2, rows, update)
+
+
+KV_FP8 = torch.float8_e4m3fn    # the FP8 KV cache's dtype (issue 39 item 4)
+FP8_MAX = 448.0                 # e4m3's largest finite value
+
+
+def read_kv(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cache (or the slice of it a pass reads) in the compute dtype: an FP8 cache's codes converted, exactly."""
+    return cache.to(dtype) if cache.dtype == KV_FP8 else cache
 
 
 def attention_mask(write_index: torch.Tensor, tree_mask: torch.Tensor, max_seq_len: int, dtype: torch.dtype
@@ -199,7 +215,7 @@ def causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [1, Hq, S, D], the S newest of ``live`` keys, causal over the caches' first ``live`` rows [1, Hkv, live, D]
     (the KV heads shared by groups of query heads, as SDPA's enable_gqa reads them) -> [1, Hq, S, D]."""
     s = q.shape[2]
-    k, v = k_cache[:, :, :live], v_cache[:, :, :live]
+    k, v = read_kv(k_cache[:, :, :live], q.dtype), read_kv(v_cache[:, :, :live], q.dtype)
     if live == s:                               # from an empty cache: upper-left and lower-right causal agree
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, live), enable_gqa=True)
@@ -242,7 +258,7 @@ class Attention(nn.Module):
         elif step.mask is None:
             y = causal_attention(q, k_cache, v_cache, step.live)
         else:
-            y = grouped_attention(q, k_cache, v_cache, step.mask)
+            y = grouped_attention(q, read_kv(k_cache, q.dtype), read_kv(v_cache, q.dtype), step.mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1)), k_cache, v_cache
 
 

@@ -142,10 +142,12 @@ def _check_sampling(ctx, req) -> None:
               help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="The target's KV cache: auto (the engines' dtype) or fp8 (e4m3, unscaled; --backend torch).")
 @click.pass_context
 def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth,
              tree_tokens, stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed,
-             num_samples, as_json, verify):
+             num_samples, as_json, verify, kv_cache_dtype):
     """Generate from ENGINE_DIR with speculative decoding: greedy (the same tokens as plain greedy
     decoding), or sampled (each token distributed as plain sampling would draw it).
 
@@ -160,7 +162,8 @@ def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter,
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                           drafter=spec, stop=list(stop), backend=backend, device=device,
                           cuda_graphs=not no_cuda_graphs, verify=verify, sample=sample, temperature=temperature,
-                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, num_samples=num_samples)
+                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, num_samples=num_samples,
+                          kv_cache_dtype=kv_cache_dtype)
     _check_sampling(ctx, req)
     run_generate(req, as_json=as_json, echo=click.echo)
 

@@ -58,9 +58,23 @@ class Engine(ABC):
     # fix the batch.
     partial_batch = False
 
+    # KV dtypes besides the compute dtype that the engine's steps write and read (set_kv_dtype)
+    kv_dtypes: tuple[torch.dtype, ...] = ()
+
     def __init__(self, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype, device: torch.device):
         self.spec, self.kv_shape, self.dtype, self.device = spec, kv, dtype, normalize_device(device)
+        self.kv_dtype = dtype
         self.kv: list[torch.Tensor] = []
+
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Hold the KV cache in ``dtype`` (the compute dtype, or one of ``kv_dtypes``: an FP8 cache), before any KV
+        is bound."""
+        if dtype != self.dtype and dtype not in self.kv_dtypes:
+            raise EngineError(f"{self.spec.graph}: this {type(self).__name__} holds its KV cache in {self.dtype} "
+                              f"only, not {dtype}")
+        if self.kv:
+            raise EngineError(f"{self.spec.graph}: the KV dtype is set before KV buffers are bound")
+        self.kv_dtype = dtype
 
     def bind_kv(self, buffers: Sequence[torch.Tensor]) -> None:
         """Bind preallocated KV buffers; every later run reads and updates them in place."""
@@ -68,9 +82,9 @@ class Engine(ABC):
         if len(buffers) != want:
             raise EngineError(f"{self.spec.graph}: expected {want} KV buffers, got {len(buffers)}")
         for b in buffers:
-            if tuple(b.shape) != self.kv_shape.shape or b.dtype != self.dtype or b.device != self.device:
+            if tuple(b.shape) != self.kv_shape.shape or b.dtype != self.kv_dtype or b.device != self.device:
                 raise EngineError(f"{self.spec.graph}: KV buffer {tuple(b.shape)} {b.dtype} on {b.device} does not "
-                                  f"match {self.kv_shape.shape} {self.dtype} on {self.device}")
+                                  f"match {self.kv_shape.shape} {self.kv_dtype} on {self.device}")
         self.kv = list(buffers)
 
     def narrow_batch(self, batch: int) -> None:
@@ -82,7 +96,7 @@ class Engine(ABC):
 
     def new_kv(self) -> list[torch.Tensor]:
         """Allocate and bind fresh zeroed KV buffers for this engine."""
-        buffers = new_kv(self.kv_shape, self.dtype, self.device) if self.kv_shape else []
+        buffers = new_kv(self.kv_shape, self.kv_dtype, self.device) if self.kv_shape else []
         self.bind_kv(buffers)
         return buffers
 

@@ -111,7 +111,7 @@ class GraphedEngine(Engine):
     def __init__(self, engine: Engine, tokens: Iterable[int], capture: Capture | None = None):
         """tokens: the token counts (the contract's dynamic axis) of the steps to capture."""
         super().__init__(engine.spec, engine.kv_shape, engine.dtype, engine.device)
-        self.engine, self.kv = engine, engine.kv
+        self.engine, self.kv, self.kv_dtype = engine, engine.kv, engine.kv_dtype
         self.tokens = frozenset(tokens)
         self.capture = capture or CudaGraphCapture()
         self.fallback: str | None = None

@@ -18,6 +18,8 @@ class TorchEngine(Engine):
 
     graph_capturable = True
     partial_batch = True        # a step of B sequences runs on rows 0..B-1 of each KV buffer
+    # an FP8 (e4m3) cache: the reference modules write its codes and read them back in the compute dtype
+    kv_dtypes = (torch.float8_e4m3fn,)
 
     def __init__(self, module: torch.nn.Module, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
                  device: torch.device | str):
