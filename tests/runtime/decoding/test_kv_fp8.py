@@ -53,8 +53,7 @@ def test_the_cache_holds_the_e4m3_codes_of_the_full_precision_keys_and_values(ti
 
 
 def test_values_past_the_e4m3_range_saturate():
-    from xcompile.compile.models.layers import KV_FP8, write_kv
-    from xcompile.compile.models.layers import Step
+    from xcompile.compile.models.layers import KV_FP8, Step, write_kv
 
     cache = torch.zeros(1, 1, 4, 2, dtype=KV_FP8)
     rows = torch.tensor([[1, 2]])[:, None, :, None]
