@@ -29,6 +29,7 @@ from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
 from xcompile.runtime.decoding.sampling import GENERATION_CONFIG, GREEDY, SamplingParams, generation_defaults, with_seed
 from xcompile.runtime.decoding.warmup import Warmed, sampler_modes
+from xcompile.runtime.engines.load import check_kv_cache_dtype, set_kv_cache_dtype
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.batch import BatchGenerator
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 
 Prompt = str | Sequence[int]           # text (the dir's tokenizer encodes it) or token ids
 DEFAULT_NEW_TOKENS = 128
-# --kv-cache-dtype: the torch dtype of the target's KV cache (None: the engines' own)
-KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 
 
 @dataclass
@@ -95,19 +94,12 @@ class LLM:
         else:
             tree_options = (tree.topk, tree.depth, tree.total_tokens) if tree is not None else (None, None, None)
             spec = DrafterSpec.from_options(drafter, gamma, *tree_options)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise EngineError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        check_kv_cache_dtype(kv_cache_dtype)          # before the weights load
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.engines = open_engine_dir(engine_dir, backend, device, cuda_graphs=cuda_graphs, verify=verify,
                                        kernels=kernels)
         try:
-            if KV_CACHE_DTYPES[kv_cache_dtype] is not None:
-                target, kv_dtype = self.engines.engines["target"], getattr(torch, KV_CACHE_DTYPES[kv_cache_dtype])
-                if kv_dtype not in target.kv_dtypes:
-                    raise EngineError(f"--kv-cache-dtype {kv_cache_dtype}: the {self.engines.backend} backend holds "
-                                      "the KV cache in the engines' dtype; an FP8 cache runs on --backend torch (the "
-                                      "fast kernels and the ONNX / TensorRT graphs read bf16 caches for now)")
-                target.set_kv_dtype(kv_dtype)
+            set_kv_cache_dtype(self.engines, kv_cache_dtype)
             m, directory = self.engines.manifest, self.engines.directory
             self.tokenizer = Text(directory) if (directory / "tokenizer.json").is_file() else None
             detokenize = self.tokenizer.decode if self.tokenizer else None

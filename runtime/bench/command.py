@@ -19,7 +19,14 @@ from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
 from xcompile.runtime.enginedir.contract import EAGLE3, MTP
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import EngineSet, fast_engines, open_engine_dir, pick_backend, torch_models
+from xcompile.runtime.engines.load import (
+    EngineSet,
+    fast_engines,
+    open_engine_dir,
+    pick_backend,
+    set_kv_cache_dtype,
+    torch_models,
+)
 
 log = logs.logger("bench")
 
@@ -46,6 +53,7 @@ class BenchRequest:
     sampling: SamplingParams = GREEDY
     quantize: str | None = None         # --synthetic: the target's linears in fp8 or int4 (compile/reference.py)
     mtp: bool = False                   # --synthetic: an MTP module too
+    kv_cache_dtype: str = "auto"        # or fp8: the target's KV cache in e4m3 (runtime/api.py KV_CACHE_DTYPES)
 
 
 def _room(req: BenchRequest) -> int:
@@ -97,6 +105,7 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
                               if path else None for path, opt in ((req.json_path, "--json"), (req.plot, "--plot")))
         start = time.perf_counter()
         es = outputs.enter_context(open_engines(req, device))
+        set_kv_cache_dtype(es, req.kv_cache_dtype)
         log.info(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
         report = _measure(req, es, echo)
         echo(format_report(report))

@@ -103,11 +103,11 @@ def weight_bytes(config: dict, dtype: str) -> int:
     return params * _BYTES[dtype]
 
 
-def kv_bytes(config: dict, dtype: str, context: int) -> int:
+def kv_bytes(config: dict, element_bytes: int, context: int) -> int:
     """Bytes of KV cache one decoded token reads at ``context``: every layer's keys and values of the cached
     tokens (at 16,384 tokens of the Qwen3-8B shape in bf16, 2.4 GB: 16 % on top of its 15.1 GB of weights)."""
     c = config
-    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * context * _BYTES[dtype]
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * context * element_bytes
 
 
 def _projections(config: dict) -> int:
@@ -313,7 +313,9 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
     report["weight_bytes_per_token"] = wb
     report["floor_ms_per_token"] = 1e3 * wb / bw
     # per context, the floor counting the KV bytes a decode step reads too
-    kv = {str(c): kv_bytes(es.manifest.models[TARGET].config, es.manifest.dtype, c) for c in opts.contexts}
+    kv_dtype = es.engines[TARGET].kv_dtype
+    report["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")
+    kv = {str(c): kv_bytes(es.manifest.models[TARGET].config, kv_dtype.itemsize, c) for c in opts.contexts}
     report["kv_bytes_per_token"] = kv
     report["floor_ms_by_context"] = {c: 1e3 * (wb + b) / bw for c, b in kv.items()}
     g = torch.Generator().manual_seed(0)

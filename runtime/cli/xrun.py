@@ -225,10 +225,12 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
 @click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="The target's KV cache: auto (the engines' dtype) or fp8 (e4m3; --backend fast or torch).")
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, gammas, tree, contexts,
           new_tokens, repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p,
-          seed):
+          seed, kv_cache_dtype):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
@@ -239,8 +241,8 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp),
-        echo=click.echo)
+                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp,
+                     kv_cache_dtype), echo=click.echo)
 
 
 @main.command()

@@ -177,6 +177,10 @@ class _FastEngine(Engine):
         if self.device.type == "cuda" and self.dtype == torch.bfloat16:
             cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
 
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        super().set_kv_dtype(dtype)
+        self.reference.set_kv_dtype(dtype)          # long passes run it, on the same buffers
+
     def bind_kv(self, buffers) -> None:
         super().bind_kv(buffers)
         self.reference.bind_kv(buffers)
@@ -228,6 +232,7 @@ class FastQwen3Engine(_FastEngine):
     """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels, for one sequence or a batch of them."""
 
     batched = True
+    kv_dtypes = (torch.float8_e4m3fn,)      # rope_kv writes e4m3 codes, the attention reads them (an FP8 cache)
 
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
                  kernels: KernelConfig = DEFAULT, shared_head: bool = False):

@@ -167,6 +167,31 @@ def fast_engines(manifest: Manifest, engines: dict[str, Engine], kernels: Kernel
     return fast.wrap(engines, configs, list(models[TARGET].extra.get("taps") or ()), kernels or DEFAULT)
 
 
+# --kv-cache-dtype: the torch dtype of the target's KV cache (None: the engines' own)
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise EngineError(f"--kv-cache-dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def set_kv_cache_dtype(es: EngineSet, name: str) -> None:
+    """The target's KV cache of engine set ``es`` in --kv-cache-dtype ``name``, before any KV is bound; EngineError
+    (one line) where its backend cannot hold it."""
+    check_kv_cache_dtype(name)
+    if KV_CACHE_DTYPES[name] is None:
+        return
+    import torch
+
+    target, dtype = es.engines[TARGET], getattr(torch, KV_CACHE_DTYPES[name])
+    if dtype not in target.kv_dtypes:
+        raise EngineError(f"--kv-cache-dtype {name}: the {es.backend} backend holds the KV cache in the engines' "
+                          "dtype; an FP8 cache runs on --backend fast or torch (the ONNX / TensorRT graphs read "
+                          "full-precision caches for now)")
+    target.set_kv_dtype(dtype)
+
+
 # order is auto's preference (module docstring)
 BACKENDS: dict[str, Backend] = {
     "trt": Backend(_trt_load, _trt_auto, "TensorRT engines built by `xcompile build` (CUDA)"),

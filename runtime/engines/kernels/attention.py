@@ -3,6 +3,8 @@
     q [B*M, Hq*D] (rotated), k/v caches [B, Hkv, S_max, D], write_index [B], tree_mask [B, M, W] bool
     ->  out [B*M, Hq*D]
 
+The caches are in q's dtype or FP8 (e4m3 codes, converted exactly to q's dtype as they are read).
+
 B sequences of M tokens each (the continuous-batching loop's step; B = 1 everywhere else): sequence b's rows
 are b*M..b*M+M-1 of q, it reads and writes row b of the caches at its own write_index[b], under its own mask.
 
@@ -48,6 +50,7 @@ import triton.language as tl
 from xcompile.runtime.common.gpu import ieee_dot, interpreted
 from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
+from xcompile.runtime.engines.kernels.qcodes import _e4m3
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split: ms at 1 / 32 tokens on the H200 (Qwen3-8B shape), context 4096: 4.885 /
@@ -101,7 +104,7 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_ch, stride_tb, stride_tm, sm_scale,
                   CHUNK, SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                  FIRST: tl.constexpr):
+                  FIRST: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # the reduction, then the o projection, launch now
     HKV: tl.constexpr = HQ // G
@@ -127,8 +130,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
         keys = start + tl.arange(0, BLOCK_S)
         cached = keys < tl.minimum(end, wi)
         offs = base + keys[:, None] * D + d[None, :]
-        k = tl.load(KC + offs, mask=cached[:, None], other=0.0)
-        v = tl.load(VC + offs, mask=cached[:, None], other=0.0)
+        k = tl.load(KC + offs, mask=cached[:, None], other=0)
+        v = tl.load(VC + offs, mask=cached[:, None], other=0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             if not FIRST:
@@ -138,6 +141,8 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
         v = tl.load(VC + offs, mask=new[:, None], other=v)
         q = tl.load(Q + (b * M + tok)[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None],
                     other=0.0)
+        if KV8:
+            k, v = _e4m3(k, NATIVE).to(q.dtype), _e4m3(v, NATIVE).to(q.dtype)
         m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
@@ -146,8 +151,10 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
         for s0 in range(start + BLOCK_S, end, BLOCK_S):
             ks = s0 + tl.arange(0, BLOCK_S)
             kv_offs = base + ks[:, None] * D + d[None, :]
-            k = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0.0)
-            v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0.0)
+            k = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0)
+            v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0)
+            if KV8:
+                k, v = _e4m3(k, NATIVE).to(q.dtype), _e4m3(v, NATIVE).to(q.dtype)
             m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
                                           l_i, acc, IEEE)
         # partials [splits, B*M, HQ, (D | m, l)]; the combine reads the live splits only
@@ -221,6 +228,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
     small = SHORT_CHUNK if SHORT_CHUNK < chunk else 0       # a chunk no longer than the short one: nothing to switch
     assert w >= m and tree_mask.stride(2) == 1 and q.stride(1) == 1 and k_cache.stride() == v_cache.stride()
+    kv8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (batch * kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
     regs = {"maxnreg": MAXNREG} if many(math.prod(grid), q.device) else {}
     partial = torch.empty(splits, rows, heads, d, dtype=torch.float32, device=q.device)
@@ -229,7 +239,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
         MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
-        PDL=cfg.pdl_on, FIRST=rows > 1, num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
+        PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), num_warps=WARPS, num_stages=2, **regs,
+        **cfg.launch())
     if out is None:
         out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
@@ -254,7 +265,7 @@ def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):
     _, kv_heads, _, d = k_cache.shape
     wi = int(write_index[0])
     n = wi + m
-    keys, values = k_cache[0, :, :n].float(), v_cache[0, :, :n].float()          # [Hkv, n, D]
+    keys, values = k_cache[0, :, :n].float(), v_cache[0, :, :n].float()          # [Hkv, n, D] (FP8: exact)
     visible = torch.ones(m, n, dtype=torch.bool)
     visible[:, n - tree_mask.shape[1]:] = tree_mask.cpu()
     qh = q.float().view(m, heads, d).transpose(0, 1)                             # [Hq, M, D]

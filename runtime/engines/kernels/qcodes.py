@@ -68,6 +68,26 @@ def _e4m3(b, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _to_e4m3(x):
+    """fp32 values -> float8 e4m3 bytes (uint8), rounded to nearest even as torch converts, values past +-448
+    saturated: an FP8 KV cache's write. Integer ops only (the interpreter has no float8), so every device and
+    torch give the same bytes."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # |x| >= 2^-6: the exponent rebiased 127 -> 7 and 23 mantissa bits rounded to 3 (ties to even; a carry
+    # steps the exponent)
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # below: a subnormal m x 2^-9, m = |x| x 2^9 rounded to nearest even (8 is the first normal's code)
+    t = a.to(tl.float32, bitcast=True) * 512.0
+    f = tl.floor(t)
+    fi = f.to(tl.int32)
+    m = fi + ((t - f > 0.5) | ((t - f == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+    return (tl.where(t < 8.0, m, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
 def _f(w, BIT: tl.constexpr):
     """The 4-bit codes (0..15) at bits BIT..BIT+3 of int32 words -> 1 + q / 16 in fp32: q moved into the top 4
     bits of 1.0's mantissa (two integer ops)."""

@@ -3,6 +3,7 @@
     qkv [B*M, (Hq + 2 Hkv) * D]  the fused projection's output: q heads, then k heads, then v heads
     ->  q [B*M, Hq * D]           normed (Qwen3's q_norm) and rotated
         k_cache/v_cache [B, Hkv, S_max, D], row b at write_index[b] + m: sequence b's normed and rotated k, and v
+        (an FP8 cache: their e4m3 codes, qcodes._to_e4m3, as the reference modules write them)
 
 B sequences of M tokens each (rows b*M..b*M+M-1 are sequence b's; B = 1 but in the batch loop's steps).
 
@@ -19,6 +20,9 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
+from xcompile.runtime.engines.kernels.qcodes import _to_e4m3
+
+FP8 = torch.float8_e4m3fn       # an FP8 KV cache (runtime/engines/base.py set_kv_dtype), handed over as its bytes
 
 
 @triton.jit
@@ -34,7 +38,8 @@ def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.c
 
 @triton.jit
 def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, M, stride_qkv, stride_q, stride_cb, stride_ch, eps,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, KV8: tl.constexpr,
+                    PDL: tl.constexpr):
     if PDL:
         # attention may launch (and request the cached keys, which this kernel does not write) before the wait
         tl.extra.cuda.gdc_launch_dependents()
@@ -64,9 +69,13 @@ def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, M, stride_qkv, st
         kv = h - HQ
         b = m // M
         at = b * stride_cb + kv * stride_ch + (tl.load(WI + b) + m % M) * D + d
-        tl.store(KC + at, y)
         v = tl.load(row + (HQ + HKV + kv) * D + d)
-        tl.store(VC + at, v)
+        if KV8:
+            tl.store(KC + at, _to_e4m3(y.to(tl.float32)))
+            tl.store(VC + at, _to_e4m3(v.to(tl.float32)))
+        else:
+            tl.store(KC + at, y)
+            tl.store(VC + at, v)
 
 
 def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
@@ -80,11 +89,13 @@ def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Te
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(1) == 1
     if out is None:
         out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    norm = q_norm is not None
+    norm, kv8 = q_norm is not None, k_cache.dtype == FP8
+    if kv8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_kv_kernel[(rows, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
         k_norm if norm else cos, rows // batch, qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
-        eps, HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, PDL=cfg.pdl_on, num_warps=1, **cfg.launch())
+        eps, HQ=heads, HKV=kv_heads, D=head_dim, NORM=norm, KV8=kv8, PDL=cfg.pdl_on, num_warps=1, **cfg.launch())
     return out
 
 
@@ -107,6 +118,9 @@ def rope_kv_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache
     per = m // write_index.shape[0]
     for b in range(write_index.shape[0]):                  # sequence b: rows b*per.., its cache row b
         slots, own = int(write_index[b]) + torch.arange(per), slice(b * per, (b + 1) * per)
-        k_cache[b, :, slots] = k[own].transpose(0, 1)
-        v_cache[b, :, slots] = v[own].transpose(0, 1)
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            x = x[own].transpose(0, 1)
+            if cache.dtype == FP8:                          # as layers.write_kv writes an FP8 cache
+                cache, x = cache.view(torch.uint8), x.clamp(-448, 448).to(FP8).view(torch.uint8)
+            cache[b, :, slots] = x
     return q.reshape(m, heads * head_dim)

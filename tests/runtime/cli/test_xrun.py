@@ -128,6 +128,22 @@ def test_bench_runs_on_cpu(tiny_engine_dir, tmp_path):
     assert "prefill 16 tokens: TTFT" in out
 
 
+def test_bench_with_an_fp8_cache_counts_one_byte_a_kv_value(tiny_engine_dir, tmp_path):
+    report_path = tmp_path / "bench.json"
+    code, out = xrun("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "16",
+                     "--gammas", "2", "--tree", "", "--new-tokens", 8, "--repeats", 1, "--kv-cache-dtype", "fp8",
+                     "--json", report_path)
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    from xcompile.runtime.enginedir.manifest import Manifest
+    c = Manifest.load(tiny_engine_dir).models["target"].config
+    assert report["kv_cache_dtype"] == "float8_e4m3fn"
+    assert report["kv_bytes_per_token"] == {"16": 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 16}
+    code, out = xrun("bench", tiny_engine_dir, "--device", "cpu", "--backend", "ort", "--contexts", "16",
+                     "--kv-cache-dtype", "fp8")
+    assert code == 1 and "--kv-cache-dtype fp8: the ort backend" in out and "Traceback" not in out, out
+
+
 def test_bench_says_what_its_prompts_were_and_where_it_measured_speculation(tiny_engine_dir, tmp_path):
     """Random prompt ids give a meaningless tau, and drafters run at the first context only: the report
     and its JSON say both, and with --prompts name the text instead."""

@@ -355,6 +355,32 @@ def test_fast_batch_loop_on_the_gpu(graphs):
     assert [r.tokens for r in batch.generate([(p, 48) for p in prompts])] == want
 
 
+def test_an_fp8_cache_on_the_kernels_is_the_references(tiny):
+    """A fast target over an FP8 KV cache (rope_kv's e4m3 codes, the attention's exact reads) steps as the reference
+    module over its FP8 cache: logits and taps, and the codes of both caches; greedy decoding on it gives the
+    reference's tokens, and an EAGLE3 chain and tree plain greedy's."""
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    for e in (ref, got):
+        e.set_kv_dtype(torch.float8_e4m3fn)
+        e.new_kv()
+    for inputs in [step_inputs(torch.tensor([[5, 9, 11, 20, 33]]), 0), step_inputs(torch.tensor([[7]]), 5),
+                   tree_inputs([3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 1, 3], 6)]:
+        want, have = ref.run(**inputs), got.run(**inputs)
+        assert close(have["logits"], want["logits"]) and close(have["hidden_taps"], want["hidden_taps"])
+    codes = [torch.stack(e.kv).view(torch.uint8) for e in (ref, got)]
+    assert got.kv[0].dtype == torch.float8_e4m3fn and (codes[0] != codes[1]).float().mean() < 1e-3
+    prompts = T.random_prompts((5, 40), seed=8)
+
+    def loop(engine, drafter):
+        engine.set_kv_dtype(torch.float8_e4m3fn)
+        return Generator(engine, drafter, [], MAX_SEQ_LEN)
+    want = [loop(tiny.target_engine(), NoDrafter()).generate(p, 20).tokens for p in prompts]
+    assert [loop(fast_target(tiny), NoDrafter()).generate(p, 20).tokens for p in prompts] == want
+    for name in ("eagle3", "eagle3-tree"):
+        spec = loop(fast_target(tiny), DRAFTERS[name](tiny))
+        assert [spec.generate(p, 20).tokens for p in prompts] == want
+
+
 @pytest.mark.gpu
 def test_long_prompts_take_flash_attention_in_chunks_on_the_gpu(monkeypatch):
     """bf16 on the GPU: a causal prompt pass over the live keys (layers.causal_attention) runs on the flash kernel
