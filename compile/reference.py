@@ -3,7 +3,7 @@
 The runtime reaches this through the ``xcompile.torch_models`` entry point (pyproject.toml), so
 ``xrun --backend torch`` works whenever the compile side is installed, while the runtime package
 itself never imports model code. Weights come from where the manifest says the graphs came from:
-the checkpoint dirs it records, or the same seeded synthetic weights (``synthetic:<name>:<seed>``).
+the checkpoint dirs it records, or the same seeded synthetic weights (``synthetic-hash:<name>:<seed>``).
 ``qwen3_engine`` and ``eagle3_engines`` wrap any in-memory module the same way (training's acceptance
 check, the runtime tests).
 """

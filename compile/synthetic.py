@@ -13,7 +13,8 @@ Qwen3), RMSNorm weights 1, so residual activations stay O(1..100) and finite in 
 (docs/eagle3.md §2).
 
 An engine dir exported from synthetic weights records each model's source as
-``synthetic:<name>:<seed>`` (``source``/``parse_source``): the target draws from the request's seed,
+``synthetic-hash:<name>:<seed>`` (``source``/``parse_source``; ``synthetic:`` sources were drawn by the torch
+generator of earlier versions and are refused: other weights than their graphs hold): the target draws from the request's seed,
 its EAGLE3 head from seed + 1 and the draft model from seed + 2 (``SEED_OFFSETS``), so the torch
 backend and ``xcompile diff`` rebuild the very weights the graphs hold.
 """
@@ -38,7 +39,8 @@ from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, MTP, TARGET
 
 INIT_STD = 0.02     # Qwen3 config.json initializer_range
-SOURCE_PREFIX = "synthetic:"
+SOURCE_PREFIX = "synthetic-hash:"
+OLD_PREFIX = "synthetic:"           # before the counter-based draw (2026-12-05)
 SEED_OFFSETS = {TARGET: 0, EAGLE3: 1, DRAFT: 2, MTP: 3}
 
 
@@ -48,7 +50,11 @@ def source(name: str, seed: int, role: str = TARGET) -> str:
 
 
 def parse_source(entry_source: str) -> tuple[str, int] | None:
-    """(name, seed) of a ``synthetic:<name>:<seed>`` source; None for a checkpoint dir."""
+    """(name, seed) of a ``synthetic-hash:<name>:<seed>`` source; None for a checkpoint dir; CompileError for an
+    earlier version's ``synthetic:`` source."""
+    if entry_source.startswith(OLD_PREFIX):
+        raise CompileError(f"manifest source {entry_source!r}: synthetic weights drawn by an earlier xcompile, which "
+                           "this one would not draw again; re-export the dir (xcompile export --synthetic ... --force)")
     if not entry_source.startswith(SOURCE_PREFIX):
         return None
     name, _, seed = entry_source.removeprefix(SOURCE_PREFIX).rpartition(":")

@@ -42,7 +42,7 @@ class WeightSource(ABC):
     @property
     @abstractmethod
     def source(self) -> str:
-        """What the manifest records as ``ModelEntry.source``: a checkpoint dir or ``synthetic:<name>:<seed>``."""
+        """What the manifest records as ``ModelEntry.source``: a checkpoint dir or ``synthetic-hash:<name>:<seed>``."""
 
     def files(self) -> dict[str, Path]:
         """File name (relative to the source) -> path of every file the weights are read from."""

@@ -32,7 +32,7 @@ D2T_FILES = {EAGLE3: D2T_FILE, MTP: "mtp_d2t.safetensors"}     # by graph: its d
 @dataclass
 class ModelEntry:
     """One model of the dir: ``kind`` is "qwen3", "eagle3" or "mtp"; ``config`` the parsed config's fields;
-    ``source`` the checkpoint dir it came from, or ``synthetic:<name>:<seed>``."""
+    ``source`` the checkpoint dir it came from, or ``synthetic-hash:<name>:<seed>``."""
 
     kind: str
     config: dict

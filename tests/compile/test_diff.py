@@ -130,18 +130,24 @@ def test_logits_flip_passes_only_on_a_near_tie():
 
 def test_synthetic_export_round_trip(monkeypatch, tmp_path):
     """--synthetic weights come from a seeded per-tensor generator: diff rebuilds the same reference
-    from the manifest's ``synthetic:<name>:<seed>`` sources (target, and its head at seed + 1)."""
+    from the manifest's ``synthetic-hash:<name>:<seed>`` sources (target, and its head at seed + 1)."""
     monkeypatch.setitem(config.KNOWN_MODELS, "tiny-synthetic", config.KnownModel("none/tiny", TINY))
     out = tmp_path / "synthetic"
     result = cli("export", "--model", "tiny-synthetic", "--synthetic", "--seed", 3, "--eagle3", "--dtype", "fp32",
                  "--max-seq-len", 32, "--out", out)
     assert result.exit_code == 0, result.output
     m = Manifest.load(out)
-    assert (m.models["target"].source, m.models["eagle3"].source) == ("synthetic:tiny-synthetic:3",
-                                                                      "synthetic:tiny-synthetic:4")
+    assert (m.models["target"].source, m.models["eagle3"].source) == ("synthetic-hash:tiny-synthetic:3",
+                                                                      "synthetic-hash:tiny-synthetic:4")
     assert m.tokenizer_files == [] and m.inputs == {}
     result = cli("diff", out, "--steps", 2, "--draft-steps", 2)
     assert result.exit_code == 0 and result.stdout.strip().endswith("PASSED"), result.output
+    # an earlier version's synthetic source (another generator): refused in one line, not other weights
+    manifest = out / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"synthetic-hash:', '"synthetic:'))
+    result = cli("diff", out, "--steps", 2)
+    assert result.exit_code != 0 and "drawn by an earlier xcompile" in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 def test_bad_diff_requests(fp32_dir, tmp_path):

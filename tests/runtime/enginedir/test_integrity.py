@@ -88,7 +88,7 @@ def test_a_file_without_a_record_is_refused(tmp_path):
 @pytest.fixture
 def manifest_data(tmp_path) -> dict:
     (tmp_path / "tokenizer.json").write_text("{}")
-    save_manifest(Manifest("t", "fp32", 64, 1, {"target": ModelEntry("qwen3", {"vocab_size": 256}, "synthetic:t:0")},
+    save_manifest(Manifest("t", "fp32", 64, 1, {"target": ModelEntry("qwen3", {"vocab_size": 256}, "synthetic-hash:t:0")},
                            eos_token_ids=[3], tokenizer_files=["tokenizer.json"]), tmp_path)
     return json.loads((tmp_path / "manifest.json").read_text())
 

@@ -39,7 +39,7 @@ def make_dir(root: Path, version: str = VERSION, manifest_version: str | None = 
         engines[graph] = EngineEntry(f"{graph}.engine", graph, flavor, manifest_version or version, [], PROFILES)
         (root / f"{graph}.engine").write_bytes(engine_bytes(io, DIMS[graph], PROFILES, DTYPES[dtype], version,
                                                             **overrides))
-    return save_manifest(Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic:tiny:0")},
+    return save_manifest(Manifest("tiny", dtype, MAX_SEQ, 1, {"target": ModelEntry("qwen3", {}, "synthetic-hash:tiny:0")},
                                   graphs, engines), root)
 
 
