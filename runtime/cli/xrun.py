@@ -269,8 +269,11 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--ray", "use_ray", is_flag=True, help="Serve as Ray Serve replicas behind Ray's proxy.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --ray: replicas (one GPU each on CUDA).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="The target's KV cache: auto (the engines' dtype) or fp8 (e4m3; --backend fast or torch).")
 def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
-          served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas):
+          served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas,
+          kv_cache_dtype):
     """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming): one request at a time, or up to N
     decoding together on a --max-batch N dir."""
     from xcompile.runtime.serve.run import serve_http, serve_ray
@@ -283,7 +286,7 @@ def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tr
     config = ServeConfig(engine_dir, backend, device, DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth,
                                                                                tree_tokens),
                          served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs,
-                         warm_up=not no_warm_up)
+                         warm_up=not no_warm_up, kv_cache_dtype=kv_cache_dtype)
     if use_ray:
         serve_ray(config, host, port, replicas)
     else:

@@ -19,6 +19,7 @@ from ray import serve
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.registry import DrafterSpec
+from xcompile.runtime.engines.load import check_kv_cache_dtype
 from xcompile.runtime.serve.app import create_app
 from xcompile.runtime.serve.scheduler import ServeConfig
 
@@ -55,7 +56,7 @@ def _flag(value: str) -> bool:
 ARGS = {"engine_dir": str, "backend": str, "device": str, "served_model_name": str, "api_key": str,
         "max_queue": int, "request_timeout": float, "drafter": str, "gamma": int, "tree_topk": int,
         "tree_depth": int, "tree_tokens": int, "warm_up": _flag, "replicas": int, "min_replicas": int,
-        "max_replicas": int}
+        "max_replicas": int, "kv_cache_dtype": str}
 
 
 def parse(args: dict[str, str]) -> tuple[ServeConfig, int, dict | None]:
@@ -69,6 +70,7 @@ def parse(args: dict[str, str]) -> tuple[ServeConfig, int, dict | None]:
         a = {k: ARGS[k](v) for k, v in args.items()}
     except ValueError as e:
         raise EngineError(f"serve run: {e}") from None
+    check_kv_cache_dtype(a.get("kv_cache_dtype", "auto"))
     spec = DrafterSpec.from_options(a.pop("drafter", "auto"), a.pop("gamma", None), a.pop("tree_topk", None),
                                     a.pop("tree_depth", None), a.pop("tree_tokens", None))
     replicas = a.pop("replicas", 1)

@@ -41,6 +41,7 @@ class ServeConfig:
     request_timeout: float | None = None        # seconds from arrival to the last token; None: no limit
     cuda_graphs: bool = True
     warm_up: bool = True                        # run every kernel and graph once before reporting ready
+    kv_cache_dtype: str = "auto"                # or fp8: the target's KV cache in e4m3 (fast and torch backends)
 
 
 class EngineWorker:
@@ -51,7 +52,7 @@ class EngineWorker:
         from xcompile.runtime.api import LLM
 
         self.llm = LLM(config.engine_dir, backend=config.backend, device=config.device, drafter=config.drafter,
-                       cuda_graphs=config.cuda_graphs)
+                       cuda_graphs=config.cuda_graphs, kv_cache_dtype=config.kv_cache_dtype)
         llm = self.llm
         self.es, self.text, self.spec, self.drafter, self.gen = llm.engines, llm.tokenizer, llm.spec, llm.drafter, llm.generator
         self.batch = llm.batch                      # the continuous-batching loop (None: batch 1, self.gen)

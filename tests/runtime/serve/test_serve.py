@@ -513,3 +513,19 @@ def test_engines_that_fail_to_load_stop_xrun_serve_with_one_line(tiny_engine_dir
     proc = subprocess.run(s.cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "error:" in proc.stderr and "target.onnx" in proc.stderr.splitlines()[-1]
+
+
+def test_a_server_with_an_fp8_cache_gives_xrun_generates_tokens(tiny_engine_dir):
+    """--kv-cache-dtype fp8 reaches the worker's engines (the torch backend here): a greedy completion's tokens
+    are those of ``xrun generate --kv-cache-dtype fp8`` on the same backend."""
+    want = generate_json(tiny_engine_dir, "--prompt-ids", "5,6,7,8", "--max-new-tokens", 12, "--backend", "torch",
+                         "--drafter", "eagle3", "--gamma", 3, "--kv-cache-dtype", "fp8")["tokens"]
+    s = serving.ThreadServer(ServeConfig(str(tiny_engine_dir), "torch", "cpu", SPEC, kv_cache_dtype="fp8")).start()
+    try:
+        assert s.scheduler.worker.target.kv[0].dtype.itemsize == 1
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": s.scheduler.worker.model_name, "prompt": [5, 6, 7, 8],
+                                                          "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+    finally:
+        s.stop()

@@ -106,6 +106,8 @@ def test_serve_run_arguments():
     _, _, scaling = parse({"engine_dir": "d", "min_replicas": "2", "max_replicas": "8"})
     assert scaling == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 1}
     assert config.warm_up and not parse({"engine_dir": "d", "warm_up": "false"})[0].warm_up
+    assert config.kv_cache_dtype == "auto"
+    assert parse({"engine_dir": "d", "kv_cache_dtype": "fp8"})[0].kv_cache_dtype == "fp8"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -114,6 +116,7 @@ def test_serve_run_arguments():
     ({"engine_dir": "x", "replicas": "two"}, "invalid literal"),
     ({"engine_dir": "x", "warm_up": "no"}, "expected true or false, got 'no'"),
     ({"engine_dir": "x", "gamma": "2", "tree_topk": "4"}, "--gamma sets a chain"),
+    ({"engine_dir": "x", "kv_cache_dtype": "fp4"}, "--kv-cache-dtype 'fp4': expected one of auto, fp8"),
 ])
 def test_serve_run_refuses_bad_arguments(args, message):
     from xcompile.runtime.serve.ray_app import parse
