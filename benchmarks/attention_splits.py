@@ -6,7 +6,7 @@ size: what a verify block of several rows pays over a decode step's one row (iss
 One Qwen3-8B layer's attention (32 query heads over 8 KV heads of 128), bf16, on a cache of context + 64
 slots: for each context and row count, the shipped chunk (attention.chunk_for) and each --chunks value, the
 median µs of one call (split kernel and reduction) inside a CUDA graph of calls over rotating caches (so L2
-never holds the keys), its GB/s of the live K/V bytes read, and that rate against the bytes a device copy moves
+never holds the keys; kernels.py's graph_time), its GB/s of the live K/V bytes read, and that rate against the bytes a device copy moves
 a second here (read + write: the memory system's rate, which a verify reading the keys once would approach).
 Each chunk's output is first checked against the shipped chunk's (the same softmax, summed in another order).
 """
@@ -18,44 +18,14 @@ import math
 import sys
 
 import torch
+from batch_decode import positive_list  # benchmarks/: the scripts' shared option types and timing
+from kernels import graph_time
 
 from xcompile.runtime.bench.measure import copy_bandwidth
 from xcompile.runtime.engines.kernels import attention as A
 
 HQ, HKV, D = 32, 8, 128
 COPIES = 8          # caches rotated through the graph: 8 x 2 x 8 x 32K x 128 x 2 B = 1 GB at 32K, past L2
-
-
-def positive_list(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, comma-separated")
-    return values
-
-
-def time_calls(call, repeats: int = 20) -> float:
-    """Median µs of ``call(i)`` (i: the cache copy) inside a CUDA graph of COPIES calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(COPIES):
-            call(i)                             # compiles, and the graph's pools see every allocation
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(COPIES):
-                call(i)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / COPIES)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -89,7 +59,8 @@ def main() -> int:
                 if ((got.float() - want.float()).norm() / want.float().norm()).item() > 2e-2:
                     print(f"chunk {chunk}: output differs from the shipped chunk's at context {ctx}, {m} rows")
                     return 1
-                us = time_calls(lambda i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, chunk=chunk))
+                us = graph_time([lambda i=i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, chunk=chunk)
+                                 for i in range(COPIES)])
                 read = 2 * HKV * ctx * D * 2
                 rate = read / (us / 1e6)
                 label = f"{chunk}{'*' if chunk == shipped else ''}"

@@ -18,60 +18,28 @@ Prints a table, then the JSON report that docs/perf keeps.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
+from quant_quality import (  # benchmarks/: the measures of the quantized models, against the bf16 cache
+    PROMPT_TOKENS,
+    compare,
+    demo_heldout,
+    heldout_args,
+    print_report,
+    run,
+    teacher_forced,
+)
 
 from xcompile.compile import checkpoint as ck
-from xcompile.compile import data as textdata
 from xcompile.compile.config import parse_eagle3, parse_qwen3
-from xcompile.compile.errors import CompileError
 from xcompile.compile.train import measure_acceptance
-from xcompile.runtime.enginedir.text import Text
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-PROMPT_TOKENS = 48
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-@torch.no_grad()
-def teacher_forced(model, windows: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Argmax ids [N, S-1] of each window's positions but the last, their top-2 logit gaps, the mean cross-entropy."""
-    ids, gaps, nll = [], [], 0.0
-    s = windows.shape[1]
-    positions = torch.arange(s).unsqueeze(0)
-    causal = torch.ones(s, s, dtype=torch.bool).tril().unsqueeze(0)
-    for w in windows:
-        logits = model(w.unsqueeze(0), positions, torch.zeros(1, dtype=torch.int64), causal, positions,
-                       *model.new_kv(dtype=kv_dtype))[0][0, :-1].float()
-        ids.append(logits.argmax(-1))
-        top = logits.topk(2).values
-        gaps.append(top[:, 0] - top[:, 1])
-        nll += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
-    return torch.stack(ids), torch.stack(gaps), nll / (windows.shape[0] * (s - 1))
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heldout", type=Path, default=DATA / "corpus.heldout.txt")
-    parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--gamma", type=int, default=4)
-    args = parser.parse_args()
-    for name in ("window", "prompts", "new_tokens", "gamma"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not args.heldout.is_file():
-        parser.error(f"--heldout {args.heldout}: no such file")
-    target_dir, head_dir = ck.resolve("demo"), ck.resolve_eagle3("demo", "")
-    text = Text(target_dir)
-    records = textdata.read_records(args.heldout)
-    windows = textdata.pack(textdata.tokenize(records, text), textdata.doc_end_id(text), args.window)
-    prompts = [ids[:PROMPT_TOKENS] for ids in textdata.tokenize(records, text) if len(ids) >= PROMPT_TOKENS]
-    prompts = prompts[:args.prompts]
+    args = heldout_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    target_dir, head_dir, windows, prompts = demo_heldout(args)
     cfg = parse_qwen3(target_dir / "config.json")
     n = max(args.window, PROMPT_TOKENS + args.new_tokens + args.gamma + 1)
     target = ck.load_qwen3(target_dir, n, ck.tap_layers(parse_eagle3(head_dir / "config.json"), cfg),
@@ -83,26 +51,10 @@ def main() -> int:
         tau = measure_acceptance(target, head, prompts, args.new_tokens, args.gamma, kv_dtype=dtype)
         results[name] = {"argmax": argmax, "gaps": gaps, "perplexity": float(torch.tensor(nll).exp()),
                          "tau": tau["tau"], "match_plain": tau["match_plain"]}
-    base, report = results["bf16"], []
-    for name, r in results.items():
-        differs = r["argmax"] != base["argmax"]
-        report.append({"cache": name, "agreement": float((~differs).float().mean()), "perplexity": r["perplexity"],
-                       "perplexity_delta": r["perplexity"] / base["perplexity"] - 1, "tau": r["tau"],
-                       "tau_delta": r["tau"] / base["tau"] - 1, "match_plain": r["match_plain"],
-                       "positions": base["argmax"].numel(),
-                       "flipped_gap_median": float(base["gaps"][differs].median()) if differs.any() else None,
-                       "gap_median": float(base["gaps"].median())})
-    print(f"{'cache':6} {'agreement':>10} {'perplexity':>18} {'tau':>16} {'spec = plain':>13}")
-    for row in report:
-        print(f"{row['cache']:6} {row['agreement']:10.2%} {row['perplexity']:8.3f} ({row['perplexity_delta']:+6.2%}) "
-              f"{row['tau']:7.3f} ({row['tau_delta']:+6.2%}) {row['match_plain']:13.0%}")
-    print(json.dumps(report, indent=2))
+    report = list(compare(results, "bf16", "cache").values())
+    print_report(report, "cache", lambda row: f"speculative = plain {row['match_plain']:.0%}")
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except CompileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run(main)

@@ -26,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,21 +46,66 @@ GOALS = {"fp8": (0.99, 0.01, 0.03), "int4-awq": (0.96, 0.05, 0.08)}
 
 
 @torch.no_grad()
-def teacher_forced(model, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def teacher_forced(model, windows: torch.Tensor, kv_dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Argmax ids [N, S-1] of each window's positions but the last, their top-2 logit gaps [N, S-1], and the mean
-    next-token cross-entropy."""
+    next-token cross-entropy (``kv_dtype``: the cache's dtype, default the model's)."""
     ids, gaps, nll = [], [], 0.0
     s = windows.shape[1]
     positions = torch.arange(s).unsqueeze(0)
     causal = torch.ones(s, s, dtype=torch.bool).tril().unsqueeze(0)
     for w in windows:
         logits = model(w.unsqueeze(0), positions, torch.zeros(1, dtype=torch.int64), causal, positions,
-                       *model.new_kv())[0][0, :-1].float()                                      # [S-1, V]
+                       *model.new_kv(dtype=kv_dtype))[0][0, :-1].float()                        # [S-1, V]
         ids.append(logits.argmax(-1))
         top = logits.topk(2).values
         gaps.append(top[:, 0] - top[:, 1])
         nll += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
     return torch.stack(ids), torch.stack(gaps), nll / (windows.shape[0] * (s - 1))
+
+
+def heldout_args(parser: argparse.ArgumentParser, *counts: str) -> argparse.Namespace:
+    """The held-out measurement's options (--heldout, --window, --prompts, --new-tokens, --gamma) added and parsed,
+    each count (and ``counts``) at least 1."""
+    parser.add_argument("--heldout", type=Path, default=DATA / "corpus.heldout.txt")
+    parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=4)
+    args = parser.parse_args()
+    for name in (*counts, "window", "prompts", "new_tokens", "gamma"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.heldout.is_file():
+        parser.error(f"--heldout {args.heldout}: no such file")
+    return args
+
+
+def demo_heldout(args: argparse.Namespace) -> tuple[Path, Path, torch.Tensor, list[list[int]]]:
+    """The demo target's and head's dirs, the held-out text's windows of --window tokens, and the first
+    PROMPT_TOKENS tokens of the first --prompts held-out documents that long."""
+    target_dir, head_dir = ck.resolve("demo"), ck.resolve_eagle3("demo", "")
+    text = Text(target_dir)
+    records = textdata.read_records(args.heldout)
+    windows = textdata.pack(textdata.tokenize(records, text), textdata.doc_end_id(text), args.window)
+    prompts = [ids[:PROMPT_TOKENS] for ids in textdata.tokenize(records, text) if len(ids) >= PROMPT_TOKENS]
+    return target_dir, head_dir, windows, prompts[:args.prompts]
+
+
+def compare(results: dict[str, dict], base_name: str, key: str) -> dict[str, dict]:
+    """Each result's report row against ``results[base_name]``: agreement, perplexity and τ and their deltas,
+    and the base's top-2 logit gap where the argmax differs against its median everywhere (how near a tie the
+    flipped positions were)."""
+    base, rows = results[base_name], {}
+    for name, r in results.items():
+        differs = r["argmax"] != base["argmax"]
+        rows[name] = {key: name, "agreement": float((~differs).float().mean()), "perplexity": r["perplexity"],
+                      "perplexity_delta": r["perplexity"] / base["perplexity"] - 1, "tau": r["tau"],
+                      "tau_delta": r["tau"] / base["tau"] - 1, "match_plain": r["match_plain"],
+                      "positions": base["argmax"].numel(),
+                      "flipped_gap_median": float(base["gaps"][differs].median()) if differs.any() else None,
+                      "gap_median": float(base["gaps"].median())}
+    return rows
 
 
 def evaluate(target_dir: Path, head_dir: Path, windows: torch.Tensor, prompts: list[list[int]], args) -> dict:
@@ -79,21 +125,8 @@ def main() -> int:
     parser.add_argument("--calibration", type=Path, default=DATA / "corpus.train.txt")
     parser.add_argument("--samples", type=int, default=64, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    parser.add_argument("--heldout", type=Path, default=DATA / "corpus.heldout.txt")
-    parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--gamma", type=int, default=4)
-    args = parser.parse_args()
-    for name in ("samples", "seq_len", "window", "prompts", "new_tokens", "gamma"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    target_dir, head_dir = ck.resolve("demo"), ck.resolve_eagle3("demo", "")
-    text = Text(target_dir)
-    records = textdata.read_records(args.heldout)
-    windows = textdata.pack(textdata.tokenize(records, text), textdata.doc_end_id(text), args.window)
-    prompts = [ids[:PROMPT_TOKENS] for ids in textdata.tokenize(records, text) if len(ids) >= PROMPT_TOKENS]
-    prompts = prompts[:args.prompts]
+    args = heldout_args(parser, "samples", "seq_len")
+    target_dir, head_dir, windows, prompts = demo_heldout(args)
 
     dirs, seconds = {"bf16": target_dir}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,33 +138,35 @@ def main() -> int:
             dirs[scheme] = Path(tmp) / scheme
         results = {name: evaluate(d, head_dir, windows, prompts, args) for name, d in dirs.items()}
 
-    base = results["bf16"]
     report = []
-    for name, r in results.items():
-        row = {"model": name, "agreement": float((r["argmax"] == base["argmax"]).float().mean()),
-               "perplexity": r["perplexity"], "perplexity_delta": r["perplexity"] / base["perplexity"] - 1,
-               "tau": r["tau"], "tau_delta": r["tau"] / base["tau"] - 1, "match_plain": r["match_plain"],
-               "positions": base["argmax"].numel(), "quantize_s": seconds.get(name, 0.0),
-               # bf16's top-2 logit gap where this model's argmax differs, against its median everywhere: how near
-               # a tie the flipped positions were
-               "flipped_gap_median": float(base["gaps"][r["argmax"] != base["argmax"]].median())
-               if name != "bf16" else None, "gap_median": float(base["gaps"].median())}
+    for name, row in compare(results, "bf16", "model").items():
+        row["quantize_s"] = seconds.get(name, 0.0)
         if name in GOALS:
             agree, ppl, tau = GOALS[name]
             row["goals_met"] = {"agreement": row["agreement"] >= agree, "perplexity": row["perplexity_delta"] <= ppl,
                                 "tau": abs(row["tau_delta"]) <= tau}
         report.append(row)
-    print(f"{'model':10} {'agreement':>10} {'perplexity':>16} {'tau':>14}")
-    for row in report:
-        print(f"{row['model']:10} {row['agreement']:10.2%} {row['perplexity']:8.3f} ({row['perplexity_delta']:+6.2%}) "
-              f"{row['tau']:6.3f} ({row['tau_delta']:+6.2%})  {row.get('goals_met', '')}")
-    print(json.dumps(report, indent=2))
+    print_report(report, "model", lambda row: str(row.get("goals_met", "")))
     return 0
 
 
-if __name__ == "__main__":
+def print_report(report: list[dict], key: str, last: Callable[[dict], str]) -> None:
+    """The rows as a table (``last``: each row's last column), then the JSON report that docs/perf keeps."""
+    print(f"{key:10} {'agreement':>10} {'perplexity':>18} {'tau':>16}")
+    for row in report:
+        print(f"{row[key]:10} {row['agreement']:10.2%} {row['perplexity']:8.3f} ({row['perplexity_delta']:+6.2%}) "
+              f"{row['tau']:7.3f} ({row['tau_delta']:+6.2%})  {last(row)}")
+    print(json.dumps(report, indent=2))
+
+
+def run(main: Callable[[], int]) -> None:
+    """``main``'s exit status; a CompileError (the demo checkpoints unreadable) as one line, status 1."""
     try:
         sys.exit(main())
     except CompileError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run(main)
