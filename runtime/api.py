@@ -73,11 +73,11 @@ class LLM:
                  cuda_graphs: bool = True, verify: bool = False, kernels: KernelConfig | None = None,
                  kv_cache_dtype: str = "auto"):
         """backend: auto | trt | fast | ort | torch; device: cpu | cuda (None: cuda when there is one); drafter:
-        auto | eagle3 | mtp | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3 and mtp, a
-        ``tree`` (or a whole DrafterSpec); cuda_graphs: replay each round from a CUDA graph; verify: hash every byte of the dir's files
-        first (default: sampled blocks); kernels: the fast backend's kernel choices; kv_cache_dtype: auto (the
-        engines' dtype) or fp8 (the target's cache in e4m3, unscaled: the torch backend). EngineError (one line
-        naming the file or option) when the dir cannot serve this."""
+        auto | eagle3 | mtp | draft-model | none, with a chain of ``gamma`` drafts (default 4) or, for eagle3 and
+        mtp, a ``tree`` (or a whole DrafterSpec); cuda_graphs: replay each round from a CUDA graph; verify: hash
+        every byte of the dir's files first (default: sampled blocks); kernels: the fast backend's kernel choices;
+        kv_cache_dtype: auto (the engines' dtype) or fp8 (the target's cache in e4m3, unscaled: the fast and torch
+        backends). EngineError (one line naming the file or option) when the dir cannot serve this."""
         import torch
 
         from xcompile.runtime.decoding.batch import BatchGenerator
