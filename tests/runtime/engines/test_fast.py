@@ -382,6 +382,31 @@ def test_an_fp8_cache_on_the_kernels_is_the_references(tiny):
 
 
 @pytest.mark.gpu
+def test_an_fp8_cache_on_the_gpu():
+    """bf16 on the GPU, an FP8 cache: rope_kv's native-path codes are the reference's (torch's conversion), the
+    attention reads them (logits close to the reference's over the same cache), and an EAGLE3 chain on it gives
+    plain greedy's tokens on it."""
+    tiny = T.build(512, device="cuda", dtype=torch.bfloat16, head_dim=16)
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    for e in (ref, got):
+        e.set_kv_dtype(torch.float8_e4m3fn)
+        e.new_kv()
+    inputs = step_inputs(torch.tensor([[5, 9, 11, 20, 33]], device="cuda"), 0)
+    want, have = ref.run(**inputs), got.run(**inputs)
+    assert close(have["logits"].float(), want["logits"].float(), 0.05)
+    codes = [torch.stack(e.kv).view(torch.uint8)[:, :, :, :5] for e in (ref, got)]
+    assert (codes[0] != codes[1]).float().mean() < 0.02
+
+    def loop(drafter):
+        engine = fast_target(tiny)
+        engine.set_kv_dtype(torch.float8_e4m3fn)
+        return Generator(engine, drafter, [], 512, options=LoopOptions(cuda_graphs=True))
+    plain, spec = loop(NoDrafter()), loop(DRAFTERS["eagle3"](tiny))
+    for p in T.random_prompts((5, 70), seed=9):
+        assert spec.generate(p, 60).tokens == plain.generate(p, 60).tokens
+
+
+@pytest.mark.gpu
 def test_long_prompts_take_flash_attention_in_chunks_on_the_gpu(monkeypatch):
     """bf16 on the GPU: a causal prompt pass over the live keys (layers.causal_attention) runs on the flash kernel
     with the KV heads shared (SDPA refuses otherwise under FLASH_ATTENTION alone), from an empty cache and after
