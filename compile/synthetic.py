@@ -13,10 +13,10 @@ Qwen3), RMSNorm weights 1, so residual activations stay O(1..100) and finite in 
 (docs/eagle3.md §2).
 
 An engine dir exported from synthetic weights records each model's source as
-``synthetic-hash:<name>:<seed>`` (``source``/``parse_source``; ``synthetic:`` sources were drawn by the torch
-generator of earlier versions and are refused: other weights than their graphs hold): the target draws from the request's seed,
-its EAGLE3 head from seed + 1 and the draft model from seed + 2 (``SEED_OFFSETS``), so the torch
-backend and ``xcompile diff`` rebuild the very weights the graphs hold.
+``synthetic-hash:<name>:<seed>`` (``source``/``parse_source``): the target draws from the request's seed, its
+EAGLE3 head from seed + 1 and the draft model from seed + 2 (``SEED_OFFSETS``), so the torch backend and
+``xcompile diff`` rebuild the very weights the graphs hold. ``synthetic:`` sources were drawn by the torch
+generator of earlier versions and are refused (they name other weights than their graphs hold).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from xcompile.compile.config import Yarn
+from xcompile.runtime.engines.base import KV_FP8, fp8_codes
 
 ONNX_OPSET = 24
 
@@ -130,16 +131,9 @@ def write_kv(cache: torch.Tensor, update: torch.Tensor, step: "Step") -> torch.T
         )
     rows = step.kv_rows.expand(update.shape)
     if cache.dtype == KV_FP8:
-        # e4m3 codes, unscaled (vLLM's default without calibrated scales), values past +-448 saturated; written
-        # as bytes (torch has no float8 scatter)
-        codes = update.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
-        cache.view(torch.uint8).scatter_(2, rows, codes.view(torch.uint8))
+        cache.view(torch.uint8).scatter_(2, rows, fp8_codes(update))
         return cache
     return cache.scatter_(2, rows, update)
-
-
-KV_FP8 = torch.float8_e4m3fn    # the FP8 KV cache's dtype (issue 39 item 4)
-FP8_MAX = 448.0                 # e4m3's largest finite value
 
 
 def read_kv(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -53,7 +53,7 @@ class BenchRequest:
     sampling: SamplingParams = GREEDY
     quantize: str | None = None         # --synthetic: the target's linears in fp8 or int4 (compile/reference.py)
     mtp: bool = False                   # --synthetic: an MTP module too
-    kv_cache_dtype: str = "auto"        # or fp8: the target's KV cache in e4m3 (runtime/api.py KV_CACHE_DTYPES)
+    kv_cache_dtype: str = "auto"        # or fp8: the target's KV cache in e4m3 (load.KV_CACHE_DTYPES)
 
 
 def _room(req: BenchRequest) -> int:

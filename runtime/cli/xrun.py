@@ -22,7 +22,12 @@ from xcompile.runtime.cli.options import (
     writable_file,
 )
 from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
-from xcompile.runtime.engines.load import BACKEND_CHOICES
+from xcompile.runtime.engines.load import BACKEND_CHOICES, KV_CACHE_DTYPES
+
+# generate, bench and serve: the target's KV cache dtype (engines/load.py set_kv_cache_dtype)
+KV_CACHE_OPTION = click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default="auto",
+                               show_default=True, help="The target's KV cache: auto (the engines' dtype) or fp8 "
+                               "(e4m3, unscaled; --backend fast or torch).")
 
 
 @click.group(cls=cli_group_class())
@@ -142,8 +147,7 @@ def _check_sampling(ctx, req) -> None:
               help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
-              help="The target's KV cache: auto (the engines' dtype) or fp8 (e4m3, unscaled; --backend torch).")
+@KV_CACHE_OPTION
 @click.pass_context
 def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth,
              tree_tokens, stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed,
@@ -225,8 +229,7 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
 @click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
-              help="The target's KV cache: auto (the engines' dtype) or fp8 (e4m3; --backend fast or torch).")
+@KV_CACHE_OPTION
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, gammas, tree, contexts,
           new_tokens, repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p,
@@ -269,8 +272,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--ray", "use_ray", is_flag=True, help="Serve as Ray Serve replicas behind Ray's proxy.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --ray: replicas (one GPU each on CUDA).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
-              help="The target's KV cache: auto (the engines' dtype) or fp8 (e4m3; --backend fast or torch).")
+@KV_CACHE_OPTION
 def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
           served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas,
           kv_cache_dtype):

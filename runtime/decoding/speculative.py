@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from xcompile.runtime.decoding.sampling import Sampler
+from xcompile.runtime.engines.base import KV_FP8
 
 
 @dataclass
@@ -251,7 +252,7 @@ def compact_kv(kv: list[torch.Tensor], write_index: torch.Tensor, path: torch.Te
     stacked, b = _stacked(kv), path.shape[0]
     # buffers of more slots than the block's sequences (a batch dir's lone sequence, decoding/solo.py): rows 0..B-1
     for buf in [stacked[:, :b]] if stacked is not None else [t[:b] for t in kv]:
-        if buf.dtype == torch.float8_e4m3fn:
+        if buf.dtype == KV_FP8:
             buf = buf.view(torch.uint8)                                      # an FP8 cache's codes, as bytes
         moved = buf.gather(-2, _row_index(src, buf))                         # a copy: src and dst may overlap
         buf.scatter_(-2, _row_index(dst, buf), moved)

@@ -16,6 +16,7 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir.contract import DTYPES, GraphSpec, KVShape
+from xcompile.runtime.engines.qweight import E4M3_MAX
 
 # contract dtype name -> torch dtype, and back: the one map every backend and the exporter use
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -23,6 +24,13 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 # manifest dtype ("fp32", "fp16", "bf16") -> torch dtype of an engine's floating tensors
 MODEL_TORCH_DTYPES = {name: TORCH_DTYPES[contract_name] for name, contract_name in DTYPES.items()}
+KV_FP8 = torch.float8_e4m3fn    # an FP8 KV cache's dtype (Engine.set_kv_dtype)
+
+
+def fp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """x's e4m3 codes as bytes, unscaled (vLLM's FP8 cache without calibrated scales), values past +-448
+    saturated: what an FP8 KV cache holds. Bytes, because torch has no float8 scatter or index_put."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8).view(torch.uint8)
 
 
 

@@ -34,7 +34,7 @@ from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
-from xcompile.runtime.engines.base import Engine
+from xcompile.runtime.engines.base import KV_FP8, Engine
 from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
 from xcompile.runtime.engines.kernels.attention import attention
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
@@ -232,7 +232,7 @@ class FastQwen3Engine(_FastEngine):
     """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels, for one sequence or a batch of them."""
 
     batched = True
-    kv_dtypes = (torch.float8_e4m3fn,)      # rope_kv writes e4m3 codes, the attention reads them (an FP8 cache)
+    kv_dtypes = (KV_FP8,)                   # rope_kv writes e4m3 codes, the attention reads them (an FP8 cache)
 
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
                  kernels: KernelConfig = DEFAULT, shared_head: bool = False):

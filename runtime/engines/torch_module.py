@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from xcompile.runtime.enginedir.contract import GraphSpec, KVShape
-from xcompile.runtime.engines.base import Engine
+from xcompile.runtime.engines.base import KV_FP8, Engine
 
 
 class TorchEngine(Engine):
@@ -19,7 +19,7 @@ class TorchEngine(Engine):
     graph_capturable = True
     partial_batch = True        # a step of B sequences runs on rows 0..B-1 of each KV buffer
     # an FP8 (e4m3) cache: the reference modules write its codes and read them back in the compute dtype
-    kv_dtypes = (torch.float8_e4m3fn,)
+    kv_dtypes = (KV_FP8,)
 
     def __init__(self, module: torch.nn.Module, spec: GraphSpec, kv: KVShape | None, dtype: torch.dtype,
                  device: torch.device | str):

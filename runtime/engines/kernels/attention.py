@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from xcompile.runtime.common.gpu import ieee_dot, interpreted
+from xcompile.runtime.engines.base import KV_FP8
 from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.qcodes import _e4m3
@@ -228,7 +229,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
     small = SHORT_CHUNK if SHORT_CHUNK < chunk else 0       # a chunk no longer than the short one: nothing to switch
     assert w >= m and tree_mask.stride(2) == 1 and q.stride(1) == 1 and k_cache.stride() == v_cache.stride()
-    kv8 = k_cache.dtype == torch.float8_e4m3fn
+    kv8 = k_cache.dtype == KV_FP8
     if kv8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (batch * kv_heads, splits, triton.cdiv(g * m, ROW_TILE))

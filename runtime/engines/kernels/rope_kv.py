@@ -19,10 +19,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from xcompile.runtime.engines.base import KV_FP8, fp8_codes
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.qcodes import _to_e4m3
-
-FP8 = torch.float8_e4m3fn       # an FP8 KV cache (runtime/engines/base.py set_kv_dtype), handed over as its bytes
 
 
 @triton.jit
@@ -89,8 +88,8 @@ def rope_kv(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Te
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(1) == 1
     if out is None:
         out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    norm, kv8 = q_norm is not None, k_cache.dtype == FP8
-    if kv8:
+    norm, kv8 = q_norm is not None, k_cache.dtype == KV_FP8
+    if kv8:                                             # the codes, as bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_kv_kernel[(rows, heads + kv_heads)](
         qkv, out, k_cache, v_cache, position_ids, write_index, cos, sin, q_norm if norm else cos,
@@ -120,7 +119,7 @@ def rope_kv_reference(qkv, position_ids, write_index, cos, sin, k_cache, v_cache
         slots, own = int(write_index[b]) + torch.arange(per), slice(b * per, (b + 1) * per)
         for cache, x in ((k_cache, k), (v_cache, v)):
             x = x[own].transpose(0, 1)
-            if cache.dtype == FP8:                          # as layers.write_kv writes an FP8 cache
-                cache, x = cache.view(torch.uint8), x.clamp(-448, 448).to(FP8).view(torch.uint8)
+            if cache.dtype == KV_FP8:                       # as layers.write_kv writes an FP8 cache
+                cache, x = cache.view(torch.uint8), fp8_codes(x)
             cache[b, :, slots] = x
     return q.reshape(m, heads * head_dim)
