@@ -214,10 +214,11 @@ def chunk_for(max_seq_len: int, rows: int = 1) -> int:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
-              cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+              cfg: KernelConfig = DEFAULT, row_tile: int = ROW_TILE) -> torch.Tensor:
     """q [B*M, Hq*D]; caches [B, Hkv, S_max, D]; write_index [B]; tree_mask [B, M, W >= M] bool, or [M, W] for
     B = 1 (rows may be strided) -> [B*M, Hq*D]. chunk: keys per split (None: chunk_for the cache and M; the tests
-    set it)."""
+    set it); row_tile: query rows (token x head of a group) a program reads each KV tile for
+    (benchmarks/attention_splits.py sweeps it)."""
     if tree_mask.dim() == 2:
         tree_mask = tree_mask[None]
     batch, m, w = tree_mask.shape
@@ -227,19 +228,20 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     chunk = chunk or chunk_for(max_seq_len, m)
     splits = math.ceil(max_seq_len / chunk)
     assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
+    assert row_tile in (16, 32, 64), f"row_tile {row_tile}: 16, 32 or 64"
     small = SHORT_CHUNK if SHORT_CHUNK < chunk else 0       # a chunk no longer than the short one: nothing to switch
     assert w >= m and tree_mask.stride(2) == 1 and q.stride(1) == 1 and k_cache.stride() == v_cache.stride()
     kv8 = k_cache.dtype == KV_FP8
     if kv8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    grid = (batch * kv_heads, splits, triton.cdiv(g * m, ROW_TILE))
+    grid = (batch * kv_heads, splits, triton.cdiv(g * m, row_tile))
     regs = {"maxnreg": MAXNREG} if many(math.prod(grid), q.device) else {}
     partial = torch.empty(splits, rows, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, rows, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[grid](
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
-        MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=ROW_TILE, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
+        MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
         PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), num_warps=WARPS, num_stages=2, **regs,
         **cfg.launch())
     if out is None:

@@ -34,6 +34,21 @@ def test_attention_matches_reference(heads, kv_heads, write_index, rows, dtype, 
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
 
 
+
+@pytest.mark.parametrize("row_tile", [32, 64])
+@pytest.mark.parametrize("heads,kv_heads,write_index,rows", [(8, 2, 517, 1), (8, 2, 100, 7), (4, 1, 200, 33)])
+def test_attention_row_tiles(row_tile, heads, kv_heads, write_index, rows):
+    """Wider row tiles (benchmarks/attention_splits.py sweeps them): a program takes more token x head rows of a
+    group over each KV tile, some rows past the block's tokens (masked), the same attention."""
+    torch.manual_seed(write_index + rows)
+    d = 64
+    kc, vc = randn(1, kv_heads, 640, d, dtype=torch.float32), randn(1, kv_heads, 640, d, dtype=torch.float32)
+    q = randn(rows, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, row_tile=row_tile)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+
 def attention_640(write_index: int, rows: int):
     """Attention of ``rows`` tokens at ``write_index`` over a 640-slot fp32 cache (8 heads on 2, d 64, 128-key
     chunks), checked accurate and a row alone checked to keep its block row's bits; its inputs and result."""
