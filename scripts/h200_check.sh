@@ -18,10 +18,10 @@
 #            (one stream vs all, decode step ms, TTFT; the batch-1 loop beside), Qwen3-8B shape, 256 tokens each
 #   open     benchmarks/open_dir.py: opening the Qwen3-8B shape on the fast backend (weights drawn on the GPU; then
 #            written as a safetensors checkpoint and opened from it), the warm-up, an 8-token prefill, a round
-#   long     xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000 (chain gamma 6): decode
-#            and verify against the floor counting KV bytes, and the 32,000-token prefill against the matmul rate;
-#            the same at 32000 with an FP8 KV cache; then benchmarks/attention_splits.py (one layer's attention
-#            per chunk size at 4K-32K, 1 / 7 / 32 rows)
+#   long     benchmarks/attention_splits.py (one layer's attention per chunk size and row tile at 16K and 32K,
+#            1 / 7 / 32 rows); xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000
+#            (chain gamma 6): decode and verify against the floor counting KV bytes, and the 32,000-token prefill
+#            against the matmul rate; the same at 32000 with an FP8 KV cache
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens (carry .whl: fastapi, uvicorn, openai...)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
@@ -129,14 +129,14 @@ for part in "$@"; do
     cat "$OUT/open_dir.log"
     ;;
   long)
-    run long_bench 300 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree "" \
+    run attention_splits 120 python3 benchmarks/attention_splits.py --contexts 16384,32000 --chunks 128,256,512,1024
+    cat "$OUT/attention_splits.log"
+    run long_bench 280 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree "" \
       --num-prompts 1 --contexts 128,16384,32000 --json "$OUT/long_bench.json"
     grep -E "$SHOW|^ +(16384|32000) +yes|prefill" "$OUT/long_bench.log"
     run long_bench_fp8 150 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree "" \
       --num-prompts 1 --contexts 32000 --kv-cache-dtype fp8 --json "$OUT/long_bench_fp8.json"
     grep -E "$SHOW|^ +32000 +yes|prefill" "$OUT/long_bench_fp8.log"
-    run attention_splits 150 python3 benchmarks/attention_splits.py
-    cat "$OUT/attention_splits.log"
     ;;
   serve)
     run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
