@@ -12,8 +12,9 @@
 
 Greedy output is plain greedy decoding's, whatever the drafter; sampling draws every token from the target's
 warped distribution (speculative sampling). Prompts run one after another on the engines' one sequence slot;
-on an engine dir exported with ``--max-batch N > 1`` they decode together, N at a time, without speculation
-(runtime/decoding/batch.py), each getting the tokens it gets alone.
+on an engine dir exported with ``--max-batch N > 1`` they decode together, N at a time (runtime/decoding/batch.py),
+each getting the tokens it gets alone, greedy ones verifying EAGLE3 / MTP chains in the same steps
+(batch_drafts.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class LLM:
         import torch
 
         from xcompile.runtime.decoding.batch import BatchGenerator
+        from xcompile.runtime.decoding.batch_drafts import BatchDrafts, batch_chain
         from xcompile.runtime.decoding.generator import Generator, LoopOptions
         from xcompile.runtime.decoding.registry import make_drafter
         from xcompile.runtime.enginedir.text import Text
@@ -106,8 +108,8 @@ class LLM:
             self.generator: Generator | None = None
             self.batch: BatchGenerator | None = None
             if m.max_batch > 1:
-                # the continuous-batching loop: plain decoding in every slot, and a lone greedy sequence
-                # speculating on the batch-1 Generator in slot 0 where the engines can run one sequence (solo.py)
+                # the continuous-batching loop: greedy rows verify chains of drafts in its steps (batch_drafts.py),
+                # and a lone greedy sequence speculates on the batch-1 Generator in slot 0 (solo.py)
                 engines = self.engines.engines
                 target, lone = engines["target"], all(e.partial_batch for e in engines.values())
                 if spec.name not in ("auto", "none") and not lone:
@@ -117,13 +119,18 @@ class LLM:
                                       "fast or torch, or an engine dir exported with --max-batch 1")
                 self.spec = spec.resolve(self.engines) if lone and spec.name != "none" else DrafterSpec("none")
                 self.drafter = make_drafter(self.engines, self.spec) if self.spec.name != "none" else None
+                self.batch_spec = batch_chain(self.spec, m.max_batch)
+                # bound before the lone sequence's drafter, which would narrow the engines' KV to one slot
+                drafts = BatchDrafts(make_drafter(self.engines, self.batch_spec), m.max_batch, m.max_seq_len,
+                                     self.device) if self.batch_spec.name != "none" else None
                 graphed = cuda_graphs and self.device.type == "cuda"
                 solo = Generator(target, self.drafter, m.eos_token_ids, m.max_seq_len, detokenize=detokenize,
                                  options=LoopOptions(cuda_graphs=graphed)) if self.drafter is not None else None
                 self.batch = BatchGenerator(target, m.eos_token_ids, m.max_seq_len, detokenize=detokenize,
                                             capture=CudaGraphCapture() if graphed and target.graph_capturable
-                                            else None, solo=solo)
+                                            else None, solo=solo, drafts=drafts)
             else:
+                self.batch_spec = None
                 self.spec = spec.resolve(self.engines)          # auto replaced by what the dir holds
                 self.drafter = make_drafter(self.engines, self.spec)
                 self.generator = Generator(self.engines.engines["target"], self.drafter, m.eos_token_ids,

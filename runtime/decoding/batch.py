@@ -17,8 +17,10 @@ feeds its root, a prefilling one the next chunk of its prompt (at most ``chunk``
 slots are padded with token 0 after their real tokens (hidden by the mask, written past the row's length). So
 prompt chunks share steps with decode tokens, the chunk bounding how long a joining prompt stretches a step.
 On the fast backend a step of up to MAX_ROWS rows in all runs on the kernels, each sequence over its own cache
-row; with ``capture``, steps of one token a row replay one graph. A lone greedy sequence speculates on the
-batch-1 Generator instead, until another arrives (``solo``, solo.py); batch steps verify no drafts.
+row; with ``capture``, steps of one token a row replay one graph. With ``drafts`` (batch_drafts.py) a greedy
+decoding row feeds its root and a chain of drafts instead, verified and accepted row by row in the same pass
+(its graph is recorded too). A lone greedy sequence speculates on the batch-1 Generator, until another arrives
+(``solo``, solo.py).
 
 Equality: a greedy sequence gets plain greedy decoding's tokens; a sampled one draws from a ``Sampler`` of its
 slot reset with its own seed and stream, as a plain round of the batch-1 loop draws, so it also gets the tokens
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.decoding.batch_drafts import BatchDrafts
 from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
@@ -101,12 +104,13 @@ class BatchGenerator:
 
     def __init__(self, target: Engine, eos_ids: Iterable[int], max_seq_len: int, *,
                  detokenize: Callable[[list[int]], str] | None = None, chunk: int = CHUNK,
-                 capture: Capture | None = None, solo: Generator | None = None):
+                 capture: Capture | None = None, solo: Generator | None = None, drafts: BatchDrafts | None = None):
         """capture: record the steps of one token a row (every sequence decoding) as one graph and replay it
         (GraphedEngine; LLM passes CudaGraphCapture on CUDA): a step of 36 layers is some 250 launches, which
         the host would otherwise issue one by one every step. Steps that carry prompt chunks run eagerly.
         solo: a batch-1 Generator over the same target (and a drafter) that a lone greedy sequence runs on,
-        speculating, until another arrives (solo.py)."""
+        speculating, until another arrives (solo.py). drafts: a chain drafter over every slot, with which greedy
+        decoding rows speculate in batch steps (batch_drafts.py; bound to this loop's slots)."""
         kv = target.kv_shape
         if kv is None or kv.max_seq_len < max_seq_len:
             raise EngineError(f"target engine KV {None if kv is None else kv.shape} holds fewer than max_seq_len "
@@ -118,8 +122,16 @@ class BatchGenerator:
             raise EngineError(f"chunk must be >= 1 prompt token per step, got {chunk}")
         if not target.kv:
             target.new_kv()
-        self.target, self.device, self.chunk = target, target.device, chunk
-        self._graphed = GraphedEngine(target, [1], capture) if capture is not None else None
+        self.target, self.device, self.chunk, self.drafts = target, target.device, chunk, drafts
+        if drafts is not None and (drafts.max_batch, drafts.max_seq_len) != (kv.batch, max_seq_len):
+            raise EngineError(f"drafts: bound to {drafts.max_batch} x {drafts.max_seq_len} slots, the loop has "
+                              f"{kv.batch} x {max_seq_len}")
+        if drafts is not None and "hidden_taps" not in target.spec.output_names:
+            raise EngineError(f"the {drafts.drafter.name} drafter reads the target's hidden_taps, which this target "
+                              "engine does not output; export the target with EAGLE3 taps")
+        # the recorded steps: one token a row, and (drafting) a root and its chain a row
+        sizes = [1] + ([drafts.gamma + 1] if drafts is not None else [])
+        self._graphed = GraphedEngine(target, sizes, capture) if capture is not None else None
         if solo is not None and (solo.target is not target or not target.partial_batch):
             raise EngineError("solo: a Generator over this loop's target, which must take fewer sequences than its "
                               "KV slots (the torch and fast backends)")
@@ -218,42 +230,74 @@ class BatchGenerator:
         if not rows:
             self._pending = []
             return ended
-        # S: the longest row's tokens (a prefill chunk, or 1), within the room every row has left
-        need = {b: min(len(q.prompt) - q.length, self.chunk) if q.prefilling else 1 for b, q in rows}
+        drafts = self.drafts
+        chains = drafts.propose(rows) if drafts is not None and any(map(drafts.speculates, (q for _, q in rows))) \
+            else None
+        spec = {b for b, q in rows if chains is not None and drafts.speculates(q)}
+        # S: the longest row's tokens (a prefill chunk, a root and its drafts, or 1), within every row's room
+        need = {b: min(len(q.prompt) - q.length, self.chunk) if q.prefilling else drafts.gamma + 1 if b in spec
+                else 1 for b, q in rows}
         s = min(max(need.values()), min(self.max_seq_len - q.length for _, q in rows))
+        r = min(s, drafts.gamma + 1) if spec else 1                             # logit rows a sequence
         ids = torch.full((self.max_batch, s), PAD, dtype=torch.int64)
         write = torch.zeros(self.max_batch, dtype=torch.int64)
-        last = torch.zeros(self.max_batch, 1, dtype=torch.int64)
+        last = torch.zeros(self.max_batch, r, dtype=torch.int64)
         for b, q in rows:
             k = need[b] = min(need[b], s)
             ids[b, :k] = torch.tensor(q.prompt[q.length:q.length + k] if q.prefilling else [q.root])
-            write[b], last[b, 0] = q.length, k - 1
+            write[b] = q.length
+            last[b] = torch.arange(r) if b in spec else k - 1
         dev = self.device
-        write_d = write.to(dev)
-        out = (self._graphed or self.target).run(input_ids=ids.to(dev), write_index=write_d, tree_mask=self._mask(s),
+        write_d, ids_d = write.to(dev), ids.to(dev)
+        if spec:                                                                # each speculating row's drafts
+            on = torch.zeros(self.max_batch, dtype=torch.bool)
+            on[list(spec)] = True
+            on = on.to(dev)
+            ids_d[:, 1:r] = torch.where(on[:, None], chains[:, 1:r], ids_d[:, 1:r])
+        out = (self._graphed or self.target).run(input_ids=ids_d, write_index=write_d, tree_mask=self._mask(s),
                                                  position_ids=write_d[:, None] + torch.arange(s, device=dev),
                                                  logit_rows=last.to(dev))
-        logits = out["logits"]                                                  # [B, 1, V]
-        greedy = logits[:, 0].argmax(-1).tolist()                               # the one host read of a step
+        logits = out["logits"]                                                  # [B, r, V]
+        greedy = logits.argmax(-1)
+        if spec:
+            greedy = torch.cat((greedy, BatchDrafts.accepted(ids_d, greedy, on)[:, None]), dim=1)
+        greedy = greedy.tolist()                                                # the one host read of a step
         self.stats.steps += 1
         self.stats.rows_used[len(rows) - 1] += 1
+        fed = {}                                                                # the head's tokens of each row
         for b, q in rows:
             q.stats.target_forwards += 1
+            at = q.length
             if q.prefilling:
                 self.stats.prefill_tokens += need[b]
                 q.length += need[b]
                 if q.length < len(q.prompt):
+                    fed[b] = (at, q.prompt[at + 1:q.length + 1])
                     continue
-                token = greedy[b] if q.sampling.greedy else int(self.slots[b].sampler.sample(logits[b:b + 1, 0])[0])
+                tokens = [greedy[b][0] if q.sampling.greedy else
+                          int(self.slots[b].sampler.sample(logits[b:b + 1, 0])[0])]
+                fed[b] = (at, q.prompt[at + 1:] + tokens)
                 q.stats.prefill_s = time.perf_counter() - q.start
             else:
-                self.stats.decode_tokens += 1
-                q.length += 1
                 q.stats.rounds += 1
-                token = greedy[b] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1])
-            q.root = token
-            if self._emit(q, [token]):
+                if b in spec:                       # the accepted drafts, then the target's token after them
+                    accepted = greedy[b][r]
+                    tokens = greedy[b][:accepted + 1]
+                    st = q.stats
+                    st.drafted, st.accepted = st.drafted + need[b] - 1, st.accepted + accepted
+                    st.accepted_at += [0] * (drafts.gamma - len(st.accepted_at))
+                    for i in range(accepted):
+                        st.accepted_at[i] += 1
+                else:
+                    tokens = [greedy[b][0] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1, :1])]
+                self.stats.decode_tokens += len(tokens)
+                q.length += len(tokens)
+                fed[b] = (at, tokens)
+            q.root = tokens[-1]
+            if self._emit(q, tokens):
                 ended.append(q)
+        if drafts is not None:
+            drafts.feed(fed, out["hidden_taps"])
         self._pending = []
         return ended
 

@@ -16,8 +16,9 @@ What a cold request pays, and where:
                    the cache's end is another. Each is run twice (eager; recorded and replayed) under each
                    sampler mode of ``sampler_modes``.
     batch steps    the batch loop's steps take S = 1 .. its chunk tokens (ORT graphs one per S): each is run
-                   twice, greedy, and sampled steps once per sampled mode; its lone sequence's Generator
-                   (solo.py) is warmed as above.
+                   twice, greedy, and sampled steps once per sampled mode; with drafts (batch_drafts.py) the
+                   head's feeds ride along, and two sequences decode a few verify steps (the head's proposals,
+                   the verify step recorded); its lone sequence's Generator (solo.py) is warmed as above.
 
 Afterwards the KV buffers and the loop's state are cleared as a fresh loop has them (the recordings, compiled
 kernels and cached masks stay: that is the point), so a request's output is what it is without warm-up.
@@ -135,6 +136,10 @@ def warm_batch(loop, samplings: list[SamplingParams] | tuple[SamplingParams, ...
             for s in sizes:                     # one sequence at a time: a step of s tokens each
                 for _ in range(SHORT_PASSES):
                     loop.generate([([0] * s, 1)])
+        if loop.drafts is not None:             # two sequences: verify steps of a root and its chain a row
+            gamma = loop.drafts.gamma
+            with parts.part(f"batch steps verifying chains of {gamma} drafts", sync):
+                loop.generate([([0], 2 * gamma + 3)] * 2)
         for sampling in samplings:
             if not sampling.greedy:
                 with parts.part(f"batch steps, {describe(sampling)}", sync):

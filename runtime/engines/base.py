@@ -59,7 +59,7 @@ class Engine(ABC):
     # host code that may allocate or synchronise. A backend whose steps are capturable sets it True.
     graph_capturable = False
     # Whether the rows of one step may hold different sequences (each its own write_index and positions, the
-    # continuous-batching loop, runtime/decoding/batch.py). The fast backend's heads take one sequence.
+    # continuous-batching loop, runtime/decoding/batch.py).
     batched = True
     # Whether a step may carry fewer sequences than the KV buffers have slots (rows 0..B-1 of each): the batch
     # loop's lone sequence runs the batch-1 loop in slot 0 (runtime/decoding/solo.py). ORT and TensorRT graphs

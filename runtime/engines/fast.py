@@ -155,10 +155,9 @@ class _FastEngine(Engine):
     """What the fast engines share: the reference engine for long passes, the KV it shares, the step
     inputs. A target / draft step may carry B sequences of S tokens each (the batch loop's step, B*S up to
     MAX_ROWS rows): the projections take the B*S rows as any rows, rope_kv and attention give each sequence its
-    own cache row, write_index and mask. The heads' steps take one sequence (the loop does not batch drafts)."""
+    own cache row, write_index and mask; the heads' too (the batch loop's drafts, runtime/decoding/batch_drafts.py)."""
 
     graph_capturable = True
-    batched = False             # whether ``run`` takes B > 1 (the Qwen3 engines)
     partial_batch = True        # the kernels index cache rows 0..B-1; the reference slices its buffers alike
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
@@ -217,8 +216,6 @@ class _FastEngine(Engine):
         batch, s = ids.shape
         if batch * s > MAX_ROWS:
             return self.reference.run(**inputs)
-        if batch != 1 and not self.batched:
-            raise EngineError(f"fast backend: the {self.spec.graph} step takes one sequence, got {batch}")
         return self._step(ids.reshape(-1), inputs["position_ids"].reshape(-1), inputs["write_index"],
                           inputs["tree_mask"], inputs)
 
@@ -227,11 +224,24 @@ class _FastEngine(Engine):
         ``inputs``' other tensors) on the kernels."""
         raise NotImplementedError
 
+    @staticmethod
+    def _logit_rows(picked: torch.Tensor, s: int) -> torch.Tensor:
+        """logit_rows [B, R] (rows of each sequence's S) -> rows of the step's B*S."""
+        if picked.shape[0] == 1:
+            return picked[0]
+        return (picked + torch.arange(0, picked.shape[0] * s, s, device=picked.device)[:, None]).reshape(-1)
+
+    def _head(self, x: torch.Tensor, picked: torch.Tensor, batch: int, s: int) -> dict[str, torch.Tensor]:
+        """A head's outputs from its last hidden rows x [B*S, H]: logits [B, R, V] at ``picked`` [B, R] and
+        hidden_out [B, S, H]."""
+        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=self._logit_rows(picked, s),
+                        cfg=self.kernels)
+        return {"logits": logits.view(batch, -1, logits.shape[-1]), "hidden_out": x.view(batch, s, -1)}
+
 
 class FastQwen3Engine(_FastEngine):
     """The ``target`` / ``draft`` graph (a Qwen3) on the fused kernels, for one sequence or a batch of them."""
 
-    batched = True
     kv_dtypes = (KV_FP8,)                   # rope_kv writes e4m3 codes, the attention reads them (an FP8 cache)
 
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
@@ -264,11 +274,7 @@ class FastQwen3Engine(_FastEngine):
             self._decoder(layer, x, self.kv[2 * i], self.kv[2 * i + 1], pos, wi, mask, extra)
             for j in slots[1:]:                                                # duplicate taps (tiny models)
                 rows[:, j * h:(j + 1) * h] = x
-        picked = inputs["logit_rows"]                                          # [B, R]: rows of each sequence
-        if batch == 1:
-            picked = picked[0]
-        else:                                                                  # -> rows of the B*S
-            picked = (picked + torch.arange(0, batch * s, s, device=picked.device)[:, None]).reshape(-1)
+        picked = self._logit_rows(inputs["logit_rows"], s)
         logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=picked, cfg=cfg)
         out = {"logits": logits.view(batch, -1, logits.shape[-1])}
         if "hidden_taps" in self.spec.output_names:
@@ -301,7 +307,8 @@ class FastEagle3Engine(_FastEngine):
         self.norm_before_residual = bool(config.get("norm_before_residual", False))
 
     def _step(self, ids, pos, wi, mask, inputs):
-        hidden = inputs["hidden_states"][0]                                    # [S, H]
+        batch, s = mask.shape[:2]
+        hidden = inputs["hidden_states"].reshape(batch * s, -1)                # [B*S, H]
         layer, cfg = self.layer, self.kernels
         # u = [input_layernorm(embed(ids)), hidden_norm(hidden)]: embedding first (§3)
         u = embed_norms(ids, self.embed, layer.ln1, hidden, self.hidden_norm, self.eps, cfg=cfg)
@@ -314,8 +321,8 @@ class FastEagle3Engine(_FastEngine):
         g = linear(x, layer.gate_up, norm=layer.ln2, eps=self.eps, gated=True, sums=self.sums, cfg=cfg)
         self.sums.reset()                                                      # x changes next
         linear(g, layer.down, residual=x, out=x, cfg=cfg)
-        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
-        return {"logits": logits, "hidden_out": x[None]}
+        return self._head(x, inputs["logit_rows"], batch, s)
+
 
 
 class FastMTPEngine(_FastEngine):
@@ -339,16 +346,17 @@ class FastMTPEngine(_FastEngine):
 
     def _step(self, ids, pos, wi, mask, inputs):
         cfg = self.kernels
+        batch, s = mask.shape[:2]
+        hidden = inputs["hidden_states"].reshape(batch * s, -1)
         # u = [enorm(embed(ids)), hnorm(hidden)]: embedding first, as DeepSeek-V3 concatenates them
-        u = embed_norms(ids, self.embed, self.enorm, inputs["hidden_states"][0], self.hnorm, self.eps, cfg=cfg)
+        u = embed_norms(ids, self.embed, self.enorm, hidden, self.hnorm, self.eps, cfg=cfg)
         x = linear(u, self.eh, sums_out=self.sums, cfg=cfg)
         self._decoder(self.layer, x, self.kv[0], self.kv[1], pos, wi, mask)
-        logits = linear(x, self.lm_head, norm=self.norm, eps=self.eps, rows=inputs["logit_rows"][0], cfg=cfg)[None]
-        return {"logits": logits, "hidden_out": x[None]}
+        return self._head(x, inputs["logit_rows"], batch, s)
 
 
 class FastFCEngine(_FastEngine):
-    """The ``eagle3_fc`` graph: taps [1, S, 3H] -> [1, S, H], one GEMV."""
+    """The ``eagle3_fc`` graph: taps [B, S, 3H] -> [B, S, H], one GEMV."""
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         Engine.__init__(self, reference.spec, None, reference.dtype, reference.device)
@@ -358,9 +366,10 @@ class FastFCEngine(_FastEngine):
 
     def run(self, **inputs):
         taps = inputs["hidden_taps"]
-        if taps.shape[1] > MAX_ROWS or taps.shape[0] != 1:
+        batch, s, width = taps.shape
+        if batch * s > MAX_ROWS:
             return self.reference.run(**inputs)
-        return {"hidden_states": linear(taps[0], self.fc, cfg=self.kernels)[None]}
+        return {"hidden_states": linear(taps.reshape(batch * s, width), self.fc, cfg=self.kernels).view(batch, s, -1)}
 
 
 def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],

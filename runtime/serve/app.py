@@ -116,8 +116,9 @@ async def _load(sched: Scheduler, on_load_error: Callable[[str], None] | None) -
         return
     w = sched.worker
     batch = w.es.manifest.max_batch
-    log.info("serving %s: %s on %s, drafter %s, batch %d", w.model_name, w.es.backend, w.es.device, w.spec.label,
-             batch if w.batch is not None else 1)
+    steps = f" (batch steps: {w.llm.batch_spec.label})" if w.batch is not None else ""
+    log.info("serving %s: %s on %s, drafter %s, batch %d%s", w.model_name, w.es.backend, w.es.device, w.spec.label,
+             batch if w.batch is not None else 1, steps)
 
 
 def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -109,6 +109,18 @@ class _Eagle3(Drafter):
         if self.track:
             advance(self.length, length, acc)
 
+    def feed(self, tokens: torch.Tensor, taps: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> None:
+        """One causal pass over tokens [B, S] at positions write_index [B] + 0..S-1, token j paired with the
+        target's taps [B, S, *] at row j, written at ``write_index``; the next proposal starts from row ``rows``
+        [B] of each sequence. The batch loop's step (batch_drafts.py): a sequence's rows are its accepted
+        tokens and bonus, or a chunk of its prompt shifted by one."""
+        b, s = tokens.shape
+        dev = tokens.device
+        out = self.eagle3.run(input_ids=tokens, hidden_states=self._features(taps),
+                              position_ids=write_index[:, None] + torch.arange(s, device=dev),
+                              write_index=write_index, tree_mask=causal(s, dev, b), logit_rows=rows[:, None])
+        self._seed(out, rows)
+
     def caches(self):
         return [(self.eagle3.kv, self.length, 0)]
 

@@ -85,21 +85,23 @@ def test_llm_and_xrun_generate_batch_on_a_batch_dir(batch_dir, single_dir, promp
 def test_llm_on_a_batch_dir_speculates_for_a_lone_request_on_the_torch_backend(tiny_target, tiny_eagle3, single_dir,
                                                                                 tmp_path_factory, prompts):
     """A --max-batch 4 dir with an EAGLE3 head, on the torch backend (whose engines run one sequence in the first
-    slot): a request alone speculates (runtime/decoding/solo.py) and several batch; every answer is plain greedy's.
-    On ORT, whose graphs fix the batch, auto drafts nothing there."""
+    slot): a request alone speculates (runtime/decoding/solo.py) and several batch, verifying chains in the batch
+    steps (batch_drafts.py); every answer is plain greedy's. On ORT, whose graphs fix the batch, auto drafts
+    nothing there."""
     from xcompile.runtime.api import LLM
 
     head_dir = fixtures.exported_dir(tmp_path_factory, "tiny-batch4-eagle3", model=str(tiny_target),
                                      eagle3=str(tiny_eagle3), dtype="fp32", max_batch=4)
     with LLM(head_dir, backend="torch", device="cpu", gamma=3) as llm:
-        assert llm.spec.name == "eagle3"
-        # the head's KV holds the lone sequence only, the target's every slot
-        assert [b.shape[0] for e in llm.drafter.engines for b in e.kv] == [1, 1]
+        assert llm.spec.name == "eagle3" and llm.batch_spec.label == "eagle3 chain g=3"
+        # the head's KV and the target's hold every slot: the batch steps draft for each
+        assert [b.shape[0] for e in llm.drafter.engines for b in e.kv] == [4, 4]
         assert llm.engines.engines["target"].kv[0].shape[0] == 4
         one = llm.generate([prompts[0]], max_new_tokens=NEW)[0].outputs[0]
         assert llm.batch.stats.steps == 0 and llm.batch.stats.solo_rounds > 0
-        many = [c.outputs[0].token_ids for c in llm.generate(prompts, max_new_tokens=NEW)]
-        assert llm.batch.stats.steps > 0
+        outs = [c.outputs[0] for c in llm.generate(prompts, max_new_tokens=NEW)]
+        many = [o.token_ids for o in outs]
+        assert llm.batch.stats.steps > 0 and sum(o.stats.drafted for o in outs) > 0
     assert [one.token_ids] + many == refs(single_dir, [prompts[0]] + prompts)
     with LLM(head_dir, backend="ort", device="cpu") as llm:
         assert llm.spec.name == "none" and llm.batch.solo is None
