@@ -16,7 +16,7 @@ import torch
 
 from xcompile.compile import synthetic
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
-from xcompile.compile.config import synthetic_eagle3_config
+from xcompile.compile.config import Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.families import family
 from xcompile.compile.models import mtp as mtp_model
@@ -104,11 +104,13 @@ SYNTHETIC_SCHEMES = {qweight.FP8: (128, 128), qweight.INT4: (1, 128)}
 
 
 def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,
-                       draft: str | None = None, seed: int = 0, mtp: bool = False) -> Manifest:
+                       draft: str | None = None, seed: int = 0, mtp: bool = False, config: Qwen3Config | None = None,
+                       max_batch: int = 1) -> Manifest:
     """An in-memory manifest of seeded synthetic weights in the shape of a known model (no files):
     what ``xrun bench --synthetic qwen3-8b`` runs. Seeds follow ``xcompile export --synthetic``; ``mtp``: an
-    MTP module too, whose tap (the last layer) follows EAGLE3's (Manifest.tap_columns)."""
-    cfg = synthetic.known_config(name)
+    MTP module too, whose tap (the last layer) follows EAGLE3's (Manifest.tap_columns); ``config``: another
+    shape under ``name``'s seeds (benchmarks/batch_decode.py cuts layers); ``max_batch``: the KV slots."""
+    cfg = config or synthetic.known_config(name)
     if max_seq_len > cfg.context_length:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s {cfg.context_source}")
     taps = cfg.default_tap_layers if eagle3 else ()
@@ -124,7 +126,8 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
     if draft:
         models[DRAFT] = ModelEntry(qwen3.KIND, synthetic.known_config(draft).to_dict(),
                                    synthetic.source(draft, seed, DRAFT))
-    return Manifest(name=f"synthetic-{name}", dtype=dtype, max_seq_len=max_seq_len, max_batch=1, models=models)
+    return Manifest(name=f"synthetic-{name}", dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                    models=models)
 
 
 def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device | str, eagle3: bool = True,

@@ -93,13 +93,15 @@ def test_what_a_script_cannot_do_here_is_refused_in_one_line(script, args, said)
 
 def test_batch_decode_runs_the_tiny_shape_in_the_interpreter(tmp_path):
     report = tmp_path / "batch.json"
-    done = run("batch_decode.py", "--tiny", "--batches", "2", "--new-tokens", "3", "--prompt-tokens", "4",
-               "--json", str(report), timeout=300)
+    done = run("batch_decode.py", "--tiny", "--batches", "2", "--gammas", "0,2", "--new-tokens", "3",
+               "--prompt-tokens", "4", "--json", str(report), timeout=400)
     assert done.returncode == 0, done.stderr
     got = json.loads(report.read_text())
-    level = got["levels"][0]
-    assert level["batch"] == 2 and level["one"]["tokens"] == 3 and level["all"]["tokens"] == 6
-    assert got["batch1"]["tok_s"] > 0 and level["all"]["step_ms"] > 0
+    assert [(lv["batch"], lv["gamma"]) for lv in got["levels"]] == [(2, 0), (2, 2)]
+    for level in got["levels"]:             # plain steps, then steps verifying chains of 2
+        assert level["one"]["tokens"] == 3 and level["all"]["tokens"] == 6
+        assert level["all"]["step_ms"] > 0 and level["all"]["projected_tok_s"] > 0
+    assert got["batch1"]["tok_s"] > 0
 
 
 def test_dump_logits_runs_the_tiny_model_in_the_interpreter_and_compares_dumps(tmp_path):
@@ -154,6 +156,7 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("fast_agreement.py", ["some-dir", "--synthetic", "qwen3-8b"], "give an ENGINE_DIR or --synthetic NAME, not both"),
     ("batch_decode.py", ["--batches", "4,0"], "--batches: '4,0': expected positive integers"),
     ("batch_decode.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
+    ("batch_decode.py", ["--gammas", "3,-1"], "--gammas: '3,-1': expected chain lengths >= 0"),
     ("open_dir.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
     ("kv_cache_quality.py", ["--window", "0"], "--window must be at least 1"),
     ("kv_cache_quality.py", ["--heldout", "no-such.txt"], "--heldout no-such.txt: no such file"),

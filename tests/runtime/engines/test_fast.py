@@ -19,9 +19,10 @@ pytest.importorskip("triton", reason="the fast backend needs triton (pip install
 
 from xcompile.compile.config import Yarn  # noqa: E402
 from xcompile.compile.models.layers import Rotary  # noqa: E402
-from xcompile.compile.reference import eagle3_engines, qwen3_engine  # noqa: E402
+from xcompile.compile.reference import eagle3_engines, qwen3_engine, torch_engines  # noqa: E402
 from xcompile.runtime.common.errors import EngineError  # noqa: E402
 from xcompile.runtime.decoding.batch import BatchGenerator  # noqa: E402
+from xcompile.runtime.decoding.batch_drafts import BatchDrafts  # noqa: E402
 from xcompile.runtime.decoding.drafters import (  # noqa: E402
     DraftModelDrafter,
     Eagle3ChainDrafter,
@@ -31,7 +32,7 @@ from xcompile.runtime.decoding.drafters import (  # noqa: E402
     NoDrafter,
 )
 from xcompile.runtime.decoding.generator import Generator, LoopOptions  # noqa: E402
-from xcompile.runtime.enginedir.contract import DRAFT, MTP, TARGET  # noqa: E402
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET  # noqa: E402
 from xcompile.runtime.engines import fast  # noqa: E402
 
 MAX_SEQ_LEN = 96
@@ -202,6 +203,50 @@ def test_batch_loop_on_the_fast_backend_gives_each_sequence_its_tokens_alone(tin
     assert batch.stats.rows_used[3] > 0
 
 
+@pytest.mark.parametrize("graph", [EAGLE3, MTP])
+def test_head_steps_of_several_sequences_match_the_reference(tiny, graph):
+    """The batch loop's drafts (runtime/decoding/batch_drafts.py): the EAGLE3 head with its fc, and the MTP
+    module, take B sequences a step on the kernels, each at its own write_index in its own cache row; logits,
+    hidden_out and every cache row match the reference's batched step."""
+    module = tiny.eagle3 if graph == EAGLE3 else tiny.mtp
+    ref = torch_engines(module, graph, MAX_SEQ_LEN, batch=4)
+    kind = {EAGLE3: fast.FastEagle3Engine, MTP: fast.FastMTPEngine}[graph]
+    got = kind(torch_engines(module, graph, MAX_SEQ_LEN, batch=4)[graph], cfg(module))
+    ref[graph].new_kv()
+    got.new_kv()
+    width = 3 * T.EAGLE3_CFG.target_hidden_size if graph == EAGLE3 else tiny.mtp.cfg.hidden_size
+    for wi, n, seed in (([0, 0, 0, 0], 6, 1), ([6, 3, 6, 1], 3, 2), ([9, 6, 9, 4], 1, 3)):
+        inputs = batch_step(wi, n, seed)
+        taps = torch.randn(4, n, width, generator=torch.Generator().manual_seed(seed))
+        if graph == EAGLE3:
+            fc = fast.FastFCEngine(ref[EAGLE3_FC], cfg(module))
+            hidden = ref[EAGLE3_FC].run(hidden_taps=taps)["hidden_states"]
+            assert close(fc.run(hidden_taps=taps)["hidden_states"], hidden)
+        else:
+            hidden = taps
+        want, have = ref[graph].run(hidden_states=hidden, **inputs), got.run(hidden_states=hidden, **inputs)
+        assert have["logits"].shape == want["logits"].shape and close(have["logits"], want["logits"])
+        assert close(have["hidden_out"], want["hidden_out"])
+    for a, b in zip(got.kv, ref[graph].kv):
+        assert close(a[:, :, :10], b[:, :, :10])
+
+
+def test_batch_loop_verifies_chains_on_the_fast_backend(tiny):
+    """The batch loop's steps with drafts on fast engines (4 slots, an EAGLE3 chain of 2 for every greedy row):
+    every sequence gets plain greedy's tokens, drafts were verified in the batch steps."""
+    prompts = T.random_prompts((1, 7, 19, 3, 9), seed=6)
+    alone = Generator(tiny.target_engine(), NoDrafter(), [], MAX_SEQ_LEN)
+    want = [alone.generate(p, 8).tokens for p in prompts]
+    target = fast.FastQwen3Engine(qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN, batch=4), cfg(tiny.target),
+                                  T.TAPS)
+    heads = torch_engines(tiny.eagle3, EAGLE3, MAX_SEQ_LEN, batch=4)
+    e3, fc = heads[EAGLE3], heads[EAGLE3_FC]
+    head = Eagle3ChainDrafter(fast.FastEagle3Engine(e3, cfg(tiny.eagle3)), fast.FastFCEngine(fc, cfg(tiny.eagle3)),
+                              tiny.d2t, 2)
+    batch = BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8, drafts=BatchDrafts(head, 4, MAX_SEQ_LEN, target.device))
+    results = batch.generate([(p, 8) for p in prompts])
+    assert [r.tokens for r in results] == want and sum(r.stats.drafted for r in results) > 0
+
 def test_eagle3_steps_match_the_reference(tiny):
     (ref, ref_fc), (got, got_fc) = tiny.eagle3_engines(), fast_eagle3(tiny)
     ref.new_kv()
@@ -341,9 +386,11 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
-def test_fast_batch_loop_on_the_gpu(graphs):
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_fast_batch_loop_on_the_gpu(graphs, gamma):
     """bf16 on the GPU: the continuous-batching loop over a fast target (8 slots, 12 prompts), eager or with its
-    steps of one token a row replayed from a CUDA graph, gives every sequence the tokens it gets alone."""
+    steps replayed from CUDA graphs, plain or verifying EAGLE3 chains of 3 (batch_drafts.py), gives every
+    sequence the tokens it gets alone."""
     from xcompile.runtime.engines.graphs import CudaGraphCapture
 
     tiny = T.build(256, device="cuda", dtype=torch.bfloat16, head_dim=16)
@@ -351,8 +398,17 @@ def test_fast_batch_loop_on_the_gpu(graphs):
     plain = Generator(fast_target(tiny), NoDrafter(), [], 256)
     want = [plain.generate(p, 48).tokens for p in prompts]
     target = fast.FastQwen3Engine(qwen3_engine(tiny.target, max_seq_len=256, batch=8), cfg(tiny.target), T.TAPS)
-    batch = BatchGenerator(target, [], 256, capture=CudaGraphCapture() if graphs else None)
-    assert [r.tokens for r in batch.generate([(p, 48) for p in prompts])] == want
+    drafts = None
+    if gamma:
+        heads = torch_engines(tiny.eagle3, EAGLE3, 256, batch=8)
+        e3, fc = heads[EAGLE3], heads[EAGLE3_FC]
+        head = Eagle3ChainDrafter(fast.FastEagle3Engine(e3, cfg(tiny.eagle3)),
+                                  fast.FastFCEngine(fc, cfg(tiny.eagle3)), tiny.d2t, gamma)
+        drafts = BatchDrafts(head, 8, 256, target.device)
+    batch = BatchGenerator(target, [], 256, capture=CudaGraphCapture() if graphs else None, drafts=drafts)
+    results = batch.generate([(p, 48) for p in prompts])
+    assert [r.tokens for r in results] == want
+    assert (sum(r.stats.drafted for r in results) > 0) == bool(gamma)
 
 
 def test_an_fp8_cache_on_the_kernels_is_the_references(tiny):
