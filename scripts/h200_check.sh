@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fast backend checked on the H200, one part a device call (each a few minutes; logs in $OUT):
-#   tests    the gpu-marked tests of tests/runtime/engines and tests/runtime/decoding
+#   tests    the gpu-marked tests of tests/runtime/engines and tests/runtime/decoding (TESTS: other pytest arguments)
 #   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
 #            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
 #   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
@@ -14,8 +14,9 @@
 #            (T 0.6, top-k 20, top-p 0.95; context 128)
 #   paradigms  xrun bench --synthetic qwen3-8b with an MTP module (32,000-row draft vocabulary) and a Qwen3-0.6B-shape
 #            draft model beside the EAGLE3 head: chains at gamma 2, 4, 6 and trees 10/6/32 (context 128)
-#   batch    benchmarks/batch_decode.py: the continuous-batching loop on the fast backend at --max-batch 1, 4, 16, 64
-#            (one stream vs all, decode step ms, TTFT; the batch-1 loop beside), Qwen3-8B shape, 256 tokens each
+#   batch    benchmarks/batch_decode.py: the continuous-batching loop on the fast backend at --max-batch 1, 4, 16, 64,
+#            plain and verifying EAGLE3 chains of 3 and 6 (one stream vs all, decode step ms, TTFT, the projection at
+#            tau 3.7; the batch-1 loop beside), Qwen3-8B shape, 256 tokens each (BATCH_ARGS: its other options)
 #   open     benchmarks/open_dir.py: opening the Qwen3-8B shape on the fast backend (weights drawn on the GPU; then
 #            written as a safetensors checkpoint and opened from it), the warm-up, an 8-token prefill, a round
 #   long     benchmarks/attention_splits.py (one layer's attention per chunk size and row tile at 16K and 32K,
@@ -84,7 +85,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for part in "$@"; do
   case $part in
   tests)
-    run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/runtime/engines tests/runtime/decoding
+    # TESTS: other pytest arguments (default: every gpu-marked test of the engines and the loop)
+    run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:--m gpu tests/runtime/engines tests/runtime/decoding}
     tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
     ;;
   bench)
@@ -121,7 +123,7 @@ for part in "$@"; do
     grep -E "teacher-forced|tau" "$OUT/agree8b.log"
     ;;
   batch)
-    run batch_decode 420 python3 benchmarks/batch_decode.py --json "$OUT/batch_decode.json"
+    run batch_decode 420 python3 benchmarks/batch_decode.py ${BATCH_ARGS:-} --json "$OUT/batch_decode.json"
     cat "$OUT/batch_decode.log" | grep -v "^ *$" | tail -8
     ;;
   open)

@@ -117,11 +117,11 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
             m, at_m = _gumbel_max(tl.where(hit, tl.where(use_r, 0.0, p), p), cols, noise, key1)
             pick = tl.where(m > best_g, at_m, pick)
             best_g = tl.maximum(best_g, m)
-    else:
-        p = tl.where(live & (vals >= tau), tl.exp(vals - top) / kept, 0.0)
-        hit = tl.max((ids[:, None] == children[None, :]).to(tl.int32), axis=1) > 0
-        r = tl.where(hit, 0.0, p)
-        _, pick = _gumbel_max(tl.where(tl.sum(r, axis=0) > 0, r, p), ids, noise, key1)
+    else:                               # (names of their own: Triton merges a name's types across branches)
+        p_k = tl.where(live & (vals >= tau), tl.exp(vals - top) / kept, 0.0)
+        tried = tl.max((ids[:, None] == children[None, :]).to(tl.int32), axis=1) > 0
+        resid = tl.where(tried, 0.0, p_k)
+        _, pick = _gumbel_max(tl.where(tl.sum(resid, axis=0) > 0, resid, p_k), ids, noise, key1)
     # emitted: the path's drafts (x at path[1..count]), then the bonus; past it the path's tokens rolled
     live_d = lev <= D
     nxt = tl.sum(tl.where(lev[None, :] == (lev[:, None] + 1) % (D + 1), path[None, :], 0), axis=1)   # path[d + 1]
