@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -191,6 +192,9 @@ def main() -> int:
     for b in args.batches:
         for gamma in [g for g in args.gammas if g <= max_gamma(b)]:
             row = level(cfg, b, gamma, args, max_seq_len, dtype, device)
+            gc.collect()                    # the level's weights and graphs, before the next draws its own
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             report["levels"].append(row)
             a = row["all"]
             print(f"{b:>4} {gamma:>5} {row['one']['tok_s']:>10} {a['tok_s']:>10} {row['all_over_one']:>8} "
