@@ -70,6 +70,7 @@ class BatchDrafts:
             raise EngineError(f"batched speculation: a chain of {drafter.k} drafts in {max_batch} slots is "
                               f"{max_batch * (drafter.k + 1)} rows a step, past {MAX_ROWS}; use gamma <= "
                               f"{max_gamma(max_batch)}")
+        device = torch.device(device)
         drafter.bind(max_seq_len, device, batch=max_batch, track=False)
         self.drafter, self.gamma = drafter, drafter.k
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
