@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,7 @@ from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
+from xcompile.runtime.decoding.sequence import BatchSequence, BatchStats
 from xcompile.runtime.decoding.solo import Solo
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.decoding.warmup import Warmed, warm_batch
@@ -57,46 +58,11 @@ PAD = 0                 # the token of padding positions (any valid id: no real 
 log = logging.getLogger("xcompile.batch")
 
 
-@dataclass(eq=False)
-class BatchSequence:
-    """One sequence of the batch: its request, where it stands, and its ``result`` once it has stopped."""
-
-    prompt: list[int]
-    stops: Stops
-    sampling: SamplingParams
-    index: int
-    cancel: threading.Event | None
-    on_tokens: Callable[[list[int]], None] | None
-    stats: Stats
-    slot: int = -1              # the KV row it owns while running
-    length: int = 0             # tokens in its KV slot (prompt chunks, then committed tokens but the root)
-    root: int = -1              # the last committed token, not yet in the KV (written first by the next step)
-    seed: int | None = None
-    start: float = 0.0
-    result: Result | None = None
-    error: str | None = None    # why it stopped with reason "error" (its callback or stop check raised)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.root < 0
-
-
 @dataclass
 class _Slot:
     sampler: Sampler            # per slot: its own seed, stream and counter, as the batch-1 loop has one
     block: object = None        # a root-only chain block (sampled rows verify through accept_chain)
     seq: BatchSequence | None = None
-
-
-@dataclass
-class BatchStats:
-    """What the loop did: target passes, and the tokens they carried (real, not padding)."""
-
-    steps: int = 0
-    solo_rounds: int = 0        # steps of a lone sequence on the batch-1 Generator: its prefill, then a round each
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    rows_used: list[int] = field(default_factory=list)     # [k]: steps with k + 1 occupied slots
 
 
 class BatchGenerator:
@@ -231,9 +197,7 @@ class BatchGenerator:
             self._pending = []
             return ended
         drafts = self.drafts
-        chains = drafts.propose(rows) if drafts is not None and any(map(drafts.speculates, (q for _, q in rows))) \
-            else None
-        spec = {b for b, q in rows if chains is not None and drafts.speculates(q)}
+        chains, spec = drafts.plan(rows) if drafts is not None else (None, set())
         # S: the longest row's tokens (a prefill chunk, a root and its drafts, or 1), within every row's room
         need = {b: min(len(q.prompt) - q.length, self.chunk) if q.prefilling else drafts.gamma + 1 if b in spec
                 else 1 for b, q in rows}
@@ -249,18 +213,14 @@ class BatchGenerator:
             last[b] = torch.arange(r) if b in spec else k - 1
         dev = self.device
         write_d, ids_d = write.to(dev), ids.to(dev)
-        if spec:                                                                # each speculating row's drafts
-            on = torch.zeros(self.max_batch, dtype=torch.bool)
-            on[list(spec)] = True
-            on = on.to(dev)
-            ids_d[:, 1:r] = torch.where(on[:, None], chains[:, 1:r], ids_d[:, 1:r])
+        on = drafts.place(ids_d, chains, spec, r) if spec else None            # the speculating rows' drafts
         out = (self._graphed or self.target).run(input_ids=ids_d, write_index=write_d, tree_mask=self._mask(s),
                                                  position_ids=write_d[:, None] + torch.arange(s, device=dev),
                                                  logit_rows=last.to(dev))
         logits = out["logits"]                                                  # [B, r, V]
         greedy = logits.argmax(-1)
         if spec:
-            greedy = torch.cat((greedy, BatchDrafts.accepted(ids_d, greedy, on)[:, None]), dim=1)
+            greedy = torch.cat((greedy, drafts.accepted(ids_d, greedy, on)[:, None]), dim=1)
         greedy = greedy.tolist()                                                # the one host read of a step
         self.stats.steps += 1
         self.stats.rows_used[len(rows) - 1] += 1
@@ -268,38 +228,41 @@ class BatchGenerator:
         for b, q in rows:
             q.stats.target_forwards += 1
             at = q.length
-            if q.prefilling:
-                self.stats.prefill_tokens += need[b]
-                q.length += need[b]
-                if q.length < len(q.prompt):
-                    fed[b] = (at, q.prompt[at + 1:q.length + 1])
-                    continue
-                tokens = [greedy[b][0] if q.sampling.greedy else
-                          int(self.slots[b].sampler.sample(logits[b:b + 1, 0])[0])]
-                fed[b] = (at, q.prompt[at + 1:] + tokens)
-                q.stats.prefill_s = time.perf_counter() - q.start
-            else:
-                q.stats.rounds += 1
-                if b in spec:                       # the accepted drafts, then the target's token after them
-                    accepted = greedy[b][r]
-                    tokens = greedy[b][:accepted + 1]
-                    st = q.stats
-                    st.drafted, st.accepted = st.drafted + need[b] - 1, st.accepted + accepted
-                    st.accepted_at += [0] * (drafts.gamma - len(st.accepted_at))
-                    for i in range(accepted):
-                        st.accepted_at[i] += 1
-                else:
-                    tokens = [greedy[b][0] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1, :1])]
-                self.stats.decode_tokens += len(tokens)
-                q.length += len(tokens)
-                fed[b] = (at, tokens)
-            q.root = tokens[-1]
-            if self._emit(q, tokens):
-                ended.append(q)
+            head, tokens = self._advance(b, q, greedy[b], need[b], r if b in spec else 0, logits)
+            fed[b] = (at, head)
+            if tokens:
+                q.root = tokens[-1]
+                if self._emit(q, tokens):
+                    ended.append(q)
         if drafts is not None:
             drafts.feed(fed, out["hidden_taps"])
         self._pending = []
         return ended
+
+    def _advance(self, b: int, q: BatchSequence, greedy: list[int], n: int, verified: int,
+                 logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Row b's step committed: ``n`` tokens fed, the last ``verified`` of its logit rows a chain's (0: one
+        token); ``greedy`` the argmax of each (and, verified, the drafts accepted). Returns the head's tokens for
+        the row (token t + 1 with each position t fed) and what q emitted (none while its prompt goes on)."""
+        at = q.length
+        if q.prefilling:
+            self.stats.prefill_tokens += n
+            q.length += n
+            if q.length < len(q.prompt):
+                return q.prompt[at + 1:q.length + 1], []
+            tokens = [greedy[0] if q.sampling.greedy else int(self.slots[b].sampler.sample(logits[b:b + 1, 0])[0])]
+            q.stats.prefill_s = time.perf_counter() - q.start
+            return q.prompt[at + 1:] + tokens, tokens
+        q.stats.rounds += 1
+        if verified:                                    # the accepted drafts, then the target's token after them
+            accepted = greedy[verified]
+            tokens = greedy[:accepted + 1]
+            self.drafts.tally(q.stats, n - 1, accepted)
+        else:
+            tokens = [greedy[0] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1, :1])]
+        self.stats.decode_tokens += len(tokens)
+        q.length += len(tokens)
+        return tokens, tokens
 
     def _solo_step(self, ended: list[BatchSequence]) -> bool:
         """One round of the lone sequence, when there is one (solo.py); False: this step is a batch step."""

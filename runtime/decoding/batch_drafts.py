@@ -35,11 +35,12 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter
+from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec
 from xcompile.runtime.engines.kernels import MAX_ROWS
 
 if TYPE_CHECKING:
-    from xcompile.runtime.decoding.batch import BatchSequence
+    from xcompile.runtime.decoding.sequence import BatchSequence
 
 PAD = 0
 
@@ -79,6 +80,29 @@ class BatchDrafts:
     def speculates(self, q: BatchSequence) -> bool:
         """Whether q verifies drafts this step: greedy, decoding, and room for the drafter's round."""
         return q.sampling.greedy and not q.prefilling and q.length + self.drafter.lookahead <= self.max_seq_len
+
+    def plan(self, rows: Sequence[tuple[int, BatchSequence]]) -> tuple[torch.Tensor | None, set[int]]:
+        """This step's chains (``propose``) and the slots that verify theirs."""
+        if not any(self.speculates(q) for _, q in rows):
+            return None, set()
+        chains = self.propose(rows)
+        return chains, set() if chains is None else {b for b, q in rows if self.speculates(q)}
+
+    def place(self, ids: torch.Tensor, chains: torch.Tensor, slots: set[int], r: int) -> torch.Tensor:
+        """Write each of ``slots``' drafts into its row of the step's ids [B, S] (columns 1..r-1, after the root);
+        returns those rows as a mask [B] on the device."""
+        on = torch.zeros(self.max_batch, dtype=torch.bool)
+        on[list(slots)] = True
+        on = on.to(self.device)
+        ids[:, 1:r] = torch.where(on[:, None], chains[:, 1:r], ids[:, 1:r])
+        return on
+
+    def tally(self, stats: Stats, drafted: int, accepted: int) -> None:
+        """A verify step's drafts into a sequence's stats (its rounds and target passes are the loop's)."""
+        stats.drafted, stats.accepted = stats.drafted + drafted, stats.accepted + accepted
+        stats.accepted_at += [0] * (self.gamma - len(stats.accepted_at))
+        for i in range(accepted):
+            stats.accepted_at[i] += 1
 
     def propose(self, rows: Sequence[tuple[int, BatchSequence]]) -> torch.Tensor | None:
         """Every slot's chain [max_batch, k + 1] (root, then k drafts) on the device; None before the first

@@ -1,20 +1,19 @@
 """The batch loop's lone sequence: speculation while a ``--max-batch N`` dir serves one request at a time.
 
-The continuous-batching loop (batch.py) decodes one token per sequence a step, so a batch dir would give up the
-drafter's 2-3x exactly when it has one user. Instead, a greedy sequence that arrives at an idle loop (nothing
-running, nothing else waiting) runs the batch-1 ``Generator``'s speculative rounds in slot 0, one round a loop
-step, as it would on a ``--max-batch 1`` dir. When another sequence arrives it hands over between two rounds
-and goes on one token a step beside the newcomer: after a round the Generator's state is the target's KV of
-the prompt and every committed token but the last, which is exactly the batch loop's state of a decoding row
-(``length``, ``root``), so the sequence gets the same greedy tokens either way. The drafter's own state is
-dropped at the hand-over (a batch step does not feed the head); the next lone sequence starts it afresh.
+A batch step verifies at most an EAGLE3 or MTP chain a row (batch_drafts.py) and runs every slot, so a lone
+sequence does better on the batch-1 ``Generator``: fused verification, whole-round CUDA graphs, trees and the
+draft model. A greedy sequence that arrives at an idle loop (nothing running, nothing else waiting) runs its
+speculative rounds in slot 0, one round a loop step, as it would on a ``--max-batch 1`` dir. When another
+sequence arrives it hands over between two rounds and goes on in the batch steps beside the newcomer: after a
+round the Generator's state is the target's KV of the prompt and every committed token but the last, which is
+exactly the batch loop's state of a decoding row (``length``, ``root``), so the sequence gets the same greedy
+tokens either way. The head KV the Generator's drafter wrote is the batch drafter's too (one set of engines), so
+the sequence drafts again from its second batch step (the first proposes from that drafter's stale seed).
 
-The rule is "speculate below a load of two": batched speculation (every row drafting and verifying its own
-chain in one step) is not built. Sampled sequences never run alone here: the Generator draws from its own
-stream, and a hand-over would switch a sequence to its slot's, so they batch from the start (the same law,
-another draw). The Generator queues each round ahead of the one the host reads (generator.py, pipelining):
-the one left unread at a hand-over writes only target rows past the committed length, which the next step
-overwrites, and runs before it on the same stream.
+Sampled sequences never run alone here: the Generator draws from its own stream, and a hand-over would switch
+a sequence to its slot's, so they batch from the start (the same law, another draw). The Generator queues each
+round ahead of the one the host reads (generator.py, pipelining): the one left unread at a hand-over writes only
+target rows past the committed length, which the next step overwrites, and runs before it on the same stream.
 
 Needs engines that take fewer sequences than their KV has slots (``Engine.partial_batch``: the torch and fast
 backends; the ORT and TensorRT graphs fix the batch).
@@ -29,7 +28,7 @@ from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.generator import Generator, Run
 
 if TYPE_CHECKING:
-    from xcompile.runtime.decoding.batch import BatchSequence
+    from xcompile.runtime.decoding.sequence import BatchSequence
 
 
 class Solo:
