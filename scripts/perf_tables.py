@@ -37,7 +37,7 @@ REQUIRED = ("tables", "date", "machine", "command")
 @dataclass(frozen=True)
 class Table:
     source: str                     # the tag in sources.json
-    kind: str                       # bench | tau | paradigms | agreement | demo | json | load
+    kind: str                       # bench | tau | paradigms | agreement | demo | json | load | batch
     rows: tuple[str, ...] = ()      # bench: keep only rows whose label starts with one of these (empty: all)
     # json: (label, key, format, scale) of the rows, read from the last JSON object a script printed
     fields: tuple[tuple[str, str, str, float], ...] = ()
@@ -92,6 +92,13 @@ TABLES = {
         ("default check, files evicted from the page cache", "fast_cold_s", "{:.3f} s", 1),
         ("full check (`--verify`, `xcompile verify`), files in the page cache", "full_warm_s", "{:.2f} s", 1))),
     "serve-load-cpu": Table("serve-load-cpu", "load"),
+    "batch-8b": Table("batch-8b", "batch"),
+    "open-dir-8b": Table("open-dir-8b", "json", fields=(
+        ("open, weights drawn on the GPU (`--synthetic`)", "open_synthetic_s", "{:.2f} s", 1),
+        ("open, weights read from a 16.4 GB safetensors checkpoint", "open_checkpoint_s", "{:.2f} s", 1),
+        ("warm-up, every kernel compiled (an empty kernel cache)", "warm_up_s", "{:.1f} s", 1),
+        ("8-token prefill, warm (median of 5)", "prefill_8_ms", "{:.1f} ms", 1),
+        ("a round of the EAGLE3 chain of 6, batch-1 Generator", "round_ms", "{:.3f} ms", 1))),
     "serve-load-cpu-solo": Table("serve-load-cpu-solo", "load"),
 }
 
@@ -401,6 +408,24 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
                  [[str(n), *(cell(lv.get(n)) for lv in levels)] for n in streams])
 
 
+def render_batch(columns: list[tuple[str, dict]]) -> list[str]:
+    """benchmarks/batch_decode.py reports: a row per (run, B, gamma): one stream's and B streams' tok/s, the step,
+    TTFT, and the aggregate projected at the report's tau; the batch-1 loop's tok/s under each run's rows."""
+    if bad := [label for label, rep in columns if not isinstance(rep.get("levels"), list)]:
+        raise PerfError(f"{', '.join(bad)}: not a benchmarks/batch_decode.py report (no 'levels' list)")
+    rows = []
+    for label, rep in columns:
+        for lv in rep["levels"]:
+            a = lv["all"]
+            rows.append([label, str(lv["batch"]), str(lv["gamma"]) if lv["gamma"] else "plain",
+                         f"{lv['one']['tok_s']:.1f}", f"{a['tok_s']:.1f}", f"{lv['all_over_one']:.2f}",
+                         f"{a['step_ms']:.3f}", f"{a['ttft_ms']:.1f}", f"{a['projected_tok_s']:.0f}"])
+        rows.append([label, "batch-1 loop", "plain", f"{rep['batch1']['tok_s']:.1f}", "", "", "", "", ""])
+    tau = columns[0][1].get("tau", 3.7)
+    return _grid(["run", "B (slots)", "chain", "one stream tok/s", "B streams tok/s", "B / one", "step ms",
+                  "TTFT ms", f"B streams at τ {tau}, tok/s"], rows)
+
+
 def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -> list[str]:
     """The generated lines of table ``name`` from files [(file name, its sources.json entry)] on ``page``."""
     columns: list[tuple[str, dict]] = []
@@ -424,6 +449,8 @@ def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -
                        for label, key, fmt, scale in table.fields])
     elif table.kind == "load":
         lines = render_load(columns)
+    elif table.kind == "batch":
+        lines = render_batch(columns)
     elif table.kind == "agreement":
         lines = [x for _, rep in columns for x in render_agreement(rep)]
     else:
