@@ -111,3 +111,31 @@ def test_a_warmed_batch_loop_gives_a_fresh_ones_tokens(tiny):
     assert sorted(warm._causal) == list(range(1, 9))            # a step of every S
     assert warm.stats.steps == 0 and not any(buf.any() for buf in warm.target.kv)
     assert [r.tokens for r in warm.generate(work)] == [r.tokens for r in batch().generate(work)]
+
+
+def test_a_warmed_drafting_batch_loop_records_nothing_more(tiny):
+    """With drafts (batch_drafts.py) the warm-up also runs verify steps of every row's chain; afterwards requests
+    record no new step and get a fresh loop's tokens."""
+    from xcompile.compile.reference import torch_engines
+    from xcompile.runtime.decoding.batch_drafts import BatchDrafts
+    from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter
+    from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC
+
+    def batch(capture=None) -> BatchGenerator:
+        heads = torch_engines(tiny.eagle3, EAGLE3, MAX_SEQ_LEN, batch=4)
+        drafts = BatchDrafts(Eagle3ChainDrafter(heads[EAGLE3], heads[EAGLE3_FC], tiny.d2t, 3), 4, MAX_SEQ_LEN, "cpu")
+        return BatchGenerator(T.qwen3_engine(tiny.target, batch=4), [], MAX_SEQ_LEN, chunk=8, capture=capture,
+                              drafts=drafts)
+
+    prompts = T.random_prompts((1, 9, 30), seed=9)
+    work = [(p, 12) for p in prompts]
+    capture = T.Emulated()
+    warm = batch(capture)
+    parts = warm.warm_up([GREEDY])
+    assert [p.what for p in parts] == ["batch steps of 1..8 tokens, greedy", "batch steps verifying chains of 3 drafts"]
+    recorded = capture.captures
+    # one token a row; a root and its chain a row; a 4-token prompt chunk (the chain's token count, other logit rows)
+    assert recorded == 3
+    results = warm.generate(work)
+    assert capture.captures == recorded and sum(r.stats.drafted for r in results) > 0
+    assert [r.tokens for r in results] == [r.tokens for r in batch().generate(work)]
