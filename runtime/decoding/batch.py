@@ -95,9 +95,11 @@ class BatchGenerator:
         if drafts is not None and "hidden_taps" not in target.spec.output_names:
             raise EngineError(f"the {drafts.drafter.name} drafter reads the target's hidden_taps, which this target "
                               "engine does not output; export the target with EAGLE3 taps")
-        # the recorded steps: one token a row, and (drafting) a root and its chain a row
+        # the recorded steps: one token a row, and (drafting) a root and its chain a row, the head's too
         sizes = [1] + ([drafts.gamma + 1] if drafts is not None else [])
         self._graphed = GraphedEngine(target, sizes, capture) if capture is not None else None
+        if capture is not None and drafts is not None:
+            drafts.record(capture)
         if solo is not None and (solo.target is not target or not target.partial_batch):
             raise EngineError("solo: a Generator over this loop's target, which must take fewer sequences than its "
                               "KV slots (the torch and fast backends)")
@@ -235,7 +237,7 @@ class BatchGenerator:
                 if self._emit(q, tokens):
                     ended.append(q)
         if drafts is not None:
-            drafts.feed(fed, out["hidden_taps"])
+            drafts.feed(fed, out["hidden_taps"], r)
         self._pending = []
         return ended
 

@@ -37,6 +37,7 @@ from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter
 from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec
+from xcompile.runtime.engines.graphs import Capture, GraphedEngine
 from xcompile.runtime.engines.kernels import MAX_ROWS
 
 if TYPE_CHECKING:
@@ -76,6 +77,14 @@ class BatchDrafts:
         self.drafter, self.gamma = drafter, drafter.k
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
         self.fed = False            # propose needs a seed: the head's first feed makes it
+
+    def record(self, capture: Capture) -> None:
+        """Replay the head's fixed-shape passes from CUDA graphs, as the loop does its target steps
+        (``GraphedEngine``): the proposals' one-token steps, and feeds of one token or a chain's k + 1 a row."""
+        d, sizes = self.drafter, [1, self.gamma + 1]
+        d.eagle3 = GraphedEngine(d.eagle3, sizes, capture)
+        if d.fc is not None:
+            d.fc = GraphedEngine(d.fc, sizes, capture)
 
     def speculates(self, q: BatchSequence) -> bool:
         """Whether q verifies drafts this step: greedy, decoding, and room for the drafter's round."""
@@ -124,10 +133,12 @@ class BatchDrafts:
         match = (ids[:, 1:r] == greedy[:, :r - 1]) & speculating[:, None]
         return match.long().cumprod(1).sum(1)
 
-    def feed(self, fed: dict[int, tuple[int, list[int]]], taps: torch.Tensor) -> None:
+    def feed(self, fed: dict[int, tuple[int, list[int]]], taps: torch.Tensor, width: int = 1) -> None:
         """The head's pass over this step: ``fed`` {slot: (write_index, tokens)}, token j of a slot paired with
-        its row j of the target's taps [B, S, *]; each slot's next proposal from its last token."""
-        s = max(len(t) for _, t in fed.values())
+        its row j of the target's taps [B, S, *]; each slot's next proposal from its last token. At least
+        ``width`` tokens a row (a verify step's k + 1: one recorded shape however many each row accepted; the
+        padding's KV lands past the row's length, where the next feed writes)."""
+        s = max(width, *(len(t) for _, t in fed.values()))
         ids = torch.full((self.max_batch, s), PAD, dtype=torch.int64)
         write, rows = torch.zeros(self.max_batch, dtype=torch.int64), torch.zeros(self.max_batch, dtype=torch.int64)
         for b, (at, tokens) in fed.items():

@@ -114,8 +114,8 @@ def test_a_warmed_batch_loop_gives_a_fresh_ones_tokens(tiny):
 
 
 def test_a_warmed_drafting_batch_loop_records_nothing_more(tiny):
-    """With drafts (batch_drafts.py) the warm-up also runs verify steps of every row's chain; afterwards requests
-    record no new step and get a fresh loop's tokens."""
+    """With drafts (batch_drafts.py) the warm-up also runs verify steps of every row's chain, and the head's passes
+    are recorded too; afterwards requests record nothing new and get an eager fresh loop's tokens and acceptance."""
     from xcompile.compile.reference import torch_engines
     from xcompile.runtime.decoding.batch_drafts import BatchDrafts
     from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter
@@ -134,8 +134,10 @@ def test_a_warmed_drafting_batch_loop_records_nothing_more(tiny):
     parts = warm.warm_up([GREEDY])
     assert [p.what for p in parts] == ["batch steps of 1..8 tokens, greedy", "batch steps verifying chains of 3 drafts"]
     recorded = capture.captures
-    # one token a row; a root and its chain a row; a 4-token prompt chunk (the chain's token count, other logit rows)
-    assert recorded == 3
+    # the target: one token a row, a root and its chain a row, a 4-token prompt chunk (the chain's token count,
+    # other logit rows); the head and its fc: passes of one token and of the chain's four a row
+    assert recorded == 3 + 2 + 2
     results = warm.generate(work)
     assert capture.captures == recorded and sum(r.stats.drafted for r in results) > 0
-    assert [r.tokens for r in results] == [r.tokens for r in batch().generate(work)]
+    fresh = batch().generate(work)                              # eager: the same tokens, the same acceptance
+    assert [(r.tokens, r.stats.accepted_at) for r in results] == [(r.tokens, r.stats.accepted_at) for r in fresh]
