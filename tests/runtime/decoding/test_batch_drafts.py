@@ -33,6 +33,7 @@ def tiny() -> T.Tiny:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
+    """test_batch.py's six prompts of 1..70 tokens: four slots, two wait."""
     return T.random_prompts((1, 7, 19, 40, 3, 70), seed=5)
 
 
