@@ -44,7 +44,7 @@ from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
-from xcompile.runtime.decoding.sequence import BatchSequence, BatchStats
+from xcompile.runtime.decoding.sequence import PAD, BatchSequence, BatchStats
 from xcompile.runtime.decoding.solo import Solo
 from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.decoding.warmup import Warmed, warm_batch
@@ -54,7 +54,6 @@ from xcompile.runtime.engines.graphs import Capture, GraphedEngine
 # Prompt tokens a prefilling sequence feeds per step: the largest step the loop's other paths keep on their
 # short-step routes (layers.MATMUL_ATTENTION_MAX_QUERIES, ort.GRAPH_MAX_TOKENS, the fast kernels' 64 rows).
 CHUNK = 64
-PAD = 0                 # the token of padding positions (any valid id: no real token sees it)
 log = logging.getLogger("xcompile.batch")
 
 
@@ -243,8 +242,8 @@ class BatchGenerator:
 
     def _advance(self, b: int, q: BatchSequence, greedy: list[int], n: int, verified: int,
                  logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Row b's step committed: ``n`` tokens fed, the last ``verified`` of its logit rows a chain's (0: one
-        token); ``greedy`` the argmax of each (and, verified, the drafts accepted). Returns the head's tokens for
+        """Row b's step committed: ``n`` tokens fed; ``greedy`` the argmax at each of its logit rows, and when it
+        verified a chain (``verified``: those rows) the drafts accepted after them. Returns the head's tokens for
         the row (token t + 1 with each position t fed) and what q emitted (none while its prompt goes on)."""
         at = q.length
         if q.prefilling:

@@ -37,13 +37,12 @@ from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter
 from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec
+from xcompile.runtime.decoding.sequence import PAD
 from xcompile.runtime.engines.graphs import Capture, GraphedEngine
 from xcompile.runtime.engines.kernels import MAX_ROWS
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.sequence import BatchSequence
-
-PAD = 0
 
 
 def max_gamma(max_batch: int) -> int:

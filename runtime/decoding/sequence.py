@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
 from xcompile.runtime.decoding.sampling import SamplingParams
 
+PAD = 0                 # the token of a step's padding positions (any valid id: no real token sees it)
 
 @dataclass(eq=False)
 class BatchSequence:
