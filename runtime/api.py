@@ -115,7 +115,7 @@ class LLM:
                 if spec.name not in ("auto", "none") and not lone:
                     raise EngineError(f"--drafter {spec.name}: {directory} was exported with --max-batch "
                                       f"{m.max_batch}, and the {self.engines.backend} backend's graphs fix the "
-                                      "batch, so its lone sequence cannot speculate; use --drafter none, --backend "
+                                      "batch, so it cannot speculate; use --drafter none, --backend "
                                       "fast or torch, or an engine dir exported with --max-batch 1")
                 self.spec = spec.resolve(self.engines) if lone and spec.name != "none" else DrafterSpec("none")
                 self.drafter = make_drafter(self.engines, self.spec) if self.spec.name != "none" else None

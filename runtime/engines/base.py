@@ -97,7 +97,8 @@ class Engine(ABC):
 
     def narrow_batch(self, batch: int) -> None:
         """Hold KV for ``batch`` sequences instead of the graph's slots (a partial_batch engine, none bound yet): a
-        batch dir's drafter serves only the lone sequence in the first slot (runtime/decoding/solo.py)."""
+        batch dir's draft model serves only the lone sequence in the first slot (runtime/decoding/solo.py; EAGLE3
+        and MTP heads draft for every slot, batch_drafts.py)."""
         if not self.partial_batch or self.kv or self.kv_shape is None:
             raise EngineError(f"{self.spec.graph}: cannot narrow the KV of this engine to {batch} sequences")
         self.kv_shape = dataclasses.replace(self.kv_shape, batch=batch)

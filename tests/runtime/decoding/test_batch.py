@@ -184,7 +184,7 @@ def test_an_engine_that_takes_one_sequence_is_refused(tiny):
         BatchGenerator(engine, [], MAX_SEQ_LEN)
 
 
-# -- the lone sequence: speculation below a load of two (runtime/decoding/solo.py) --------------------------------
+# -- the lone sequence: the batch-1 Generator's rounds while it is alone (runtime/decoding/solo.py) ----------------
 
 def solo_batch(tiny, drafter: str, eos=(), detokenize=None) -> BatchGenerator:
     """A 4-slot loop whose lone greedy sequence runs the batch-1 Generator with ``drafter`` (tiny_engines.DRAFTERS)
