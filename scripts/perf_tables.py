@@ -43,6 +43,15 @@ class Table:
     fields: tuple[tuple[str, str, str, float], ...] = ()
 
 
+def _quality(base: str) -> tuple[tuple[str, str, str, float], ...]:
+    """The rows of a quality report against ``base`` (benchmarks/quant_quality.py, kv_cache_quality.py)."""
+    return (("top-1 agreement with " + base + ", teacher-forced", "agreement", "{:.2f} %", 100),
+            ("held-out perplexity", "perplexity", "{:.3f}", 1),
+            ("perplexity against " + base, "perplexity_delta", "{:+.2f} %", 100),
+            ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
+            ("τ against " + base, "tau_delta", "{:+.2f} %", 100))
+
+
 TABLES = {
     "bench-8b": Table("bench-8b", "bench"),
     "bench-8b-quantized": Table("bench-8b-quantized", "bench"),
@@ -73,18 +82,9 @@ TABLES = {
                                   ("7-token verify, PDL off", "nopdl", "x7"), ("32-token verify, PDL off", "nopdl", "x32"),
                                   ("EAGLE3 step", "fast", "eagle3_x1"), ("EAGLE3 step over 10 tokens", "fast", "eagle3_x10"),
                                   ("EAGLE3 fc over 7 tokens", "fast", "fc_x7"))))),
-    "quant-quality": Table("quant-quality", "json", fields=(
-        ("top-1 agreement with bf16, teacher-forced", "agreement", "{:.2f} %", 100),
-        ("held-out perplexity", "perplexity", "{:.3f}", 1),
-        ("perplexity against bf16", "perplexity_delta", "{:+.2f} %", 100),
-        ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
-        ("τ against bf16", "tau_delta", "{:+.2f} %", 100))),
+    "quant-quality": Table("quant-quality", "json", fields=_quality("bf16")),
     "kv-cache-quality": Table("kv-cache-quality", "json", fields=(
-        ("top-1 agreement with the bf16 cache, teacher-forced", "agreement", "{:.2f} %", 100),
-        ("held-out perplexity", "perplexity", "{:.3f}", 1),
-        ("perplexity against the bf16 cache", "perplexity_delta", "{:+.2f} %", 100),
-        ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
-        ("τ against the bf16 cache", "tau_delta", "{:+.2f} %", 100),
+        *_quality("the bf16 cache"),
         ("speculative = plain greedy (of 32 prompts)", "match_plain", "{:.0f} %", 100))),
     "verify-cpu": Table("verify-cpu", "json", fields=(
         ("engine dir", "bytes", "{:.2f} GB", 1e-9),
@@ -388,6 +388,11 @@ def render_demo(d: dict) -> list[str]:
     return lines + ([""] + [" ".join(tail)] if tail else [])
 
 
+def _need_levels(columns: list[tuple[str, dict]], script: str) -> None:
+    if bad := [label for label, rep in columns if not isinstance(rep.get("levels"), list)]:
+        raise PerfError(f"{', '.join(bad)}: not a benchmarks/{script} report (no 'levels' list)")
+
+
 def render_load(columns: list[tuple[str, dict]]) -> list[str]:
     """benchmarks/serve_load.py reports: a row per concurrency, a column per report; each cell the aggregate tok/s,
     TTFT and inter-token latency p50 / p99, and the failed requests if any."""
@@ -400,8 +405,7 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
             text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"
         return text
 
-    if bad := [label for label, rep in columns if not isinstance(rep.get("levels"), list)]:
-        raise PerfError(f"{', '.join(bad)}: not a benchmarks/serve_load.py report (no 'levels' list)")
+    _need_levels(columns, "serve_load.py")
     levels = [{lv["streams"]: lv for lv in rep["levels"]} for _, rep in columns]
     streams = sorted({n for lv in levels for n in lv})
     return _grid(["concurrent streams", *(label for label, _ in columns)],
@@ -411,8 +415,7 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
 def render_batch(columns: list[tuple[str, dict]]) -> list[str]:
     """benchmarks/batch_decode.py reports: a row per (run, B, gamma): one stream's and B streams' tok/s, the step,
     TTFT, and the aggregate projected at the report's tau; the batch-1 loop's tok/s under each run's rows."""
-    if bad := [label for label, rep in columns if not isinstance(rep.get("levels"), list)]:
-        raise PerfError(f"{', '.join(bad)}: not a benchmarks/batch_decode.py report (no 'levels' list)")
+    _need_levels(columns, "batch_decode.py")
     rows = []
     for label, rep in columns:
         for lv in rep["levels"]:
@@ -421,7 +424,7 @@ def render_batch(columns: list[tuple[str, dict]]) -> list[str]:
                          f"{lv['one']['tok_s']:.1f}", f"{a['tok_s']:.1f}", f"{lv['all_over_one']:.2f}",
                          f"{a['step_ms']:.3f}", f"{a['ttft_ms']:.1f}", f"{a['projected_tok_s']:.0f}"])
         rows.append([label, "batch-1 loop", "plain", f"{rep['batch1']['tok_s']:.1f}", "", "", "", "", ""])
-    tau = columns[0][1].get("tau", 3.7)
+    tau = columns[0][1]["tau"]
     return _grid(["run", "B (slots)", "chain", "one stream tok/s", "B streams tok/s", "B / one", "step ms",
                   "TTFT ms", f"B streams at τ {tau}, tok/s"], rows)
 

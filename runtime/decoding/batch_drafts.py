@@ -91,10 +91,9 @@ class BatchDrafts:
 
     def plan(self, rows: Sequence[tuple[int, BatchSequence]]) -> tuple[torch.Tensor | None, set[int]]:
         """This step's chains (``propose``) and the slots that verify theirs."""
-        if not any(self.speculates(q) for _, q in rows):
-            return None, set()
-        chains = self.propose(rows)
-        return chains, set() if chains is None else {b for b, q in rows if self.speculates(q)}
+        slots = {b for b, q in rows if self.speculates(q)}
+        chains = self.propose(rows) if slots else None
+        return chains, slots if chains is not None else set()
 
     def place(self, ids: torch.Tensor, chains: torch.Tensor, slots: set[int], r: int) -> torch.Tensor:
         """Write each of ``slots``' drafts into its row of the step's ids [B, S] (columns 1..r-1, after the root);

@@ -136,8 +136,8 @@ def warm_batch(loop, samplings: list[SamplingParams] | tuple[SamplingParams, ...
             for s in sizes:                     # one sequence at a time: a step of s tokens each
                 for _ in range(SHORT_PASSES):
                     loop.generate([([0] * s, 1)])
-        if loop.drafts is not None:             # two sequences: verify steps of a root and its chain a row
-            gamma = loop.drafts.gamma
+        if loop.drafts is not None:             # two sequences: verify steps of a root and its chain a row,
+            gamma = loop.drafts.gamma           # at least two however many drafts each accepts
             with parts.part(f"batch steps verifying chains of {gamma} drafts", sync):
                 loop.generate([([0], 2 * gamma + 3)] * 2)
         for sampling in samplings:

@@ -33,8 +33,6 @@ def fp8_codes(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8).view(torch.uint8)
 
 
-
-
 def new_kv(kv: KVShape, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
     """Zeroed buffers in contract order: key_0, value_0, key_1, ...; consecutive slices of one
     [2 * layers, *kv.shape] tensor, so that work over every buffer (speculative.compact_kv) can be one

@@ -324,7 +324,6 @@ class FastEagle3Engine(_FastEngine):
         return self._head(x, inputs["logit_rows"], batch, s)
 
 
-
 class FastMTPEngine(_FastEngine):
     """The ``mtp`` graph (compile/models/mtp.py) on the kernels: embedding + enorm / hnorm in one launch (the
     EAGLE3 step's), eh_proj, a Qwen3 decoder layer as the target's, and the target's lm_head behind the module's
