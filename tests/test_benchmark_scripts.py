@@ -157,11 +157,13 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("batch_decode.py", ["--batches", "4,0"], "--batches: '4,0': expected positive integers"),
     ("batch_decode.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
     ("batch_decode.py", ["--gammas", "3,-1"], "--gammas: '3,-1': expected chain lengths >= 0"),
+    ("batch_decode.py", ["--tau", "0.5"], "--tau must be at least 1 (the bonus token)"),
     ("open_dir.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
     ("kv_cache_quality.py", ["--window", "0"], "--window must be at least 1"),
     ("kv_cache_quality.py", ["--heldout", "no-such.txt"], "--heldout no-such.txt: no such file"),
     ("attention_splits.py", ["--chunks", "64,100"], "--chunks: each a multiple of 64 keys"),
     ("attention_splits.py", ["--rows", "1,65"], "--rows: at most 64 rows a call"),
+    ("attention_splits.py", ["--row-tiles", "16,24"], "--row-tiles: each 16, 32 or 64"),
     ("open_dir.py", ["--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder does not exist"),
 ])
 def test_bad_options_are_refused_as_argparse_does(script, args, said):
