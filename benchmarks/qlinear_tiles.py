@@ -38,8 +38,9 @@ CALLS = [("qkv", 6144, 4096, 1, False, True, False), ("o", 4096, 4096, 1, False,
 CANDIDATES = {True: list(itertools.product((4, 8), (512, 1024), (1, 2, 4), (0, 1, 2))),
               False: [(*t, p) for t in ((16, 1, 5), (16, 1, 8), (32, 1, 3), (32, 1, 5), (32, 2, 5))
                       for p in (0, 512, 1024)]}
-# qgemv.cu's (warps, bytes of a row a stage, stages, blocks: 0 as many as fit)
-CUDA = [C.QTile(*t) for t in itertools.product((4, 8), (512, 1024, 2048), (3, 4, 6), (0, 132))] + ["triton"]
+# qgemv.cu's (warps, bytes of a row a stage, stages), as many blocks as fit (one block an SM was slower at every
+# shape, H100 2026-12-05)
+CUDA = [C.QTile(*t) for t in itertools.product((4, 8), (1024, 2048, 4096), (2, 3, 4))] + ["triton"]
 COPIES, CALLS_PER_GRAPH = 4, 32
 
 

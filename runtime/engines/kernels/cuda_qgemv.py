@@ -1,6 +1,6 @@
 """One-row quantized projections on qgemv.cu's kernel (built with gemv.cu into one library, cuda_gemv.py): the
-codes turned into bf16 by integer instructions and multiplied on the tensor cores, the rows streamed into
-shared memory by the copy engine (qgemv.cu's header). Where it runs (sm_90+, nvcc found, bf16, a layout it
+codes multiplied as stored by 8-bit tensor-core MMAs against x cut into two 8-bit terms, the rows streamed
+into shared memory by the copy engine (qgemv.cu's header). Where it runs (sm_90+, nvcc found, bf16, a layout it
 takes) qlinear() sends its one-row calls here; elsewhere they stay on the Triton GEMV (qgemv.py), which is
 also what CI's interpreter checks. Its tests are marked ``gpu``.
 """
@@ -29,15 +29,16 @@ class QTile(NamedTuple):
     grid: int = 0
 
 
-# by kind, the fastest for one decoder layer's projections on the H200 (benchmarks/qlinear_tiles.py --cuda,
-# 2026-12-05): INT4 71.1 us against the Triton GEMV's 77.3; FP8 none: its best, 91.8 us, lost to Triton's 74.1
-TILE = {INT4: QTile(4, 1024, 3)}
+# by kind, the fastest for one decoder layer's projections at the Qwen3-8B shapes (benchmarks/qlinear_tiles.py
+# --cuda, one H100, 2026-12-05): FP8 81.5 us against the Triton GEMV's 83.6, INT4 64.6 against 77.3
+TILE = {FP8: QTile(8, 2048, 2), INT4: QTile(8, 2048, 2)}
 
 
 def smem_bytes(tile: QTile, gated: bool, k: int) -> int:
-    """Shared memory of a launch (xc_qgemv): the stages, x, the mbarriers, the warps' sums."""
+    """Shared memory of a launch (xc_qgemv): the stages, x's two 8-bit terms with a scale and a sum per 64 bytes
+    of codes, the mbarriers, the warps' sums."""
     rows = 32 if gated else 16
-    return tile.stages * rows * (tile.ks + PAD) + k * 2 + tile.stages * 8 + (tile.stages * tile.warps * rows
+    return tile.stages * rows * (tile.ks + PAD) + k * 2 + k // 8 + tile.stages * 8 + (tile.stages * tile.warps * rows
                                                                              + tile.warps) * 4
 
 

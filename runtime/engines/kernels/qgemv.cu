@@ -1,14 +1,18 @@
 // One-row quantized projections (FP8 e4m3 in scale blocks, INT4 in groups of 128 inputs or a multiple, with zero
-// points) on the
-// tensor cores, in CUDA C++ (cuda_gemv.py builds it beside gemv.cu and calls xc_qgemv): qgemv.py's operands
-// and epilogues, y = epilogue(prologue(x) W^T) for x [1, K] and W as qlinear.py's QLinear stores it.
+// points) on the tensor cores, in CUDA C++ (cuda_gemv.py builds it beside gemv.cu and calls xc_qgemv):
+// qgemv.py's operands and epilogues, y = epilogue(prologue(x) W^T) for x [1, K] and W as qlinear.py's QLinear
+// stores it.
 //
-// Why not the CUDA cores: a code costs a float conversion there (e4m3 -> f16 -> f32 runs at a quarter of the
-// FMA rate). Here the codes are turned into bf16 pairs by a few integer instructions a 32-bit word (qcodes.py's
-// recipes) and multiplied on the tensor cores, codes as the first operand of an m16n8k16 MMA (16 output rows x
-// 16 inputs) and x as the second, in column 0 only (7 of its 8 columns wasted). Measured on the H200 (one
-// decoder layer's four projections at the Qwen3-8B shapes, benchmarks/qlinear_tiles.py --cuda): INT4 71.1 us
-// against the Triton GEMV's 77.3, FP8 91.8 against 74.1, so only INT4 runs here (cuda_qgemv.TILE).
+// The codes go to the tensor cores as they are stored, in 8-bit MMAs (m16n8k32: 16 output rows x 32 inputs),
+// so no code is ever converted: FP8 codes as e4m3 against x in e4m3, INT4 codes (their nibbles masked into
+// bytes, 0..15) as s8 against x in s8. x itself is cut into two 8-bit terms per input (x = s (hi + mid) with
+// a power of two s per 64 inputs, FP8; x / s = 128 hi + lo, INT4) that sit in two of the MMA's 8 columns
+// (the others are zeros), so one MMA multiplies every code by both terms. Both cuts hold a bf16 x exactly
+// unless it is over 2^10 (FP8) or 2^7 (INT4) times smaller than its group's largest; then the error stays
+// under 2^-18 (2^-14) of that largest, far below the output's bf16 rounding. Sums are fp32 (FP8) or exact
+// int32 (INT4, with sum (q - z) X = sum q X - z sum X), scaled per 64-input group by s and per block by the
+// weight scale. Converting each code to bf16 instead (integer instructions, then bf16 MMAs) cost one decoder
+// layer's FP8 projections 91.8 us at the Qwen3-8B shapes on the H200, against the Triton GEMV's 74.1.
 //
 // Layout of the work: a tile is 16 output rows (gated: and their 16 up rows), all of K, cut into slices of
 // KS bytes of codes. A block takes a contiguous range of tiles; each (tile, slice) is one stage of a ring in
@@ -18,10 +22,12 @@
 // sums meet in shared memory in warp order and thread j < 16 finishes column j (the bits depend on the
 // block's warps and the slice only).
 //
-// The MMA's K order is free, so each lane loads 16 bytes of a row and feeds word j of them to MMA j: a word's
-// bytes (b0 b1 b2 b3) become the bf16 pairs (b0, b2) and (b1, b3), and x sits in shared memory permuted the
-// same way in every group of 4 (x0 x2 x1 x3). A scale (INT4: and a zero point, folded into the codes) holds
-// for a block of ``cols`` inputs: the MMA sums of a block are scaled per row and added up in fp32.
+// The MMA's K order is free, so each lane loads 16 bytes of a row and gives words 0-1 to one MMA and 2-3 to
+// the next (INT4: the low nibbles to two MMAs, the high ones, inputs 64 further, to two more); x's terms are
+// read in the same order, 16 bytes a lane, by the lanes of the MMA's columns 0 and 1.
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "common.cuh"
 
@@ -31,67 +37,126 @@ using namespace xc;
 
 constexpr int SPAN = 64;            // bytes of a row a warp's lanes cover at once: 4 lanes x 16 bytes
 constexpr int PAD = 64;             // shared-memory row stride = KS + PAD: rows g and g + 1 on other banks
+constexpr int XGROUP = 64;          // bytes of codes under one scale of x (FP8: 64 inputs, INT4: 128)
 
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
+__device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 4 e4m3 bytes -> their values as bf16 pairs (b0, b2) and (b1, b3), exactly: exponent and mantissa shifted into
-// bf16's fields are the value times 2^-120 (subnormals too), times 2^120 in one bf16x2 FMA
-__device__ __forceinline__ void e4m3x4(uint32_t v, uint32_t& even, uint32_t& odd) {
-    const uint32_t e = ((v << 4) & 0x07F007F0u) | ((v << 8) & 0x80008000u);
-    const uint32_t o = ((v >> 4) & 0x07F007F0u) | (v & 0x80008000u);
-    even = fma_bf16x2(e, 0x7B807B80u, 0x80008000u);
-    odd = fma_bf16x2(o, 0x7B807B80u, 0x80008000u);
+__device__ __forceinline__ uint32_t low4(uint32_t v) { return v & 0x0F0F0F0Fu; }       // 4 INT4 codes as bytes
+__device__ __forceinline__ uint32_t high4(uint32_t v) { return (v >> 4) & 0x0F0F0F0Fu; }
+
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float((uint32_t)(127 + e) << 23); }  // |e| < 127
+
+// two e4m3 bytes of a and b, rounded to nearest
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
-// 4 bytes of two 4-bit codes each (low nibble: code i, high: code i + 64 of the chunk) and -(128 + z) as a
-// bf16 pair -> q - z as bf16 pairs: low nibbles (b0, b2), (b1, b3), high nibbles (b0, b2), (b1, b3). A code
-// or'ed into the mantissa of 128.0 is 128 + q, exactly.
-__device__ __forceinline__ void u4x8(uint32_t v, uint32_t nz, uint32_t (&q)[4]) {
-    constexpr uint32_t M = 0x000F000Fu, B = 0x43004300u, ONE = 0x3F803F80u;
-    q[0] = fma_bf16x2((v & M) | B, ONE, nz);
-    q[1] = fma_bf16x2(((v >> 8) & M) | B, ONE, nz);
-    q[2] = fma_bf16x2(((v >> 4) & M) | B, ONE, nz);
-    q[3] = fma_bf16x2(((v >> 12) & M) | B, ONE, nz);
+__device__ __forceinline__ float2 from_e4m3x2(uint32_t v) {
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)v, __NV_E4M3)));
 }
 
-// x (times g, rounded, with the RMSNorm) into shared memory as bf16, permuted x0 x2 x1 x3 in each group of 4;
-// returns 1/rms (1 without the norm)
-template <bool NORM>
-__device__ float stage_x(const __nv_bfloat16* x, const __nv_bfloat16* g, uint32_t* xs, int k, float eps,
-                         float* part) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+// x (times g, rounded, with the RMSNorm) into shared memory as its two 8-bit terms (header): hi at xq[0, k),
+// mid (INT4: lo) at xq[k, 2k), each group's scale s in xsc and (INT4) its sum of x / s in xsum. Each thread
+// cuts 8 inputs; a group's 8 (INT4: 16) threads are neighbouring lanes. Returns 1/rms (1 without the norm).
+template <bool INT4, bool NORM>
+__device__ float stage_x(const __nv_bfloat16* x, const __nv_bfloat16* g, unsigned char* xq, float* xsc, float* xsum,
+                         int k, float eps, float* part) {
+    constexpr int LANES = (INT4 ? 2 * XGROUP : XGROUP) / 8;   // threads of a group
+    constexpr int SHIFT = INT4 ? 13 : 8;                      // |x / s| <= 2^13 (128 hi + lo) or 2^8 (e4m3)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    constexpr int U = 4;                                      // chunks a thread loads before cutting any
     float ss = 0.f;
-    for (int c = tid; c < k / 8; c += blockDim.x) {
-        uint4 v = reinterpret_cast<const uint4*>(x)[c];
-        if (NORM) {
-            const uint4 gv = reinterpret_cast<const uint4*>(g)[c];
-            float xf[8], gf[8];
-            unpack(v, xf);
-            unpack(gv, gf);
-            uint32_t p[4];
+    for (int base = warp * 32; base < k / 8; base += U * blockDim.x) {  // whole warps: the shuffles need all lanes
+        uint4 xv[U], gv[U];                                   // U loads in flight: one wait, not U
 #pragma unroll
-            for (int j = 0; j < 8; j += 2) {
-                ss = fmaf(xf[j], xf[j], ss);
-                ss = fmaf(xf[j + 1], xf[j + 1], ss);
-                const __nv_bfloat162 two = __floats2bfloat162_rn(xf[j] * gf[j], xf[j + 1] * gf[j + 1]);
-                p[j / 2] = *reinterpret_cast<const uint32_t*>(&two);
+        for (int u = 0; u < U; ++u) {
+            const int c = base + u * blockDim.x + lane;
+            if (c < k / 8) {
+                xv[u] = reinterpret_cast<const uint4*>(x)[c];
+                if (NORM) gv[u] = reinterpret_cast<const uint4*>(g)[c];
             }
-            v = make_uint4(p[0], p[1], p[2], p[3]);
         }
-        reinterpret_cast<uint4*>(xs)[c] = make_uint4(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632),
-                                                     __byte_perm(v.z, v.w, 0x5410), __byte_perm(v.z, v.w, 0x7632));
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = base + u * blockDim.x + lane;
+            const bool in = c < k / 8;                            // a group is in or out whole (k: a multiple of 128)
+            float v[8] = {};
+            if (in) {
+                unpack(xv[u], v);
+                if (NORM) {
+                    float gf[8];
+                    unpack(gv[u], gf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        ss = fmaf(v[j], v[j], ss);
+                        v[j] = round_bf16(v[j] * gf[j]);
+                    }
+                }
+            }
+            float m = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
+#pragma unroll
+            for (int o = 1; o < LANES; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            // m < 2^e: e from m's exponent field (at least -100, so that 2^(SHIFT - e) stays finite)
+            const int e = max((int)((__float_as_uint(m) >> 23) & 0xFF) - 126, -100);
+            const float inv = pow2(SHIFT - e), s = pow2(e - SHIFT);
+            uint32_t hi[2], lo[2];
+            float sum = 0.f;
+            if (INT4) {
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    uint32_t h = 0, l = 0;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float q = rintf(v[4 * w + j] * inv), qh = rintf(q * (1.f / 128.f));
+                        sum += q;
+                        h |= ((uint32_t)(int)qh & 0xFFu) << (8 * j);
+                        l |= ((uint32_t)(int)(q - 128.f * qh) & 0xFFu) << (8 * j);
+                    }
+                    hi[w] = h;
+                    lo[w] = l;
+                }
+#pragma unroll
+                for (int o = 1; o < LANES; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            } else {
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    uint32_t h[2], r[2];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float a = v[4 * w + 2 * j] * inv, b = v[4 * w + 2 * j + 1] * inv;
+                        h[j] = e4m3x2(a, b);
+                        const float2 f = from_e4m3x2(h[j]);
+                        r[j] = e4m3x2(a - f.x, b - f.y);
+                    }
+                    hi[w] = h[0] | (h[1] << 16);
+                    lo[w] = r[0] | (r[1] << 16);
+                }
+            }
+            if (in) {
+                reinterpret_cast<uint2*>(xq)[c] = make_uint2(hi[0], hi[1]);
+                reinterpret_cast<uint2*>(xq + k)[c] = make_uint2(lo[0], lo[1]);
+                if (lane % LANES == 0) {
+                    xsc[c / LANES] = s;
+                    if (INT4) xsum[c / LANES] = sum;
+                }
+            }
+        }
     }
     float rstd = 1.f;
     if (NORM) {
@@ -141,8 +206,10 @@ __global__ void qgemv_kernel(Args a) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
     const int gi = lane >> 2, t = lane & 3;                   // the MMA's row group and lane in the group
     const size_t stage_bytes = (size_t)R * (a.ks + PAD);
-    uint32_t* xs = reinterpret_cast<uint32_t*>(smem + a.stages * stage_bytes);
-    uint64_t* full = reinterpret_cast<uint64_t*>(xs + a.k / 2);
+    unsigned char* xq = smem + a.stages * stage_bytes;       // x's two terms [2][k] bytes
+    float* xsc = reinterpret_cast<float*>(xq + 2 * a.k);      // x's scales and (INT4) sums, one a group
+    float* xsums = xsc + a.k / XGROUP;
+    uint64_t* full = reinterpret_cast<uint64_t*>(xsums + a.k / XGROUP);
     float* red = reinterpret_cast<float*>(full + a.stages);  // [stages][warps][R], then [warps]
     const int tiles = (a.n_out + 15) / 16, slices = a.ck / a.ks;
     const int t0 = (int)((long long)blockIdx.x * tiles / gridDim.x);
@@ -159,7 +226,7 @@ __global__ void qgemv_kernel(Args a) {
             issue<R>(a, smem + s * stage_bytes, full + s, first + s, slices, lane);
     grid_wait();
     if (a.early) grid_launch_dependents();
-    const float rstd = stage_x<NORM>(a.x, a.g, xs, a.k, a.eps, red + a.stages * warps * R);
+    const float rstd = stage_x<INT4, NORM>(a.x, a.g, xq, xsc, xsums, a.k, a.eps, red + a.stages * warps * R);
 
     const int wb = a.ks / warps;                              // bytes of a row each warp takes from a stage
     const int period = INT4 ? a.cols / 2 : a.cols;            // bytes of codes under one scale
@@ -182,68 +249,56 @@ __global__ void qgemv_kernel(Args a) {
             zn[h] = INT4 ? a.zero[srow[h] + kb] : 0.f;
         }
         for (int o0 = warp * wb; o0 < (warp + 1) * wb; o0 += period, ++kb) {
-            float s_[R / 8];
-            uint32_t nz[R / 8];                               // INT4: -(128 + z) as a bf16 pair
+            float s_[R / 8], z_[R / 8];
             const int next = min(kb + 1, a.sk - 1);
 #pragma unroll
             for (int h = 0; h < R / 8; ++h) {
                 s_[h] = sc[h];
-                if (INT4) {
-                    const __nv_bfloat16 b = __float2bfloat16_rn(-128.f - zn[h]);
-                    nz[h] = (uint32_t)(*reinterpret_cast<const uint16_t*>(&b)) * 0x10001u;
-                    zn[h] = a.zero[srow[h] + next];
-                }
+                z_[h] = zn[h];
+                if (INT4) zn[h] = a.zero[srow[h] + next];
                 sc[h] = a.scale[srow[h] + next];
             }
-            float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float c[2][2] = {{0.f, 0.f}, {0.f, 0.f}};         // the block's sums [gate, up][row gi, gi + 8]
             for (int o = o0; o < o0 + period; o += SPAN) {
                 const int ob = slice * a.ks + o;               // the span's first byte of the row
                 uint4 w[R / 8];                                // rows gi, gi + 8 (gated: + 16, + 24)
 #pragma unroll
                 for (int h = 0; h < R / 8; ++h)
                     w[h] = *reinterpret_cast<const uint4*>(st + (gi + 8 * h) * (a.ks + PAD) + o + 16 * t);
-                if (INT4) {                                    // a span: one chunk of 128 inputs
-                    uint4 xl[2] = {}, xh[2] = {};
-                    if (lane < 4) {
-                        const uint4* p = reinterpret_cast<const uint4*>(xs + (2 * ob + 16 * t) / 2);
-                        xl[0] = p[0]; xl[1] = p[1]; xh[0] = p[8]; xh[1] = p[9];      // + 64 inputs: 8 uint4
-                    }
+                uint4 xv[2] = {};                              // x's term gi (columns 0, 1; zeros elsewhere)
+                if (gi < 2) {
+                    const unsigned char* p = xq + gi * a.k + (INT4 ? 2 * ob : ob) + 16 * t;
+                    xv[0] = *reinterpret_cast<const uint4*>(p);
+                    if (INT4) xv[1] = *reinterpret_cast<const uint4*>(p + SPAN);   // the high nibbles' inputs
+                }
+                const float xs = xsc[ob / XGROUP];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const uint32_t* l = &xl[j / 2].x + 2 * (j % 2);
-                        const uint32_t* hi = &xh[j / 2].x + 2 * (j % 2);
+                for (int u = 0; u < (GATED ? 2 : 1); ++u) {
+                    const uint4 &ra = w[2 * u], &rb = w[2 * u + 1];       // rows gi, gi + 8
+                    if (INT4) {                                // a span: one chunk of 128 inputs
+                        int d[4] = {0, 0, 0, 0};
+                        mma_s8(d, low4(ra.x), low4(rb.x), low4(ra.y), low4(rb.y), xv[0].x, xv[0].y);
+                        mma_s8(d, low4(ra.z), low4(rb.z), low4(ra.w), low4(rb.w), xv[0].z, xv[0].w);
+                        mma_s8(d, high4(ra.x), high4(rb.x), high4(ra.y), high4(rb.y), xv[1].x, xv[1].y);
+                        mma_s8(d, high4(ra.z), high4(rb.z), high4(ra.w), high4(rb.w), xv[1].z, xv[1].w);
+                        const float xsum = xsums[ob / XGROUP];
 #pragma unroll
-                        for (int u = 0; u < (GATED ? 2 : 1); ++u) {
-                            uint32_t qa[4], qb[4];
-                            u4x8((&w[2 * u].x)[j], nz[2 * u], qa);
-                            u4x8((&w[2 * u + 1].x)[j], nz[2 * u + 1], qb);
-                            mma(c[u], qa[0], qb[0], qa[1], qb[1], l[0], l[1]);
-                            mma(c[u], qa[2], qb[2], qa[3], qb[3], hi[0], hi[1]);
-                        }
-                    }
-                } else {
-                    uint4 xv[2] = {};
-                    if (lane < 4) {
-                        const uint4* p = reinterpret_cast<const uint4*>(xs + (ob + 16 * t) / 2);
-                        xv[0] = p[0]; xv[1] = p[1];
-                    }
+                        for (int h = 0; h < 2; ++h)            // sum (q - z) x = s (sum q X - z sum X), X = 128 hi + lo
+                            c[u][h] = fmaf((float)(128 * d[2 * h] + d[2 * h + 1]) - z_[2 * u + h] * xsum, xs,
+                                           c[u][h]);
+                    } else {
+                        float d[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_e4m3(d, ra.x, rb.x, ra.y, rb.y, xv[0].x, xv[0].y);
+                        mma_e4m3(d, ra.z, rb.z, ra.w, rb.w, xv[0].z, xv[0].w);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const uint32_t* b = &xv[j / 2].x + 2 * (j % 2);
-#pragma unroll
-                        for (int u = 0; u < (GATED ? 2 : 1); ++u) {
-                            uint32_t ae, ao, be, bo;
-                            e4m3x4((&w[2 * u].x)[j], ae, ao);
-                            e4m3x4((&w[2 * u + 1].x)[j], be, bo);
-                            mma(c[u], ae, be, ao, bo, b[0], b[1]);
-                        }
+                        for (int h = 0; h < 2; ++h) c[u][h] = fmaf(d[2 * h] + d[2 * h + 1], xs, c[u][h]);
                     }
                 }
             }
 #pragma unroll
-            for (int u = 0; u < (GATED ? 2 : 1); ++u)         // the block's sums scaled per row (column 0)
+            for (int u = 0; u < (GATED ? 2 : 1); ++u)         // the block's sums scaled per row (lanes of column 0)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) acc[u][h] = fmaf(s_[2 * u + h], c[u][2 * h], acc[u][h]);
+                for (int h = 0; h < 2; ++h) acc[u][h] = fmaf(s_[2 * u + h], c[u][h], acc[u][h]);
         }
         const bool last = slice == slices - 1;
         float* sums = red + slot * warps * R;
@@ -294,11 +349,12 @@ cudaError_t launch(cudaLaunchConfig_t& cfg, int grid, int sms, const Args& a) {
 
 }  // namespace
 
-// The launch (cuda_qgemv.py's fit() and qgemv() check the arguments): codes uint8 [N, ck] (FP8: ck = K; INT4: K / 2 bytes, each
-// chunk of 128 inputs packed as qlinear.py packs it), scale (INT4: and zero) fp32 [ceil(N / rows), sk]; ks
-// bytes of a row a stage (dividing ck, a multiple of 64 x warps; each warp's share a multiple of the bytes
-// under one scale), stages 2-8, grid blocks (0: as many as fit), K a multiple of 128 (INT4: cols a multiple
-// of 128, FP8: of 64); x, codes and g 16-byte aligned (read 16 bytes at a time). Returns the launch's cudaError_t (0: cudaSuccess).
+// The launch (cuda_qgemv.py's fit() and qgemv() check the arguments): codes uint8 [N, ck] (FP8: ck = K; INT4:
+// K / 2 bytes, each chunk of 128 inputs packed as qlinear.py packs it), scale (INT4: and zero) fp32
+// [ceil(N / rows), sk]; ks bytes of a row a stage (dividing ck, a multiple of 64 x warps; each warp's share a
+// multiple of the bytes under one scale), stages 2-8, grid blocks (0: as many as fit), K a multiple of 128
+// (INT4: cols a multiple of 128, FP8: of 64); x, codes and g 16-byte aligned (read 16 bytes at a time).
+// Returns the launch's cudaError_t (0: cudaSuccess).
 extern "C" int xc_qgemv(const void* x, const void* codes, const void* scale, const void* zero, void* y, const void* r,
                         const void* g, void* y2, int n_out, int k, int ck, int sk, int rows, int cols, float eps,
                         int int4, int warps, int ks, int stages, int grid, int norm, int gated, int residual,
@@ -316,7 +372,7 @@ extern "C" int xc_qgemv(const void* x, const void* codes, const void* scale, con
            cols, ks, stages, residual, extra, early, eps};
     cudaLaunchConfig_t cfg = {};
     cfg.blockDim = dim3(32 * warps);
-    cfg.dynamicSmemBytes = (size_t)stages * rows_a_stage * (ks + PAD) + (size_t)k * 2 + stages * 8 +
+    cfg.dynamicSmemBytes = (size_t)stages * rows_a_stage * (ks + PAD) + (size_t)k * 2 + (size_t)k / 8 + stages * 8 +
                            ((size_t)stages * warps * rows_a_stage + warps) * 4;
     cfg.stream = static_cast<cudaStream_t>(stream);
     cfg.attrs = attr;

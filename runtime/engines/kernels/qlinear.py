@@ -13,9 +13,9 @@ loaded in, they went back through shared memory), then scales the fp32 block sum
     int4   acc += s[n, b] * ((q - z)[n, b-block] . x)
 
 so no dequantized weight is ever rounded, and each row's sums run in the same order at any row count above
-one. The scales of the next step are requested before this step's sums. One row (decode) runs a GEMV: INT4 on
-qgemv.cu's kernel where it is built (cuda_qgemv.py: the kinds its TILE lists), else qgemv.py's on the CUDA
-cores; either's sums round in another order (as bf16's GEMVs do, kernels/gemv.py).
+one. The scales of the next step are requested before this step's sums. One row (decode) runs a GEMV: on
+qgemv.cu's kernel where it is built (cuda_qgemv.py: 8-bit MMAs on the codes as stored, FP8 and INT4), else
+qgemv.py's on the CUDA cores; either's sums round in another order (as bf16's GEMVs do, kernels/gemv.py).
 
 The INT4 codes are packed for this K step (``chunk``): byte j of a chunk holds code j in its low nibble and code
 j + chunk/2 in its high one, so a loaded tile splits into two halves that each meet a contiguous half of x, with

@@ -129,6 +129,28 @@ def test_every_code_reads_exactly(kind):
 
 @gpu_only
 @needs_lib
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_x_spanning_many_binades_within_a_group(scheme):
+    """x's two 8-bit terms (qgemv.cu's header) at their edges: inputs 2^-20 to 2^8 apart inside one group of
+    scale, a group of zeros, a group of one nonzero input; the results within TOL of the reference, and a
+    one-hot x far from 1 (2^-30, 2^20) reads a column of the weights exactly scaled."""
+    torch.manual_seed(5)
+    qw, w = weights(200, 1024, *scheme)
+    x = (randn(1, 1024, dtype=torch.float32) * 2.0 ** torch.randint(-20, 9, (1, 1024), device=DEV)).to(BF16)
+    x[0, 128:256] = 0
+    x[0, 256:384] = 0
+    x[0, 300] = -7.5
+    got = call(x, w, C.QTile(2, 256, 2))
+    assert rel(got, qlinear_reference(x, qw)) < TOL[BF16]
+    for v in (2.0 ** -30, 2.0 ** 20):
+        x = torch.zeros(1, 1024, dtype=BF16, device=DEV)
+        x[0, 517] = v
+        want = (qw[0].dequantize()[:, 517] * v).to(BF16).to(DEV)
+        assert torch.equal(call(x, w, C.QTile(2, 256, 2))[0], want)
+
+
+@gpu_only
+@needs_lib
 @pytest.mark.parametrize("pdl", [False, True])
 def test_qgemv_in_a_cuda_graph(pdl):
     """Two calls recorded in one graph, the second reading the first's output: replays give the eager
@@ -170,8 +192,8 @@ def test_qgemv_in_a_cuda_graph(pdl):
 @pytest.mark.parametrize("scheme", [(FP8, (128, 128)), (INT4, (1, 128))], ids=str)
 @pytest.mark.parametrize("shape, gated", [((6144, 4096), False), ((12288, 4096), True), ((4096, 12288), False)])
 def test_qlinear_sends_one_row_at_the_8b_shapes_here(scheme, shape, gated):
-    """qlinear() of one row gives qgemv.cu's bits for a kind with a shipped tile (INT4), the Triton GEMV's for
-    one without (FP8) and with cuda_gemv off; all near the reference."""
+    """qlinear() of one row gives qgemv.cu's bits for a kind with a shipped tile, the Triton GEMV's for one
+    without and with cuda_gemv off; all near the reference."""
     n, k = shape
     kind = scheme[0]
     qw, w = weights(n, k, *scheme, parts=2 if gated else 1)
