@@ -4,7 +4,7 @@ percentiles, and errors (429s counted apart). Not a test: it times a real server
 
     python benchmarks/serve_load.py ENGINE_DIR [--serve-args '--device cpu --drafter none']
         [--streams 1,4,16,64] [--max-tokens 64] [--prompts FILE [--prompt-words 32] | --prompt-tokens 16]
-        [--per-stream 1] [--json FILE] [--plot FILE]
+        [--per-stream 1] [--lengths 64] [--json FILE] [--plot FILE]
     python benchmarks/serve_load.py --url http://HOST:PORT ...        # a server that is already running
 
 With ENGINE_DIR it starts ``xrun serve ENGINE_DIR --host 127.0.0.1 --port 0 SERVE_ARGS`` as a child process (the
@@ -24,6 +24,11 @@ Definitions, as vLLM's benchmarks/benchmark_serving.py has them:
                carries several tokens: its gap counts once)
     TPOT       per request: (latency - TTFT) / (tokens - 1)
     latency    a request's start to its stream's end
+
+The first level's warm-up request is the first request after /health said ready: its TTFT is reported beside
+the one-stream level's. --lengths N then sends N requests one at a time, each prompt one token (word) longer than
+the last, from --prompt-tokens (--prompt-words) on, 2 tokens each: a prompt length the server meets for the first
+time must not stall its request (its TTFT against the median of the N).
 
 Prints a table; --json writes the report, --plot a PNG (matplotlib, ``pip install 'xcompile[plot]'``).
 """
@@ -151,13 +156,15 @@ def wait_healthy(url: str, timeout: float, server: Server | None = None) -> dict
 # the load
 
 
-def make_prompts(args, count: int) -> list[str | list[int]]:
-    """``count`` prompts: windows of the file's words, else fixed token-id prompts (module docstring)."""
+def make_prompts(args, count: int, longer: int = 0) -> list[str | list[int]]:
+    """``count`` prompts: windows of the file's words, else fixed token-id prompts (module docstring); ``longer``
+    words or tokens longer than --prompt-words / --prompt-tokens."""
     if args.prompts is not None:
+        size = args.prompt_words + longer
         words = Path(args.prompts).read_text(encoding="utf-8").split()
-        n = len(words) // args.prompt_words
-        return [" ".join(words[(i % n) * args.prompt_words:(i % n + 1) * args.prompt_words]) for i in range(count)]
-    return [[(7 + 31 * i + 11 * j) % PROMPT_ID_LIMIT for j in range(args.prompt_tokens)] for i in range(count)]
+        n = len(words) // size
+        return [" ".join(words[(i % n) * size:(i % n + 1) * size]) for i in range(count)]
+    return [[(7 + 31 * i + 11 * j) % PROMPT_ID_LIMIT for j in range(args.prompt_tokens + longer)] for i in range(count)]
 
 
 async def one_request(client, model: str, prompt, max_tokens: int) -> dict:
@@ -238,8 +245,28 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             "itl_ms": spread([g for r in ok for g in r["gaps"]]),
             "tpot_ms": spread([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
             "latency_ms": spread([r["end"] - r["start"] for r in ok]),
+            "warm_up": {"ttft_ms": round(warm["ttft"] * 1e3, 3) if warm["ttft"] is not None else None,
+                        "latency_ms": round((warm["end"] - warm["start"]) * 1e3, 3)},
             "per_request": [{"tokens": r["tokens"], "usage_tokens": r["usage_tokens"], "finish_reason": r["finish_reason"]}
                             if r["status"] == 200 else {"status": r["status"], "error": r["error"]} for r in done]}
+
+
+async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
+    """--lengths requests one at a time, each prompt one token (word) longer than the last (module docstring)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0,
+                                  timeout=timeout) as client:
+        done = [await one_request(client, model, make_prompts(args, 1, longer=i)[0], 2) for i in range(args.lengths)]
+    first = args.prompt_words if args.prompts is not None else args.prompt_tokens
+    ttfts = {first + i: r["ttft"] for i, r in enumerate(done) if r["status"] == 200 and r["ttft"] is not None}
+    median = percentile(list(ttfts.values()), 50)
+    slowest = max(ttfts, key=ttfts.get) if ttfts else None
+    errors = sorted({r["error"] for r in done if r["status"] != 200})[:5]
+    return {"requests": len(done), "ok": len(ttfts), "errors": errors,
+            "lengths": [first, first + args.lengths - 1], "ttft_ms": spread(list(ttfts.values())),
+            "slowest": None if slowest is None else {"length": slowest, "ttft_ms": round(ttfts[slowest] * 1e3, 3),
+                                                     "over_median": round(ttfts[slowest] / median, 3)}}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,6 +286,23 @@ def table(levels: list[dict]) -> str:
         lines.append(f"{lv['streams']:>7} {lv['ok']:>5} {lv['errors']:>4} {lv['rate_limited']:>4} "
                      f"{lv['tokens_per_s']:>8.1f}  {three(lv['ttft_ms']):>26}  {three(lv['itl_ms']):>24}  {lat_s:>18}")
     return "\n".join(lines)
+
+
+def summary(report: dict) -> list[str]:
+    """The first request's TTFT against the one-stream level's, and the prompt lengths' spread."""
+    lines = []
+    first, one = report["first_request"], next((lv for lv in report["levels"] if lv["streams"] == 1), None)
+    if first and first["ttft_ms"] is not None:
+        idle = one["ttft_ms"]["p50"] if one else None
+        ratio = f" = {first['ttft_ms'] / idle:.2f}x the 1-stream p50" if idle else ""
+        lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{ratio}")
+    lengths = report["prompt_lengths"]
+    if lengths and lengths["slowest"]:
+        t, low, high = lengths["ttft_ms"], *lengths["lengths"]
+        lines.append(f"prompt lengths {low}-{high}, one at a time: {lengths['ok']}/{lengths['requests']} ok, TTFT p50 "
+                     f"{t['p50']:.1f} ms, slowest {lengths['slowest']['ttft_ms']:.1f} ms = "
+                     f"{lengths['slowest']['over_median']:.2f}x the median (length {lengths['slowest']['length']})")
+    return lines
 
 
 def plot(report: dict, path: str) -> None:
@@ -299,6 +343,7 @@ def main() -> int:
     parser.add_argument("--prompts", help="UTF-8 text whose consecutive word windows are the prompts")
     parser.add_argument("--prompt-words", type=positive, default=32)
     parser.add_argument("--prompt-tokens", type=positive, default=16, help="without --prompts: token-id prompts this long")
+    parser.add_argument("--lengths", type=positive, help="then this many requests, one prompt length each")
     parser.add_argument("--api-key", default="unused")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds for the server to answer /health")
@@ -347,6 +392,10 @@ def main() -> int:
             levels.append(asyncio.run(run_level(url, model, n, args, args.timeout)))
             if server is not None and not server.alive():
                 raise RuntimeError(f"xrun serve exited during the run: {server.last_words()}")
+        lengths = None
+        if args.lengths:
+            print(f"# {args.lengths} prompt lengths ...", file=sys.stderr, flush=True)
+            lengths = asyncio.run(run_lengths(url, model, args, args.timeout))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -360,8 +409,11 @@ def main() -> int:
               "server_exit_status": status, "server": health, "max_tokens": args.max_tokens,
               "per_stream": args.per_stream,
               "prompts": (f"windows of {args.prompt_words} words of {args.prompts}" if args.prompts else
-                          f"token-id prompts of {args.prompt_tokens} ids"), "levels": levels}
+                          f"token-id prompts of {args.prompt_tokens} ids"), "levels": levels,
+              "first_request": levels[0]["warm_up"] if levels else None, "prompt_lengths": lengths}
     print(table(levels))
+    for line in summary(report):
+        print(line)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:

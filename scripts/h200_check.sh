@@ -24,7 +24,8 @@
 #            (chain gamma 6): decode and verify against the floor counting KV bytes, and the 32,000-token prefill
 #            against the matmul rate; the same at 32000 with an FP8 KV cache
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
-#            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens (carry .whl: fastapi, uvicorn, openai...)
+#            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens, then 64 prompt lengths one at a time
+#            (carry .whl: fastapi, uvicorn, openai, httpx2...)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -144,7 +145,7 @@ for part in "$@"; do
     run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
       --out /tmp/serve-8b --force
     run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams 1,4,16 \
-      --max-tokens 256 --json "$OUT/serve_load.json"
+      --max-tokens 256 --lengths 64 --json "$OUT/serve_load.json"
     tail -12 "$OUT/serve_load.log"
     ;;
   paradigms)

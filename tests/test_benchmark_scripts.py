@@ -198,7 +198,8 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
 
     out, png = tmp_path / "load.json", tmp_path / "load.png"
     done = run("serve_load.py", str(batch4_dir), "--serve-args", "--device cpu --backend ort", "--streams", "1,4",
-               "--per-stream", "2", "--max-tokens", "6", "--json", str(out), "--plot", str(png), timeout=300)
+               "--per-stream", "2", "--max-tokens", "6", "--lengths", "3", "--json", str(out), "--plot", str(png),
+               timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["server_exit_status"] == 143                      # stopped by SIGTERM (128 + 15)
@@ -226,7 +227,13 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
         for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
             assert 0 < lv[key]["p50"] <= lv[key]["p90"] <= lv[key]["p99"], (key, lv[key])
         assert lv["ttft_ms"]["p99"] <= lv["latency_ms"]["p99"]
-    assert "tok/s" in done.stdout and len(done.stdout.strip().splitlines()) == 3   # the table: head, two levels
+    assert report["first_request"] == report["levels"][0]["warm_up"] and report["first_request"]["ttft_ms"] > 0
+    lengths = report["prompt_lengths"]          # prompts of 16, 17 and 18 ids, one at a time
+    assert (lengths["requests"], lengths["ok"], lengths["lengths"]) == (3, 3, [16, 18])
+    assert lengths["slowest"]["length"] in (16, 17, 18) and lengths["slowest"]["over_median"] >= 1
+    out_lines = done.stdout.strip().splitlines()   # the table (head, two levels), the first request, the lengths
+    assert len(out_lines) == 5 and "tok/s" in out_lines[0], done.stdout
+    assert out_lines[3].startswith("first request after ready: TTFT") and "prompt lengths 16-18" in out_lines[4]
 
 
 def test_serve_load_reports_a_server_that_fails_to_start_in_one_line(batch4_dir, tmp_path):
