@@ -8,9 +8,10 @@ What a cold request pays, and where:
                    divisible by 16, the attention's register cap by grid size: a compile per new case),
                    ONNX Runtime's CUDA graphs (one per token count up to ort.GRAPH_MAX_TOKENS), TensorRT's
                    graphs of its decode profile. So every L from 1 to SHORT is run, twice (TensorRT records on
-                   a shape's second run). Longer passes run the reference modules (fast), ORT or TensorRT
-                   without graphs: shape-generic kernels (cuBLAS, SDPA) whose first use loads what they pick,
-                   run at SHORT + 1 and powers of two up to the longest prompt the engine dir admits.
+                   a shape's second run). Longer passes run the reference modules (fast: past two short
+                   steps, drafters.prompt_pass), ORT or TensorRT without graphs: shape-generic kernels (cuBLAS,
+                   SDPA) whose first use loads what they pick, run at SHORT + 1 and powers of two up to the
+                   longest prompt the engine dir admits.
     rounds         a round is recorded as one CUDA graph per (drafter, sampler mode) on its second call, and
                    the loop's fused kernels compile on the first; the plain round the loop falls back to near
                    the cache's end is another. Each is run twice (eager; recorded and replayed) under each

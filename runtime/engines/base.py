@@ -63,6 +63,9 @@ class Engine(ABC):
     # loop's lone sequence runs the batch-1 loop in slot 0 (runtime/decoding/solo.py). ORT and TensorRT graphs
     # fix the batch.
     partial_batch = False
+    # The most rows a step takes on the engine's short-step route, whose every size the warm-up compiles (the
+    # fast kernels' MAX_ROWS); None: one route for any size. Short prompts run in steps of it (prompt_pass).
+    short_rows: int | None = None
 
     # KV dtypes besides the compute dtype that the engine's steps write and read (set_kv_dtype)
     kv_dtypes: tuple[torch.dtype, ...] = ()

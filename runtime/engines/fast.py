@@ -159,6 +159,7 @@ class _FastEngine(Engine):
 
     graph_capturable = True
     partial_batch = True        # the kernels index cache rows 0..B-1; the reference slices its buffers alike
+    short_rows = MAX_ROWS
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
@@ -364,11 +365,15 @@ class FastFCEngine(_FastEngine):
         self.fc = _Packed(reference.module).get("fc.weight")
 
     def run(self, **inputs):
+        """Up to two steps' rows (a short prompt's taps, prompt_pass's SHORT_STEPS) on the kernel, 64 rows a call;
+        more on the reference module."""
         taps = inputs["hidden_taps"]
         batch, s, width = taps.shape
-        if batch * s > MAX_ROWS:
+        if batch * s > 2 * MAX_ROWS:
             return self.reference.run(**inputs)
-        return {"hidden_states": linear(taps.reshape(batch * s, width), self.fc, cfg=self.kernels).view(batch, s, -1)}
+        rows = taps.reshape(batch * s, width)
+        parts = [linear(rows[i:i + MAX_ROWS], self.fc, cfg=self.kernels) for i in range(0, len(rows), MAX_ROWS)]
+        return {"hidden_states": (parts[0] if len(parts) == 1 else torch.cat(parts)).view(batch, s, -1)}
 
 
 def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],

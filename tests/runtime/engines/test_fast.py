@@ -73,6 +73,31 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
     return ((a - b).norm() / b.norm().clamp(min=1e-12)).item() < tol
 
 
+def test_a_prompt_of_two_short_steps_runs_on_the_kernels(tiny, monkeypatch):
+    """drafters.prompt_pass (SHORT_STEPS): a 90-token prompt runs as steps of 64 and 26 rows on the kernels, never
+    on the reference module, and gives the reference's whole-pass logits and taps; the EAGLE3 fc takes 90 rows of
+    taps on the kernel too (two calls), the reference's values."""
+    from xcompile.runtime.decoding.drafters import base
+
+    ref, got = tiny.target_engine(), fast_target(tiny)
+    ref.new_kv()
+    got.new_kv()
+    prompt = torch.tensor([T.random_prompts((90,), seed=7)[0]])
+    long_calls, steps = [], []
+    ref_run, step = got.reference.run, got._step
+    monkeypatch.setattr(got.reference, "run", lambda **i: long_calls.append(i) or ref_run(**i))
+    monkeypatch.setattr(got, "_step", lambda ids, *a: steps.append(ids.shape[0]) or step(ids, *a))
+    out, last, taps = base.prompt_pass(got, prompt, keep="hidden_taps")
+    want, want_last, want_taps = base.prompt_pass(ref, prompt, keep="hidden_taps")
+    assert not long_calls and steps == [64, 26] and last.tolist() == [25] and want_last.tolist() == [89]
+    assert close(out["logits"], want["logits"]) and close(taps, want_taps)
+    _, fc = fast_eagle3(tiny)
+    fc_run = fc.reference.run
+    monkeypatch.setattr(fc.reference, "run", lambda **i: long_calls.append(i) or fc_run(**i))
+    got_fc = fc.run(hidden_taps=taps)["hidden_states"]
+    assert not long_calls and close(got_fc, fc_run(hidden_taps=taps)["hidden_states"])
+
+
 def test_target_steps_and_kv_match_the_reference(tiny):
     ref, got = tiny.target_engine(), fast_target(tiny)
     ref.new_kv()
