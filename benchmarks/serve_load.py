@@ -265,6 +265,7 @@ async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
     errors = sorted({r["error"] for r in done if r["status"] != 200})[:5]
     return {"requests": len(done), "ok": len(ttfts), "errors": errors,
             "lengths": [first, first + args.lengths - 1], "ttft_ms": spread(list(ttfts.values())),
+            "ttft_ms_by_length": {str(n): round(t * 1e3, 3) for n, t in ttfts.items()},
             "slowest": None if slowest is None else {"length": slowest, "ttft_ms": round(ttfts[slowest] * 1e3, 3),
                                                      "over_median": round(ttfts[slowest] / median, 3)}}
 

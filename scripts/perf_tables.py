@@ -57,6 +57,9 @@ TABLES = {
     "bench-8b-quantized": Table("bench-8b-quantized", "bench"),
     "bench-8b-int4-qgemv": Table("bench-8b-int4-qgemv", "bench", ("decode floor", "plain decode, context",
                                                                   "decode step", "verify", "EAGLE3 chain round")),
+    "bench-8b-qgemv8": Table("bench-8b-qgemv8", "bench", ("decode floor", "plain decode, context", "decode step",
+                                                          "verify", "EAGLE3 draft step", "EAGLE3 chain round",
+                                                          "EAGLE3 tree round")),
     "bench-8b-sampled": Table("bench-8b-sampled", "bench"),
     "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
                                            "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
@@ -100,6 +103,7 @@ TABLES = {
         ("8-token prefill, warm (median of 5)", "prefill_8_ms", "{:.1f} ms", 1),
         ("a round of the EAGLE3 chain of 6, batch-1 Generator", "round_ms", "{:.3f} ms", 1))),
     "serve-load-cpu-solo": Table("serve-load-cpu-solo", "load"),
+    "serve-load-8b": Table("serve-load-8b", "load"),
 }
 
 
@@ -405,11 +409,29 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
             text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"
         return text
 
+    def first(rep: dict) -> str:
+        return "—" if not rep.get("first_request") else f"TTFT {rep['first_request']['ttft_ms']:.0f} ms"
+
+    def lengths(rep: dict) -> str:
+        ln = rep.get("prompt_lengths")
+        if not ln or not ln["slowest"]:
+            return "—"
+        return (f"{ln['ok']} / {ln['requests']} ok; TTFT p50 {ln['ttft_ms']['p50']:.0f} ms, p90 "
+                f"{ln['ttft_ms']['p90']:.0f} ms, slowest {ln['slowest']['ttft_ms']:.0f} ms = "
+                f"{ln['slowest']['over_median']:.2f}x the median ({ln['slowest']['length']} tokens)")
+
     _need_levels(columns, "serve_load.py")
     levels = [{lv["streams"]: lv for lv in rep["levels"]} for _, rep in columns]
     streams = sorted({n for lv in levels for n in lv})
-    return _grid(["concurrent streams", *(label for label, _ in columns)],
-                 [[str(n), *(cell(lv.get(n)) for lv in levels)] for n in streams])
+    rows = [[str(n), *(cell(lv.get(n)) for lv in levels)] for n in streams]
+    if any(rep.get("first_request") for _, rep in columns):
+        rows.append(["first request after ready", *(first(rep) for _, rep in columns)])
+    if any(rep.get("prompt_lengths") for _, rep in columns):
+        spans = {f"{r['prompt_lengths']['lengths'][0]}-{r['prompt_lengths']['lengths'][1]}"
+                 for _, r in columns if r.get("prompt_lengths")}
+        rows.append([f"prompt lengths {', '.join(sorted(spans))}, one at a time",
+                     *(lengths(rep) for _, rep in columns)])
+    return _grid(["concurrent streams", *(label for label, _ in columns)], rows)
 
 
 def render_batch(columns: list[tuple[str, dict]]) -> list[str]:

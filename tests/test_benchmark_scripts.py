@@ -230,6 +230,8 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
     assert report["first_request"] == report["levels"][0]["warm_up"] and report["first_request"]["ttft_ms"] > 0
     lengths = report["prompt_lengths"]          # prompts of 16, 17 and 18 ids, one at a time
     assert (lengths["requests"], lengths["ok"], lengths["lengths"]) == (3, 3, [16, 18])
+    assert list(lengths["ttft_ms_by_length"]) == ["16", "17", "18"]
+    assert lengths["slowest"]["ttft_ms"] == max(lengths["ttft_ms_by_length"].values())
     assert lengths["slowest"]["length"] in (16, 17, 18) and lengths["slowest"]["over_median"] >= 1
     out_lines = done.stdout.strip().splitlines()   # the table (head, two levels), the first request, the lengths
     assert len(out_lines) == 5 and "tok/s" in out_lines[0], done.stdout
