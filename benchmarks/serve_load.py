@@ -25,10 +25,12 @@ Definitions, as vLLM's benchmarks/benchmark_serving.py has them:
     TPOT       per request: (latency - TTFT) / (tokens - 1)
     latency    a request's start to its stream's end
 
-The first level's warm-up request is the first request after /health said ready: its TTFT is reported beside
-the one-stream level's. --lengths N then sends N requests one at a time, each prompt one token (word) longer than
-the last, from --prompt-tokens (--prompt-words) on, 2 tokens each: a prompt length the server meets for the first
-time must not stall its request (its TTFT against the median of the N).
+Before the levels, one request alone is the first request after /health said ready: its TTFT is reported beside
+the one-stream level's, with the server's own (its /metrics TTFT histogram: arrival to first token), which tells
+the server's share of a slow first request from the HTTP and client side's. --lengths N then sends N requests
+one at a time, each prompt one token (word) longer than the last, from --prompt-tokens (--prompt-words) on, 2
+tokens each: a prompt length the server meets for the first time must not stall its request (its TTFT against
+the median of the N).
 
 Prints a table; --json writes the report, --plot a PNG (matplotlib, ``pip install 'xcompile[plot]'``).
 """
@@ -251,6 +253,36 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
                             if r["status"] == 200 else {"status": r["status"], "error": r["error"]} for r in done]}
 
 
+def server_ttft(url: str, api_key: str) -> tuple[float, int] | None:
+    """The server's TTFT histogram so far (/metrics): (sum in seconds, count); None where it has none."""
+    import httpx2 as httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = dict(re.findall(r"^xcompile_time_to_first_token_seconds_(sum|count) (\S+)$", text, re.M))
+    return (float(found["sum"]), int(float(found["count"]))) if len(found) == 2 else None
+
+
+async def run_first(url: str, model: str, args, timeout: float) -> dict:
+    """The first request after ready, alone (module docstring)."""
+    import openai
+
+    before = server_ttft(url, args.api_key)
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0,
+                                  timeout=timeout) as client:
+        r = await one_request(client, model, make_prompts(args, 1)[0], args.max_tokens)
+    if r["status"] != 200:
+        raise RuntimeError(f"the first request failed ({r['status']}): {r['error']}")
+    after = server_ttft(url, args.api_key)
+    server = None
+    if before is not None and after is not None and after[1] == before[1] + 1:
+        server = round((after[0] - before[0]) * 1e3, 3)
+    return {"ttft_ms": round(r["ttft"] * 1e3, 3) if r["ttft"] is not None else None,
+            "latency_ms": round((r["end"] - r["start"]) * 1e3, 3), "server_ttft_ms": server}
+
+
 async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
     """--lengths requests one at a time, each prompt one token (word) longer than the last (module docstring)."""
     import openai
@@ -296,7 +328,9 @@ def summary(report: dict) -> list[str]:
     if first and first["ttft_ms"] is not None:
         idle = one["ttft_ms"]["p50"] if one else None
         ratio = f" = {first['ttft_ms'] / idle:.2f}x the 1-stream p50" if idle else ""
-        lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{ratio}")
+        own = first["server_ttft_ms"]
+        server = f" (the server's own: {own:.1f} ms)" if own is not None else ""
+        lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{server}{ratio}")
     lengths = report["prompt_lengths"]
     if lengths and lengths["slowest"]:
         t, low, high = lengths["ttft_ms"], *lengths["lengths"]
@@ -387,6 +421,8 @@ def main() -> int:
         health = wait_healthy(url, args.start_timeout)
         model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"},
                           timeout=30).json()["data"][0]["id"]
+        print("# the first request ...", file=sys.stderr, flush=True)
+        first = asyncio.run(run_first(url, model, args, args.timeout))
         levels = []
         for n in args.streams:
             print(f"# {n} stream{'s' * (n > 1)} ...", file=sys.stderr, flush=True)
@@ -411,7 +447,7 @@ def main() -> int:
               "per_stream": args.per_stream,
               "prompts": (f"windows of {args.prompt_words} words of {args.prompts}" if args.prompts else
                           f"token-id prompts of {args.prompt_tokens} ids"), "levels": levels,
-              "first_request": levels[0]["warm_up"] if levels else None, "prompt_lengths": lengths}
+              "first_request": first, "prompt_lengths": lengths}
     print(table(levels))
     for line in summary(report):
         print(line)
