@@ -5,13 +5,13 @@
 //
 // The codes go to the tensor cores as they are stored, in 8-bit MMAs (m16n8k32: 16 output rows x 32 inputs),
 // so no code is ever converted: FP8 codes as e4m3 against x in e4m3, INT4 codes (their nibbles masked into
-// bytes, 0..15) as s8 against x in s8. x itself is cut into two 8-bit terms per input (x = s (hi + mid) with
-// a power of two s per 64 inputs, FP8; x / s = 128 hi + lo, INT4) that sit in two of the MMA's 8 columns
-// (the others are zeros), so one MMA multiplies every code by both terms. Both cuts hold a bf16 x exactly
-// unless it is over 2^10 (FP8) or 2^7 (INT4) times smaller than its group's largest; then the error stays
-// under 2^-18 (2^-14) of that largest, far below the output's bf16 rounding. Sums are fp32 (FP8) or exact
-// int32 (INT4, with sum (q - z) X = sum q X - z sum X), scaled per 64-input group by s and per block by the
-// weight scale. Converting each code to bf16 instead (integer instructions, then bf16 MMAs) cost one decoder
+// bytes, 0..15) as s8 against x in s8. x itself is cut into two 8-bit terms per input with a power of two s
+// per group of 64 bytes of codes (64 FP8 inputs, 128 INT4 ones): x = s (hi + mid) in e4m3 with |x / s| < 256,
+// or x / s = 128 hi + lo in s8 with |x / s| < 8192. The terms sit in two of the MMA's 8 columns (the others
+// are zeros), so one MMA multiplies every code by both. A bf16 x is held exactly down to 2^-9 (FP8) or 2^-5
+// (INT4) of its group's largest; below, the error stays under 2^-17 (2^-13) of that largest, far below the
+// output's bf16 rounding. Sums are fp32 (FP8) or exact int32 (INT4, with sum (q - z) X = sum q X - z sum X),
+// scaled per group by s and per block by the weight scale. Converting each code to bf16 instead (integer instructions, then bf16 MMAs) cost one decoder
 // layer's FP8 projections 91.8 us at the Qwen3-8B shapes on the H200, against the Triton GEMV's 74.1.
 //
 // Layout of the work: a tile is 16 output rows (gated: and their 16 up rows), all of K, cut into slices of
