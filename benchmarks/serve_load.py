@@ -25,7 +25,8 @@ Definitions, as vLLM's benchmarks/benchmark_serving.py has them:
     TPOT       per request: (latency - TTFT) / (tokens - 1)
     latency    a request's start to its stream's end
 
-Before the levels, one request alone is the first request after /health said ready: its TTFT is reported beside
+Before the levels, one request alone is the first request after /health said ready (with --url: the run's first
+request to that server): its TTFT is reported beside
 the one-stream level's, with the server's own (its /metrics TTFT histogram: arrival to first token), which tells
 the server's share of a slow first request from the HTTP and client side's. --lengths N then sends N requests
 one at a time, each prompt one token (word) longer than the last, from --prompt-tokens (--prompt-words) on, 2
@@ -396,8 +397,10 @@ def main() -> int:
     if args.prompts is not None:
         if not Path(args.prompts).is_file():
             refuse(f"--prompts {args.prompts}: no such file")
-        if len(Path(args.prompts).read_text(encoding="utf-8").split()) < args.prompt_words:
-            refuse(f"--prompts {args.prompts}: fewer than --prompt-words {args.prompt_words} words")
+        need = args.prompt_words + (args.lengths or 1) - 1          # --lengths' longest window
+        if len(Path(args.prompts).read_text(encoding="utf-8").split()) < need:
+            refuse(f"--prompts {args.prompts}: fewer than {need} words (--prompt-words {args.prompt_words}"
+                   + (f" + --lengths {args.lengths} - 1)" if args.lengths else ")"))
     for path, what in ((args.json_path, "--json"), (args.plot, "--plot")):
         if path is not None and not Path(path).resolve().parent.is_dir():
             refuse(f"{what} {path}: its folder does not exist")

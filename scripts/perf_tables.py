@@ -410,7 +410,11 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
         return text
 
     def first(rep: dict) -> str:
-        return "—" if not rep.get("first_request") else f"TTFT {rep['first_request']['ttft_ms']:.0f} ms"
+        f = rep.get("first_request")
+        if not f or f["ttft_ms"] is None:
+            return "—"
+        own = f.get("server_ttft_ms")
+        return f"TTFT {f['ttft_ms']:.0f} ms" + (f" (the server's own {own:.0f} ms)" if own is not None else "")
 
     def lengths(rep: dict) -> str:
         ln = rep.get("prompt_lengths")
@@ -418,7 +422,7 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
             return "—"
         return (f"{ln['ok']} / {ln['requests']} ok; TTFT p50 {ln['ttft_ms']['p50']:.0f} ms, p90 "
                 f"{ln['ttft_ms']['p90']:.0f} ms, slowest {ln['slowest']['ttft_ms']:.0f} ms = "
-                f"{ln['slowest']['over_median']:.2f}x the median ({ln['slowest']['length']} tokens)")
+                f"{ln['slowest']['over_median']:.2f}x the median (length {ln['slowest']['length']})")
 
     _need_levels(columns, "serve_load.py")
     levels = [{lv["streams"]: lv for lv in rep["levels"]} for _, rep in columns]

@@ -239,6 +239,14 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
     assert out_lines[3].startswith("first request after ready: TTFT") and "prompt lengths 16-18" in out_lines[4]
 
 
+def test_serve_load_refuses_a_prompt_file_shorter_than_its_longest_window(tmp_path):
+    text = tmp_path / "few.txt"
+    text.write_text(" ".join(["word"] * 40))
+    done = run("serve_load.py", "--url", "http://127.0.0.1:9", "--prompts", str(text), "--lengths", "10")
+    assert refused(done, f"--prompts {text}: fewer than 41 words (--prompt-words 32 + --lengths 10 - 1)")
+    assert done.returncode == 2
+
+
 def test_serve_load_reports_a_server_that_fails_to_start_in_one_line(batch4_dir, tmp_path):
     import shutil
 

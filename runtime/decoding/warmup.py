@@ -8,10 +8,10 @@ What a cold request pays, and where:
                    divisible by 16, the attention's register cap by grid size: a compile per new case),
                    ONNX Runtime's CUDA graphs (one per token count up to ort.GRAPH_MAX_TOKENS), TensorRT's
                    graphs of its decode profile. So every L from 1 to SHORT is run, twice (TensorRT records on
-                   a shape's second run). Longer passes run the reference modules (fast: past two short
-                   steps, drafters.prompt_pass), ORT or TensorRT without graphs: shape-generic kernels (cuBLAS,
-                   SDPA) whose first use loads what they pick, run at SHORT + 1 and powers of two up to the
-                   longest prompt the engine dir admits.
+                   a shape's second run). Longer passes run the reference modules (fast: past SHORT_STEPS
+                   short steps, drafters.prompt_pass), ORT or TensorRT without graphs: shape-generic kernels
+                   (cuBLAS, SDPA) whose first use loads what they pick, run at SHORT + 1, powers of two up to
+                   the longest prompt the engine dir admits, and SHORT_STEPS * SHORT + 1.
     rounds         a round is recorded as one CUDA graph per (drafter, sampler mode) on its second call, and
                    the loop's fused kernels compile on the first; the plain round the loop falls back to near
                    the cache's end is another. Each is run twice (eager; recorded and replayed) under each
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
+from xcompile.runtime.engines.base import SHORT_STEPS
 
 # The longest step on every backend's short-step route: the fast kernels' MAX_ROWS, ort.GRAPH_MAX_TOKENS and
 # the batch loop's CHUNK (tests/runtime/decoding/test_warmup.py holds it to them).
@@ -70,7 +71,8 @@ class Parts:
 
 def prompt_lengths(longest: int) -> list[int]:
     """Prompt lengths whose passes cover every shape a prompt of 1 .. ``longest`` tokens can reach (module
-    docstring): each up to SHORT, then SHORT + 1, the powers of two between, and ``longest``."""
+    docstring): each up to SHORT, then SHORT + 1, the powers of two between, the shortest past SHORT_STEPS short
+    steps (the fast backend's first prompt on the reference modules), and ``longest``."""
     lengths = list(range(1, min(SHORT, longest) + 1))
     n = SHORT + 1
     while n < longest:
@@ -78,7 +80,7 @@ def prompt_lengths(longest: int) -> list[int]:
         n = 1 << n.bit_length()             # the next power of two
     if longest > SHORT:
         lengths.append(longest)
-    return lengths
+    return sorted(set(lengths) | ({SHORT_STEPS * SHORT + 1} if longest > SHORT_STEPS * SHORT else set()))
 
 
 def sampler_modes(defaults: dict | None) -> list[SamplingParams]:

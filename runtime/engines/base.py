@@ -48,6 +48,13 @@ def normalize_device(device: torch.device | str) -> torch.device:
     return device
 
 
+# Prompts of up to this many short steps run as short steps (Engine.short_rows), whose every size the warm-up
+# compiled, not as one pass on the long route, whose kernels are picked per size: through xrun serve of the 8B
+# shape on an H100, prompts of 16-79 tokens one at a time took a median 40.7 ms to the first token and the
+# slowest, 72 tokens, 144 ms; the 15 lengths past 64 were the ones on the long route (2026-12-05).
+SHORT_STEPS = 2
+
+
 class Engine(ABC):
     """A compiled graph (or the reference module) that runs one step of the I/O contract."""
 
@@ -64,7 +71,8 @@ class Engine(ABC):
     # fix the batch.
     partial_batch = False
     # The most rows a step takes on the engine's short-step route, whose every size the warm-up compiles (the
-    # fast kernels' MAX_ROWS); None: one route for any size. Short prompts run in steps of it (prompt_pass).
+    # fast kernels' MAX_ROWS); None: one route for any size. A prompt of up to SHORT_STEPS of them runs in such
+    # steps (drafters.prompt_pass).
     short_rows: int | None = None
 
     # KV dtypes besides the compute dtype that the engine's steps write and read (set_kv_dtype)

@@ -34,7 +34,7 @@ from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
-from xcompile.runtime.engines.base import KV_FP8, Engine
+from xcompile.runtime.engines.base import KV_FP8, SHORT_STEPS, Engine
 from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
 from xcompile.runtime.engines.kernels.attention import attention
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
@@ -365,11 +365,11 @@ class FastFCEngine(_FastEngine):
         self.fc = _Packed(reference.module).get("fc.weight")
 
     def run(self, **inputs):
-        """Up to two steps' rows (a short prompt's taps, prompt_pass's SHORT_STEPS) on the kernel, 64 rows a call;
-        more on the reference module."""
+        """Up to SHORT_STEPS steps' rows (a short prompt's taps, drafters.prompt_pass) on the kernel, MAX_ROWS
+        rows a call; more on the reference module."""
         taps = inputs["hidden_taps"]
         batch, s, width = taps.shape
-        if batch * s > 2 * MAX_ROWS:
+        if batch * s > SHORT_STEPS * MAX_ROWS:
             return self.reference.run(**inputs)
         rows = taps.reshape(batch * s, width)
         parts = [linear(rows[i:i + MAX_ROWS], self.fc, cfg=self.kernels) for i in range(0, len(rows), MAX_ROWS)]

@@ -32,7 +32,7 @@ from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.sampling import Sampler
 from xcompile.runtime.decoding.speculative import Accepted, Block, chain_block, to_target
-from xcompile.runtime.engines.base import Engine
+from xcompile.runtime.engines.base import SHORT_STEPS, Engine
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.kernels.accept import GreedyPick
@@ -57,17 +57,13 @@ def prompt_inputs(prompt: torch.Tensor, start: int = 0) -> dict[str, torch.Tenso
 # prompt's tree_mask in one pass is 16 GB, a chunk's 64 MB; at 8,192 rows a chunk's matmuls run at cuBLAS's full
 # rate, and the weights read again per chunk cost 16.4 GB / 4.8 TB/s = 3.4 ms at the 8B shape.
 PROMPT_CHUNK = 8192
-# Prompts of up to this many short steps run as short steps (Engine.short_rows: the fast kernels' 64 rows), whose
-# every size the warm-up compiled, not as one pass on the long route, whose kernels are picked per size: through
-# xrun serve of the 8B shape on an H100, prompts of 16-79 tokens one at a time took a median 40.7 ms to the first
-# token and the slowest, 72 tokens, 144 ms; the 15 lengths past 64 were the ones on the long route (2026-12-05).
-SHORT_STEPS = 2
 
 
 def prompt_pass(engine: Engine, prompt: torch.Tensor, per_row: dict[str, torch.Tensor] | None = None,
                 keep: str | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    """A causal pass of ``engine`` over prompt [B, L] written at 0, in chunks of PROMPT_CHUNK tokens, or of the
-    engine's short_rows where the prompt fills at most SHORT_STEPS short steps; ``per_row``: inputs [B, L, *] cut
+    """A causal pass of ``engine`` over prompt [B, L] written at 0, in chunks of PROMPT_CHUNK tokens, or of
+    short_rows // B tokens where its B * L rows fit SHORT_STEPS of the engine's short steps (engines.base; for
+    B > 1 that may take one step more, the chunk rounded down); ``per_row``: inputs [B, L, *] cut
     alike (an EAGLE3 head's hidden states). Returns the last chunk's outputs (its logits: the prompt's last row),
     that row's index in the chunk [B], and ``keep``'s output [B, L, *] of every chunk (the target's hidden_taps;
     copied where there are several chunks: an engine may reuse its output buffers)."""

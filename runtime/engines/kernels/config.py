@@ -6,7 +6,7 @@ stays open is what a user or a benchmark must be able to choose:
     pdl        programmatic dependent launch (sm_90+): each kernel starts while the previous one drains
                and waits for its results with gdc_wait; off only to measure what it gives
     cuda_gemv  one-row calls on the CUDA C++ kernels where nvcc builds them (else Triton's GEMVs): bf16 of the
-               shapes in ``tiles.cuda`` on gemv.cu's, INT4 on qgemv.cu's; off to time the Triton GEMVs
+               shapes in ``tiles.cuda`` on gemv.cu's, FP8 and INT4 on qgemv.cu's; off to time the Triton GEMVs
     tiles      the tile tables, per weight shape (N_OUT, K): data in tiles.json, replaced by a tuning run's
 
 Tile tables are keyed by weight shape only, never by row count, so a row reduces in the same order at

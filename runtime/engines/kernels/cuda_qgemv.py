@@ -30,7 +30,7 @@ class QTile(NamedTuple):
 
 
 # by kind, the fastest for one decoder layer's projections at the Qwen3-8B shapes (benchmarks/qlinear_tiles.py
-# --cuda, one H100, 2026-12-05): FP8 81.5 us against the Triton GEMV's 83.6, INT4 64.6 against 77.3
+# --cuda, one H100, 2026-12-05): FP8 81.3 us against the Triton GEMV's 83.6, INT4 64.6 against 77.3
 TILE = {FP8: QTile(8, 2048, 2), INT4: QTile(8, 2048, 2)}
 
 

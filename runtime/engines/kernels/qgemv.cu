@@ -10,8 +10,9 @@
 // or x / s = 128 hi + lo in s8 with |x / s| < 8192. The terms sit in two of the MMA's 8 columns (the others
 // are zeros), so one MMA multiplies every code by both. A bf16 x is held exactly down to 2^-9 (FP8) or 2^-5
 // (INT4) of its group's largest; below, the error stays under 2^-17 (2^-13) of that largest, far below the
-// output's bf16 rounding. Sums are fp32 (FP8) or exact int32 (INT4, with sum (q - z) X = sum q X - z sum X),
-// scaled per group by s and per block by the weight scale. Converting each code to bf16 instead (integer instructions, then bf16 MMAs) cost one decoder
+// output's bf16 rounding. Sums are the MMA's fp32 (FP8; Hopper's FP8 MMAs are reported to keep fewer bits in
+// their adds, so each group's 64-input sums go to an fp32 total) or exact int32 (INT4, with sum (q - z) X =
+// sum q X - z sum X), scaled per group by s and per block by the weight scale. Converting each code to bf16 instead (integer instructions, then bf16 MMAs) cost one decoder
 // layer's FP8 projections 91.8 us at the Qwen3-8B shapes on the H200, against the Triton GEMV's 74.1.
 //
 // Layout of the work: a tile is 16 output rows (gated: and their 16 up rows), all of K, cut into slices of

@@ -25,10 +25,10 @@ def tiny() -> T.Tiny:
 
 
 def test_prompt_lengths_cover_every_short_step_and_the_longest_prompt():
-    assert prompt_lengths(300) == list(range(1, 65)) + [65, 128, 256, 300]
+    assert prompt_lengths(300) == list(range(1, 65)) + [65, 128, 129, 256, 300]     # 129: past two short steps
     assert prompt_lengths(128) == list(range(1, 65)) + [65, 128]
     assert prompt_lengths(10) == list(range(1, 11))
-    assert spans(prompt_lengths(300)) == "1..65, 128, 256, 300"
+    assert spans(prompt_lengths(300)) == "1..65, 128..129, 256, 300"
     # SHORT is the longest step of every backend's short-step route
     pytest.importorskip("onnxruntime")
     from xcompile.runtime.engines.ort import GRAPH_MAX_TOKENS
