@@ -218,21 +218,26 @@ def spread(values: list[float], scale: float = 1e3) -> dict:
     return out
 
 
-async def run_level(url: str, model: str, streams: int, args, timeout: float) -> dict:
-    """``streams`` concurrent streams of ``args.per_stream`` requests each, after one warm-up request."""
+def open_client(url: str, args, timeout: float, streams: int = 1):
+    """An ``AsyncOpenAI`` for ``streams`` concurrent streams (and a warm-up request), no retries."""
     import httpx2 as httpx
     import openai
 
     limits = httpx.Limits(max_connections=streams + 1, max_keepalive_connections=streams + 1)
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0, timeout=timeout,
-                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)) as client:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0, timeout=timeout,
+                              http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout))
+
+
+async def run_level(url: str, model: str, streams: int, args, timeout: float) -> dict:
+    """``streams`` concurrent streams of ``args.per_stream`` requests each, after one warm-up request."""
+    async with open_client(url, args, timeout, streams) as openai_client:
         prompts = make_prompts(args, streams * args.per_stream + 1)
-        warm = await one_request(client, model, prompts[-1], args.max_tokens)
+        warm = await one_request(openai_client, model, prompts[-1], args.max_tokens)
         if warm["status"] != 200:
             raise RuntimeError(f"the warm-up request failed ({warm['status']}): {warm['error']}")
 
         async def stream(s: int) -> list[dict]:
-            return [await one_request(client, model, prompts[s * args.per_stream + k], args.max_tokens)
+            return [await one_request(openai_client, model, prompts[s * args.per_stream + k], args.max_tokens)
                     for k in range(args.per_stream)]
 
         began = time.perf_counter()
@@ -248,8 +253,6 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             "itl_ms": spread([g for r in ok for g in r["gaps"]]),
             "tpot_ms": spread([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
             "latency_ms": spread([r["end"] - r["start"] for r in ok]),
-            "warm_up": {"ttft_ms": round(warm["ttft"] * 1e3, 3) if warm["ttft"] is not None else None,
-                        "latency_ms": round((warm["end"] - warm["start"]) * 1e3, 3)},
             "per_request": [{"tokens": r["tokens"], "usage_tokens": r["usage_tokens"], "finish_reason": r["finish_reason"]}
                             if r["status"] == 200 else {"status": r["status"], "error": r["error"]} for r in done]}
 
@@ -268,12 +271,9 @@ def server_ttft(url: str, api_key: str) -> tuple[float, int] | None:
 
 async def run_first(url: str, model: str, args, timeout: float) -> dict:
     """The first request after ready, alone (module docstring)."""
-    import openai
-
     before = server_ttft(url, args.api_key)
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0,
-                                  timeout=timeout) as client:
-        r = await one_request(client, model, make_prompts(args, 1)[0], args.max_tokens)
+    async with open_client(url, args, timeout) as openai_client:
+        r = await one_request(openai_client, model, make_prompts(args, 1)[0], args.max_tokens)
     if r["status"] != 200:
         raise RuntimeError(f"the first request failed ({r['status']}): {r['error']}")
     after = server_ttft(url, args.api_key)
@@ -286,11 +286,9 @@ async def run_first(url: str, model: str, args, timeout: float) -> dict:
 
 async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
     """--lengths requests one at a time, each prompt one token (word) longer than the last (module docstring)."""
-    import openai
-
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0,
-                                  timeout=timeout) as client:
-        done = [await one_request(client, model, make_prompts(args, 1, longer=i)[0], 2) for i in range(args.lengths)]
+    async with open_client(url, args, timeout) as openai_client:
+        done = [await one_request(openai_client, model, make_prompts(args, 1, longer=i)[0], 2)
+                for i in range(args.lengths)]
     first = args.prompt_words if args.prompts is not None else args.prompt_tokens
     ttfts = {first + i: r["ttft"] for i, r in enumerate(done) if r["status"] == 200 and r["ttft"] is not None}
     median = percentile(list(ttfts.values()), 50)

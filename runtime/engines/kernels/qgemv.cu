@@ -12,8 +12,9 @@
 // (INT4) of its group's largest; below, the error stays under 2^-17 (2^-13) of that largest, far below the
 // output's bf16 rounding. Sums are the MMA's fp32 (FP8; Hopper's FP8 MMAs are reported to keep fewer bits in
 // their adds, so each group's 64-input sums go to an fp32 total) or exact int32 (INT4, with sum (q - z) X =
-// sum q X - z sum X), scaled per group by s and per block by the weight scale. Converting each code to bf16 instead (integer instructions, then bf16 MMAs) cost one decoder
-// layer's FP8 projections 91.8 us at the Qwen3-8B shapes on the H200, against the Triton GEMV's 74.1.
+// sum q X - z sum X), scaled per group by s and per block by the weight scale. Converting each code to bf16
+// instead (integer instructions, then bf16 MMAs) cost one decoder layer's FP8 projections 91.8 us at the
+// Qwen3-8B shapes on the H200, against the Triton GEMV's 74.1.
 //
 // Layout of the work: a tile is 16 output rows (gated: and their 16 up rows), all of K, cut into slices of
 // KS bytes of codes. A block takes a contiguous range of tiles; each (tile, slice) is one stage of a ring in
