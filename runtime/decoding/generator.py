@@ -29,13 +29,13 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
-from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_pass
+from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_pass, step_rows
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, SHORT_PASSES, Parts, Warmed, describe, prompt_lengths, spans
 from xcompile.runtime.engines.base import Engine
-from xcompile.runtime.engines.graphs import Capture, CudaGraphCapture
+from xcompile.runtime.engines.graphs import Capture, CudaGraphCapture, GraphedEngine
 
 # debug mode: stale KV rows are filled with this between rounds. Finite on purpose: attention kernels
 # multiply masked rows by a zero weight, and 0 * NaN would leak a NaN the mask did exclude. (fp32/bf16:
@@ -56,6 +56,8 @@ class LoopOptions:
                  CPU a round computes as it is launched: nothing to overlap)
     debug        check the KV lengths and poison stale KV rows every round (no pipelining)
     capture      how a round is recorded (default: CudaGraphCapture without warm-up); tests pass stand-ins
+    step_capture how a short prompt step is recorded, with cuda_graphs (default: CudaGraphCapture); tests pass
+                 stand-ins
     """
 
     cuda_graphs: bool = False
@@ -63,6 +65,7 @@ class LoopOptions:
     pipeline: bool | None = None
     debug: bool = False
     capture: Capture | None = None
+    step_capture: Capture | None = None
 
 
 class Generator:
@@ -91,12 +94,18 @@ class Generator:
         # one for every request (its tensors keep their addresses); its draws by kernel follow options.fused
         self.sampler = Sampler(self.device, fused=options.fused)
         self.fused = kernels.use_fused(options.fused, self.device)
+        self.graphs = options.cuda_graphs and all(e.graph_capturable for e in (target, *drafter.engines))
+        # the short prompt steps (drafters.prompt_pass) replayed from graphs too, one per padded row count
+        steps = self.graphs and (options.step_capture is not None or self.device.type == "cuda")
+        self.prompt_steps = {e: GraphedEngine(e, {step_rows(r) for r in range(1, e.short_rows + 1)},
+                                              options.step_capture or CudaGraphCapture())
+                             for e in (target, *drafter.engines) if steps and e.short_rows}
         for d in (drafter, self.plain):
-            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=options.fused, track=options.debug)
+            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=options.fused, track=options.debug,
+                   prompt_steps=self.prompt_steps)
         self.state = RoundState(self.device)
         self.pipeline = (self.device.type == "cuda" if options.pipeline is None else options.pipeline) \
             and not options.debug
-        self.graphs = options.cuda_graphs and all(e.graph_capturable for e in (target, *drafter.engines))
         # a round is not idempotent: it is recorded without warm-up runs of it
         capture = options.capture or CudaGraphCapture()
         self.capture = capture.recording_only() if isinstance(capture, CudaGraphCapture) else capture
@@ -211,7 +220,7 @@ class Generator:
     def _prefill(self, prompt_ids: list[int]) -> None:
         """The target's pass over the prompt and the drafter's own; the first token (the sampler's) in state.root."""
         prompt = torch.tensor([prompt_ids], dtype=torch.int64, device=self.device)
-        out, _, taps = prompt_pass(self.target, prompt, keep="hidden_taps")
+        out, _, taps = prompt_pass(self.target, prompt, keep="hidden_taps", steps=self.prompt_steps.get(self.target))
         self.state.root.copy_(self.sampler.sample(out["logits"][:, -1]))
         self.drafter.start(prompt, taps, self.state.root)
 
@@ -290,6 +299,8 @@ class Generator:
         kv = self._kv_lists()
         if any(a is not b for a, b in zip(kv, self._kv)):
             self._executors.clear()
+            for steps in self.prompt_steps.values():
+                steps.forget()
             if isinstance(self.capture, CudaGraphCapture):
                 self.capture.new_pool()
         self._kv = kv

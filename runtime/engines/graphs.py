@@ -125,7 +125,11 @@ class GraphedEngine(Engine):
     def bind_kv(self, buffers) -> None:
         self.engine.bind_kv(buffers)
         self.kv = self.engine.kv
-        self.graphs.clear()                 # they captured the old buffers' addresses
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every graph (they captured the KV buffers' addresses: after the engine's KV was re-bound)."""
+        self.graphs.clear()
         if isinstance(self.capture, CudaGraphCapture):
             self.capture.new_pool()
 

@@ -43,13 +43,17 @@ def causal(s: int, device: torch.device, batch: int = 1) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(batch, s, s)
 
 
-def prompt_inputs(prompt: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
+def prompt_inputs(prompt: torch.Tensor, start: int = 0, rows: int | None = None) -> dict[str, torch.Tensor]:
     """Step inputs of a causal pass over prompt tokens [B, L] written at ``start`` (after the ``start`` tokens
-    before them), logits of the last row."""
+    before them), logits of the last row; ``rows``: the step padded to that many rows with token 0 after the
+    prompt's (written past it and hidden from it by the mask, as the batch loop pads its rows)."""
     b, n = prompt.shape
     dev = prompt.device
-    return dict(input_ids=prompt, position_ids=torch.arange(start, start + n, device=dev).expand(b, n),
-                write_index=torch.full((b,), start, dtype=torch.int64, device=dev), tree_mask=causal(n, dev, b),
+    rows = rows or n
+    if rows > n:
+        prompt = torch.nn.functional.pad(prompt, (0, rows - n))
+    return dict(input_ids=prompt, position_ids=torch.arange(start, start + rows, device=dev).expand(b, rows),
+                write_index=torch.full((b,), start, dtype=torch.int64, device=dev), tree_mask=causal(rows, dev, b),
                 logit_rows=torch.full((b, 1), n - 1, dtype=torch.int64, device=dev))
 
 
@@ -59,24 +63,43 @@ def prompt_inputs(prompt: torch.Tensor, start: int = 0) -> dict[str, torch.Tenso
 PROMPT_CHUNK = 8192
 
 
+def step_rows(n: int) -> int:
+    """The rows a short prompt step of n tokens is padded to when its engine's short steps replay CUDA graphs
+    (``prompt_pass``'s ``steps``): the next power of two, so 7 graphs cover 1..64 rows. Eager, a 64-row step
+    of the 8B shape is some 250 launches issued from Python: through xrun serve on an H100, prompts of 16-64
+    tokens took 24-32 ms to the first token and those of 65-79 tokens (two steps) 44-64 ms (2026-12-05)."""
+    return 1 << (n - 1).bit_length()
+
+
 def prompt_pass(engine: Engine, prompt: torch.Tensor, per_row: dict[str, torch.Tensor] | None = None,
-                keep: str | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+                keep: str | None = None, steps: Engine | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """A causal pass of ``engine`` over prompt [B, L] written at 0, in chunks of PROMPT_CHUNK tokens, or of
     short_rows // B tokens where its B * L rows fit SHORT_STEPS of the engine's short steps (engines.base; for
     B > 1 that may take one step more, the chunk rounded down); ``per_row``: inputs [B, L, *] cut
-    alike (an EAGLE3 head's hidden states). Returns the last chunk's outputs (its logits: the prompt's last row),
-    that row's index in the chunk [B], and ``keep``'s output [B, L, *] of every chunk (the target's hidden_taps;
-    copied where there are several chunks: an engine may reuse its output buffers)."""
+    alike (an EAGLE3 head's hidden states). ``steps``: the engine's short steps replayed from CUDA graphs
+    (GraphedEngine over every ``step_rows``): short chunks run there, padded to step_rows rows where the KV holds
+    them. Returns the last chunk's outputs (its logits: the prompt's last row), that row's index in the chunk
+    [B], and ``keep``'s output [B, L, *] of every chunk (the target's hidden_taps; copied where there are several
+    chunks: an engine, a graph above all, may reuse its output buffers)."""
     b, n = prompt.shape
     rows, kept = engine.short_rows, []
-    chunk = max(1, rows // b) if rows and b * n <= SHORT_STEPS * rows else PROMPT_CHUNK
+    short = bool(rows) and b * n <= SHORT_STEPS * rows
+    chunk = max(1, rows // b) if short else PROMPT_CHUNK
+    room = engine.kv_shape.max_seq_len if engine.kv_shape is not None else 0
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        inputs = prompt_inputs(prompt[:, start:end], start)
-        inputs.update({name: t[:, start:end] for name, t in (per_row or {}).items()})
-        out = engine.run(**inputs)
+        padded = step_rows(end - start) if short and steps is not None else None
+        if padded is not None and start + padded > room:
+            padded = None                                   # no room for the padding rows: eager, unpadded
+        inputs = prompt_inputs(prompt[:, start:end], start, padded)
+        for name, t in (per_row or {}).items():
+            t = t[:, start:end]
+            inputs[name] = torch.nn.functional.pad(t, (0, 0, 0, padded - t.shape[1])) if padded else t
+        out = (steps if padded else engine).run(**inputs)
         if keep is not None and out.get(keep) is not None:
-            kept.append(out[keep] if end == n and not kept else out[keep].clone())
+            part = out[keep][:, :end - start]
+            kept.append(part if end == n and not kept else part.clone())
     taps = (kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)) if kept else None
     return out, inputs["logit_rows"][:, 0], taps
 
@@ -96,16 +119,19 @@ class Drafter(ABC):
         self.sampler = Sampler()
         self.picks: dict[int, GreedyPick] | None = None     # the fused greedy picks (bind)
         self.track = True           # keep the committed KV length on the device (caches(); bind)
+        self.prompt_steps: dict[Engine, Engine] = {}      # graphed short prompt steps by engine (bind)
 
     def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
-             fused: bool | None = None, track: bool = True) -> None:
+             fused: bool | None = None, track: bool = True, prompt_steps: dict[Engine, Engine] | None = None) -> None:
         """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
         (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
         each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter);
         ``track``: keep the committed KV lengths that ``caches`` reports (two launches a round; the
-        generator's debug checks read them, nothing else does)."""
+        generator's debug checks read them, nothing else does); ``prompt_steps``: an engine's short prompt
+        steps replayed from graphs (``prompt_pass``'s ``steps``), by engine."""
         self.sampler = sampler or Sampler(device, batch)
         self.track = track
+        self.prompt_steps = prompt_steps or {}
         self.picks = {} if batch == 1 and kernels.use_fused(fused, device) else None
         for e in self.engines:
             if e.device != device:

@@ -40,7 +40,7 @@ class DraftModelDrafter(Drafter):
         self.length = torch.zeros(batch, dtype=torch.int64, device=device)
 
     def start(self, prompt, taps, root):
-        prompt_pass(self.engine, prompt)
+        prompt_pass(self.engine, prompt, steps=self.prompt_steps.get(self.engine))
         self.pair[:, 0] = prompt[:, -1]
         self.length.fill_(prompt.shape[1])
 

@@ -87,7 +87,8 @@ class _Eagle3(Drafter):
     def start(self, prompt, taps, root):
         # pairing: feature t goes with token t+1, so the prompt shifted left with the root appended
         tokens = torch.cat((prompt[:, 1:], root[:, None]), dim=1)
-        out, last, _ = prompt_pass(self.eagle3, tokens, {"hidden_states": self._features(taps)})
+        out, last, _ = prompt_pass(self.eagle3, tokens, {"hidden_states": self._features(taps)},
+                                   steps=self.prompt_steps.get(self.eagle3))
         self._seed(out, last)
         self.length.fill_(prompt.shape[1])
 
