@@ -13,6 +13,9 @@ Each figure with the device synchronised, bf16, the EAGLE3 head beside the targe
                         what was just written, or what an earlier run read)
     warm-up             Generator.warm_up: every prompt shape and the chain's rounds (gamma 6), greedy
     prefill 8           an 8-token request's prompt pass after the warm-up (median of 5 requests)
+    prefill 16-79       the prompt pass of every length 16..79 (median of 3 requests each), its short steps
+                        replayed from graphs, then eager (a generator without graphs): the spread that
+                        serve_load.py --lengths meets through HTTP
     request             one request of 8 prompt tokens and --new-tokens, greedy: its ms a round
 Not in these: Manifest.load and the integrity check of the dir's files (sampled blocks, a few ms;
 docs/performance.md, "The CPU machine: export and load-time checks").
@@ -120,6 +123,18 @@ def main() -> int:
     prefills = [gen.generate(prompt, 1).stats.prefill_s for _ in range(5)]
     out["prefill_8_ms"] = round(1e3 * statistics.median(prefills), 3)
     print(f"prefill 8: {out['prefill_8_ms']:.1f} ms (median of 5; {', '.join(f'{1e3 * s:.1f}' for s in prefills)})")
+    # every prompt length of serve_load.py's --lengths window (16-79 ids: one short step, then two), median of 3;
+    # then the same with the prompt steps eager (a generator without CUDA graphs over the same engines)
+    eager = Generator(es.engines[TARGET], make_drafter(es, spec), [], MAX_SEQ_LEN, options=LoopOptions())
+    for name, g in (("graphed", gen), ("eager", eager)):
+        by_length = {n: statistics.median(g.generate(list(range(1000, 1000 + n)), 1).stats.prefill_s
+                                          for _ in range(3)) for n in range(16, 80)}
+        median = statistics.median(by_length.values())
+        slowest = max(by_length, key=by_length.get)
+        out[f"prefill_by_length_ms_{name}"] = {str(n): round(1e3 * t, 3) for n, t in by_length.items()}
+        print(f"prefill 16-79, {name} steps: median {1e3 * median:.1f} ms, slowest {1e3 * by_length[slowest]:.1f} ms "
+              f"= {by_length[slowest] / median:.2f}x the median (length {slowest}); 16: {1e3 * by_length[16]:.1f} ms, "
+              f"64: {1e3 * by_length[64]:.1f} ms, 65: {1e3 * by_length[65]:.1f} ms")
     stats = gen.generate(prompt, args.new_tokens).stats
     out["round_ms"] = round(1e3 * stats.decode_s / max(stats.rounds, 1), 3)
     print(f"request: {stats.new_tokens} tokens, {stats.rounds} rounds, {out['round_ms']:.3f} ms a round")

@@ -240,9 +240,11 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             return [await one_request(openai_client, model, prompts[s * args.per_stream + k], args.max_tokens)
                     for k in range(args.per_stream)]
 
+        before = server_ttft(url, args.api_key)
         began = time.perf_counter()
         done = [r for rs in await asyncio.gather(*(stream(s) for s in range(streams))) for r in rs]
         wall = time.perf_counter() - began
+        after = server_ttft(url, args.api_key)
     ok = [r for r in done if r["status"] == 200]
     failed = [r for r in done if r["status"] != 200]
     tokens = sum(r["tokens"] for r in ok)
@@ -250,6 +252,7 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             "errors": sum(r["status"] != 429 for r in failed), "error_messages": sorted({r["error"] for r in failed})[:5],
             "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "ttft_ms": spread([r["ttft"] for r in ok if r["ttft"] is not None]),
+            "server_ttft_ms_mean": server_mean(before, after),
             "itl_ms": spread([g for r in ok for g in r["gaps"]]),
             "tpot_ms": spread([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
             "latency_ms": spread([r["end"] - r["start"] for r in ok]),
@@ -269,6 +272,13 @@ def server_ttft(url: str, api_key: str) -> tuple[float, int] | None:
     return (float(found["sum"]), int(float(found["count"]))) if len(found) == 2 else None
 
 
+def server_mean(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:
+    """The server's mean TTFT (ms) over the requests between two reads of its histogram."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]) * 1e3, 3)
+
+
 async def run_first(url: str, model: str, args, timeout: float) -> dict:
     """The first request after ready, alone (module docstring)."""
     before = server_ttft(url, args.api_key)
@@ -277,9 +287,7 @@ async def run_first(url: str, model: str, args, timeout: float) -> dict:
     if r["status"] != 200:
         raise RuntimeError(f"the first request failed ({r['status']}): {r['error']}")
     after = server_ttft(url, args.api_key)
-    server = None
-    if before is not None and after is not None and after[1] == before[1] + 1:
-        server = round((after[0] - before[0]) * 1e3, 3)
+    server = server_mean(before, after) if after and before and after[1] == before[1] + 1 else None
     return {"ttft_ms": round(r["ttft"] * 1e3, 3) if r["ttft"] is not None else None,
             "latency_ms": round((r["end"] - r["start"]) * 1e3, 3), "server_ttft_ms": server}
 
@@ -327,8 +335,11 @@ def summary(report: dict) -> list[str]:
     if first and first["ttft_ms"] is not None:
         idle = one["ttft_ms"]["p50"] if one else None
         ratio = f" = {first['ttft_ms'] / idle:.2f}x the 1-stream p50" if idle else ""
-        own = first["server_ttft_ms"]
-        server = f" (the server's own: {own:.1f} ms)" if own is not None else ""
+        own, warm = first["server_ttft_ms"], one.get("server_ttft_ms_mean") if one else None
+        server = f" (the server's own: {own:.1f} ms" if own is not None else ""
+        if server and warm:
+            server += f", {own / warm:.2f}x its own mean at 1 stream, {warm:.1f} ms"
+        server += ")" if server else ""
         lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{server}{ratio}")
     lengths = report["prompt_lengths"]
     if lengths and lengths["slowest"]:

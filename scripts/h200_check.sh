@@ -10,15 +10,17 @@
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
 #            tree 10/6/32)
-#   sample   the sampler's and the sampled chain acceptance's tests (compiled), then the bf16 bench greedy and
-#            sampled (T 0.6, top-k 20, top-p 0.95; context 128), in one call so their ratios come from one machine
+#   sample   the sampler's and the sampled chain acceptance's tests (compiled; SAMPLE_TESTS: other pytest arguments),
+#            then the bf16 bench greedy and sampled (T 0.6, top-k 20, top-p 0.95; context 128), in one call so their
+#            ratios come from one machine
 #   paradigms  xrun bench --synthetic qwen3-8b with an MTP module (32,000-row draft vocabulary) and a Qwen3-0.6B-shape
 #            draft model beside the EAGLE3 head: chains at gamma 2, 4, 6 and trees 10/6/32 (context 128)
 #   batch    benchmarks/batch_decode.py: the continuous-batching loop on the fast backend at --max-batch 1, 4, 16, 64,
 #            plain and verifying EAGLE3 chains of 3 and 6 (one stream vs all, decode step ms, TTFT, the projection at
 #            tau 3.7; the batch-1 loop beside), Qwen3-8B shape, 256 tokens each (BATCH_ARGS: its other options)
 #   open     benchmarks/open_dir.py: opening the Qwen3-8B shape on the fast backend (weights drawn on the GPU; then
-#            written as a safetensors checkpoint and opened from it), the warm-up, an 8-token prefill, a round
+#            written as a safetensors checkpoint and opened from it; OPEN_ARGS: its options instead), the warm-up,
+#            an 8-token prefill, the prefills of 16-79 tokens, a round
 #   long     benchmarks/attention_splits.py (one layer's attention per chunk size and row tile at 16K and 32K,
 #            1 / 7 / 32 rows); xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000
 #            (chain gamma 6): decode and verify against the floor counting KV bytes, and the 32,000-token prefill
@@ -112,8 +114,8 @@ for part in "$@"; do
     done
     ;;
   sample)
-    run sample_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/decoding/kernels/test_sample.py \
-      tests/runtime/decoding/kernels/test_accept_sampled.py tests/runtime/decoding/test_sampling_gpu.py
+    run sample_tests 200 python3 -m pytest -q -p no:cacheprovider -rs ${SAMPLE_TESTS:-tests/runtime/decoding/kernels/test_sample.py \
+      tests/runtime/decoding/kernels/test_accept_sampled.py tests/runtime/decoding/test_sampling_gpu.py}
     tail -1 "$OUT/sample_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/sample_tests.log" | head -20
     run bench_greedy 200 xrun bench "${BENCH[@]}" --contexts 128 --json "$OUT/bench_greedy.json"
     grep -E "$SHOW|sample|accept" "$OUT/bench_greedy.log"
@@ -130,7 +132,7 @@ for part in "$@"; do
     cat "$OUT/batch_decode.log" | grep -v "^ *$" | tail -8
     ;;
   open)
-    run open_dir 300 python3 benchmarks/open_dir.py --checkpoint /tmp/ckpt-qwen3-8b --json "$OUT/open_dir.json"
+    run open_dir 300 python3 benchmarks/open_dir.py ${OPEN_ARGS---checkpoint /tmp/ckpt-qwen3-8b} --json "$OUT/open_dir.json"
     cat "$OUT/open_dir.log"
     ;;
   long)

@@ -61,6 +61,7 @@ TABLES = {
                                                           "verify", "EAGLE3 draft step", "EAGLE3 chain round",
                                                           "EAGLE3 tree round")),
     "bench-8b-sampled": Table("bench-8b-sampled", "bench"),
+    "bench-8b-sampling-h100": Table("bench-8b-sampling-h100", "bench"),
     "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
                                            "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
     "draft-model": Table("draft-model", "bench", ("decode floor", "plain decode, context", "decode step",
@@ -291,7 +292,8 @@ def bench_rows(r: dict) -> dict[str, str]:
         for g in r["generation"]:
             if not g["cuda_graphs"] and g["drafter"] == "plain":
                 rows[f"plain decode without CUDA graphs, context {g['context']}"] = f"{g['ms_per_token']:.3f} ms/token"
-    steps = [s for s in r["steps"] if not s["graph"].startswith(("sample", "accept")) or r["sampling"] != "greedy"]
+    steps = [s for s in r["steps"]
+             if not s["graph"].startswith(("sample", "accept", "draft pick")) or r["sampling"] != "greedy"]
     decode = next((_ms(s) for s in steps if s["graph"] == "target" and s["tokens"] == 1), None)
     mode = "graphed" if graphs else "eager"
     names = {"target": "verify {n} tokens", "eagle3": "EAGLE3 step over {n} tokens (a tree level)",
@@ -414,7 +416,12 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
         if not f or f["ttft_ms"] is None:
             return "—"
         own = f.get("server_ttft_ms")
-        return f"TTFT {f['ttft_ms']:.0f} ms" + (f" (the server's own {own:.0f} ms)" if own is not None else "")
+        one = next((lv for lv in rep["levels"] if lv["streams"] == 1), None)
+        warm = one.get("server_ttft_ms_mean") if one else None
+        inner = f"the server's own {own:.0f} ms" if own is not None else ""
+        if inner and warm:
+            inner += f" = {own / warm:.2f}× its mean at 1 stream, {warm:.0f} ms"
+        return f"TTFT {f['ttft_ms']:.0f} ms" + (f" ({inner})" if inner else "")
 
     def lengths(rep: dict) -> str:
         ln = rep.get("prompt_lengths")

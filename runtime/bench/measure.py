@@ -26,17 +26,20 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from xcompile.runtime.bench.paradigms import format_paradigms, paradigm_rows
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.drafters import causal, prompt_pass
+from xcompile.runtime.decoding.drafters import NoDrafter, causal, prompt_pass
 from xcompile.runtime.decoding.generator import Generator, LoopOptions
+from xcompile.runtime.decoding.kernels import use_fused
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape, make_drafter
+from xcompile.runtime.decoding.rounds import verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams
-from xcompile.runtime.decoding.speculative import Block, accept_chain, accept_tree, ancestors, chain_block
+from xcompile.runtime.decoding.speculative import Block, ancestors, chain_block
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.engines.graphs import CudaGraphCapture, GraphedEngine, GraphUnavailable
 from xcompile.runtime.engines.load import EngineSet
@@ -199,7 +202,8 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
 
 def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
     """Milliseconds of the sampler's work in a round at the target's vocabulary and dtype, eager and
-    (on CUDA) replayed from a graph: one token drawn; a chain block of k+1 accepted (with draft
+    (on CUDA) replayed from a graph, by what the loop runs for it (rounds.verifier_for, the drafters' pick): one
+    token drawn; one chain draft picked (sampled: its q row kept too); a chain block of k+1 accepted (with draft
     distributions over the whole vocabulary, as the draft model's); a tree accepted (deterministic picks)."""
     dev, repeats = es.device, opts.repeats
     vocab = es.manifest.models[TARGET].config["vocab_size"]
@@ -207,17 +211,25 @@ def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) ->
     g = torch.Generator().manual_seed(0)
     sampler = Sampler(dev)
     sampler.reset(opts.sampling)
+    fused = use_fused(None, dev)
 
     def logits(s):
         return torch.randn(1, s, vocab, generator=g).to(dev, dtype)
 
-    cases = [("sample", 1, lambda x=logits(1): sampler.sample(x[:, 0]))]
+    def verifier(size: int, chains: bool):
+        return verifier_for(SimpleNamespace(block_size=size, chains=chains), sampler, fused)
+
+    picker = NoDrafter()
+    picker.bind(opts.gammas[0] + 2 if opts.gammas else 2, dev, sampler=sampler)
+    pick_block = chain_block(torch.zeros(1, 2, dtype=torch.int64, device=dev))
+    cases = [("sample", 1, lambda x=logits(1): sampler.sample(x[:, 0])),
+             ("draft pick", 1, lambda x=logits(1): picker._pick(pick_block, 1, x[:, 0]))]
     for k in opts.gammas:
         block = chain_block(torch.randint(0, vocab, (1, k + 1), generator=g).to(dev))
         if not sampler.greedy:
             block.q = torch.softmax(torch.randn(1, k + 1, vocab, generator=g), -1).to(dev)
             block.q_tok = block.q.gather(2, block.tokens[:, :, None])[:, :, 0]
-        cases.append(("accept chain", k + 1, lambda b=block, x=logits(k + 1): accept_chain(b, x, sampler)))
+        cases.append(("accept chain", k + 1, lambda b=block, x=logits(k + 1), v=verifier(k + 1, True): v.accept(b, x)))
     if tree_tokens:
         depth = opts.tree.depth
         parents, level = [0], [0]
@@ -228,7 +240,8 @@ def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) ->
         par = torch.tensor([parents], device=dev)
         mask, d = ancestors(par, depth)
         block = Block(torch.randint(0, vocab, (1, tree_tokens), generator=g).to(dev), par, mask, d, depth, False)
-        cases.append(("accept tree", tree_tokens, lambda b=block, x=logits(tree_tokens): accept_tree(b, x, sampler)))
+        cases.append(("accept tree", tree_tokens, lambda b=block, x=logits(tree_tokens), v=verifier(tree_tokens, False):
+                      v.accept(b, x)))
     capture = CudaGraphCapture() if dev.type == "cuda" else None
     rows = []
     for name, s, fn in cases:

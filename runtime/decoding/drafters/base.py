@@ -185,14 +185,21 @@ class Drafter(ABC):
             else:
                 block.tokens[:, i] = to_target(logits.argmax(-1), targets)
             return
+        if block.q is None:                 # made on the first sampled round (the vocab is the logits')
+            b, n = block.tokens.shape
+            block.q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=logits.device)
+            block.q_tok = torch.ones(b, n, dtype=torch.float32, device=logits.device)
+            block.q_ids = targets
+        if s.draws_by_kernel and logits.stride(-1) == 1 and (targets is None or targets.is_contiguous()):
+            # the draw, q's row and q(token) in two launches (kernels/sample.py), where torch's warp, draw and
+            # probs take some twenty over the draft vocabulary
+            from xcompile.runtime.decoding.kernels import sample
+            sample.sample(logits, s, out=block.tokens[:, i], q=block.q[:, i], q_tok=block.q_tok[:, i],
+                          targets=targets)
+            return
         w = s.warp(logits)
         col = s.draw(w)                                                         # [B] column of q
         q = w.probs()
-        if block.q is None:                 # made on the first sampled round (the vocab is the logits')
-            b, n = block.tokens.shape
-            block.q = q.new_zeros(b, n, q.shape[-1])
-            block.q_tok = q.new_ones(b, n)
-            block.q_ids = targets
         block.q[:, i] = q
         block.q_tok[:, i] = q.gather(1, col[:, None])[:, 0]
         block.tokens[:, i] = to_target(col, targets)

@@ -167,8 +167,8 @@ def candidates(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tenso
     if x.stride(1) != 1:
         x = x.contiguous()
     pv, pi, _, _ = _SCRATCH.get(b * s, c.nb, c.kp2, x.device)
-    _sample_blocks_kernel[(b * s, c.nb)](x, sampler.temperature, pv, pi, v, c.nb, s, x.stride(0), K1=c.k1, KP2=c.kp2,
-                                         BLOCK=c.block, PDL=pdl(), num_warps=8, **launch())
+    _sample_blocks_kernel[(b * s, c.nb)](x, sampler.temperature, pv, pi, x, v, c.nb, s, x.stride(0), 0, K1=c.k1,
+                                         KP2=c.kp2, BLOCK=c.block, HAS_Q=False, PDL=pdl(), num_warps=8, **launch())
     return x, pv, pi, c
 
 

@@ -57,14 +57,16 @@ def _scaled(row, cols, V, temp):
 
 
 @triton.jit
-def _sample_blocks_kernel(X, T, PV, PI, V, NB, R, stride_x, K1: tl.constexpr, KP2: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sample_blocks_kernel(X, T, PV, PI, Q, V, NB, R, stride_x, stride_q, K1: tl.constexpr, KP2: tl.constexpr,
+                          BLOCK: tl.constexpr, HAS_Q: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
+    if HAS_Q:       # q's row cleared here, its kept tokens written by the rows launch (one row a sequence)
+        tl.store(Q + row * stride_q + cols, tl.zeros([BLOCK], tl.float32), mask=cols < V)
     s = _scaled(X + row * stride_x, cols, V, tl.load(T + row // R))
     s = tl.where(s == s, s, float("-inf"))                  # NaN as -inf (topk.py)
     vals, idx = _top(s, tl.where(cols < V, cols, 2147483647), K1, KP2)
@@ -122,9 +124,9 @@ def _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1: tl.constex
 
 
 @triton.jit(do_not_specialize=["K"])      # k an argument: no top-k value compiles a kernel of its own
-def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, stride_x, K, K1: tl.constexpr,
-                        KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, Q, QTOK, TGT, V, NB, R, stride_x, stride_out,
+                        stride_q, stride_qt, K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_Q: tl.constexpr, HAS_T: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -133,8 +135,8 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, str
     key1, base = _draw_base(KEY, CNT, b, 0)
     for r in range(R):
         row = b * R + r
-        vals, ids, live, top, tau, _, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
-                                                  NBP2, TOPP, BLOCK, False)
+        vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1,
+                                                     KP2, NBP2, TOPP, BLOCK, HAS_Q)
         e0 = (tl.zeros([1], tl.int32) + r * V).to(tl.uint32)          # row r's first element of the draw
         if tie:     # the draw over the whole row
             best = tl.full([], float("-inf"), tl.float32)
@@ -151,13 +153,32 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, OUT, V, NB, R, str
             g = tl.where(live & (vals >= tau), vals + _gumbel(e0 + ids.to(tl.uint32), base, key1), float("-inf"))
             m = tl.max(g, axis=0)
             pick = tl.min(tl.where(g == m, ids, 2147483647), axis=0)
-        tl.store(OUT + row, pick.to(tl.int64))
+        if HAS_Q:   # the draw's q (Warped.probs: exp(s - logz) on the kept set) and q at the token
+            logz = top + tl.log(kept)
+            if tie:
+                for c0 in range(0, V, BLOCK):
+                    cols = c0 + tl.arange(0, BLOCK)
+                    s = _scaled(X + row * stride_x, cols, V, temp)
+                    tl.store(Q + row * stride_q + cols, tl.where(s >= tau, tl.exp(s - logz), 0.0), mask=cols < V)
+            else:
+                on = live & (vals >= tau)
+                tl.store(Q + row * stride_q + ids, tl.exp(vals - logz), mask=on)
+            at = pick + tl.arange(0, 1)
+            tl.store(QTOK + row * stride_qt + tl.arange(0, 1), tl.exp(_scaled(X + row * stride_x, at, V, temp) - logz))
+        if HAS_T:   # a draft vocabulary's column as its target id (speculative.target_table)
+            pick = tl.load(TGT + pick)
+        tl.store(OUT + row * stride_out, pick.to(tl.int64))
     tl.store(CNT + b, tl.load(CNT + b) + 1)
 
 
-def sample(logits: torch.Tensor, sampler) -> torch.Tensor:
+def sample(logits: torch.Tensor, sampler, out: torch.Tensor | None = None, q: torch.Tensor | None = None,
+           q_tok: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] or [B, R, V] -> [B] or [B, R] tokens: Sampler.draw(Sampler.warp(logits)) for a sampler
-    whose top_k is 1..MAX_K (one draw of its stream)."""
+    whose top_k is 1..MAX_K (one draw of its stream). A drafter's pick (logits [B, V]) may also take: ``out``
+    [B], where the tokens go; ``q`` [B, V] and ``q_tok`` [B], where the warped distribution and its value at
+    the token go (Warped.probs, what speculative sampling verifies against); ``targets`` [V], the draft
+    vocabulary's target ids the tokens are written as (the rows keep the draft columns). ``out``, ``q`` and
+    ``q_tok`` may be strided views (a column of a block's buffers)."""
     k = min(sampler.params.top_k, logits.shape[-1])
     assert 0 < k <= MAX_K and not sampler.greedy, sampler.params
     k1 = min(MAX_K + 1, logits.shape[-1])        # candidates for any k (an argument: no compile per k)
@@ -167,15 +188,25 @@ def sample(logits: torch.Tensor, sampler) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, r = x.shape[0], x.shape[0] // shape[0]
+    has_q = q is not None
+    assert not has_q or (r == 1 and q.shape == x.shape and q.stride(1) == 1 and q_tok is not None
+                         and q.dtype == q_tok.dtype == torch.float32), (q, q_tok)
+    assert targets is None or (r == 1 and targets.is_contiguous() and targets.dtype == torch.int64)
     kp2 = triton.next_power_of_2(k1)
     block = min(BLOCK_V, triton.next_power_of_2(v))
     nb = triton.cdiv(v, block)
     pv, pi, _, _ = _SCRATCH.get(rows, nb, kp2, x.device)
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    _sample_blocks_kernel[(rows, nb)](x, sampler.temperature, pv, pi, v, nb, r, x.stride(0), K1=k1, KP2=kp2,
-                                      BLOCK=block, PDL=pdl(), num_warps=8, **launch())
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    assert out.dtype == torch.int64 and out.numel() == rows and (rows == 1 or out.dim() == 1), out
+    qq = q if has_q else x                      # (unused pointers where there is no q)
+    _sample_blocks_kernel[(rows, nb)](x, sampler.temperature, pv, pi, qq, v, nb, r, x.stride(0), qq.stride(0),
+                                      K1=k1, KP2=kp2, BLOCK=block, HAS_Q=has_q, PDL=pdl(), num_warps=8, **launch())
     _sample_rows_kernel[(shape[0],)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key,
-                                     sampler.counter, pv, pi, out, v, nb, r, x.stride(0), k, K1=k1, KP2=kp2,
+                                     sampler.counter, pv, pi, out, qq, q_tok if has_q else x,
+                                     targets if targets is not None else out, v, nb, r, x.stride(0),
+                                     out.stride(0) if out.dim() else 1, qq.stride(0),
+                                     q_tok.stride(0) if has_q and q_tok.dim() else 1, k, K1=k1, KP2=kp2,
                                      NBP2=triton.next_power_of_2(nb), TOPP=sampler.params.top_p < 1, BLOCK=block,
-                                     PDL=pdl(), num_warps=8, **launch())
+                                     HAS_Q=has_q, HAS_T=targets is not None, PDL=pdl(), num_warps=8, **launch())
     return out.view(shape)

@@ -40,6 +40,39 @@ def test_kernel_draws_the_torch_samplers_tokens(rows, vocab, k, top_p, min_p, ti
     assert kernel_sampler.counter.tolist() == torch_sampler.counter.tolist() == [20, 20]
 
 
+@pytest.mark.parametrize("vocab, targets, ties, top_p", [
+    (5000, False, False, 0.9),     # a draft model's pick over the target's vocabulary
+    (3000, True, False, 1.0),      # an EAGLE3 head's over its draft vocabulary, written as target ids
+    (3000, True, True, 0.9),       # integer logits: ties at the k-th value, q's row streamed
+])
+def test_a_sampled_draft_pick_writes_the_torch_picks_token_and_q(vocab, targets, ties, top_p):
+    """Drafter._pick of a sampled chain by the kernels: into column i of a block's buffers (strided), the token
+    (mapped to target ids), q's row over the vocabulary and q at the token, as the torch warp, draw and probs make
+    them, from the same stream."""
+    from xcompile.runtime.decoding.drafters import NoDrafter
+    from xcompile.runtime.decoding.speculative import chain_block
+    torch.manual_seed(vocab)
+    table = (torch.arange(vocab) + torch.randint(0, 40, (vocab,))).to(DEV) if targets else None
+    params = SamplingParams(temperature=0.7, top_k=12, top_p=top_p, seed=5)
+    picks = {}
+    for fused in (True, False):
+        d = NoDrafter()
+        d.bind(64, torch.device(DEV), batch=2, sampler=Sampler(DEV, 2, fused=fused))
+        d.sampler.reset(params)
+        block = chain_block(torch.zeros(2, 4, dtype=torch.long, device=DEV))
+        gen = torch.Generator().manual_seed(1)
+        for i in (1, 2, 3):
+            logits = 3 * torch.randn(2, vocab, generator=gen)
+            d._pick(block, i, (logits.round() if ties else logits).to(DEV, torch.bfloat16), table)
+        picks[fused] = block, d.sampler.counter.tolist()
+    (got, got_count), (want, want_count) = picks[True], picks[False]
+    assert torch.equal(got.tokens, want.tokens) and got_count == want_count == [3, 3]
+    torch.testing.assert_close(got.q, want.q, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.q_tok, want.q_tok, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.q[:, 1:].sum(-1), torch.ones(2, 3, device=DEV))       # each a distribution
+    assert got.q_ids is table
+
+
 @pytest.mark.parametrize("top_k", [20, 0, 50])
 def test_a_fused_sampler_samples_by_the_kernels_up_to_max_k(top_k, monkeypatch):
     """Sampler.sample takes the kernels for top-k 1..MAX_K (the torch ops otherwise), the same tokens."""
