@@ -203,7 +203,8 @@ def step_costs(es: EngineSet, ctx: int, opts: BenchOptions, tree_tokens: int | N
 def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) -> list[dict]:
     """Milliseconds of the sampler's work in a round at the target's vocabulary and dtype, eager and
     (on CUDA) replayed from a graph, by what the loop runs for it (rounds.verifier_for, the drafters' pick): one
-    token drawn; one chain draft picked (sampled: its q row kept too); a chain block of k+1 accepted (with draft
+    token drawn; one chain draft picked over the target's vocabulary (a draft model's pick; an EAGLE3 head picks
+    over its smaller draft vocabulary; sampled: its q row kept too); a chain block of k+1 accepted (with draft
     distributions over the whole vocabulary, as the draft model's); a tree accepted (deterministic picks)."""
     dev, repeats = es.device, opts.repeats
     vocab = es.manifest.models[TARGET].config["vocab_size"]

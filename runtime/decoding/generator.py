@@ -94,15 +94,17 @@ class Generator:
         # one for every request (its tensors keep their addresses); its draws by kernel follow options.fused
         self.sampler = Sampler(self.device, fused=options.fused)
         self.fused = kernels.use_fused(options.fused, self.device)
+        if options.step_capture is not None and not options.cuda_graphs:
+            raise EngineError("LoopOptions.step_capture records prompt steps with cuda_graphs only; set cuda_graphs")
         self.graphs = options.cuda_graphs and all(e.graph_capturable for e in (target, *drafter.engines))
+        for d in (drafter, self.plain):
+            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=options.fused, track=options.debug)
         # the short prompt steps (drafters.prompt_pass) replayed from graphs too, one per padded row count
         steps = self.graphs and (options.step_capture is not None or self.device.type == "cuda")
         self.prompt_steps = {e: GraphedEngine(e, {step_rows(r) for r in range(1, e.short_rows + 1)},
                                               options.step_capture or CudaGraphCapture())
-                             for e in (target, *drafter.engines) if steps and e.short_rows}
-        for d in (drafter, self.plain):
-            d.bind(max_seq_len, self.device, sampler=self.sampler, fused=options.fused, track=options.debug,
-                   prompt_steps=self.prompt_steps)
+                             for e in (target, *drafter.prompt_engines) if steps and e.short_rows}
+        drafter.prompt_steps = self.prompt_steps
         self.state = RoundState(self.device)
         self.pipeline = (self.device.type == "cuda" if options.pipeline is None else options.pipeline) \
             and not options.debug
@@ -307,8 +309,10 @@ class Generator:
 
     @property
     def graph_fallback(self) -> str | None:
-        """Why a round runs eagerly although CUDA graphs were asked for (None: they replay, or were not asked)."""
-        return next((e.fallback for e in self._executors.values() if isinstance(e, Graphed) and e.fallback), None)
+        """Why a round or a prompt step runs eagerly although CUDA graphs were asked for (None: they replay, or
+        were not asked)."""
+        rounds = (e.fallback for e in self._executors.values() if isinstance(e, Graphed))
+        return next((f for f in (*rounds, *(s.fallback for s in self.prompt_steps.values())) if f), None)
 
     def _check_kv(self, n: int, drafter: Drafter) -> None:
         """Debug: every cache's committed length matches, then the stale rows past it are poisoned, so a step

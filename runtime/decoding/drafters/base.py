@@ -89,7 +89,7 @@ def prompt_pass(engine: Engine, prompt: torch.Tensor, per_row: dict[str, torch.T
     room = engine.kv_shape.max_seq_len if engine.kv_shape is not None else 0
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        padded = step_rows(end - start) if short and steps is not None else None
+        padded = min(step_rows(end - start), chunk) if short and steps is not None else None
         if padded is not None and start + padded > room:
             padded = None                                   # no room for the padding rows: eager, unpadded
         inputs = prompt_inputs(prompt[:, start:end], start, padded)
@@ -119,19 +119,19 @@ class Drafter(ABC):
         self.sampler = Sampler()
         self.picks: dict[int, GreedyPick] | None = None     # the fused greedy picks (bind)
         self.track = True           # keep the committed KV length on the device (caches(); bind)
-        self.prompt_steps: dict[Engine, Engine] = {}      # graphed short prompt steps by engine (bind)
+        self.prompt_engines = engines       # those of its engines that take prompt passes (start)
+        # their short prompt steps replayed from graphs (prompt_pass's steps), by engine: set by the generator
+        self.prompt_steps: dict[Engine, Engine] = {}
 
     def bind(self, max_seq_len: int, device: torch.device, batch: int = 1, sampler: Sampler | None = None,
-             fused: bool | None = None, track: bool = True, prompt_steps: dict[Engine, Engine] | None = None) -> None:
+             fused: bool | None = None, track: bool = True) -> None:
         """Check the engines against the generator's limits, allocate KV and step buffers; ``sampler``
         (the generator's) picks the drafted tokens (default: greedy); ``fused``: greedy picks in one launch
         each (kernels/accept.py; None: on a CUDA device with triton, True: also in Triton's interpreter);
         ``track``: keep the committed KV lengths that ``caches`` reports (two launches a round; the
-        generator's debug checks read them, nothing else does); ``prompt_steps``: an engine's short prompt
-        steps replayed from graphs (``prompt_pass``'s ``steps``), by engine."""
+        generator's debug checks read them, nothing else does)."""
         self.sampler = sampler or Sampler(device, batch)
         self.track = track
-        self.prompt_steps = prompt_steps or {}
         self.picks = {} if batch == 1 and kernels.use_fused(fused, device) else None
         for e in self.engines:
             if e.device != device:
@@ -192,7 +192,7 @@ class Drafter(ABC):
             block.q_ids = targets
         if s.draws_by_kernel and logits.stride(-1) == 1 and (targets is None or targets.is_contiguous()):
             # the draw, q's row and q(token) in two launches (kernels/sample.py), where torch's warp, draw and
-            # probs take some twenty over the draft vocabulary
+            # probs take a dozen or more over the draft vocabulary
             from xcompile.runtime.decoding.kernels import sample
             sample.sample(logits, s, out=block.tokens[:, i], q=block.q[:, i], q_tok=block.q_tok[:, i],
                           targets=targets)

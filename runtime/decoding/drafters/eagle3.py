@@ -44,6 +44,7 @@ class _Eagle3(Drafter):
                               f"engine, got {', '.join(repr(g) for g in graphs if g)}")
         super().__init__(max_depth, block_size, lookahead, engines=(eagle3, fc) if fc else (eagle3,))
         self.eagle3, self.fc, self.columns = eagle3, fc, columns
+        self.prompt_engines = (eagle3,)                       # fc runs once a prompt, at any row count
         self.d2t = None if d2t is None else check_d2t(d2t).to(eagle3.device)
         self.targets = target_table(self.d2t)                 # draft id -> target id, one lookup
 

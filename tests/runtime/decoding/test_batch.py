@@ -16,7 +16,7 @@ import tiny_engines as T
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.batch import BatchGenerator
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, NoDrafter
-from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.generator import Generator, LoopOptions
 from xcompile.runtime.decoding.sampling import SamplingParams
 
 MAX_SEQ_LEN, BATCH, NEW = 96, 4, 24
@@ -186,19 +186,28 @@ def test_an_engine_that_takes_one_sequence_is_refused(tiny):
 
 # -- the lone sequence: the batch-1 Generator's rounds while it is alone (runtime/decoding/solo.py) ----------------
 
-def solo_batch(tiny, drafter: str, eos=(), detokenize=None) -> BatchGenerator:
+def solo_batch(tiny, drafter: str, eos=(), detokenize=None, prompt_steps: bool = False) -> BatchGenerator:
     """A 4-slot loop whose lone greedy sequence runs the batch-1 Generator with ``drafter`` (tiny_engines.DRAFTERS)
-    in slot 0 of the same target."""
+    in slot 0 of the same target; ``prompt_steps``: its prompt passes in 8-row short steps padded to 1, 2, 4, 8 rows
+    and replayed from stand-in graphs (drafters.prompt_pass), the padding written in slot 0 past the prompt."""
     target = T.qwen3_engine(tiny.target, batch=BATCH)
-    solo = Generator(target, T.DRAFTERS[drafter](tiny), eos, MAX_SEQ_LEN, detokenize=detokenize)
+    d = T.DRAFTERS[drafter](tiny)
+    options = LoopOptions()
+    if prompt_steps:
+        for e in (target, *d.prompt_engines):
+            e.short_rows = 8
+        options = LoopOptions(cuda_graphs=True, capture=T.RoundRecorder(), step_capture=T.Emulated())
+    solo = Generator(target, d, eos, MAX_SEQ_LEN, detokenize=detokenize, options=options)
+    assert bool(solo.prompt_steps) == prompt_steps
     return BatchGenerator(target, eos, MAX_SEQ_LEN, chunk=8, detokenize=detokenize, solo=solo)
 
 
+@pytest.mark.parametrize("prompt_steps", [False, True])
 @pytest.mark.parametrize("drafter", ["draft", "eagle3", "eagle3-tree"])
-def test_a_lone_sequence_speculates_and_gets_plain_greedy(tiny, prompts, drafter):
+def test_a_lone_sequence_speculates_and_gets_plain_greedy(tiny, prompts, drafter, prompt_steps):
     """Sequences submitted one at a time each run alone: speculative rounds of the Generator in slot 0 (a tree's
     accepted path compacted there), no batch step, plain greedy's tokens."""
-    batch = solo_batch(tiny, drafter)
+    batch = solo_batch(tiny, drafter, prompt_steps=prompt_steps)
     results = [batch.generate([(p, NEW)])[0] for p in prompts]
     assert [r.tokens for r in results] == alone(tiny, prompts)
     assert batch.stats.steps == 0 and batch.stats.solo_rounds == sum(r.stats.rounds + 1 for r in results)
@@ -207,10 +216,11 @@ def test_a_lone_sequence_speculates_and_gets_plain_greedy(tiny, prompts, drafter
         assert sum(r.stats.rounds for r in results) < 0.7 * len(prompts) * (NEW - 1)
 
 
-def test_a_lone_sequence_hands_over_when_another_arrives(tiny, prompts):
+@pytest.mark.parametrize("prompt_steps", [False, True])
+def test_a_lone_sequence_hands_over_when_another_arrives(tiny, prompts, prompt_steps):
     """Two rounds alone, then a second sequence arrives: the first goes on one token a step in the batch from where
     its last round left it, and both get plain greedy's tokens; once alone again it keeps batch-decoding."""
-    batch = solo_batch(tiny, "draft")
+    batch = solo_batch(tiny, "draft", prompt_steps=prompt_steps)
     first = batch.submit(prompts[2], NEW)
     for _ in range(3):                      # the prefill's first token, then two rounds
         batch.step()

@@ -120,3 +120,26 @@ def test_the_loops_fused_option_reaches_its_sampler(fused):
     g = Generator(tiny.target_engine(), T.DRAFTERS["none"](tiny), [], 64, options=LoopOptions(fused=fused))
     assert g.device.type == "cpu"
     assert g.sampler.fused is (fused and interpreted())
+
+
+@pytest.mark.parametrize("name", ["eagle3", "mtp-vocab", "draft"])
+def test_sampled_chains_with_kernel_picks_get_the_torch_loops_tokens(name, monkeypatch):
+    """A sampled generation (top-k 8) whose chain drafts are picked by the kernels (over a draft vocabulary mapped
+    to target ids, or the target's) and verified by the fused acceptance, against the loop on torch's ops: the same
+    tokens from the same seed, and the drafts accepted as often."""
+    import tiny_engines as T
+
+    from xcompile.runtime.decoding.generator import Generator, LoopOptions
+    from xcompile.runtime.decoding.kernels import sample as S
+    picks = []
+    kernel = S.sample
+    monkeypatch.setattr(S, "sample", lambda *a, **kw: picks.append(kw.get("q") is not None) or kernel(*a, **kw))
+    tiny = T.build(64)
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=4)
+    runs = {}
+    for fused in (True, False):
+        g = Generator(tiny.target_engine(), T.DRAFTERS[name](tiny), [], 64, options=LoopOptions(fused=fused))
+        runs[fused] = [g.generate(p, 16, sampling=params) for p in T.random_prompts((5, 11), seed=6)]
+    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+    assert [r.stats.accepted for r in runs[True]] == [r.stats.accepted for r in runs[False]]
+    assert sum(picks) >= 2 * 3      # the fused run's drafts went through the kernel pick (3 a round)
