@@ -221,7 +221,7 @@ def sampler_costs(es: EngineSet, opts: BenchOptions, tree_tokens: int | None) ->
         return verifier_for(SimpleNamespace(block_size=size, chains=chains), sampler, fused)
 
     picker = NoDrafter()
-    picker.bind(opts.gammas[0] + 2 if opts.gammas else 2, dev, sampler=sampler)
+    picker.bind(2, dev, sampler=sampler)              # no engines: the length bounds nothing
     pick_block = chain_block(torch.zeros(1, 2, dtype=torch.int64, device=dev))
     cases = [("sample", 1, lambda x=logits(1): sampler.sample(x[:, 0])),
              ("draft pick", 1, lambda x=logits(1): picker._pick(pick_block, 1, x[:, 0]))]
