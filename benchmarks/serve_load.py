@@ -29,10 +29,13 @@ Before the levels, one request alone is the first request after /health said rea
 request to that server), its client warmed by a GET /v1/models first (the openai client's first call pays for its
 connection and set-up: on an H100 the server's own TTFT was 22 ms of the client's 92, 2026-12-05): its TTFT is
 reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: arrival to first
-token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's. --lengths N then sends N requests
-one at a time, each prompt one token (word) longer than the last, from --prompt-tokens (--prompt-words) on, 2
-tokens each: a prompt length the server meets for the first time must not stall its request (its TTFT against
-the median of the N).
+token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's.
+Each level reports the server's engine steps too (/metrics, a --max-batch N dir): how many prefills and
+speculative rounds a lone request ran on the batch-1 Generator, and batch steps, with their mean wall time on the
+engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then
+sends N requests one at a time, each prompt one token (word) longer than the last, from --prompt-tokens
+(--prompt-words) on, 2 tokens each: a prompt length the server meets for the first time must not stall its
+request (its TTFT against the median of the N).
 
 Prints a table; --json writes the report, --plot a PNG (matplotlib, ``pip install 'xcompile[plot]'``).
 """
@@ -241,11 +244,11 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             return [await one_request(openai_client, model, prompts[s * args.per_stream + k], args.max_tokens)
                     for k in range(args.per_stream)]
 
-        before = server_ttft(url, args.api_key)
+        before = server_histograms(url, args.api_key)
         began = time.perf_counter()
         done = [r for rs in await asyncio.gather(*(stream(s) for s in range(streams))) for r in rs]
         wall = time.perf_counter() - began
-        after = server_ttft(url, args.api_key)
+        after = server_histograms(url, args.api_key)
     ok = [r for r in done if r["status"] == 200]
     failed = [r for r in done if r["status"] != 200]
     tokens = sum(r["tokens"] for r in ok)
@@ -253,7 +256,7 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             "errors": sum(r["status"] != 429 for r in failed), "error_messages": sorted({r["error"] for r in failed})[:5],
             "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "ttft_ms": spread([r["ttft"] for r in ok if r["ttft"] is not None]),
-            "server_ttft_ms_mean": server_mean(before, after),
+            "server_ttft_ms_mean": server_mean(before, after), "server_steps": server_steps(before, after),
             "itl_ms": spread([g for r in ok for g in r["gaps"]]),
             "tpot_ms": spread([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
             "latency_ms": spread([r["end"] - r["start"] for r in ok]),
@@ -261,36 +264,51 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
                             if r["status"] == 200 else {"status": r["status"], "error": r["error"]} for r in done]}
 
 
-def server_ttft(url: str, api_key: str) -> tuple[float, int] | None:
-    """The server's TTFT histogram so far (/metrics): (sum in seconds, count); None where it has none."""
+def server_histograms(url: str, api_key: str) -> dict[str, tuple[float, int]]:
+    """The server's histograms so far (/metrics) as (sum in seconds, count): its TTFT ("ttft") and its engine
+    steps by kind ("prompt", "round", "batch"); empty where it has none."""
     import httpx2 as httpx
 
     try:
         text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).text
     except httpx.HTTPError:
-        return None
-    found = dict(re.findall(r"^xcompile_time_to_first_token_seconds_(sum|count) (\S+)$", text, re.M))
-    return (float(found["sum"]), int(float(found["count"]))) if len(found) == 2 else None
+        return {}
+    found: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = re.match(r'^xcompile_(time_to_first_token|engine_step)_seconds_(sum|count)(?:\{kind="(\w+)"\})? (\S+)$',
+                     line)
+        if m:
+            key = "ttft" if m[1] == "time_to_first_token" else m[3]
+            found.setdefault(key, [0.0, 0])[m[2] == "count"] = float(m[4])
+    return {k: (v[0], int(v[1])) for k, v in found.items()}
 
 
-def server_mean(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:
-    """The server's mean TTFT (ms) over the requests between two reads of its histogram."""
-    if before is None or after is None or after[1] <= before[1]:
+def server_mean(before: dict, after: dict, key: str = "ttft") -> float | None:
+    """The server's mean of histogram ``key`` (ms) over what it observed between two reads (server_histograms)."""
+    if key not in after or after[key][1] <= before.get(key, (0.0, 0))[1]:
         return None
-    return round((after[0] - before[0]) / (after[1] - before[1]) * 1e3, 3)
+    (s0, n0), (s1, n1) = before.get(key, (0.0, 0)), after[key]
+    return round((s1 - s0) / (n1 - n0) * 1e3, 3)
+
+
+def server_steps(before: dict, after: dict) -> dict:
+    """The engine steps between two reads, by kind: count and mean ms (a --max-batch N dir's batching thread)."""
+    return {k: {"count": after[k][1] - before.get(k, (0.0, 0))[1], "mean_ms": server_mean(before, after, k)}
+            for k in ("prompt", "round", "batch") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
 
 
 async def run_first(url: str, model: str, args, timeout: float) -> dict:
     """The first request after ready, alone (module docstring)."""
-    before = server_ttft(url, args.api_key)
+    before = server_histograms(url, args.api_key)
     async with open_client(url, args, timeout) as openai_client:
         # the client's own first call (its connection, headers, lazy imports) on a route that generates nothing
         await openai_client.models.list()
         r = await one_request(openai_client, model, make_prompts(args, 1)[0], args.max_tokens)
     if r["status"] != 200:
         raise RuntimeError(f"the first request failed ({r['status']}): {r['error']}")
-    after = server_ttft(url, args.api_key)
-    server = server_mean(before, after) if after and before and after[1] == before[1] + 1 else None
+    after = server_histograms(url, args.api_key)
+    one = "ttft" in after and after["ttft"][1] == before.get("ttft", (0.0, 0))[1] + 1
+    server = server_mean(before, after) if one else None
     return {"ttft_ms": round(r["ttft"] * 1e3, 3) if r["ttft"] is not None else None,
             "latency_ms": round((r["end"] - r["start"]) * 1e3, 3), "server_ttft_ms": server}
 
@@ -344,6 +362,10 @@ def summary(report: dict) -> list[str]:
             server += f", {own / warm:.2f}x its own mean at 1 stream, {warm:.1f} ms"
         server += ")" if server else ""
         lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{server}{ratio}")
+    for lv in report["levels"]:             # the engine thread's own step times (a --max-batch N dir)
+        steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.3f} ms" for k, v in lv["server_steps"].items())
+        if steps:
+            lines.append(f"{lv['streams']} stream(s), the server's engine steps (count x mean): {steps}")
     lengths = report["prompt_lengths"]
     if lengths and lengths["slowest"]:
         t, low, high = lengths["ttft_ms"], *lengths["lengths"]

@@ -27,7 +27,8 @@
 #            against the matmul rate; the same at 32000 with an FP8 KV cache
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens, then 64 prompt lengths one at a time
-#            (carry .whl: fastapi, uvicorn, openai, httpx2...)
+#            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
+#            server's default), beside the server's own mean round at one stream
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -150,7 +151,11 @@ for part in "$@"; do
       --out /tmp/serve-8b --force
     run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams 1,4,16 \
       --max-tokens 256 --lengths 64 --json "$OUT/serve_load.json"
-    tail -12 "$OUT/serve_load.log"
+    tail -14 "$OUT/serve_load.log"
+    # the batch-1 round a lone request runs in the server (xrun serve's default drafter: the EAGLE3 chain, gamma 4)
+    run serve_bench 150 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 4 --tree "" \
+      --contexts 128 --num-prompts 1 --json "$OUT/serve_bench.json"
+    grep -E "$SHOW" "$OUT/serve_bench.log"
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \

@@ -47,6 +47,7 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
     async def lifespan(app: FastAPI):
         sched = app.state.scheduler = Scheduler(config, open_worker)
         app.state.metrics = Metrics(lambda: sched.waiting, sched.busy)
+        sched.on_step = app.state.metrics.step
         loading = asyncio.create_task(_load(sched, on_load_error))
         try:
             if not background_load:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Callable
 
 from xcompile.runtime.common.errors import EngineError
@@ -22,8 +23,11 @@ class BatchLoop:
     when it failed (its callback, its stop check, or the engine's step: a 500).
     A job's cancel event ends its generations before the next step."""
 
-    def __init__(self, batch):
+    def __init__(self, batch, on_step: Callable[[str, float], None] | None = None):
         self.batch = batch
+        # on_step(kind, seconds) after each step: "prompt" (a lone sequence's prefill), "round" (its speculative
+        # round) or "batch"; the server's xcompile_engine_step_seconds (metrics.py)
+        self.on_step = on_step
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()     # (job, post), or None: stop
         self.owner: dict = {}                   # BatchSequence -> (job, generation index)
         self.jobs: dict[int, list] = {}         # id(job) -> [post, sequences left, started?]
@@ -52,11 +56,17 @@ class BatchLoop:
             self._take(wait=self.batch.idle)
             if self.batch.idle:
                 continue
+            solo, stats, began = self.batch.solo, self.batch.stats, time.perf_counter()
+            starting, counts = solo is None or solo.seq is None, (stats.steps, stats.solo_rounds)
             try:
                 ended = self.batch.step()
             except Exception as e:          # the engine failed: no row of the step can be trusted
                 log.exception("a batched step failed")
                 ended = self.batch.abort(f"{type(e).__name__}: {e}")
+            else:
+                if self.on_step is not None and (stats.steps, stats.solo_rounds) != counts:
+                    kind = "batch" if stats.steps != counts[0] else "prompt" if starting else "round"
+                    self.on_step(kind, time.perf_counter() - began)
             for q in self.batch.running:
                 self._started(q)
             for q in ended:

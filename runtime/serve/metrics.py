@@ -8,6 +8,9 @@
     xcompile_time_to_first_token_seconds             arrival to the first token, queueing included
     xcompile_time_per_output_token_seconds           per choice: (last token - first token) / (tokens - 1)
     xcompile_acceptance_length                       tau of each choice: tokens per target forward
+    xcompile_engine_step_seconds{kind}              the batching engine thread's steps (--max-batch N dirs): a lone
+                                                    sequence's prefill (prompt) or speculative round (round), or a
+                                                    batch step (batch); wall time on that thread
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # latency buckets from 1 ms (a draft step of a small model) to a minute (a long queue)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# engine steps: a draft-model step of a small model (~1 ms) to a long prompt's prefill
+STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
@@ -39,6 +44,9 @@ class Metrics:
                               "after the first", buckets=LATENCY_BUCKETS, registry=r)
         self.tau = Histogram("xcompile_acceptance_length", "Tokens per target forward (tau) of each choice",
                              buckets=TAU_BUCKETS, registry=r)
+        self.steps = Histogram("xcompile_engine_step_seconds", "Steps of the batching engine thread: a lone "
+                               "sequence's prefill (prompt) or round (round), or a batch step (batch)", ["kind"],
+                               buckets=STEP_BUCKETS, registry=r)
 
     def finished(self, result, first_token_s: float, done_s: float) -> None:
         """One choice ended normally (times: time.monotonic())."""
@@ -51,6 +59,10 @@ class Metrics:
             self.tau.observe(s.acceptance_length)
         if s.new_tokens > 1:
             self.tpot.observe((done_s - first_token_s) / (s.new_tokens - 1))
+
+    def step(self, kind: str, seconds: float) -> None:
+        """One step of the batching engine thread (called on that thread; prometheus_client is thread-safe)."""
+        self.steps.labels(kind).observe(seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -119,6 +119,7 @@ class Scheduler:
         self.running: Job | None = None
         self.worker: EngineWorker | None = None
         self.batch_loop: BatchLoop | None = None
+        self.on_step: Callable[[str, float], None] | None = None     # BatchLoop's (the app's metrics)
         self.load_error: str | None = None
         self.warming = False                        # the engines are open, the warm-up runs: not ready yet
 
@@ -143,7 +144,7 @@ class Scheduler:
                 log.info("warm-up skipped (--no-warm-up): a request may wait on kernel compiles and graph captures")
             self.warming = False
             if self.worker.batch is not None:
-                self.batch_loop = BatchLoop(self.worker.batch)
+                self.batch_loop = BatchLoop(self.worker.batch, self.on_step)
                 self.executor.submit(self.batch_loop.run).add_done_callback(self._loop_ended)
         except XcompileError as e:
             self.load_error = f"{'warm-up: ' if self.warming else ''}{e}"

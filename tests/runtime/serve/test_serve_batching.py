@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -56,6 +57,13 @@ async def until(cond, timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+def step_counts(url: str) -> dict[str, int]:
+    """The server's xcompile_engine_step_seconds counts by kind (GET /metrics)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {k: int(float(n)) for k, n in re.findall(r'^xcompile_engine_step_seconds_count\{kind="(\w+)"\} (\S+)$',
+                                                      text, re.M)}
 
 
 def body(p, n, **kw):
@@ -155,6 +163,8 @@ def test_a_lone_request_speculates_and_a_crowd_batches_on_the_torch_backend(tiny
         alone = httpx.post(f"{s.url}/v1/completions", json=body(PROMPTS[0], BUDGETS[0]), timeout=60)
         assert alone.json()["choices"][0]["token_ids"] == refs[0]
         assert batch.stats.steps == 0 and batch.stats.solo_rounds > 0
+        # the server's step histogram: one prefill, then a round a step, as the loop counted them
+        assert step_counts(s.url) == {"prompt": 1, "round": batch.stats.solo_rounds - 1}
 
         async def crowd():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
@@ -163,5 +173,6 @@ def test_a_lone_request_speculates_and_a_crowd_batches_on_the_torch_backend(tiny
 
         done = asyncio.run(asyncio.wait_for(crowd(), 120))
         assert [r.json()["choices"][0]["token_ids"] for r in done] == refs and batch.stats.steps > 0
+        assert step_counts(s.url)["batch"] == batch.stats.steps
     finally:
         s.stop()
