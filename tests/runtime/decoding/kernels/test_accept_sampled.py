@@ -97,14 +97,14 @@ def test_the_kernel_takes_chains_with_top_k_only():
 
 @pytest.mark.parametrize("drafter", ["eagle3", "draft", "mtp-vocab", "eagle3-tree"])
 def test_a_sampled_round_on_the_kernels_draws_the_torch_rounds_tokens(drafter):
-    """The loop with its fused option on (the interpreter here; a CUDA device by default) verifies sampled chains
-    and trees with top-k on the kernels: the same tokens, from the same seed, as the loop on torch's ops; with
-    top-k off, torch's ops."""
+    """The loop with its fused option on verifies sampled chains and trees with top-k on the kernels: the same
+    tokens, from the same seed, as the loop on torch's ops; with top-k off, torch's ops. The tiny engines live where
+    the kernels run: the GPU where there is one, else the CPU in the interpreter."""
     import tiny_engines as T
 
     from xcompile.runtime.decoding.generator import Generator, LoopOptions
     from xcompile.runtime.decoding.rounds import FusedSampledVerifier, TorchVerifier
-    tiny = T.build(96)
+    tiny = T.build(96, device=DEV)
     runs = {}
     for fused in (True, False):
         g = Generator(tiny.target_engine(), T.DRAFTERS[drafter](tiny), [], 96, options=LoopOptions(fused=fused))

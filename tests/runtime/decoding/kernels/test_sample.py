@@ -126,7 +126,8 @@ def test_the_loops_fused_option_reaches_its_sampler(fused):
 def test_sampled_chains_with_kernel_picks_get_the_torch_loops_tokens(name, monkeypatch):
     """A sampled generation (top-k 8) whose chain drafts are picked by the kernels (over a draft vocabulary mapped
     to target ids, or the target's) and verified by the fused acceptance, against the loop on torch's ops: the same
-    tokens from the same seed, and the drafts accepted as often."""
+    tokens from the same seed, and the drafts accepted as often. The tiny engines live where the kernels run: the
+    GPU where there is one (compiled Triton takes no CPU tensors), else the CPU in the interpreter."""
     import tiny_engines as T
 
     from xcompile.runtime.decoding.generator import Generator, LoopOptions
@@ -134,7 +135,7 @@ def test_sampled_chains_with_kernel_picks_get_the_torch_loops_tokens(name, monke
     picks = []
     kernel = S.sample
     monkeypatch.setattr(S, "sample", lambda *a, **kw: picks.append(kw.get("q") is not None) or kernel(*a, **kw))
-    tiny = T.build(64)
+    tiny = T.build(64, device=DEV)
     params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=4)
     runs = {}
     for fused in (True, False):
