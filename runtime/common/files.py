@@ -242,6 +242,11 @@ def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bo
     """A staging dir that becomes ``out`` when the block succeeds (module docstring). ``replace``:
     an existing ``out`` may be replaced (--force); ``inputs``: paths ``out`` must stay clear of."""
     with _output(Path(out), what, inputs, option) as out:
+        here = Path.cwd().resolve()
+        if out.exists() and (here == out.resolve() or out.resolve() in here.parents):
+            # replacing it would swap the directory the process (and the user's shell) stands in for a new one
+            raise EngineError(f"{out}: is the current directory{'' if here == out.resolve() else ' or holds it'}; "
+                              f"choose another {option} (a new directory beside it)")
         if out.exists() or out.is_symlink():
             if not out.is_dir():
                 raise EngineError(f"{out}: exists and is not a directory; choose another {option}")

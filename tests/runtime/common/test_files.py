@@ -38,6 +38,19 @@ def test_staged_dir_appears_whole_or_not_at_all(tmp_path):
     assert siblings(out) == []                              # no staging dir, no lock file
 
 
+@pytest.mark.parametrize("where", [".", "", "inner"])
+def test_the_current_directory_is_never_replaced(tmp_path, monkeypatch, where):
+    """--out . (or "", or a dir holding the current one) with --force would pull the directory the process and the
+    user's shell stand in from under them: refused, the dir as it was."""
+    out = tmp_path / "out"
+    write_into(out, "first")
+    (out / "inner").mkdir()
+    monkeypatch.chdir(out / "inner" if where == "inner" else out)
+    with pytest.raises(EngineError, match="is the current directory"):
+        write_into(".." if where == "inner" else where, "second", replace=True)
+    assert (out / "f.txt").read_text() == "first" and (out / "inner").is_dir()
+
+
 def test_replace_needs_force_and_only_replaces_what_xcompile_wrote(tmp_path):
     out = tmp_path / "out"
     write_into(out, "first")
