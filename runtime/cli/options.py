@@ -33,7 +33,23 @@ def positive_float() -> Finite:
 
 # the sampling options' types: the ranges SamplingParams checks (runtime/decoding/sampling.py), refused
 # here at parse time as bad options (exit 2) instead of later as a bad request
-TEMPERATURE = Finite(min=0)
+class Temperature(Finite):
+    """0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (decoding/sampling.py's, repeated: it imports torch)."""
+
+    low, high = 1e-5, 100.0
+
+    def __init__(self):
+        super().__init__(min=0, max=self.high)
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if 0 < value < self.low:
+            self.fail(f"{value} is neither 0 (greedy) nor at least {self.low:g} (below it logits / T overflow)",
+                      param, ctx)
+        return value
+
+
+TEMPERATURE = Temperature()
 TOP_K = click.IntRange(min=0)
 TOP_P = Finite(min=0, min_open=True, max=1)
 MIN_P = Finite(min=0, max=1)

@@ -34,6 +34,10 @@ GENERATION_CONFIG = "generation_config.json"
 # (GenerationConfig._get_default_generation_params; min_p unset means off)
 HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
 _SEED_LIMIT = 2**63
+# temperature: 0 (greedy) or within these. Below 1e-5, logits / T leaves float32 (at 1e-44, 1/T is inf and every
+# token NaN: token 0 each step); 100 is far past any useful warp (logits / 100 are all but uniform) and keeps the
+# sampler's float32 buffers finite (1e39 overflowed them). cli/options.py's TEMPERATURE repeats them.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise EngineError(f"{name} must be {want}, got {value!r}")
 
-        number("temperature", self.temperature, lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0 (0: greedy)")
+        number("temperature", self.temperature, lambda t: t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+               f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         number("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1: off)")
         number("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1] (0: off)")
         for name, value, low in (("top_k", self.top_k, 0), ("n", self.n, 1)):

@@ -91,7 +91,7 @@ class _Request(BaseModel):
     """Fields shared by completions and chat completions; fields not declared are kept for
     ``check_fields`` (module docstring)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)      # NaN / Infinity: "a finite number"
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -138,8 +138,9 @@ class _Request(BaseModel):
             return with_seed(SamplingParams(temperature=self.temperature or 0.0, top_k=max(self.top_k or 0, 0),
                                             top_p=1.0 if self.top_p is None else self.top_p,
                                             min_p=self.min_p or 0.0, seed=self.seed))
-        except EngineError as e:
-            raise ServeError(400, str(e)) from None
+        except EngineError as e:                    # "<field> must be ...": the field is the param
+            field = str(e).split(" ", 1)[0]
+            raise ServeError(400, str(e), field if field in type(self).model_fields else None) from None
 
 
 class CompletionRequest(_Request):

@@ -378,9 +378,11 @@ def test_greedy_is_the_resolved_temperature_so_sample_takes_it_from_the_dir(tmp_
 
 
 BAD_SAMPLING = [
-    ("--temperature", "-1", "-1.0 is not in the range x>=0"),
+    ("--temperature", "-1", "-1.0 is not in the range 0<=x<=100.0"),
+    ("--temperature", "1e39", "1e+39 is not in the range 0<=x<=100.0"),
+    ("--temperature", "1e-44", "is neither 0 (greedy) nor at least 1e-05"),
     ("--temperature", "nan", "nan is not a finite number"),
-    ("--temperature", "inf", "inf is not a finite number"),
+    ("--temperature", "inf", "inf is not in the range 0<=x<=100.0"),
     ("--top-p", "0", "0.0 is not in the range 0<x<=1"),
     ("--top-p", "2", "2.0 is not in the range 0<x<=1"),
     ("--top-k", "-3", "-3 is not in the range x>=0"),

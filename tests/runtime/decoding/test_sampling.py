@@ -44,7 +44,9 @@ def sampler(params: SamplingParams, batch: int = 1) -> Sampler:
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("temperature", -0.1, "temperature must be a finite number >= 0"),
+    ("temperature", -0.1, r"temperature must be 0 \(greedy\) or in \[1e-05, 100\]"),
+    ("temperature", 1e-44, "temperature"),             # logits / T: inf, every token NaN
+    ("temperature", 1e39, "temperature"),              # past float32: the sampler's buffer overflowed
     ("temperature", float("nan"), "temperature"),
     ("temperature", float("inf"), "temperature"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
@@ -66,6 +68,7 @@ def test_bad_values_are_rejected(field, value, message):
 def test_defaults_are_greedy():
     assert GREEDY.greedy and SamplingParams(top_k=5).greedy and not SamplingParams(temperature=0.5).greedy
     SamplingParams(temperature=1, top_k=0, top_p=1, min_p=1, seed=2**63 - 1, n=8)     # the edges are fine
+    SamplingParams(temperature=1e-5), SamplingParams(temperature=100.0)
 
 
 def test_generation_config_values_and_overrides(tmp_path):

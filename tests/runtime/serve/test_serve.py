@@ -197,6 +197,9 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than or equal to 0"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
     ({"prompt": "x", "temperature": 1, "seed": -5}, 400, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "temperature": 1e-45}, 400, "temperature must be 0 (greedy) or in [1e-05, 100]"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "temperature: Input should be a finite number"),
+    (b'{"prompt": "x", "top_p": Infinity}', 400, "top_p: Input should be a finite number"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias: not implemented"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model 'gpt-9' not found"),
     ({}, 400, "prompt: Field required"),
@@ -218,6 +221,8 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, route, b
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
+    if "must be" in message:                # SamplingParams' own checks name their field as the param too
+        assert error["param"] == message.split()[0]
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
