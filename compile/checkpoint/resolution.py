@@ -31,7 +31,9 @@ def fetch_command(repo_id: str) -> str:
 
 
 def refetch_hint(path: Path) -> str:
-    """How to get a complete copy of the checkpoint at ``path`` (for errors about its files)."""
+    """How to get a complete copy of the checkpoint at ``path``, its dir or one of its files (for errors about
+    its files): --local-dir names the dir."""
+    path = path.parent if path.suffix in (".safetensors", ".bin", ".json", ".pt", ".pth") else path
     # only the message depends on the path: an HF cache snapshot says which repo to fetch again
     m = re.search(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots", str(path))
     if m:

@@ -25,6 +25,7 @@ from torch import nn
 from xcompile.compile.checkpoint.files import Checkpoint, weight_file_names
 from xcompile.compile.checkpoint.keymap import module_state, plan
 from xcompile.compile.checkpoint.quantized import quantized_key_map
+from xcompile.compile.checkpoint.resolution import refetch_hint
 from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
 from xcompile.compile.models.keymap import KeyMap
@@ -207,4 +208,7 @@ class CheckpointSource(WeightSource):
         key = key_map.tensors[name]
         if key in ckpt:
             return ckpt.get(key), str(ckpt.file(key))
+        if name not in key_map.derived:             # read before plan() checked the keys (tensor(): a head's d2t)
+            raise CompileError(f"{ckpt.path}: missing tensor '{key}' that config.json implies; the checkpoint is "
+                               f"incomplete or not of this model: {refetch_hint(ckpt.path)}")
         return key_map.derived[name](ckpt.get), str(ckpt.path)

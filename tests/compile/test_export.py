@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from fixtures import TINY_DRAFT, TINY_QWEN3, exported_dir, write_qwen3_checkpoint
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from xcompile.compile import checkpoint as ck
 from xcompile.compile.cli import main
@@ -169,6 +169,21 @@ def test_unsupported_architecture(tmp_path):
     src = write_qwen3_checkpoint(tmp_path / "llama", {"architectures": ["LlamaForCausalLM"]}, tokenizer=False)
     line = one_line_error(cli("export", "--model", src, "--out", tmp_path / "out"))
     assert "LlamaForCausalLM" in line and "config.json" in line
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("drop", [("d2t",), ("d2t", "t2d")])
+def test_a_head_without_d2t_is_refused_in_one_line(tiny_target, tiny_eagle3, tmp_path, drop):
+    """d2t is read before the head's keys are planned (its values checked first): a head without it is an
+    incomplete checkpoint, said in one line (it was a KeyError traceback)."""
+    head = shutil.copytree(tiny_eagle3, tmp_path / "head")
+    tensors = load_file(head / "model.safetensors")
+    for key in drop:
+        tensors.pop(key, None)
+    save_file(tensors, head / "model.safetensors")
+    line = one_line_error(cli("export", "--model", tiny_target, "--eagle3", head, "--out", tmp_path / "out",
+                              "--max-seq-len", MAX_SEQ))
+    assert f"{head}: missing tensor 'd2t'" in line and f"--local-dir {head}`" in line
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
