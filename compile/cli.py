@@ -313,11 +313,23 @@ def export_cmd(ctx, model, revision, eagle3, mtp, draft_model, eagle3_taps, out,
     click.echo(describe(export_engine_dir(req, log=log.info)))
 
 
+def _device(value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"{value!r}: cpu, cuda or cuda:N", param_hint="'--device'")
+    return value
+
+
 def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
-    """``--atol 1e-3 --atol logits=5e-2`` -> {"": 1e-3, "logits": 5e-2}."""
+    """``--atol 1e-3 --atol logits=5e-2`` -> {"": 1e-3, "logits": 5e-2}; OUTPUT one the graphs compare."""
+    from xcompile.runtime.enginedir.contract import GRAPHS, graph_spec
+
+    outputs = sorted({t.name for g in GRAPHS for t in graph_spec(g, 1).step_outputs})
     tols = {}
     for v in values:
         name, _, tol = v.rpartition("=")
+        if name and name not in outputs:
+            raise click.BadParameter(f"{v!r}: no graph has an output {name!r}; OUTPUT is one of {', '.join(outputs)}",
+                                     param_hint=option)
         try:
             tols[name] = Finite(min=0).convert(tol, None, None)
         except (click.BadParameter, ValueError):
@@ -329,7 +341,8 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
 @main.command("diff")
 @click.argument("engine_dir", type=click.Path())
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
-@click.option("--device", help="Device of engine and reference [default: cpu for ort, cuda for trt].")
+@click.option("--device", callback=lambda ctx, p, v: _device(v),
+              help="Device of engine and reference: cpu, cuda or cuda:N [default: cpu for ort, cuda for trt].")
 @click.option("--prompt", callback=text_or_stdin,
               help="Prompt text, tokenized with the dir's tokenizer; '-' reads stdin.")
 @click.option("--prompt-ids", help="Prompt token ids, comma-separated.")

@@ -107,6 +107,8 @@ def test_export_options(args, needles, tiny_target, tmp_path):
     (["--draft-steps", -2], ["--draft-steps"]),
     (["--atol", "nan"], ["--atol", "finite"]),
     (["--rtol", "logits=-1"], ["--rtol"]),
+    (["--atol", "foo=1e-3"], ["--atol", "no graph has an output 'foo'", "logits"]),
+    (["--device", "tpu"], ["--device", "cpu, cuda or cuda:N"]),
     (["--prompt", "caf\udcff"], ["--prompt", "not valid UTF-8", "0xff"]),
     (["--prompt-ids", "1,x"], ["--prompt-ids"]),
 ])
