@@ -13,6 +13,7 @@ Layout of an engine dir (engines/README.md):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,14 @@ MANIFEST = "manifest.json"
 FORMAT = "xcompile-engine-dir"
 D2T_FILE = "d2t.safetensors"
 D2T_FILES = {EAGLE3: D2T_FILE, MTP: "mtp_d2t.safetensors"}     # by graph: its draft vocabulary's ids
+
+
+def content_digest(data: dict) -> str:
+    """sha256 of a manifest's fields but ``digest``, in a canonical JSON (sorted keys, no spaces): a manifest
+    edited by hand (a vocab_size, taps, a dtype) no longer describes the graphs and weights it sits beside, and
+    every field is read before them, so load() refuses it as a whole rather than fail later on one field."""
+    fields_ = {k: v for k, v in data.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(fields_, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass
@@ -83,9 +92,12 @@ class Manifest:
     contract_version: int = CONTRACT_VERSION
     format: str = FORMAT
     xcompile_version: str = ""
+    digest: str = ""                    # of every other field (content_digest), written by save()
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+        data = asdict(self)
+        data["digest"] = content_digest(data)
+        return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     def save(self, directory: Path) -> None:
         path = Path(directory) / MANIFEST
@@ -114,6 +126,10 @@ class Manifest:
         if problem is not None:
             raise EngineError(f"{path}: field '{problem[0]}' {problem[1]}; the manifest is damaged or hand-edited: "
                               "re-export the engine dir (--force)")
+        if data["digest"] != content_digest(data):
+            raise EngineError(f"{path}: edited since xcompile wrote it (its digest does not match its fields); "
+                              "its sizes, taps and files describe the graphs and weights beside it, so re-export "
+                              "the engine dir (--force) rather than edit it")
         m = Manifest(**data)
         m.models = {k: ModelEntry(**v) for k, v in m.models.items()}
         m.graphs = {k: GraphEntry(**v) for k, v in m.graphs.items()}

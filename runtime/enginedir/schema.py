@@ -135,7 +135,8 @@ MANIFEST = fields({
     "files": dict_of(record, file_name),
     "inputs": dict_of(record),
     "xcompile_version": string,
-}, ("format", "contract_version", "name", "dtype", "max_seq_len", "max_batch", "models"))
+    "digest": string,
+}, ("format", "contract_version", "name", "dtype", "max_seq_len", "max_batch", "models", "digest"))
 
 
 def validate(data) -> tuple[str, str] | None:

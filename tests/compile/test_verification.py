@@ -131,6 +131,12 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_target, tiny_draft,
     (lambda m: m.update(eos_token_ids=["255"]), "field 'eos_token_ids[0]' should be an integer >= 0, got '255'"),
     (lambda m: m.update(max_seq_len=None), "field 'max_seq_len' should be an integer >= 1, got None"),
     (lambda m: m["graphs"]["target"].pop("io"), "field 'graphs.target.io' is missing"),
+    (lambda m: m.pop("digest"), "field 'digest' is missing"),                  # an earlier xcompile's dir
+    # well-formed edits that no longer describe the graphs beside them (the torch backend asserted on the taps, ORT
+    # ran on regardless): the digest refuses the manifest as a whole
+    (lambda m: m["models"]["target"]["extra"].update(taps=[0, 1, 99]), "edited since xcompile wrote it"),
+    (lambda m: m["models"]["target"]["config"].update(vocab_size=300), "edited since xcompile wrote it"),
+    (lambda m: m.update(dtype="bf16"), "edited since xcompile wrote it"),
 ])
 def test_damaged_manifest_is_one_line(engine_copy, edit, message):
     data = json.loads((engine_copy / "manifest.json").read_text())
