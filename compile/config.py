@@ -7,6 +7,7 @@ SafeAILab/EAGLE, SpecForge, speculators; ``parse_eagle3``). Every error names th
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -311,6 +312,24 @@ def architecture(path: Path, data: dict) -> str:
     return archs[0]
 
 
+def _refuse_variants(f: _Fields, data: dict) -> None:
+    """What a Qwen3 config may set that the graphs do not compute, refused rather than ignored: another MLP
+    activation, sliding-window layers (transformers makes layers at or past max_window_layers sliding when
+    use_sliding_window is true, or as layer_types lists them), an RMSNorm eps that is negative or not finite."""
+    if data.get("hidden_act", "silu") != "silu":
+        raise f.fail("hidden_act", f"is {data['hidden_act']!r}; xcompile computes Qwen3's SiLU-gated MLP")
+    if data.get("use_sliding_window"):
+        raise f.fail("use_sliding_window", "is true; xcompile computes full attention in every layer (Qwen3's "
+                                           "published configs leave it false)")
+    sliding = [i for i, t in enumerate(data.get("layer_types") or ()) if t != "full_attention"]
+    if sliding:
+        raise f.fail("layer_types", f"makes layer {sliding[0]} {data['layer_types'][sliding[0]]!r}; xcompile "
+                                    "computes full attention in every layer")
+    eps = f.get("rms_norm_eps", float, 1e-6)
+    if not math.isfinite(eps) or eps < 0:
+        raise f.fail("rms_norm_eps", f"should be a finite number >= 0, got {eps!r}")
+
+
 def parse_qwen3(path: Path, data: dict | None = None, architectures: tuple[str, ...] = QWEN3_ARCHITECTURES
                 ) -> Qwen3Config:
     """A Qwen3 config.json (``architectures``: what its first architecture may be; an MTP module's is its own)."""
@@ -329,6 +348,7 @@ def parse_qwen3(path: Path, data: dict | None = None, architectures: tuple[str, 
     kv = f.get("num_key_value_heads", int, heads)
     if heads % kv:
         raise f.fail("num_key_value_heads", f"({kv}) must divide num_attention_heads ({heads})")
+    _refuse_variants(f, data)
     return Qwen3Config(
         vocab_size=f.get("vocab_size", int, required=True),
         hidden_size=hidden,

@@ -89,6 +89,12 @@ def test_eagle3_tap_ids_top_level_and_eagle_config(tmp_path):
     ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling.rope_type", "'default' and 'yarn'"),
     ({"architectures": ["LlamaForCausalLM"]}, "architectures", "dense Qwen3"),
     ({"architectures": []}, "architectures", "is missing"),
+    # variants the graphs would not compute, refused rather than exported as plain Qwen3
+    ({"hidden_act": "gelu"}, "hidden_act", "SiLU-gated MLP"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window", "full attention in every layer"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types", "makes layer 1 'sliding_attention'"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps", "a finite number >= 0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps", "a finite number >= 0"),
 ])
 def test_qwen3_errors_name_file_and_field(tmp_path, change, field, why):
     path = write(tmp_path, qwen3_config(change))
