@@ -22,6 +22,10 @@ from xcompile.runtime.common import logs
 
 log = logs.logger("compile")
 
+# sequences a dir decodes together: every one holds a KV slot of max_seq_len (Qwen3-8B at 4096 tokens: 0.6 GB
+# in bf16), so 1024 is past any GPU's memory already; 100,000,000 ran the export out of host memory
+MAX_BATCH = click.IntRange(1, 1024)
+
 
 def _taps(ctx, param, value: str | None) -> tuple[int, ...] | None:
     """``--eagle3-taps 1,17,32`` -> (1, 17, 32); ranges are checked against the target before work starts."""
@@ -197,7 +201,8 @@ _MTP_HELP = ("Add an MTP module (xcompile train-mtp writes one): its directory; 
               help="Graph and engine precision (engines are strongly typed: the ONNX dtype is the engine's).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
               help="KV capacity per sequence [default: min(4096, config)].")
-@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=MAX_BATCH, default=1, show_default=True,
+              help="Sequences decoded together (KV slots), 1..1024.")
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -289,7 +294,8 @@ def verify_cmd(directory, fast) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1),
               help="KV cache capacity [default: min(4096, max_position_embeddings or YaRN's longer context)].")
-@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=MAX_BATCH, default=1, show_default=True,
+              help="Sequences decoded together (KV slots), 1..1024.")
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,

@@ -15,6 +15,7 @@ from xcompile.runtime.cli.options import (
     TOP_P,
     IntList,
     given,
+    positive_float,
     refuse_inert,
     stop_strings,
     text_or_stdin,
@@ -263,7 +264,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--api-key", envvar="XRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for the device (for a batch slot on a --max-batch N dir); more get 429.")
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--request-timeout", type=positive_float(),
               help="Seconds from arrival to the last token; later requests end with an error. Default: none.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
 @click.option("--no-warm-up", is_flag=True,

@@ -95,6 +95,7 @@ def test_build_needs_a_model_or_a_directory(tiny_engine_dir, tiny_target):
 @pytest.mark.parametrize("args, needles", [
     (["--max-seq-len", 0], ["--max-seq-len"]),
     (["--max-batch", -1], ["--max-batch"]),
+    (["--max-batch", 100_000_000], ["--max-batch", "1<=x<=1024"]),        # ran the export out of host memory
     (["--seed", 1], ["--seed", "--synthetic"]),
 ])
 def test_export_options(args, needles, tiny_target, tmp_path):

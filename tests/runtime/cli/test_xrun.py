@@ -211,6 +211,12 @@ def test_generate_option_checks(tiny_engine_dir, args, needles):
     refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-3"])
+def test_serve_refuses_a_request_timeout_that_is_not_a_positive_number(tmp_path, value):
+    # refused at parse time: no dir is opened, no port bound
+    refused(run("serve", tmp_path / "nope", "--request-timeout", value), "'--request-timeout'")
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--prompt-ids", ""], ["no token ids"]),
     (["--prompt-ids", " , "], ["no token ids"]),
