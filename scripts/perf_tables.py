@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,24 @@ def _quality(base: str) -> tuple[tuple[str, str, str, float], ...]:
             ("perplexity against " + base, "perplexity_delta", "{:+.2f} %", 100),
             ("EAGLE3 τ, chain of 4, greedy", "tau", "{:.3f}", 1),
             ("τ against " + base, "tau_delta", "{:+.2f} %", 100))
+
+
+def _json_cell(rep: dict, key, fmt: str, scale: float) -> str:
+    """A json table's cell: rep[key] (key a name, or a function of the report for a figure derived from its
+    fields), "—" where the run did not measure it."""
+    value = key(rep) if callable(key) else rep.get(key)
+    return "—" if value is None else fmt.format(value * scale)
+
+
+def _spread(field: str):
+    """A report's {length: ms} ``field`` -> "median ms, slowest = Nx the median" (None without it)."""
+    def cell(rep: dict) -> str | None:
+        times = list(rep.get(field, {}).values())
+        if not times:
+            return None
+        median = statistics.median(times)
+        return f"median {median:.1f} ms, slowest {max(times):.1f} ms = {max(times) / median:.2f}x"
+    return cell
 
 
 TABLES = {
@@ -100,8 +119,10 @@ TABLES = {
     "open-dir-8b": Table("open-dir-8b", "json", fields=(
         ("open, weights drawn on the GPU (`--synthetic`)", "open_synthetic_s", "{:.2f} s", 1),
         ("open, weights read from a 16.4 GB safetensors checkpoint", "open_checkpoint_s", "{:.2f} s", 1),
-        ("warm-up, every kernel compiled (an empty kernel cache)", "warm_up_s", "{:.1f} s", 1),
+        ("warm-up (notes: the kernel cache empty or warm)", "warm_up_s", "{:.1f} s", 1),
         ("8-token prefill, warm (median of 5)", "prefill_8_ms", "{:.1f} ms", 1),
+        ("prefills of 16-79 tokens, graphed short steps", _spread("prefill_by_length_ms_graphed"), "{}", 1),
+        ("prefills of 16-79 tokens, eager short steps", _spread("prefill_by_length_ms_eager"), "{}", 1),
         ("a round of the EAGLE3 chain of 6, batch-1 Generator", "round_ms", "{:.3f} ms", 1))),
     "serve-load-cpu-solo": Table("serve-load-cpu-solo", "load"),
     "serve-load-8b": Table("serve-load-8b", "load"),
@@ -409,6 +430,11 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
                 f"ITL {lv['itl_ms']['p50']:.0f} / {lv['itl_ms']['p99']:.0f} ms")
         if lv["errors"] or lv["rate_limited"]:
             text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"
+        steps = lv.get("server_steps") or {}         # the server's engine steps (serve_load.py, /metrics)
+        rounds, batch = steps.get("round"), steps.get("batch")
+        if rounds or batch:
+            text += "; server steps: " + ", ".join(f"{what} {s['count']} × {s['mean_ms']:.3f} ms" for what, s in
+                                                  (("lone rounds", rounds), ("batch", batch)) if s)
         return text
 
     def first(rep: dict) -> str:
@@ -481,7 +507,7 @@ def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -
         lines = render_paradigms(columns)
     elif table.kind == "json":
         lines = _grid(["quantity", *(label for label, _ in columns)],
-                      [[label, *(fmt.format(rep[key] * scale) for _, rep in columns)]
+                      [[label, *(_json_cell(rep, key, fmt, scale) for _, rep in columns)]
                        for label, key, fmt, scale in table.fields])
     elif table.kind == "load":
         lines = render_load(columns)

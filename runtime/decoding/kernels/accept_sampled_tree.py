@@ -1,11 +1,12 @@
-"""Speculative sampling of a tree of deterministic drafts in two launches: speculative.accept_sampled's rule for a
-tree whose drafts are point masses (q = None: the EAGLE-2 trees' top-k children) for a sampler whose top-k is
+"""Speculative sampling of a tree of deterministic drafts in three launches: speculative.accept_sampled's rule for
+a tree whose drafts are point masses (q = None: the EAGLE-2 trees' top-k children) for a sampler whose top-k is
 1..MAX_K, from the same stream (one coin per node, then the bonus's Gumbel noise), with no sort and no host sync.
 
     blocks   [B*S rows, column blocks]: each block's MAX_K + 1 largest scaled logits (sample.py's first launch)
-    tree     one program per sequence: every node row's warp from its candidates (accept_sampled._warp: top-k,
-             top-p, min-p; a tie at the k-th value streams the row), kept in a scratch row; then the rule over the
-             block's [S, S] sibling and ancestor matrices in registers: p(x_i | parent), a repeated sibling token
+    warps    one program per node row: its warp (top-k, top-p, min-p; a tie at the k-th value streams the row)
+             into a scratch row (accept_sampled.warp_rows; inside the tree's program the 32 rows' streams ran one
+             after another: 2.41 ms a 10/6/32 round on an H100, 2026-12-05)
+    tree     one program per sequence: the rule over the block's [S, S] sibling and ancestor matrices in registers: p(x_i | parent), a repeated sibling token
              zeroed, node i kept when u_i (1 - the earlier siblings' p) < p(x_i) and no earlier sibling was, the
              deepest node whose every ancestor was kept (first on ties), its path; then the residual there (its
              row's p with its children's tokens zeroed) and the bonus, a Gumbel-max over its support
@@ -23,11 +24,15 @@ import triton.language as tl
 
 from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
-from xcompile.runtime.decoding.kernels.accept_sampled import _gumbel_max, _sequence, _uniform, candidates
-from xcompile.runtime.decoding.kernels.sample import (
-    _scaled,
-    _warp,
+from xcompile.runtime.decoding.kernels.accept_sampled import (
+    _gumbel_max,
+    _row_warp,
+    _sequence,
+    _uniform,
+    candidates,
+    warp_rows,
 )
+from xcompile.runtime.decoding.kernels.sample import _scaled
 from xcompile.runtime.decoding.speculative import Accepted, Block
 
 MAX_NODES = 64      # the sibling and ancestor matrices of a tree in one register tile
@@ -47,28 +52,21 @@ def _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S):
 @triton.jit(do_not_specialize=["K"])
 def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, COUNT, PATH, OUT, V, NB, S, D,
                  stride_x, stride_tb, stride_pb, stride_db, stride_mb, stride_mi, K, K1: tl.constexpr,
-                 KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr, SP2: tl.constexpr,
+                 KP2: tl.constexpr, NBP2: tl.constexpr, BLOCK: tl.constexpr, SP2: tl.constexpr,
                  DP2: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     temp, top_p, min_p, key1, coins, noise, cnt = _sequence(T, TOP_P, MIN_P, KEY, CNT, b)
-    # every node row's warp: (top, tau, kept normaliser) into the scratch, read back by node below
-    for r in range(0, S):
-        vals, ids, live, top, tau, kept, tie = _warp(X, b * S + r, stride_x, temp, top_p, min_p, PV, PI, NB, V, K,
-                                                     K1, KP2, NBP2, TOPP, BLOCK, True)
-        tl.store(ST + (b * S + r) * 3, top)
-        tl.store(ST + (b * S + r) * 3 + 1, tau)
-        tl.store(ST + (b * S + r) * 3 + 2, kept)
-    tl.debug_barrier()
+    # every node row's warp (top, tau, kept normaliser, tie): ST, from the warps launch (accept_sampled.warp_rows)
     n = tl.arange(0, SP2)
     valid = n < S
     x = tl.load(TOK + b * stride_tb + n, mask=valid, other=-1)
     par = tl.load(PAR + b * stride_pb + n, mask=valid, other=0)
     dep = tl.load(DEP + b * stride_db + n, mask=valid, other=-1)
     drafted = valid & (n > 0)
-    prow = (b * S + par) * 3
+    prow = (b * S + par) * 4
     s_x = tl.math.div_rn(tl.load(X + (b * S + par) * stride_x + tl.where(drafted, x, 0), mask=drafted,
                                  other=float("-inf")).to(tl.float32), temp)
     top, tau, kept = tl.load(ST + prow), tl.load(ST + prow + 1), tl.load(ST + prow + 2)
@@ -97,8 +95,7 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
     # the bonus: from best's row, its children's tokens zeroed (each was tried and rejected)
     children = tl.where(drafted & (par == best), x, -1)
     row = b * S + best
-    vals, ids, live, top, tau, kept, tie = _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1, KP2,
-                                                 NBP2, TOPP, BLOCK, True)
+    vals, ids, live, top, tau, kept, tie = _row_warp(ST, PV, PI, row, NB, K, K1, KP2, NBP2)
     if tie:                             # the kept set may reach past the candidates: stream the row
         mass = 0.0
         for c0 in range(0, V, BLOCK):
@@ -133,7 +130,7 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
 
 
 class SampledTreeAccept:
-    """speculative.accept_sampled for trees of deterministic drafts, top-k 1..MAX_K, in two launches (module
+    """speculative.accept_sampled for trees of deterministic drafts, top-k 1..MAX_K, in three launches (module
     docstring), into buffers of its own (rewritten by every call: a recorded round reads them)."""
 
     def __init__(self, batch: int, nodes: int, max_depth: int, device: torch.device):
@@ -141,7 +138,7 @@ class SampledTreeAccept:
         self.count = torch.zeros(batch, **i64)
         self.path = torch.zeros(batch, max_depth + 1, **i64)
         self.tokens = torch.zeros(batch, max_depth + 1, **i64)
-        self.stats = torch.zeros(batch * nodes, 3, dtype=torch.float32, device=device)
+        self.stats = torch.zeros(batch * nodes, 4, dtype=torch.float32, device=device)     # warp_rows's ST
 
     @staticmethod
     def fits(sampler, block: Block) -> bool:
@@ -156,10 +153,11 @@ class SampledTreeAccept:
         tok, par, dep, mask = block.tokens, block.parents, block.depth, block.mask
         assert tok.stride(1) == par.stride(1) == dep.stride(1) == mask.stride(2) == 1
         d = block.max_depth
+        warp_rows(x, pv, pi, c, sampler, s, self.stats)
         _tree_kernel[(b,)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key, sampler.counter, pv, pi,
                            tok, par, dep, mask.view(torch.uint8), self.stats, self.count, self.path, self.tokens, v, nb,
                            s, d, x.stride(0), tok.stride(0), par.stride(0), dep.stride(0), mask.stride(0),
                            mask.stride(1), k, K1=k1, KP2=kp2, NBP2=triton.next_power_of_2(nb),
-                           TOPP=sampler.params.top_p < 1, BLOCK=bl, SP2=triton.next_power_of_2(s),
+                           BLOCK=bl, SP2=triton.next_power_of_2(s),
                            DP2=triton.next_power_of_2(d + 1), PDL=pdl(), num_warps=8, **launch())
         return Accepted(self.count, self.path, self.tokens)

@@ -84,6 +84,18 @@ def _draw_base(KEY, CNT, b, ahead):
 
 
 @triton.jit
+def _row_candidates(PV, PI, row, NB, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr):
+    """Row ``row``'s K1 largest scaled logits and their ids, merged from its column blocks' candidates (the
+    blocks launch), largest first."""
+    j = tl.arange(0, KP2)
+    blk = tl.arange(0, NBP2)
+    cand = (row * NB + blk[:, None]) * KP2 + j[None, :]                      # [NBP2, KP2]
+    ok = (blk[:, None] < NB) & (j[None, :] < K1)
+    return _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
+                K1, KP2)
+
+
+@triton.jit
 def _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1: tl.constexpr, KP2: tl.constexpr,
           NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr, KEPT: tl.constexpr):
     """Row ``row``'s warp (Sampler.warp) from its blocks' candidates: the candidates (values, ids, in the top k),
@@ -91,11 +103,7 @@ def _warp(X, row, stride_x, temp, top_p, min_p, PV, PI, NB, V, K, K1: tl.constex
     may be kept, and the sums stream the row) and, with KEPT, the kept tokens' normaliser (sum of exp(s - top) over
     s >= tau; else 0)."""
     j = tl.arange(0, KP2)
-    blk = tl.arange(0, NBP2)
-    cand = (row * NB + blk[:, None]) * KP2 + j[None, :]                      # [NBP2, KP2]
-    ok = (blk[:, None] < NB) & (j[None, :] < K1)
-    vals, ids = _top(tl.load(PV + cand, mask=ok, other=float("-inf")), tl.load(PI + cand, mask=ok, other=2147483647),
-                     K1, KP2)
+    vals, ids = _row_candidates(PV, PI, row, NB, K1, KP2, NBP2)
     top = tl.max(vals, axis=0)
     tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
     tie = tl.max(tl.where(j == K, vals, float("-inf")), axis=0) == tau_k
