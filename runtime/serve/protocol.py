@@ -83,7 +83,13 @@ def _neutral(value, neutral: tuple) -> bool:
     return any(kind(value) == kind(n) and value == n for n in neutral)
 
 
+# strict: a value of another JSON type is refused, not coerced ("max_tokens": "4", "stream": "yes", a prompt of
+# true / false taken as ids 1 / 0); nested objects refuse unknown keys as the request's own fields are refused
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
@@ -91,7 +97,7 @@ class _Request(BaseModel):
     """Fields shared by completions and chat completions; fields not declared are kept for
     ``check_fields`` (module docstring)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)      # NaN / Infinity: "a finite number"
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)     # STRICT, extras checked below
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -165,11 +171,13 @@ def _split(prompt) -> list:
 
 
 class ContentPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 

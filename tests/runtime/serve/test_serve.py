@@ -197,6 +197,11 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than or equal to 0"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
     ({"prompt": "x", "temperature": 1, "seed": -5}, 400, "seed must be an integer in [0, 2**63)"),
+    # no coercion between JSON types: a string for a number, a number for a bool, booleans as token ids
+    ({"prompt": "x", "max_tokens": "4"}, 400, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "stream": 1}, 400, "stream: Input should be a valid boolean"),
+    ({"prompt": "x", "temperature": 1, "seed": 7.0}, 400, "seed: Input should be a valid integer"),
+    ({"prompt": [True, False]}, 400, "prompt"),
     ({"prompt": "x", "temperature": 1e-45}, 400, "temperature must be 0 (greedy) or in [1e-05, 100]"),
     (b'{"prompt": "x", "temperature": NaN}', 400, "temperature: Input should be a finite number"),
     (b'{"prompt": "x", "top_p": Infinity}', 400, "top_p: Input should be a finite number"),
@@ -208,6 +213,7 @@ BAD_CHAT = [
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, 400, "messages.0.foo: Extra inputs are not permitted"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
 ]
 
