@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -47,6 +48,14 @@ class Text:
                 raise EngineError(f"{config}: not valid JSON ({e})") from None
             if not isinstance(self.config, dict):
                 raise EngineError(f"{config}: expected a JSON object, got {type(self.config).__name__}")
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters one token covers (its vocabulary entry's UTF-8 bytes, added tokens included; a
+        byte-level BPE entry holds a character per byte): a text of more than n times as many characters holds
+        more than n tokens, known before it is tokenized."""
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.get_vocab(with_added_tokens=True)),
+                   default=1)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(utf8(text), add_special_tokens=False).ids

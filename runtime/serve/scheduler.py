@@ -71,6 +71,13 @@ class EngineWorker:
         elif self.text is None:
             raise ServeError(400, "the engine dir has no tokenizer: send the prompt as token ids", param)
         else:
+            # a text too long for the context whatever its tokens, refused before tokenizing it (on the event loop:
+            # 8 million characters took 6 s, every other request waiting)
+            chars = len(prompt) if isinstance(prompt, str) else sum(len(m.get("content") or "") for m in prompt)
+            if chars > self.max_seq_len * self.text.longest_token:
+                raise ServeError(400, f"a prompt of {chars} characters holds more than the {self.max_seq_len} tokens "
+                                      f"of this model's context (a token covers at most {self.text.longest_token}); "
+                                      "shorten it", param, "context_length_exceeded")
             try:
                 ids = self.text.chat(prompt) if isinstance(prompt, list) else self.text.encode(prompt)
             except EngineError as e:

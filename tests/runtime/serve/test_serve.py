@@ -193,6 +193,7 @@ BAD = [
     ({"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
     ({"prompt": "x", "stream": "sometimes"}, 400, "stream"),
     ({"prompt": "word " * 300}, 400, "exceed max_seq_len 256"),
+    ({"prompt": "x" * 200_000}, 400, "a prompt of 200000 characters holds more than the 256 tokens"),   # untokenized
     ({"prompt": [1, 99999]}, 400, "token ids must lie in [0, 256)"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than or equal to 0"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
@@ -210,6 +211,7 @@ BAD = [
     ({}, 400, "prompt: Field required"),
 ]
 BAD_CHAT = [
+    ({"messages": [{"role": "user", "content": "x" * 200_000}]}, 400, "holds more than the 256 tokens"),
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
