@@ -118,6 +118,8 @@ class Server:
 
         threading.Thread(target=drain, daemon=True).start()
         if not up.wait(self.start_timeout) or not found:
+            if self.proc.poll() is not None or up.is_set():     # it exited first (a bad dir, a port in use)
+                raise RuntimeError(f"xrun serve exited ({self.proc.wait()}): {self.last_words()}")
             raise RuntimeError(f"xrun serve did not start listening within {self.start_timeout:.0f} s: "
                                f"{self.last_words()}")
         wait_healthy(found[0], self.start_timeout, self)

@@ -111,9 +111,10 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
 async def _load(sched: Scheduler, on_load_error: Callable[[str], None] | None) -> None:
     await sched.load()
     if sched.load_error:
-        log.error("engines failed to load: %s", sched.load_error)
-        if on_load_error is not None:
+        if on_load_error is not None:       # the caller reports it (xrun serve: its one error line, on exit)
             on_load_error(sched.load_error)
+        else:
+            log.error("engines failed to load: %s", sched.load_error)
         return
     w = sched.worker
     batch = w.es.manifest.max_batch

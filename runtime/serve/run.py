@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import torch
 
@@ -17,8 +18,10 @@ log = logger(__name__)
 
 
 def check(config: ServeConfig) -> None:
-    """What can be checked before a port opens: the engine dir, the device, the backend's name."""
+    """What can be checked before a port opens: the engine dir (its manifest, and its files' sizes and sampled
+    blocks: tens of milliseconds), the device, the backend's name."""
     manifest = Manifest.load(config.engine_dir)
+    manifest.verify(config.engine_dir, sorted(manifest.files))
     if config.device == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     if config.device is not None:
@@ -33,17 +36,47 @@ def serve_http(config: ServeConfig, host: str, port: int) -> None:
     from xcompile.runtime.serve.app import create_app
 
     check(config)
+    sock = listen(host, port)       # before any engine loads: a port in use is one line, not uvicorn's exit 3
     failed: list[str] = []
 
     def on_load_error(message: str) -> None:
         failed.append(message)
         server.should_exit = True
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:                # uvicorn says where it runs only for sockets it binds itself
+                name = sock.getsockname()
+                where = f"[{name[0]}]" if ":" in name[0] else name[0]
+                logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                        where, name[1])
+
     app = create_app(config, on_load_error=on_load_error)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-    server.run()
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server.run(sockets=[sock])
     if failed:
         raise EngineError(failed[0])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on (port 0: a free one), or EngineError naming the option."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise EngineError(f"--host {host}: not an address of this machine ({e.strerror}); give one such as "
+                          "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)                   # uvicorn's backlog
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); choose another --port "
+                          "(0: any free one) or stop what holds it") from None
+    return sock
 
 
 STOP_SECONDS = 5     # how long Ray may take to delete the app and stop once asked (issue 37: stopped within 10 s)

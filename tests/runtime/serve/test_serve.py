@@ -528,6 +528,31 @@ def test_engines_that_fail_to_load_stop_xrun_serve_with_one_line(tiny_engine_dir
     assert "error:" in proc.stderr and "target.onnx" in proc.stderr.splitlines()[-1]
 
 
+def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_listens(tiny_engine_dir, tmp_path):
+    """Each is one error line, exit 1, before uvicorn starts or an engine loads (a tampered file was found by the
+    load after "running on", and said twice; a port in use was uvicorn's exit 3 after the warm-up)."""
+    import shutil
+    import socket
+    import subprocess
+
+    tampered = shutil.copytree(tiny_engine_dir, tmp_path / "tampered")
+    data = tampered / "target.onnx.data"
+    data.write_bytes(b"X" * 8 + data.read_bytes()[8:])
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        for cmd, said in ((serving.XrunServe(tampered, *ARGS, "--device", "cpu").cmd, "target.onnx.data: bytes"),
+                          (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--host", "999.1.1.1").cmd,
+                           "--host 999.1.1.1: not an address of this machine"),
+                          (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", port=taken).cmd,
+                           f"--port {taken}: cannot listen there")):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+            assert proc.stderr.startswith("error: ") and said in proc.stderr and len(proc.stderr.splitlines()) == 1, \
+                proc.stderr
+
+
 def test_a_server_with_an_fp8_cache_gives_xrun_generates_tokens(tiny_engine_dir):
     """--kv-cache-dtype fp8 reaches the worker's engines (the torch backend here): a greedy completion's tokens
     are those of ``xrun generate --kv-cache-dtype fp8`` on the same backend."""
