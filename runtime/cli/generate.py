@@ -98,6 +98,13 @@ def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
     if drafter == "draft-model" and spec.tree:
         raise EngineError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
                           f"tokens{auto}")
+    # a round's block beside a prompt of one token at least: a longer one fits no prompt at all (the prompt check
+    # would blame the prompt)
+    block, option = (spec.tree.total_tokens + 1, f"--tree-tokens {spec.tree.total_tokens}") if spec.tree else \
+        (spec.gamma + 1, f"--gamma {spec.gamma}")
+    if drafter != "none" and block >= manifest.max_seq_len:
+        raise EngineError(f"{option}: a round verifies {block} tokens, which leaves no room for a prompt in "
+                          f"{req.engine_dir}'s max_seq_len {manifest.max_seq_len}; draft fewer{auto}")
 
 
 def check_tokenizer(req: GenerateRequest) -> None:

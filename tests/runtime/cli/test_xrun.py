@@ -211,6 +211,12 @@ def test_generate_option_checks(tiny_engine_dir, args, needles):
     refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
 
 
+def test_a_round_longer_than_the_dir_holds_names_its_option(tiny_engine_dir):
+    # checked against the dir (exit 1, as the dir's other limits): the prompt check would blame the prompt
+    refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, "--gamma", 5000),
+            "--gamma 5000: a round verifies 5001 tokens", "leaves no room for a prompt", code=1)
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-3"])
 def test_serve_refuses_a_request_timeout_that_is_not_a_positive_number(tmp_path, value):
     # refused at parse time: no dir is opened, no port bound
@@ -245,8 +251,8 @@ def test_drafter_auto_options_checked_against_the_dir(tiny_engine_dir):
     from xcompile.runtime.common.errors import EngineError
     from xcompile.runtime.decoding.registry import DrafterSpec
 
-    only_draft = SimpleNamespace(graphs={"target": None, "draft": None})
-    plain = SimpleNamespace(graphs={"target": None})
+    only_draft = SimpleNamespace(graphs={"target": None, "draft": None}, max_seq_len=64)
+    plain = SimpleNamespace(graphs={"target": None}, max_seq_len=64)
     tree = DrafterSpec.from_options(tree_depth=3)
     with pytest.raises(EngineError, match="--tree-.*draft model.*auto picks draft-model"):
         check_drafter_options(GenerateRequest("d", drafter=tree), only_draft)
