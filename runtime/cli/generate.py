@@ -107,8 +107,13 @@ def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
                           f"{req.engine_dir}'s max_seq_len {manifest.max_seq_len}; draft fewer{auto}")
 
 
-def check_tokenizer(req: GenerateRequest) -> None:
-    """A text prompt, a chat message or stop strings need the dir's tokenizer: say so before anything loads."""
+def check_tokenizer(req: GenerateRequest, manifest: Manifest) -> None:
+    """A text prompt, a chat message or stop strings need the dir's tokenizer: say so before anything loads (and
+    that a tokenizer the manifest lists is gone: the dir is damaged, whatever the prompt)."""
+    gone = [f for f in manifest.tokenizer_files if not (Path(req.engine_dir) / f).is_file()]
+    if gone:
+        raise EngineError(f"{Path(req.engine_dir) / gone[0]}: missing, though the dir's manifest lists it; re-export "
+                          "the engine dir (--force)")
     if (req.prompt_ids is None or req.stop) and not (Path(req.engine_dir) / "tokenizer.json").is_file():
         need = "--stop" if req.prompt_ids is not None else "--chat" if req.chat is not None else "--prompt"
         raise EngineError(f"{need} needs the engine dir's tokenizer, and {req.engine_dir} has no tokenizer.json "
@@ -132,8 +137,9 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     """Open the dir, encode the prompt, generate its n samples one after another (streaming text
     unless ``as_json``), print stats."""
     sampling = req.sampling()                       # bad values fail here, before anything is loaded
-    check_drafter_options(req, Manifest.load(req.engine_dir))
-    check_tokenizer(req)
+    manifest = Manifest.load(req.engine_dir)
+    check_drafter_options(req, manifest)
+    check_tokenizer(req, manifest)
     opened = time.perf_counter()
     with LLM(req.engine_dir, backend=req.backend, device=req.device, drafter=req.drafter,
              cuda_graphs=req.cuda_graphs, verify=req.verify, kv_cache_dtype=req.kv_cache_dtype) as llm:

@@ -211,6 +211,16 @@ def test_generate_option_checks(tiny_engine_dir, args, needles):
     refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, *args), *needles)
 
 
+@pytest.mark.parametrize("prompt", [["--prompt", "the cat"], ["--prompt-ids", PROMPT_IDS]])
+def test_a_deleted_tokenizer_is_a_damaged_dir_whatever_the_prompt(tiny_engine_dir, tmp_path, prompt):
+    import shutil
+
+    damaged = shutil.copytree(tiny_engine_dir, tmp_path / "damaged")
+    (damaged / "tokenizer.json").unlink()
+    refused(run("generate", damaged, *prompt), f"{damaged / 'tokenizer.json'}: missing, though the dir's manifest "
+            "lists it; re-export", code=1)
+
+
 def test_a_round_longer_than_the_dir_holds_names_its_option(tiny_engine_dir):
     # checked against the dir (exit 1, as the dir's other limits): the prompt check would blame the prompt
     refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, "--gamma", 5000),
@@ -453,10 +463,18 @@ def test_a_max_new_tokens_past_the_context_is_refused_and_the_default_fits(tiny_
 
 def test_a_text_prompt_on_a_dir_without_tokenizer_fails_before_loading(tiny_engine_dir, tmp_path):
     """A --prompt, --chat or --stop needs tokenizer.json: one line naming it, before any engine loads (the dir's
-    graphs are broken here, so loading would fail otherwise)."""
+    graphs are broken here, so loading would fail otherwise). The dir is made as a --synthetic export is, its
+    manifest listing no tokenizer."""
     import shutil
+
+    from xcompile.runtime.enginedir.manifest import Manifest
     bare = shutil.copytree(tiny_engine_dir, tmp_path / "bare")
-    (bare / "tokenizer.json").unlink()
+    m = Manifest.load(bare)
+    for name in m.tokenizer_files:
+        (bare / name).unlink()
+        m.files.pop(name, None)
+    m.tokenizer_files = []
+    m.save(bare)
     (bare / "target.onnx").write_bytes(b"not loaded")
     for args in (["--prompt", "hi"], ["--chat", "hi"], ["--prompt-ids", "1,2", "--stop", "x"]):
         code, out = xrun("generate", bare, "--device", "cpu", "--backend", "ort", *args)
