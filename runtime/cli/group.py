@@ -3,6 +3,8 @@ options on every command."""
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from xcompile.runtime.common.errors import XcompileError
@@ -24,6 +26,16 @@ def cli_group_class():
 
         def add_command(self, cmd, name=None):
             super().add_command(add_log_options(cmd), name)
+
+        def make_context(self, info_name, args, parent=None, **extra):
+            try:
+                return super().make_context(info_name, args, parent=parent, **extra)
+            except click.UsageError as e:   # the group's own options (--log-level loud): one line as well
+                if parent is not None:
+                    raise
+                where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+                click.echo(f"error: {e.format_message()}{where}", err=True)
+                sys.exit(e.exit_code)
 
         def invoke(self, ctx):
             try:

@@ -221,6 +221,12 @@ def test_a_deleted_tokenizer_is_a_damaged_dir_whatever_the_prompt(tiny_engine_di
             "lists it; re-export", code=1)
 
 
+@pytest.mark.parametrize("args, said", [(["--log-level", "loud"], "'--log-level': 'loud' is not one of"),
+                                        (["-v", "-q"], "give -v or -q, not both")])
+def test_the_groups_own_options_are_refused_in_one_line(args, said):
+    refused(run(*args, "generate", "x"), said, "--help')")      # was click's four-line usage block
+
+
 def test_a_round_longer_than_the_dir_holds_names_its_option(tiny_engine_dir):
     # checked against the dir (exit 1, as the dir's other limits): the prompt check would blame the prompt
     refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, "--gamma", 5000),
