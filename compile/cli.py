@@ -24,7 +24,8 @@ log = logs.logger("compile")
 
 # sequences a dir decodes together: every one holds a KV slot of max_seq_len (Qwen3-8B at 4096 tokens: 0.6 GB
 # in bf16), so 1024 is past any GPU's memory already; 100,000,000 ran the export out of host memory
-MAX_BATCH = click.IntRange(1, 1024)
+_MAX_BATCH = click.option("--max-batch", type=click.IntRange(1, 1024), default=1, show_default=True,
+                          help="Sequences decoded together (KV slots), 1..1024.")
 
 
 def _taps(ctx, param, value: str | None) -> tuple[int, ...] | None:
@@ -201,8 +202,7 @@ _MTP_HELP = ("Add an MTP module (xcompile train-mtp writes one): its directory; 
               help="Graph and engine precision (engines are strongly typed: the ONNX dtype is the engine's).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
               help="KV capacity per sequence [default: min(4096, config)].")
-@click.option("--max-batch", type=MAX_BATCH, default=1, show_default=True,
-              help="Sequences decoded together (KV slots), 1..1024.")
+@_MAX_BATCH
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -294,8 +294,7 @@ def verify_cmd(directory, fast) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1),
               help="KV cache capacity [default: min(4096, max_position_embeddings or YaRN's longer context)].")
-@click.option("--max-batch", type=MAX_BATCH, default=1, show_default=True,
-              help="Sequences decoded together (KV slots), 1..1024.")
+@_MAX_BATCH
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @click.option("--synthetic-layers", type=click.IntRange(min=1), default=None,
@@ -319,7 +318,7 @@ def export_cmd(ctx, model, revision, eagle3, mtp, draft_model, eagle3_taps, out,
     click.echo(describe(export_engine_dir(req, log=log.info)))
 
 
-def _device(value: str | None) -> str | None:
+def _device(ctx, param, value: str | None) -> str | None:
     if value is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
         raise click.BadParameter(f"{value!r}: cpu, cuda or cuda:N", param_hint="'--device'")
     return value
@@ -347,7 +346,7 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
 @main.command("diff")
 @click.argument("engine_dir", type=click.Path())
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
-@click.option("--device", callback=lambda ctx, p, v: _device(v),
+@click.option("--device", callback=_device,
               help="Device of engine and reference: cpu, cuda or cuda:N [default: cpu for ort, cuda for trt].")
 @click.option("--prompt", callback=text_or_stdin,
               help="Prompt text, tokenized with the dir's tokenizer; '-' reads stdin.")

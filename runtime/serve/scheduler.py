@@ -60,6 +60,9 @@ class EngineWorker:
         m = self.es.manifest
         self.model_name = config.served_model_name or m.name
         self.max_seq_len = m.max_seq_len
+        # characters a text prompt may hold before it is tokenized (encode): a scan of the vocabulary, done here
+        # rather than inside the first text request
+        self.max_chars = m.max_seq_len * self.text.longest_token if self.text is not None else None
         self.vocab_size = m.models["target"].config["vocab_size"]
 
     def encode(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
@@ -74,7 +77,7 @@ class EngineWorker:
             # a text too long for the context whatever its tokens, refused before tokenizing it (on the event loop:
             # 8 million characters took 6 s, every other request waiting)
             chars = len(prompt) if isinstance(prompt, str) else sum(len(m.get("content") or "") for m in prompt)
-            if chars > self.max_seq_len * self.text.longest_token:
+            if chars > self.max_chars:
                 raise ServeError(400, f"a prompt of {chars} characters holds more than the {self.max_seq_len} tokens "
                                       f"of this model's context (a token covers at most {self.text.longest_token}); "
                                       "shorten it", param, "context_length_exceeded")

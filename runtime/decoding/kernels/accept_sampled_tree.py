@@ -6,10 +6,11 @@ a tree whose drafts are point masses (q = None: the EAGLE-2 trees' top-k childre
     warps    one program per node row: its warp (top-k, top-p, min-p; a tie at the k-th value streams the row)
              into a scratch row (accept_sampled.warp_rows; inside the tree's program the 32 rows' streams ran one
              after another: 2.41 ms a 10/6/32 round on an H100, 2026-12-05)
-    tree     one program per sequence: the rule over the block's [S, S] sibling and ancestor matrices in registers: p(x_i | parent), a repeated sibling token
-             zeroed, node i kept when u_i (1 - the earlier siblings' p) < p(x_i) and no earlier sibling was, the
-             deepest node whose every ancestor was kept (first on ties), its path; then the residual there (its
-             row's p with its children's tokens zeroed) and the bonus, a Gumbel-max over its support
+    tree     one program per sequence: the rule over the block's [S, S] sibling and ancestor matrices in
+             registers: p(x_i | parent), a repeated sibling token zeroed, node i kept when u_i (1 - the earlier
+             siblings' p) < p(x_i) and no earlier sibling was, the deepest node whose every ancestor was kept
+             (first on ties), its path; then the residual there (its row's p with its children's tokens zeroed)
+             and the bonus, a Gumbel-max over its support
 
 The torch rule takes the block's [S, V] logits through warp and the whole-vocabulary residual and noise (0.598 ms
 for a 10/6/32 tree round of the Qwen3 vocabulary on the H200, 2026-12-04). Trees of drafts drawn from q (sampled

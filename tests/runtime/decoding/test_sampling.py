@@ -65,6 +65,13 @@ def test_bad_values_are_rejected(field, value, message):
         SamplingParams(**{field: value})
 
 
+def test_the_cli_repeats_the_temperature_bounds():
+    # cli/options.py cannot import sampling.py (torch, on every --help): its copy of the bounds is checked here
+    from xcompile.runtime.cli.options import Temperature
+    from xcompile.runtime.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
+    assert (Temperature.low, Temperature.high) == (MIN_TEMPERATURE, MAX_TEMPERATURE)
+
+
 def test_defaults_are_greedy():
     assert GREEDY.greedy and SamplingParams(top_k=5).greedy and not SamplingParams(temperature=0.5).greedy
     SamplingParams(temperature=1, top_k=0, top_p=1, min_p=1, seed=2**63 - 1, n=8)     # the edges are fine
