@@ -31,8 +31,8 @@ connection and set-up: on an H100 the server's own TTFT was 22 ms of the client'
 reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: arrival to first
 token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's.
 Each level reports the server's engine steps too (/metrics, a --max-batch N dir): how many prefills and
-speculative rounds a lone request ran on the batch-1 Generator, and batch steps, with their mean wall time on the
-engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then
+speculative rounds a lone request ran on the batch-1 Generator, and batch steps (those that carried prompt chunks
+apart), with their mean wall time on the engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then
 sends N requests one at a time, each prompt one token (word) longer than the last, from --prompt-tokens
 (--prompt-words) on, 2 tokens each: a prompt length the server meets for the first time must not stall its
 request (its TTFT against the median of the N).
@@ -268,7 +268,7 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
 
 def server_histograms(url: str, api_key: str) -> dict[str, tuple[float, int]]:
     """The server's histograms so far (/metrics) as (sum in seconds, count): its TTFT ("ttft") and its engine
-    steps by kind ("prompt", "round", "batch"); empty where it has none."""
+    steps by kind ("prompt", "round", "batch_prompt", "batch"); empty where it has none."""
     import httpx2 as httpx
 
     try:
@@ -296,7 +296,7 @@ def server_mean(before: dict, after: dict, key: str = "ttft") -> float | None:
 def server_steps(before: dict, after: dict) -> dict:
     """The engine steps between two reads, by kind: count and mean ms (a --max-batch N dir's batching thread)."""
     return {k: {"count": after[k][1] - before.get(k, (0.0, 0))[1], "mean_ms": server_mean(before, after, k)}
-            for k in ("prompt", "round", "batch") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
+            for k in ("prompt", "round", "batch_prompt", "batch") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
 
 
 async def run_first(url: str, model: str, args, timeout: float) -> dict:

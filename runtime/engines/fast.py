@@ -46,6 +46,7 @@ from xcompile.runtime.engines.qweight import QWeight
 from xcompile.runtime.engines.torch_module import TorchEngine
 
 log = logs.logger("fast")
+WIDE_ROWS = 1024    # rows of a wide batch step (_FastEngine.wide): 16 sequences x 64 prompt tokens
 
 
 def check_device(device: torch.device) -> None:
@@ -160,6 +161,11 @@ class _FastEngine(Engine):
     graph_capturable = True
     partial_batch = True        # the kernels index cache rows 0..B-1; the reference slices its buffers alike
     short_rows = MAX_ROWS
+    # A batch step of B sequences x S <= MAX_ROWS tokens past MAX_ROWS rows in all (prompt chunks beside decode
+    # rows) runs the step's own kernels for RoPE, the KV writes and attention (over each row's live keys) and
+    # cuBLAS for the projections (kernels.linear.wide_linear): on the reference, every row's attention ran over
+    # the whole cache, an additive mask and fp32 scores of S_max columns, and some 1,600 eager launches.
+    wide = False
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
@@ -211,11 +217,11 @@ class _FastEngine(Engine):
         project(g, layer.down, residual=x, out=x, extra_out=extra, sums_out=sums, cfg=cfg)
 
     def run(self, **inputs):
-        """A step of up to MAX_ROWS tokens in all on the kernels (``_step``); longer passes (prompts, batch steps
-        that carry prompt chunks) on the reference module, whose cuBLAS matmuls and SDPA are what they need."""
+        """A step of up to MAX_ROWS tokens in all on the kernels (``_step``); a wider batch step (``wide``) too;
+        longer passes (prompts) on the reference module, whose cuBLAS matmuls and flash attention they need."""
         ids = inputs["input_ids"]
         batch, s = ids.shape
-        if batch * s > MAX_ROWS:
+        if batch * s > MAX_ROWS and not (self.wide and s <= MAX_ROWS and batch * s <= WIDE_ROWS):
             return self.reference.run(**inputs)
         return self._step(ids.reshape(-1), inputs["position_ids"].reshape(-1), inputs["write_index"],
                           inputs["tree_mask"], inputs)
@@ -261,6 +267,7 @@ class FastQwen3Engine(_FastEngine):
         # tap slot(s) of each tapped layer, in the order of the concatenated hidden_taps output
         self.taps = sorted(taps)
         self.hidden = config["hidden_size"]
+        self.wide = all(_dense(w) for layer in self.layers for w in layer.projections()) and _dense(self.lm_head)
 
     def _step(self, ids, pos, wi, mask, inputs):
         batch, s = mask.shape[:2]

@@ -26,7 +26,8 @@ class BatchLoop:
     def __init__(self, batch, on_step: Callable[[str, float], None] | None = None):
         self.batch = batch
         # on_step(kind, seconds) after each step: "prompt" (a lone sequence's prefill), "round" (its speculative
-        # round) or "batch"; the server's xcompile_engine_step_seconds (metrics.py)
+        # round), "batch_prompt" (a batch step carrying prompt chunks) or "batch" (one of decoding rows alone); the
+        # server's xcompile_engine_step_seconds (metrics.py)
         self.on_step = on_step
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()     # (job, post), or None: stop
         self.owner: dict = {}                   # BatchSequence -> (job, generation index)
@@ -58,6 +59,7 @@ class BatchLoop:
                 continue
             solo, stats, began = self.batch.solo, self.batch.stats, time.perf_counter()
             starting, counts = solo is None or solo.seq is None, (stats.steps, stats.solo_rounds)
+            prefilled = stats.prefill_tokens
             try:
                 ended = self.batch.step()
             except Exception as e:          # the engine failed: no row of the step can be trusted
@@ -65,7 +67,8 @@ class BatchLoop:
                 ended = self.batch.abort(f"{type(e).__name__}: {e}")
             else:
                 if self.on_step is not None and (stats.steps, stats.solo_rounds) != counts:
-                    kind = "batch" if stats.steps != counts[0] else "prompt" if starting else "round"
+                    kind = ("batch_prompt" if stats.prefill_tokens != prefilled else "batch") \
+                        if stats.steps != counts[0] else "prompt" if starting else "round"
                     self.on_step(kind, time.perf_counter() - began)
             for q in self.batch.running:
                 self._started(q)

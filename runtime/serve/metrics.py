@@ -10,7 +10,8 @@
     xcompile_acceptance_length                       tau of each choice: tokens per target forward
     xcompile_engine_step_seconds{kind}              the batching engine thread's steps (--max-batch N dirs): a lone
                                                     sequence's prefill (prompt) or speculative round (round), or a
-                                                    batch step (batch); wall time on that thread
+                                                    batch step carrying prompt chunks (batch_prompt) or decoding
+                                                    rows alone (batch); wall time on that thread
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Metrics:
         self.tau = Histogram("xcompile_acceptance_length", "Tokens per target forward (tau) of each choice",
                              buckets=TAU_BUCKETS, registry=r)
         self.steps = Histogram("xcompile_engine_step_seconds", "Steps of the batching engine thread: a lone "
-                               "sequence's prefill (prompt) or round (round), or a batch step (batch)", ["kind"],
+                               "sequence's prefill (prompt) or round (round), or a batch step carrying prompt chunks (batch_prompt) "
+                               "or decoding rows alone (batch)", ["kind"],
                                buckets=STEP_BUCKETS, registry=r)
 
     def finished(self, result, first_token_s: float, done_s: float) -> None:

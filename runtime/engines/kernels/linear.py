@@ -339,6 +339,8 @@ def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None =
     first qkv, its norm weight folded) takes its 1/rms from them: no norm launch."""
     if sums_out is not None:
         sums_out.reset()
+    if ids.shape[0] > MAX_ROWS:                           # a wide step (wide_linear): no sums
+        return F.embedding(ids, embed)
     x = embedding_rows(ids, embed, sums_out.buf if sums_out is not None else None, cfg)
     if sums_out is not None:
         sums_out.left_by(x, 1)
@@ -369,6 +371,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         else:
             x = x.index_select(0, rows)
     m, k = x.shape
+    if m > MAX_ROWS:
+        return wide_linear(x, w, norm=norm, eps=eps, gated=gated, residual=residual, out=out, extra_out=extra_out,
+                           sums_out=sums_out)
     assert 1 <= m <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), (x.shape, w.shape)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
@@ -414,6 +419,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         **cfg.launch())
     if write:
         sums_out.left_by(out, blocks)
+    return out
+
+
+def wide_linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
+                gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                extra_out: torch.Tensor | None = None, sums_out: RowSums | None = None) -> torch.Tensor:
+    """``linear`` past MAX_ROWS rows (a batch step that carries prompt chunks, B sequences x S tokens): the norm
+    by F.rms_norm, the product by cuBLAS, the epilogue in torch ops. It leaves no row sums, so the call that reads
+    its result normalises x itself (its norm weight given, ones where folded)."""
+    if sums_out is not None:
+        sums_out.reset()
+    if norm is not None:
+        x = F.rms_norm(x, (x.shape[1],), norm, eps)
+    y = F.linear(x, w)
+    if gated:
+        gate, up = y.chunk(2, dim=1)
+        y = F.silu(gate).mul_(up)
+    if residual is not None:
+        y = torch.add(residual, y, out=y)
+    if out is None:
+        out = y
+    else:
+        out.copy_(y)
+    if extra_out is not None:
+        extra_out.copy_(out)
     return out
 
 

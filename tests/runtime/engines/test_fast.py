@@ -192,15 +192,18 @@ def batch_step(wi: list[int], tokens: int, seed: int) -> dict[str, torch.Tensor]
     return {**inputs, "write_index": torch.tensor(wi)}
 
 
-def test_batch_steps_of_several_sequences_match_the_reference(tiny):
+def test_batch_steps_of_several_sequences_match_the_reference(tiny, monkeypatch):
     """Steps of the continuous-batching loop (runtime/decoding/batch.py): B sequences each at its own KV length in
-    its own cache row, on the kernels while the B*S rows fit MAX_ROWS, on the reference past that. Logits, taps
-    and every cache row match the torch engine's batched step."""
+    its own cache row, on the kernels while the B*S rows fit MAX_ROWS, and past that as a wide step (cuBLAS
+    projections, the step's attention kernels), never on the reference. Logits, taps and every cache row match
+    the torch engine's batched step."""
     ref = qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN, batch=4)
     got = fast.FastQwen3Engine(qwen3_engine(tiny.target, max_seq_len=MAX_SEQ_LEN, batch=4), cfg(tiny.target), T.TAPS)
+    assert got.wide
+    monkeypatch.setattr(got.reference, "run", lambda **_: pytest.fail("a batch step ran on the reference"))
     ref.new_kv()
     got.new_kv()
-    steps = [batch_step([0, 0, 0, 0], 20, 1),             # 80 rows: prompt chunks on the reference
+    steps = [batch_step([0, 0, 0, 0], 20, 1),             # 80 rows: prompt chunks, a wide step
              batch_step([20, 20, 20, 20], 1, 2),          # decode rows of 4 sequences
              batch_step([21, 21, 21, 21], 3, 3),          # a chunk each (12 rows)
              batch_step([24, 24, 24, 24], 1, 4)]
@@ -415,8 +418,8 @@ def test_fast_round_graphs_equal_eager_on_the_gpu(name):
 def test_fast_batch_loop_on_the_gpu(graphs, gamma):
     """fp32 on the GPU, compiled kernels: the continuous-batching loop over a fast target (8 slots, 12 prompts), eager
     or with its steps replayed from CUDA graphs, plain or verifying EAGLE3 chains of 3 (batch_drafts.py), gives
-    every sequence the tokens it gets alone. (In bf16 a batch step's prompt chunks, 512 rows on the reference's
-    cuBLAS, round otherwise than the kernels' passes alone, and a near tie may part them: on an H100, prompt 3 at
+    every sequence the tokens it gets alone. (In bf16 a batch step's prompt chunks, 512 rows on cuBLAS (a wide
+    step), round otherwise than the kernels' passes alone, and a near tie may part them: on an H100, prompt 3 at
     its 4th token, 2026-12-05; benchmarks/fast_agreement.py counts such partings.)"""
     from xcompile.runtime.engines.graphs import CudaGraphCapture
 
@@ -568,6 +571,7 @@ def test_quantized_target_steps_match_the_reference_and_greedy_speculation_is_pl
     quantize_linears(tiny.target, kind, block)
     ref, got = tiny.target_engine(), fast_target(tiny)
     assert all(isinstance(w, QLinear) for layer in got.layers for w in layer.projections())
+    assert not got.wide                 # its batch steps past MAX_ROWS rows stay on the reference
     assert all(layer.ln1 is not got.sums.unit for layer in got.layers)
     dense = sum(p.numel() for n, p in tiny.target.named_parameters() if "layers" in n and "proj" in n)
     assert got.weight_bytes() < fast_target(T.build(MAX_SEQ_LEN, head_dim=16)).weight_bytes() - dense * 4 * 0.6
