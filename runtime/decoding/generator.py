@@ -77,8 +77,11 @@ class Generator:
         decoding); max_seq_len: the KV capacity used (the engines may hold more); detokenize: ids -> text,
         needed for stop strings."""
         # a batch dir's target runs one sequence in its first slot where it can (the batch loop's lone sequence)
-        if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len or (
-                target.kv_shape.batch != 1 and not target.partial_batch):
+        if target.kv_shape is not None and target.kv_shape.batch != 1 and not target.partial_batch:
+            raise EngineError(f"the {type(target).__name__} target's graphs fix the batch at {target.kv_shape.batch} "
+                              "sequences (an engine dir exported with --max-batch > 1), and this loop runs one; use "
+                              "--backend torch or fast, or export with --max-batch 1")
+        if target.kv_shape is None or target.kv_shape.max_seq_len < max_seq_len:
             have = None if target.kv_shape is None else (target.kv_shape.batch, target.kv_shape.max_seq_len)
             raise EngineError(f"target engine KV (batch, slots) is {have}, the generator needs (1, {max_seq_len}); "
                               "rebuild the engine dir with a larger --max-seq-len or lower it here")

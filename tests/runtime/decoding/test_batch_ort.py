@@ -55,7 +55,7 @@ def test_batch_of_four_on_the_export_matches_batch_one(batch_dir, single_dir, pr
 
 def test_the_batch_1_generator_refuses_a_batch_dir_with_the_fix(batch_dir):
     with open_engine_dir(batch_dir, "ort", "cpu") as es:
-        with pytest.raises(EngineError, match=r"\(4, 64\).*needs \(1, 64\)"):
+        with pytest.raises(EngineError, match=r"fix the batch at 4 sequences .* use --backend torch or fast"):
             Generator(es.engines["target"], NoDrafter(), [], es.manifest.max_seq_len)
 
 
