@@ -340,7 +340,11 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # max_seq_len = seq_len: training windows are whole prefills; generation stays inside it too
-    taps = recipe.taps(parse_qwen3(model_dir / "config.json"))
+    cfg = parse_qwen3(model_dir / "config.json")
+    if opts.seq_len > cfg.context_length:
+        raise CompileError(f"--seq-len {opts.seq_len} is past the {cfg.context_length} positions {model}'s RoPE covers "
+                           "(max_position_embeddings in its config.json); give at most that")
+    taps = recipe.taps(cfg)
     target = load_qwen3(model_dir, max_seq_len=opts.seq_len, taps=taps, dtype=dtype, device=device)
     text = Text(model_dir)
     doc_end = textdata.doc_end_id(text)

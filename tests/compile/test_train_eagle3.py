@@ -174,3 +174,13 @@ def test_tokenize_wraps_prompts_in_the_chat_template(tiny_target):
     with_resp, without = textdata.tokenize(records, text), textdata.tokenize(records, text, responses=False)
     assert with_resp[0] == without[0] == text.encode("the cat")
     assert without[1] == text.chat("hello") and with_resp[1] == text.chat("hello") + text.encode("yes")
+
+
+def test_cli_refuses_a_window_past_the_targets_positions(tiny_target, corpus, tmp_path):
+    out = tmp_path / "head"
+    positions = parse_qwen3(tiny_target / "config.json").context_length
+    res = CliRunner().invoke(main, [
+        "train-mtp", "--model", str(tiny_target), "--data", str(corpus), "--out", str(out), "--steps", "1",
+        "--seq-len", str(positions + 1), "--device", "cpu"])
+    assert res.exit_code == 1 and f"--seq-len {positions + 1} is past the {positions} positions" in res.output
+    assert not out.exists()
