@@ -23,11 +23,14 @@ block where plain decoding computes it alone (issue 38's row invariance, at the 
 tile (where BK divides K; a KernelConfig whose ``gemv`` table lists every weight shape of the engines): the
 numerics the Qwen3-8B shapes get from the shipped tables, tried on the demo's trained weights, whose own shapes
 have none. ``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (its ``cuda`` table).
+``--row-invariant`` runs the fast target with KernelConfig.row_invariant (one-row calls on the verify paths), under
+which every speculative output should equal plain greedy's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -130,13 +133,15 @@ def main() -> None:
                     "a top-2 logit gap <= this (0.0625: one bf16 step at the demo's logit scale)")
     ap.add_argument("--gemv-all", help="BN,BK,WARPS[,AHEAD]: every one-row projection on this GEMV tile (docstring)")
     ap.add_argument("--cuda-all", help="COLS,WARPS,STAGES: every one-row projection on gemv.cu's kernel (docstring)")
+    ap.add_argument("--row-invariant", action="store_true", help="the fast target's one-row calls on its verify paths")
     args = ap.parse_args()
     if (args.engine_dir is None) == (args.synthetic is None):
         ap.error("give an ENGINE_DIR or --synthetic NAME, not both")
     gemv = tile_arg(Gemv, args.gemv_all, "--gemv-all") if args.gemv_all else None
     cuda = tile_arg(CudaGemv, args.cuda_all, "--cuda-all") if args.cuda_all else None
-    if (gemv or cuda) and args.against != "fast":
-        raise SystemExit("--gemv-all / --cuda-all choose the fast backend's kernels: use them with --against fast")
+    if (gemv or cuda or args.row_invariant) and args.against != "fast":
+        raise SystemExit("--gemv-all / --cuda-all / --row-invariant choose the fast backend's kernels: use them with "
+                         "--against fast")
     try:
         # ORT records no graphs the Generator can capture; its own CUDA graphs are refused for target/eagle3
         if args.synthetic and args.against != "fast":
@@ -152,6 +157,10 @@ def main() -> None:
                 print(f"every one-row projection of {sorted(weight_shapes(fast_es.engines))} on"
                       + (f" gemv.cu {tuple(cuda)} where it runs, else" if cuda else "")
                       + (f" the Triton GEMV {tuple(gemv)}" if gemv else " the shipped tables' kernels"))
+            if args.row_invariant:
+                target = fast_es.engines["target"]
+                target.kernels = dataclasses.replace(target.kernels, row_invariant=True)
+                print("the fast target row-invariant: its one-row calls take the verify blocks' kernels")
             gaps = run(args, ref_es, fast_es)
     except EngineError as e:
         raise SystemExit(f"fast_agreement.py: {e}") from None

@@ -28,7 +28,10 @@
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens, then 64 prompt lengths one at a time
 #            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
-#            server's default), beside the server's own mean round at one stream
+#            server's default), beside the server's own mean round at one stream (SERVE_BENCH=0: not that)
+#   exact    row-invariant decoding (KernelConfig.row_invariant, issue 38): xrun bench at context 128 without and with
+#            --row-invariant, one after the other (what bit-exact speculation costs plain decoding); EXACT_AGREE=1:
+#            then benchmarks/fast_agreement.py --row-invariant on the demo pair in bf16 (speculative vs plain greedy)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -41,12 +44,13 @@ BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
 [ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, qbench," \
-  "sample, paradigms, batch, open, long, serve: see its header)"
+  "sample, paradigms, batch, open, long, serve, exact: see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|serve) ;;
-  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long or serve"
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|serve|exact) ;;
+  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long," \
+       "serve or exact"
      exit 2;;
   esac
 done
@@ -154,9 +158,23 @@ for part in "$@"; do
       --max-tokens 256 --lengths 64 --json "$OUT/serve_load.json"
     tail -14 "$OUT/serve_load.log"
     # the batch-1 round a lone request runs in the server (xrun serve's default drafter: the EAGLE3 chain, gamma 4)
+    [ "${SERVE_BENCH:-1}" = 0 ] && continue
     run serve_bench 150 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 4 --tree "" \
       --contexts 128 --num-prompts 1 --json "$OUT/serve_bench.json"
     grep -E "$SHOW" "$OUT/serve_bench.log"
+    ;;
+  exact)
+    for mode in off on; do
+      run "bench_exact_$mode" 150 xrun bench "${BENCH[@]}" --contexts 128 $([ $mode = on ] && echo --row-invariant) \
+        --json "$OUT/bench_exact_$mode.json"
+      grep -E "$SHOW" "$OUT/bench_exact_$mode.log"
+    done
+    [ "${EXACT_AGREE:-0}" = 1 ] || continue
+    run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \
+      --force
+    run agree_exact 300 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
+      --row-invariant
+    tail -8 "$OUT/agree_exact.log"
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \

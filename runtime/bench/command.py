@@ -21,6 +21,7 @@ from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.load import (
     EngineSet,
+    check_row_invariant,
     fast_engines,
     open_engine_dir,
     pick_backend,
@@ -54,6 +55,12 @@ class BenchRequest:
     quantize: str | None = None         # --synthetic: the target's linears in fp8 or int4 (compile/reference.py)
     mtp: bool = False                   # --synthetic: an MTP module too
     kv_cache_dtype: str = "auto"        # or fp8: the target's KV cache in e4m3 (load.KV_CACHE_DTYPES)
+    row_invariant: bool = False         # the fast target's KernelConfig.row_invariant
+
+    def kernels(self):
+        """The fast backend's KernelConfig asked for (None: the defaults)."""
+        from xcompile.runtime.engines.kernels.config import KernelConfig
+        return KernelConfig(row_invariant=True) if self.row_invariant else None
 
 
 def _room(req: BenchRequest) -> int:
@@ -65,9 +72,11 @@ def _room(req: BenchRequest) -> int:
 
 def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify)
+        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify, kernels=req.kernels())
     if req.backend not in ("auto", "torch", "fast"):
         raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
+    if req.backend == "torch" or (req.backend == "auto" and device.type != "cuda"):
+        check_row_invariant(req.kernels(), "torch")             # before the weights are drawn
     provider = torch_models()
     manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
                                                      eagle3=True, draft=req.draft_model, quantize=req.quantize,
@@ -75,8 +84,9 @@ def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     backend = "torch" if req.backend == "auto" and device.type != "cuda" else req.backend
     if backend == "auto":
         backend = pick_backend(manifest, "auto", device)
+    check_row_invariant(req.kernels(), backend)
     if backend == "fast":
-        engines = fast_engines(manifest, engines)
+        engines = fast_engines(manifest, engines, req.kernels())
     return EngineSet(None, manifest, backend, engines, d2t.get(EAGLE3), {"provider": provider}, d2t.get(MTP))
 
 

@@ -38,6 +38,7 @@ class GenerateRequest:
     cuda_graphs: bool = True
     verify: bool = False                # hash every byte of the dir's files (default: sampled blocks)
     kv_cache_dtype: str = "auto"        # or "fp8": the target's KV cache in e4m3
+    row_invariant: bool = False         # the fast target's KernelConfig.row_invariant
     # sampling: None = not given; ``sample`` starts from the dir's generation_config.json
     sample: bool = False
     temperature: float | None = None
@@ -141,8 +142,11 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     check_drafter_options(req, manifest)
     check_tokenizer(req, manifest)
     opened = time.perf_counter()
+    from xcompile.runtime.engines.kernels.config import KernelConfig
+    kernels = KernelConfig(row_invariant=True) if req.row_invariant else None
     with LLM(req.engine_dir, backend=req.backend, device=req.device, drafter=req.drafter,
-             cuda_graphs=req.cuda_graphs, verify=req.verify, kv_cache_dtype=req.kv_cache_dtype) as llm:
+             cuda_graphs=req.cuda_graphs, verify=req.verify, kv_cache_dtype=req.kv_cache_dtype,
+             kernels=kernels) as llm:
         load_s = time.perf_counter() - opened       # checks, weights to the device, engines built
         es, gen, drafter = llm.engines, llm.loop, llm.drafter      # loop: a --max-batch N dir's batch loop
         log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")

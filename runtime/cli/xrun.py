@@ -29,6 +29,10 @@ from xcompile.runtime.engines.load import BACKEND_CHOICES, KV_CACHE_DTYPES
 KV_CACHE_OPTION = click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default="auto",
                                show_default=True, help="The target's KV cache: auto (the engines' dtype) or fp8 "
                                "(e4m3, unscaled; --backend fast or torch).")
+# generate and bench: KernelConfig.row_invariant (runtime/engines/kernels/config.py)
+ROW_INVARIANT_OPTION = click.option("--row-invariant", is_flag=True, help="Fast backend: the target's one-row steps "
+                                    "on its verify kernels, so every drafter's greedy tokens are plain greedy's bit "
+                                    "for bit on the GPU (plain decoding pays the one-row GEMVs' speed).")
 
 
 @click.group(cls=cli_group_class())
@@ -149,10 +153,11 @@ def _check_sampling(ctx, req) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
 @KV_CACHE_OPTION
+@ROW_INVARIANT_OPTION
 @click.pass_context
 def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth,
              tree_tokens, stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed,
-             num_samples, as_json, verify, kv_cache_dtype):
+             num_samples, as_json, verify, kv_cache_dtype, row_invariant):
     """Generate from ENGINE_DIR with speculative decoding: greedy (the same tokens as plain greedy
     decoding), or sampled (each token distributed as plain sampling would draw it).
 
@@ -168,7 +173,7 @@ def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter,
                           drafter=spec, stop=list(stop), backend=backend, device=device,
                           cuda_graphs=not no_cuda_graphs, verify=verify, sample=sample, temperature=temperature,
                           top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, num_samples=num_samples,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, row_invariant=row_invariant)
     _check_sampling(ctx, req)
     run_generate(req, as_json=as_json, echo=click.echo)
 
@@ -231,10 +236,11 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
 @KV_CACHE_OPTION
+@ROW_INVARIANT_OPTION
 @click.pass_context
 def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, gammas, tree, contexts,
           new_tokens, repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p,
-          seed, kv_cache_dtype):
+          seed, kv_cache_dtype, row_invariant):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
 
     The report goes to stdout; progress and messages to stderr."""
@@ -246,7 +252,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
                      repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp,
-                     kv_cache_dtype), echo=click.echo)
+                     kv_cache_dtype, row_invariant), echo=click.echo)
 
 
 @main.command()

@@ -28,6 +28,8 @@ runtime stays free of the compile side.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from xcompile.runtime.common import logs
@@ -386,8 +388,10 @@ class FastFCEngine(_FastEngine):
 def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],
          kernels: KernelConfig = DEFAULT) -> dict[str, Engine]:
     """The torch backend's engines of an engine dir -> fast engines. configs: graph -> its model's
-    config (manifest); taps: the target's tapped layers; kernels: the kernels' open choices."""
+    config (manifest); taps: the target's tapped layers; kernels: the kernels' open choices (row_invariant
+    is the target's alone: the drafters' proposals never reach the output unverified)."""
     out = {}
+    drafting = dataclasses.replace(kernels, row_invariant=False)
     for graph, engine in engines.items():
         if not isinstance(engine, TorchEngine):
             raise EngineError(f"fast backend: {graph} is not a torch-backend engine")
@@ -396,12 +400,12 @@ def wrap(engines: dict[str, Engine], configs: dict[str, dict], taps: list[int],
             module = getattr(engines.get(MTP), "module", None)
             shared = graph == TARGET and module is not None and (
                 module.shared_head.head.weight.data_ptr() == engine.module.lm_head.weight.data_ptr())
-            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (), kernels,
-                                         shared_head=shared)
+            out[graph] = FastQwen3Engine(engine, configs[graph], taps if graph == TARGET else (),
+                                         kernels if graph == TARGET else drafting, shared_head=shared)
         elif graph == MTP:
-            out[graph] = FastMTPEngine(engine, configs[graph], kernels)
+            out[graph] = FastMTPEngine(engine, configs[graph], drafting)
         elif graph == EAGLE3:
-            out[graph] = FastEagle3Engine(engine, configs[graph], kernels)
+            out[graph] = FastEagle3Engine(engine, configs[graph], drafting)
         elif graph == EAGLE3_FC:
-            out[graph] = FastFCEngine(engine, configs[graph], kernels)
+            out[graph] = FastFCEngine(engine, configs[graph], drafting)
     return out

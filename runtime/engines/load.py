@@ -212,6 +212,13 @@ def torch_models():
     return next(iter(found)).load()
 
 
+def check_row_invariant(kernels: KernelConfig | None, backend: str) -> None:
+    """EngineError when row-invariant kernels are asked of a backend other than fast (whose kernels they are)."""
+    if kernels is not None and kernels.row_invariant and backend != "fast":
+        raise EngineError(f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend} "
+                          "backend; add --backend fast (a CUDA GPU)")
+
+
 def pick_backend(manifest: Manifest, backend: str, device: torch.device) -> str:
     """The backend ``auto`` stands for (module docstring); an explicit backend is returned as is."""
     if backend != AUTO and backend not in BACKENDS:
@@ -242,6 +249,7 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     backend = pick_backend(manifest, backend, dev)
+    check_row_invariant(kernels, backend)
     if backend == "trt" and dev.type != "cuda":
         raise EngineError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
                           "machine with an NVIDIA GPU, or --backend ort/torch here")

@@ -225,7 +225,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     rows = q.shape[0]
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
-    chunk = chunk or chunk_for(max_seq_len, m)
+    chunk = chunk or chunk_for(max_seq_len, max(m, 2) if cfg.row_invariant else m)
     splits = math.ceil(max_seq_len / chunk)
     assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
     assert row_tile in (16, 32, 64), f"row_tile {row_tile}: 16, 32 or 64"

@@ -8,6 +8,10 @@ stays open is what a user or a benchmark must be able to choose:
     cuda_gemv  one-row calls on the CUDA C++ kernels where nvcc builds them (else Triton's GEMVs): bf16 of the
                shapes in ``tiles.cuda`` on gemv.cu's, FP8 and INT4 on qgemv.cu's; off to time the Triton GEMVs
     tiles      the tile tables, per weight shape (N_OUT, K): data in tiles.json, replaced by a tuning run's
+    row_invariant  one-row calls take the paths of several rows' (the tile kernels, attention's split layout of
+               several rows), so a token's logits are the same bits alone as in any row of a verify block and
+               every drafter's greedy output is plain greedy's bit for bit; its cost is the one-row GEMV's
+               speed (docs/performance.md measures it)
 
 Tile tables are keyed by weight shape only, never by row count, so a row reduces in the same order at
 every row count the tile kernel serves.
@@ -116,6 +120,7 @@ class KernelConfig:
     pdl: bool = True
     cuda_gemv: bool = True
     tiles: Tiles = field(default_factory=shipped_tiles)
+    row_invariant: bool = False
 
     @property
     def pdl_on(self) -> bool:

@@ -365,7 +365,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if rows is not None and not (x.shape[0] == 1 and rows.shape == (1,)):    # else the only row: x itself
         rows = rows.contiguous()
         k = x.shape[1]
-        one_row_gemv = rows.shape[0] == 1 and (gemv_tile(n_out, k, tiles) is not None or (n_out, k) in tiles.cuda)
+        one_row_gemv = rows.shape[0] == 1 and not cfg.row_invariant and (gemv_tile(n_out, k, tiles) is not None
+                                                                          or (n_out, k) in tiles.cuda)
         if norm is not None and not one_row_gemv:
             x, norm = rms_norm(x, norm, eps, rows=rows, cfg=cfg), None     # gathered and normalised in one launch
         else:
@@ -380,7 +381,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     assert sums is None or sums is not sums_out, "one RowSums to read and to write"
     if sums_out is not None:
         sums_out.reset()                                      # set again below if this call writes them
-    if m == 1:
+    if m == 1 and not cfg.row_invariant:
         cuda_tile = cuda_gemv.tile_for(x, w, n_out, k, norm, out, residual, extra_out, cfg=cfg)
         if cuda_tile is not None and cuda_gemv.gemv(x, w, out, cuda_tile, norm=norm, eps=eps, gated=gated,
                                                     residual=residual, extra_out=extra_out, cfg=cfg) is not None:

@@ -252,8 +252,9 @@ def qlinear(x: torch.Tensor, w: QLinear, *, norm: torch.Tensor | None = None, ep
               residual if residual is not None else dummy, extra_out if extra_out is not None else dummy)
     flags = dict(GATED=gated, RESIDUAL=residual is not None, EXTRA=extra_out is not None, INT4=w.kind == INT4,
                  PDL=cfg.pdl_on, CHUNK=w.chunk, ROWS=w.rows, COLS=w.cols, NATIVE=not interpreted())
-    if m == 1:      # a GEMV (qgemv.cu where it runs, else qgemv.py): its 1/rms from x as x streams, so it neither
-        # reads nor leaves row sums
+    if m == 1 and not cfg.row_invariant:
+        # a GEMV (qgemv.cu where it runs, else qgemv.py): its 1/rms from x as x streams, so it neither reads nor
+        # leaves row sums
         if cuda_qgemv.qgemv(x, w, out, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out,
                             cfg=cfg) is not None:
             return out

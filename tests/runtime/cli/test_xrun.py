@@ -485,3 +485,18 @@ def test_a_text_prompt_on_a_dir_without_tokenizer_fails_before_loading(tiny_engi
     for args in (["--prompt", "hi"], ["--chat", "hi"], ["--prompt-ids", "1,2", "--stop", "x"]):
         code, out = xrun("generate", bare, "--device", "cpu", "--backend", "ort", *args)
         assert code == 1 and "no tokenizer.json" in out and "target.onnx" not in out, out
+
+
+def test_generate_row_invariant_on_the_fast_backend_and_refused_elsewhere(tiny_engine_dir):
+    """--row-invariant (KernelConfig.row_invariant): on the fast backend (Triton's interpreter here) an EAGLE3
+    tree gives plain greedy's tokens; on another backend it is refused in one line, before any weight loads."""
+    common = ("--prompt-ids", "5,9,11,20", "--max-new-tokens", 12, "--backend", "fast", "--row-invariant")
+    plain = generate_json(tiny_engine_dir, *common, "--drafter", "none")
+    tree = generate_json(tiny_engine_dir, *common, "--drafter", "eagle3", "--tree-topk", 2, "--tree-depth", 3,
+                         "--tree-tokens", 6)
+    assert tree["tokens"] == plain["tokens"] and tree["stats"]["drafted"] > 0
+    for backend in ("torch", "ort"):
+        code, out = xrun("generate", tiny_engine_dir, "--device", "cpu", "--prompt-ids", "5,9", "--backend", backend,
+                         "--row-invariant")
+        assert code == 1 and f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend}" \
+            in out and "Traceback" not in out, out
