@@ -11,8 +11,9 @@
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
 #            tree 10/6/32)
 #   sample   the sampler's and the sampled chain acceptance's tests (compiled; SAMPLE_TESTS: other pytest arguments),
-#            then the bf16 bench greedy and sampled (T 0.6, top-k 20, top-p 0.95; context 128), in one call so their
-#            ratios come from one machine
+#            benchmarks/sample_kernels.py (one row's draw, tie or not, against the torch sampler), then the bf16
+#            bench greedy and sampled (T 0.6, top-k 20, top-p 0.95; context 128), in one call so their ratios come
+#            from one machine
 #   paradigms  xrun bench --synthetic qwen3-8b with an MTP module (32,000-row draft vocabulary) and a Qwen3-0.6B-shape
 #            draft model beside the EAGLE3 head: chains at gamma 2, 4, 6 and trees 10/6/32 (context 128)
 #   batch    benchmarks/batch_decode.py: the continuous-batching loop on the fast backend at --max-batch 1, 4, 16, 64,
@@ -123,6 +124,8 @@ for part in "$@"; do
     run sample_tests 240 python3 -m pytest -q -p no:cacheprovider -rs ${SAMPLE_TESTS:-tests/runtime/decoding/kernels/test_sample.py \
       tests/runtime/decoding/kernels/test_accept_sampled.py tests/runtime/decoding/test_sampling_gpu.py}
     tail -1 "$OUT/sample_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/sample_tests.log" | head -20
+    run sample_kernels 60 python3 benchmarks/sample_kernels.py
+    cat "$OUT/sample_kernels.log"
     run bench_greedy 200 xrun bench "${BENCH[@]}" --contexts 128 --json "$OUT/bench_greedy.json"
     grep -E "$SHOW|sample|accept" "$OUT/bench_greedy.log"
     run bench_sampled 270 xrun bench "${BENCH[@]}" --contexts 128 --temperature 0.6 --top-k 20 --top-p 0.95 \

@@ -35,7 +35,7 @@ def test_every_script_is_checked_here():
     assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
                        "fast_agreement.py", "fast_decode.py", "graph_equivalence.py", "kernels.py",
                        "kv_cache_quality.py", "open_dir.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
-                       "serve_load.py", "step_timeline.py", "verify_speed.py"]
+                       "sample_kernels.py", "serve_load.py", "step_timeline.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -64,6 +64,7 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("batch_decode.py", [], "no CUDA device is visible here"),
     ("open_dir.py", [], "no CUDA device is visible here"),
     ("attention_splits.py", [], "no CUDA device is visible here"),
+    ("sample_kernels.py", [], "no CUDA device is visible here"),
     ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
     ("kernels.py", [], "no CUDA device is visible here"),
     ("qlinear_tiles.py", [], "no CUDA device is visible here"),
@@ -73,6 +74,7 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,x,4"], "--gemv-all '4,x,4': expected BLOCK_N,BLOCK_K"),
     ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,64,4,5"], "AHEAD 1-4"),
     ("fast_agreement.py", ["no-such-dir", "--cuda-all", "2,4,2", "--against", "ort"], "use them with --against fast"),
+    ("fast_agreement.py", ["no-such-dir", "--row-invariant", "--against", "ort"], "use them with --against fast"),
     ("fast_agreement.py", ["no-such-dir", "--device", "cpu"], "no-such-dir"),
     ("fast_agreement.py", ["--synthetic", "qwen3-8b", "--against", "ort"], "--synthetic has no ONNX graphs"),
     ("dump_logits.py", ["--out", "never-written.pt"], "no CUDA device here"),
