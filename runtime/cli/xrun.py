@@ -29,7 +29,7 @@ from xcompile.runtime.engines.load import BACKEND_CHOICES, KV_CACHE_DTYPES
 KV_CACHE_OPTION = click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default="auto",
                                show_default=True, help="The target's KV cache: auto (the engines' dtype) or fp8 "
                                "(e4m3, unscaled; --backend fast or torch).")
-# generate and bench: KernelConfig.row_invariant (runtime/engines/kernels/config.py)
+# generate, bench and serve: KernelConfig.row_invariant (runtime/engines/kernels/config.py)
 ROW_INVARIANT_OPTION = click.option("--row-invariant", is_flag=True, help="Fast backend: the target's one-row steps "
                                     "on its verify kernels, so every drafter's greedy tokens are plain greedy's bit "
                                     "for bit on the GPU (plain decoding pays the one-row GEMVs' speed).")
@@ -280,9 +280,10 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --ray: replicas (one GPU each on CUDA).")
 @KV_CACHE_OPTION
+@ROW_INVARIANT_OPTION
 def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
           served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas,
-          kv_cache_dtype):
+          kv_cache_dtype, row_invariant):
     """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming): one request at a time, or up to N
     decoding together on a --max-batch N dir."""
     from xcompile.runtime.serve.run import serve_http, serve_ray
@@ -295,7 +296,7 @@ def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tr
     config = ServeConfig(engine_dir, backend, device, DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth,
                                                                                tree_tokens),
                          served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs,
-                         warm_up=not no_warm_up, kv_cache_dtype=kv_cache_dtype)
+                         warm_up=not no_warm_up, kv_cache_dtype=kv_cache_dtype, row_invariant=row_invariant)
     if use_ray:
         serve_ray(config, host, port, replicas)
     else:

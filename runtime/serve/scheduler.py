@@ -42,6 +42,12 @@ class ServeConfig:
     cuda_graphs: bool = True
     warm_up: bool = True                        # run every kernel and graph once before reporting ready
     kv_cache_dtype: str = "auto"                # or fp8: the target's KV cache in e4m3 (fast and torch backends)
+    row_invariant: bool = False                 # the fast target's KernelConfig.row_invariant
+
+    def kernels(self):
+        """The fast backend's KernelConfig asked for (None: the defaults)."""
+        from xcompile.runtime.engines.kernels.config import KernelConfig
+        return KernelConfig(row_invariant=True) if self.row_invariant else None
 
 
 class EngineWorker:
@@ -52,7 +58,7 @@ class EngineWorker:
         from xcompile.runtime.api import LLM
 
         self.llm = LLM(config.engine_dir, backend=config.backend, device=config.device, drafter=config.drafter,
-                       cuda_graphs=config.cuda_graphs, kv_cache_dtype=config.kv_cache_dtype)
+                       cuda_graphs=config.cuda_graphs, kv_cache_dtype=config.kv_cache_dtype, kernels=config.kernels())
         llm = self.llm
         self.es, self.text, self.spec, self.drafter, self.gen = llm.engines, llm.tokenizer, llm.spec, llm.drafter, llm.generator
         self.batch = llm.batch                      # the continuous-batching loop (None: batch 1, self.gen)

@@ -530,7 +530,8 @@ def test_engines_that_fail_to_load_stop_xrun_serve_with_one_line(tiny_engine_dir
 
 def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_listens(tiny_engine_dir, tmp_path):
     """Each is one error line, exit 1, before uvicorn starts or an engine loads (a tampered file was found by the
-    load after "running on", and said twice; a port in use was uvicorn's exit 3 after the warm-up)."""
+    load after "running on", and said twice; a port in use was uvicorn's exit 3 after the warm-up); so is
+    --row-invariant on a backend other than fast."""
     import shutil
     import socket
     import subprocess
@@ -546,7 +547,9 @@ def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_li
                           (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--host", "999.1.1.1").cmd,
                            "--host 999.1.1.1: not an address of this machine"),
                           (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", port=taken).cmd,
-                           f"--port {taken}: cannot listen there")):
+                           f"--port {taken}: cannot listen there"),
+                          (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--row-invariant").cmd,
+                           "--row-invariant chooses the fast backend's kernels")):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
             assert proc.stderr.startswith("error: ") and said in proc.stderr and len(proc.stderr.splitlines()) == 1, \
