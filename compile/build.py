@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.trt_loaders import (
     EngineFileFromNetwork,
     Progress,
@@ -236,10 +236,10 @@ def check_options(options: BuildOptions) -> str:
     except EngineError as e:
         raise CompileError(str(e)) from None
     if flavor != "rtx" and options.compute_capabilities:
-        raise CompileError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
+        raise CompileOptionError("--compute-capability applies to TensorRT-RTX only; full TensorRT builds for the GPU "
                            "it runs on")
     if flavor == "rtx" and options.timing_cache is not None:
-        raise CompileError("--timing-cache applies to full TensorRT only; TensorRT-RTX keeps no timing cache "
+        raise CompileOptionError("--timing-cache applies to full TensorRT only; TensorRT-RTX keeps no timing cache "
                            "(it deprecates them as no-ops)")
     if flavor == "rtx":
         trt = import_trt(flavor)

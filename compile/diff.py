@@ -36,7 +36,7 @@ from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
 from xcompile.compile.compare import DEFAULT_ATOL, DEFAULT_RTOL, MIN_COSINE, StepResult, compare, tolerances
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.reference import reference_engines
 from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import XcompileError
@@ -329,12 +329,12 @@ def unquantized_agreement(checkpoint: Path, graph: _Graph, rec: _Recorder, engin
 def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     """Compare every graph of ``directory`` with the PyTorch reference; see the module docstring."""
     if opts.backend not in ("ort", "trt"):
-        raise CompileError(f"--backend {opts.backend!r}: expected ort or trt")
+        raise CompileOptionError(f"--backend {opts.backend!r}: expected ort or trt")
     directory = Path(directory)
     manifest = Manifest.load(directory)
     device = opts.device or ("cuda" if opts.backend == "trt" else "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise CompileError(f"--backend {opts.backend} on {device}: no CUDA device here; the engine is not runnable "
+        raise CompileOptionError(f"--backend {opts.backend} on {device}: no CUDA device here; the engine is not runnable "
                            "on this machine (use --backend ort on cpu)")
     if opts.unquantized is not None:
         check_unquantized(directory, opts.unquantized, manifest)

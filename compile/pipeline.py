@@ -34,7 +34,7 @@ from xcompile.compile.config import (
     synthetic_eagle3_config,
     tap_convention,
 )
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.export import Weights, export_graph
 from xcompile.compile.families import family
 from xcompile.compile.models import eagle3, mtp, qwen3
@@ -114,9 +114,9 @@ class ExportPlan:
 def plan_export(req: ExportRequest) -> ExportPlan:
     """Check the request and plan the export (configs, checks, meta modules): fails before any work."""
     if req.dtype not in MODEL_TORCH_DTYPES:
-        raise CompileError(f"--dtype {req.dtype!r}: expected one of {', '.join(MODEL_TORCH_DTYPES)}")
+        raise CompileOptionError(f"--dtype {req.dtype!r}: expected one of {', '.join(MODEL_TORCH_DTYPES)}")
     if req.max_batch < 1:
-        raise CompileError(f"--max-batch {req.max_batch}: must be at least 1")
+        raise CompileOptionError(f"--max-batch {req.max_batch}: must be at least 1")
     return ExportPlan(*_plan(req))
 
 
@@ -183,7 +183,7 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
     place export tells a checkpoint from synthetic weights."""
     name = req.draft_model if role == DRAFT else req.model
     if req.synthetic_layers is not None and (not req.synthetic or req.synthetic_layers < 1):
-        raise CompileError(f"--synthetic-layers {req.synthetic_layers}: needs --synthetic and at least 1 layer")
+        raise CompileOptionError(f"--synthetic-layers {req.synthetic_layers}: needs --synthetic and at least 1 layer")
     if req.synthetic:
         if role == EAGLE3 and req.eagle3 or role == MTP and req.mtp:
             raise CompileError(f"--synthetic builds the {role} model in its default shape; give --{role} without "
@@ -209,10 +209,11 @@ def _plan(req: ExportRequest) -> tuple[list[_Part], Path | None]:
     taps, head = cfg.default_tap_layers, None
     if req.eagle3_taps is not None:
         if req.eagle3 is None:
-            raise CompileError(f"{TAP_OVERRIDE} sets the EAGLE3 head's taps; add --eagle3")
+            raise CompileOptionError(f"{TAP_OVERRIDE} sets the EAGLE3 head's taps; add --eagle3")
         if len(req.eagle3_taps) != 3 or not all(0 <= t < cfg.num_hidden_layers for t in req.eagle3_taps):
-            raise CompileError(f"{TAP_OVERRIDE} {','.join(map(str, req.eagle3_taps))}: expected three layer-output "
-                               f"ids in 0..{cfg.num_hidden_layers - 1} (the target has {cfg.num_hidden_layers} layers)")
+            raise CompileOptionError(f"{TAP_OVERRIDE} {','.join(map(str, req.eagle3_taps))}: expected three "
+                                     f"layer-output ids in 0..{cfg.num_hidden_layers - 1} (the target has "
+                                     f"{cfg.num_hidden_layers} layers)")
     if req.eagle3 is not None:
         head = _open(req, EAGLE3, cfg)
         head_cfg, _, head_dir = head

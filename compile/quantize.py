@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import resolve
 from xcompile.compile.config import Qwen3Config, parse_qwen3, read_json
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.pipeline import TOKENIZER_FILES
 from xcompile.compile.quantization import CT_FLOAT, CT_PACKED, parse_quantization
 from xcompile.runtime.common import files, logs
@@ -98,7 +98,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, opts: QuantizeOption
     source = resolve(str(model), revision)
     cfg = _check_source(source)
     if opts.seq_len > cfg.context_length:
-        raise CompileError(f"--seq-len {opts.seq_len} is longer than the {cfg.context_length} positions "
+        raise CompileOptionError(f"--seq-len {opts.seq_len} is longer than the {cfg.context_length} positions "
                            f"of {source / 'config.json'}; pass at most that")
     calibration = Path(opts.calibration) if opts.calibration is not None else DEFAULT_CALIBRATION
     if opts.calibration is None and not calibration.is_file():

@@ -23,7 +23,7 @@ import torch
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_qwen3, resolve
 from xcompile.compile.config import Qwen3Config, parse_generation_config, parse_qwen3, read_json
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.models.mtp import MTP
 from xcompile.compile.reference import eagle3_engines, qwen3_engine, torch_engines
@@ -342,7 +342,7 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
     # max_seq_len = seq_len: training windows are whole prefills; generation stays inside it too
     cfg = parse_qwen3(model_dir / "config.json")
     if opts.seq_len > cfg.context_length:
-        raise CompileError(f"--seq-len {opts.seq_len} is past the {cfg.context_length} positions {model}'s RoPE covers "
+        raise CompileOptionError(f"--seq-len {opts.seq_len} is past the {cfg.context_length} positions {model}'s RoPE covers "
                            "(max_position_embeddings in its config.json); give at most that")
     taps = recipe.taps(cfg)
     target = load_qwen3(model_dir, max_seq_len=opts.seq_len, taps=taps, dtype=dtype, device=device)

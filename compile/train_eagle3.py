@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from xcompile.compile.checkpoint import load_eagle3
 from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileOptionError
 from xcompile.compile.models.eagle3 import Eagle3, target_ids
 from xcompile.compile.train import (  # noqa: F401  (the names callers of this module import from it)
     HEAD_INIT_STD,
@@ -58,7 +58,7 @@ def draft_vocabulary(windows: torch.Tensor, vocab_size: int, size: int
     """The ``size`` most frequent tokens of ``windows`` (ties: lower id first; unseen ids fill up),
     ascending -> (tokens [N] int64, d2t [N] int64 = tokens - arange, t2d [V] bool)."""
     if not 0 < size <= vocab_size:
-        raise CompileError(f"--draft-vocab {size} must be between 1 and the target's vocab_size {vocab_size}")
+        raise CompileOptionError(f"--draft-vocab {size} must be between 1 and the target's vocab_size {vocab_size}")
     counts = torch.bincount(windows.flatten(), minlength=vocab_size)
     top = torch.sort(counts, descending=True, stable=True).indices[:size]        # stable: ties by id
     tokens = torch.sort(top).values

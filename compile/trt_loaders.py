@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir import integrity
@@ -194,7 +194,7 @@ def compute_capability(text: str, trt) -> tuple[int, int]:
         major = minor = -1
     if f"SM{major}{minor}" not in supported:
         listed = ", ".join(f"{n[2:-1]}.{n[-1]}" for n in supported)
-        raise CompileError(f"--compute-capability {text}: TensorRT-RTX {trt.__version__} targets {listed}; "
+        raise CompileOptionError(f"--compute-capability {text}: TensorRT-RTX {trt.__version__} targets {listed}; "
                            "for other GPUs (e.g. the H200, 9.0) build with full TensorRT (--trt tensorrt)")
     return major, minor
 

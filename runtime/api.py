@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
 from xcompile.runtime.decoding.sampling import GENERATION_CONFIG, GREEDY, SamplingParams, generation_defaults, with_seed
@@ -113,7 +113,7 @@ class LLM:
                 engines = self.engines.engines
                 target, lone = engines["target"], all(e.partial_batch for e in engines.values())
                 if spec.name not in ("auto", "none") and not lone:
-                    raise EngineError(f"--drafter {spec.name}: {directory} was exported with --max-batch "
+                    raise OptionError(f"--drafter {spec.name}: {directory} was exported with --max-batch "
                                       f"{m.max_batch}, and the {self.engines.backend} backend's graphs fix the "
                                       "batch, so it cannot speculate; use --drafter none, --backend "
                                       "fast or torch, or an engine dir exported with --max-batch 1")

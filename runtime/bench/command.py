@@ -13,7 +13,7 @@ import torch
 
 from xcompile.runtime.bench.measure import BenchOptions, context_fits, format_report, run_bench
 from xcompile.runtime.common import files, logs
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.decoding.registry import TreeShape
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
 from xcompile.runtime.enginedir.contract import EAGLE3, MTP
@@ -74,7 +74,7 @@ def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
         return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify, kernels=req.kernels())
     if req.backend not in ("auto", "torch", "fast"):
-        raise EngineError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
+        raise OptionError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     if req.backend == "torch" or (req.backend == "auto" and device.type != "cuda"):
         check_row_invariant(req.kernels(), "torch")             # before the weights are drawn
     provider = torch_models()
@@ -96,7 +96,7 @@ def check_contexts(req: BenchRequest) -> None:
         return
     max_seq_len = Manifest.load(req.engine_dir).max_seq_len
     if not any(context_fits(c, req.new_tokens, max_seq_len) for c in req.contexts):
-        raise EngineError(f"--contexts {','.join(map(str, req.contexts))}: none fits {req.engine_dir}, which holds "
+        raise OptionError(f"--contexts {','.join(map(str, req.contexts))}: none fits {req.engine_dir}, which holds "
                           f"{max_seq_len} tokens (a context needs room for --new-tokens and a round too); give "
                           "shorter contexts or rebuild with a larger --max-seq-len")
 
@@ -105,7 +105,7 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+        raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     check_contexts(req)
     inputs = (req.engine_dir, req.prompts)
     with contextlib.ExitStack() as outputs:
@@ -131,14 +131,14 @@ def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> d
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
         if es.backend not in ("torch", "fast"):
-            raise EngineError("--peer compares on the reference modules' weights; add --backend torch or fast")
+            raise OptionError("--peer compares on the reference modules' weights; add --backend torch or fast")
         # the fast engines' reference modules hold the very weights they run (re-pointed, not copied)
         engines = {g: e.reference for g, e in es.engines.items()} if es.backend == "fast" else es.engines
         peer = provider.hf_peer(engines)
     text_tokens = None
     if req.prompts:
         if es.directory is None:
-            raise EngineError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
+            raise OptionError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
         text_tokens = Text(es.directory).encode(Path(req.prompts).read_text())
     opts = BenchOptions(contexts=req.contexts, gammas=req.gammas, tree=req.tree, new_tokens=req.new_tokens,
                         repeats=req.repeats, peer=req.peer, num_prompts=req.num_prompts, text_tokens=text_tokens,

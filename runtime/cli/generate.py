@@ -10,7 +10,7 @@ from pathlib import Path
 
 from xcompile.runtime.api import LLM
 from xcompile.runtime.common import logs
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.decoding.outcome import Result
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
@@ -80,7 +80,7 @@ def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[i
     if req.prompt_ids is not None:
         vocab = es.manifest.models["target"].config["vocab_size"]
         if req.prompt_ids and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab):
-            raise EngineError(f"--prompt-ids: ids must lie in [0, {vocab}) for this model")
+            raise OptionError(f"--prompt-ids: ids must lie in [0, {vocab}) for this model")
         return list(req.prompt_ids)
     return text.chat(req.chat) if req.chat is not None else text.encode(req.prompt)
 
@@ -95,16 +95,16 @@ def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
         drafter = next((name for name, kind in DRAFTERS.items() if all(g in manifest.graphs for g in kind.graphs)))
     auto = f" (--drafter auto picks {drafter} for {req.engine_dir})" if spec.name == "auto" else ""
     if drafter == "none" and spec.tree:
-        raise EngineError(f"--tree-* would do nothing: no drafter runs{auto}")
+        raise OptionError(f"--tree-* would do nothing: no drafter runs{auto}")
     if drafter == "draft-model" and spec.tree:
-        raise EngineError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
+        raise OptionError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
                           f"tokens{auto}")
     # a round's block beside a prompt of one token at least: a longer one fits no prompt at all (the prompt check
     # would blame the prompt)
     block, option = (spec.tree.total_tokens + 1, f"--tree-tokens {spec.tree.total_tokens}") if spec.tree else \
         (spec.gamma + 1, f"--gamma {spec.gamma}")
     if drafter != "none" and block >= manifest.max_seq_len:
-        raise EngineError(f"{option}: a round verifies {block} tokens, which leaves no room for a prompt in "
+        raise OptionError(f"{option}: a round verifies {block} tokens, which leaves no room for a prompt in "
                           f"{req.engine_dir}'s max_seq_len {manifest.max_seq_len}; draft fewer{auto}")
 
 
@@ -128,7 +128,7 @@ def new_tokens(req: GenerateRequest, prompt: int, max_seq_len: int) -> int:
     if req.max_new_tokens is None:
         return max(1, min(DEFAULT_NEW_TOKENS, room))
     if req.max_new_tokens > room:
-        raise EngineError(f"--max-new-tokens {req.max_new_tokens}: the prompt's {prompt} tokens and that many new "
+        raise OptionError(f"--max-new-tokens {req.max_new_tokens}: the prompt's {prompt} tokens and that many new "
                           f"ones exceed the engine dir's max_seq_len {max_seq_len}; at most {max(room, 0)} fit "
                           "(or rebuild with a larger --max-seq-len)")
     return req.max_new_tokens

@@ -12,7 +12,7 @@ from xcompile.runtime.common.errors import XcompileError
 
 def cli_group_class():
     """A click Group that turns every XcompileError, and any OSError that escaped a boundary, into one
-    line on stderr and exit 1, a bad option into one line and exit 2, SIGINT and SIGTERM into
+    line on stderr and exit 1 (an OptionError: 2), a bad option into one line and exit 2, SIGINT and SIGTERM into
     "interrupted" and exit 130 / 143 (the staged outputs of runtime/common/files.py are removed on the way
     out), and gives itself and each of its commands the log options (runtime/common/logs.py)."""
     from xcompile.runtime.common import interrupts
@@ -43,7 +43,7 @@ def cli_group_class():
                     return super().invoke(ctx)
             except XcompileError as e:
                 click.echo(f"error: {e}", err=True)
-                ctx.exit(1)
+                ctx.exit(e.exit_code)
             except click.UsageError as e:       # a bad option: one line too (click's exit code 2), not a usage page
                 where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
                 click.echo(f"error: {e.format_message()}{where}", err=True)

@@ -33,7 +33,7 @@ import dataclasses
 import torch
 
 from xcompile.runtime.common import logs
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.engines.base import KV_FP8, SHORT_STEPS, Engine
@@ -55,7 +55,7 @@ def check_device(device: torch.device) -> None:
     """EngineError unless the kernels can run on ``device``."""
     if device.type == "cuda" or (device.type == "cpu" and interpreted()):
         return
-    raise EngineError(f"--backend fast runs Triton kernels on a CUDA device, not on {device} (tests set "
+    raise OptionError(f"--backend fast runs Triton kernels on a CUDA device, not on {device} (tests set "
                       "TRITON_INTERPRET=1 to run them on the CPU); use --backend torch or ort")
 
 

@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, MTP, TARGET
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def set_kv_cache_dtype(es: EngineSet, name: str) -> None:
 
     target, dtype = es.engines[TARGET], getattr(torch, KV_CACHE_DTYPES[name])
     if dtype not in target.kv_dtypes:
-        raise EngineError(f"--kv-cache-dtype {name}: the {es.backend} backend holds the KV cache in the engines' "
+        raise OptionError(f"--kv-cache-dtype {name}: the {es.backend} backend holds the KV cache in the engines' "
                           "dtype; an FP8 cache runs on --backend fast or torch (the ONNX / TensorRT graphs read "
                           "full-precision caches for now)")
     target.set_kv_dtype(dtype)
@@ -215,7 +215,7 @@ def torch_models():
 def check_row_invariant(kernels: KernelConfig | None, backend: str) -> None:
     """EngineError when row-invariant kernels are asked of a backend other than fast (whose kernels they are)."""
     if kernels is not None and kernels.row_invariant and backend != "fast":
-        raise EngineError(f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend} "
+        raise OptionError(f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend} "
                           "backend; add --backend fast (a CUDA GPU)")
 
 
@@ -247,11 +247,11 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     manifest = Manifest.load(directory)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+        raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     backend = pick_backend(manifest, backend, dev)
     check_row_invariant(kernels, backend)
     if backend == "trt" and dev.type != "cuda":
-        raise EngineError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
+        raise OptionError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
                           "machine with an NVIDIA GPU, or --backend ort/torch here")
     d2t_files = manifest.d2t_files()
     manifest.verify(directory, list(d2t_files.values()) + manifest.tokenizer_files, verify)

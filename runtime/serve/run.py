@@ -8,7 +8,7 @@ import socket
 
 import torch
 
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.engines.load import check_row_invariant, pick_backend
@@ -23,7 +23,7 @@ def check(config: ServeConfig) -> None:
     manifest = Manifest.load(config.engine_dir)
     manifest.verify(config.engine_dir, sorted(manifest.files))
     if config.device == "cuda" and not torch.cuda.is_available():
-        raise EngineError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+        raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_row_invariant(config.kernels(), pick_backend(manifest, config.backend, device))
 
@@ -65,7 +65,7 @@ def listen(host: str, port: int) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as e:
-        raise EngineError(f"--host {host}: not an address of this machine ({e.strerror}); give one such as "
+        raise OptionError(f"--host {host}: not an address of this machine ({e.strerror}); give one such as "
                           "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -294,5 +294,5 @@ def test_tap_and_layer_options_are_checked_before_any_work(tmp_path, tiny_target
                       (("--synthetic-layers", "2"), "--synthetic-layers 2: needs --synthetic")):
         r = run(*args)
         lines = r.stderr.strip().splitlines()
-        assert r.exit_code == 1 and len(lines) == 1 and why in lines[0], r.stderr
+        assert r.exit_code == 2 and len(lines) == 1 and why in lines[0], r.stderr       # the model says no
     assert not (tmp_path / "o").exists()

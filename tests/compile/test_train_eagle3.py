@@ -182,5 +182,5 @@ def test_cli_refuses_a_window_past_the_targets_positions(tiny_target, corpus, tm
     res = CliRunner().invoke(main, [
         "train-mtp", "--model", str(tiny_target), "--data", str(corpus), "--out", str(out), "--steps", "1",
         "--seq-len", str(positions + 1), "--device", "cpu"])
-    assert res.exit_code == 1 and f"--seq-len {positions + 1} is past the {positions} positions" in res.output
+    assert res.exit_code == 2 and f"--seq-len {positions + 1} is past the {positions} positions" in res.output
     assert not out.exists()

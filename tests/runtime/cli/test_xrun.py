@@ -142,7 +142,7 @@ def test_bench_with_an_fp8_cache_counts_one_byte_a_kv_value(tiny_engine_dir, tmp
     assert report["kv_bytes_per_token"] == {"16": kv}
     code, out = xrun("bench", tiny_engine_dir, "--device", "cpu", "--backend", "ort", "--contexts", "16",
                      "--kv-cache-dtype", "fp8")
-    assert code == 1 and "--kv-cache-dtype fp8: the ort backend" in out and "Traceback" not in out, out
+    assert code == 2 and "--kv-cache-dtype fp8: the ort backend" in out and "Traceback" not in out, out
 
 
 def test_bench_says_what_its_prompts_were_and_where_it_measured_speculation(tiny_engine_dir, tmp_path):
@@ -228,9 +228,9 @@ def test_the_groups_own_options_are_refused_in_one_line(args, said):
 
 
 def test_a_round_longer_than_the_dir_holds_names_its_option(tiny_engine_dir):
-    # checked against the dir (exit 1, as the dir's other limits): the prompt check would blame the prompt
+    # checked against the dir, before it loads (the prompt check would blame the prompt): a bad option, exit 2
     refused(run("generate", tiny_engine_dir, "--prompt-ids", PROMPT_IDS, "--gamma", 5000),
-            "--gamma 5000: a round verifies 5001 tokens", "leaves no room for a prompt", code=1)
+            "--gamma 5000: a round verifies 5001 tokens", "leaves no room for a prompt", code=2)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-3"])
@@ -348,7 +348,7 @@ def test_bench_puts_the_paradigms_side_by_side(tiny_engine_dir, tmp_path):
 
 def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
     r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", "--contexts", "4096")
-    refused(r, "--contexts 4096", "none fits", "256 tokens", code=1)
+    refused(r, "--contexts 4096", "none fits", "256 tokens", code=2)
     assert "loaded" not in r.stderr
 
 
@@ -462,7 +462,7 @@ def test_a_max_new_tokens_past_the_context_is_refused_and_the_default_fits(tiny_
     long = ",".join(["5"] * 200)
     code, out = xrun("generate", tiny_engine_dir, "--device", "cpu", "--backend", "ort", "--drafter", "none",
                      "--prompt-ids", long, "--max-new-tokens", 100)
-    assert code == 1 and "--max-new-tokens 100" in out and "at most 56 fit" in out and "Traceback" not in out
+    assert code == 2 and "--max-new-tokens 100" in out and "at most 56 fit" in out and "Traceback" not in out
     got = generate_json(tiny_engine_dir, "--prompt-ids", long, "--backend", "ort", "--drafter", "none")
     assert got["stats"]["new_tokens"] == 56 and got["stats"]["finish_reason"] == "max_tokens"
 
@@ -498,5 +498,5 @@ def test_generate_row_invariant_on_the_fast_backend_and_refused_elsewhere(tiny_e
     for backend in ("torch", "ort"):
         code, out = xrun("generate", tiny_engine_dir, "--device", "cpu", "--prompt-ids", "5,9", "--backend", backend,
                          "--row-invariant")
-        assert code == 1 and f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend}" \
+        assert code == 2 and f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend}" \
             in out and "Traceback" not in out, out

@@ -92,6 +92,6 @@ def test_llm_and_xrun_generate_take_an_fp8_cache_on_torch_and_refuse_it_elsewher
     r = CliRunner().invoke(main, [*args, "--json", "--backend", "torch", "--kv-cache-dtype", "fp8"])
     assert r.exit_code == 0 and len(json.loads(r.output.strip().splitlines()[-1])["tokens"]) == 8, r.output
     r = CliRunner().invoke(main, [*args, "--backend", "ort", "--kv-cache-dtype", "fp8"])
-    assert r.exit_code == 1 and "--kv-cache-dtype fp8" in r.output and "Traceback" not in r.output, r.output
+    assert r.exit_code == 2 and "--kv-cache-dtype fp8" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, [*args, "--kv-cache-dtype", "fp4"])
     assert r.exit_code == 2 and "'fp4' is not one of 'auto', 'fp8'" in r.output, r.output

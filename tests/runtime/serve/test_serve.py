@@ -529,9 +529,9 @@ def test_engines_that_fail_to_load_stop_xrun_serve_with_one_line(tiny_engine_dir
 
 
 def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_listens(tiny_engine_dir, tmp_path):
-    """Each is one error line, exit 1, before uvicorn starts or an engine loads (a tampered file was found by the
-    load after "running on", and said twice; a port in use was uvicorn's exit 3 after the warm-up); so is
-    --row-invariant on a backend other than fast."""
+    """Each is one error line before uvicorn starts or an engine loads (a tampered file was found by the load after
+    "running on", and said twice; a port in use was uvicorn's exit 3 after the warm-up): exit 1, or 2 for an
+    option the machine or backend cannot honour (--host, --row-invariant on a backend other than fast)."""
     import shutil
     import socket
     import subprocess
@@ -543,15 +543,16 @@ def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_li
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        for cmd, said in ((serving.XrunServe(tampered, *ARGS, "--device", "cpu").cmd, "target.onnx.data: bytes"),
-                          (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--host", "999.1.1.1").cmd,
-                           "--host 999.1.1.1: not an address of this machine"),
-                          (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", port=taken).cmd,
-                           f"--port {taken}: cannot listen there"),
-                          (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--row-invariant").cmd,
-                           "--row-invariant chooses the fast backend's kernels")):
+        for cmd, said, code in (
+                (serving.XrunServe(tampered, *ARGS, "--device", "cpu").cmd, "target.onnx.data: bytes", 1),
+                (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--host", "999.1.1.1").cmd,
+                 "--host 999.1.1.1: not an address of this machine", 2),
+                (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", port=taken).cmd,
+                 f"--port {taken}: cannot listen there", 1),
+                (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--row-invariant").cmd,
+                 "--row-invariant chooses the fast backend's kernels", 2)):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+            assert proc.returncode == code and proc.stdout == "", proc.stdout + proc.stderr
             assert proc.stderr.startswith("error: ") and said in proc.stderr and len(proc.stderr.splitlines()) == 1, \
                 proc.stderr
 
