@@ -196,6 +196,11 @@ def build_into(directory: Path, options: BuildOptions, progress: Progress = prin
     flavor = check_options(options)
     if not manifest.graphs:
         raise CompileError(f"{shown or directory}: the manifest lists no ONNX graphs; run `xcompile export` first")
+    if options.max_draft_tokens != DEFAULT_MAX_DRAFT_TOKENS and options.max_draft_tokens >= manifest.max_seq_len:
+        # asked for: refused rather than capped (the default is capped to the dir's context)
+        raise CompileOptionError(f"--max-draft-tokens {options.max_draft_tokens}: a verify of that many drafts and "
+                                 f"its root exceeds {shown or directory}'s max_seq_len {manifest.max_seq_len}; give at "
+                                 f"most {manifest.max_seq_len - 1}")
     trt, _ = polygraphy_backend(flavor)
     if flavor == "rtx":
         ccs = tuple(compute_capability(c, trt) for c in options.compute_capabilities)

@@ -242,6 +242,9 @@ def build_cmd(ctx, directory, model, revision, eagle3, mtp, draft_model, eagle3_
         refuse_inert(ctx, ["seed"], "seeds --synthetic weights only")
     else:
         refuse_inert(ctx, ["revision"], "picks a snapshot of a checkpoint; --synthetic weights have none")
+    if max_draft_tokens is not None and max_seq_len is not None and max_draft_tokens >= max_seq_len:
+        raise click.UsageError(f"--max-draft-tokens {max_draft_tokens}: a verify of that many drafts and its root "
+                               f"exceeds --max-seq-len {max_seq_len}; give at most {max_seq_len - 1}")
     from xcompile.compile.build import BuildOptions, build, default_out, export_and_build
     from xcompile.compile.pipeline import ExportRequest
 

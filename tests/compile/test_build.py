@@ -276,3 +276,12 @@ def test_memory_warning_before_a_build_that_cannot_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(b, "_available_memory", lambda: 10**9)
     b.warn_if_short_of_memory(tmp_path / "target.onnx", lines.append)
     assert len(lines) == 1
+
+
+@rtx
+def test_a_draft_size_past_the_dirs_context_is_refused_not_capped(tiny_engine_dir):
+    """--max-draft-tokens asked for beyond what the exported dir's max_seq_len holds: one line, exit 2, no engine."""
+    result = CliRunner().invoke(main, ["build", str(tiny_engine_dir), "--max-draft-tokens", "256", *RTX])
+    assert result.exit_code == 2 and "--max-draft-tokens 256" in result.output and "at most 255" in result.output, \
+        result.output
+    assert not list(tiny_engine_dir.glob("*.engine"))

@@ -69,6 +69,7 @@ def test_train_eagle3_out_must_be_writable(data, tmp_path):
     (["--workspace", "0"], ["--workspace"], 2),
     (["--workspace", "lots"], ["--workspace", "512M"], 2),
     (["--seed", 3], ["--seed", "--synthetic"], 2),
+    (["--max-seq-len", 32, "--max-draft-tokens", 32], ["--max-draft-tokens 32", "at most 31"], 2),
     # TensorRT flavor and targets: checked before the export (they used to fail after a whole one); a missing library
     # is the machine's (1), a value the chosen builder cannot take a bad option (2)
     (["--trt", "tensorrt"], ["TensorRT is not installed", "pip install"], 1),
