@@ -34,20 +34,27 @@ _BIG = tl.constexpr(2147483647)
 def _top(x, key, K: tl.constexpr, KP2: tl.constexpr):
     """The K largest of x (any shape, no NaN) by value, ties and -inf to the lower ``key`` (unique where it
     counts; _BIG: not a candidate), as ([KP2] values, [KP2] keys), largest first. Each pick is marked taken,
-    so a key is never picked twice, even among -inf values; were no candidate to match (NaN), the lowest key
-    left is taken, so a key is always in bounds."""
+    so a key is never picked twice, even among -inf values; once every candidate is taken the rest are
+    (-inf, _BIG). A pick is one max over value and key packed into an int64 (the value's bits made ordered as a
+    signed int above, _BIG - key below; -0.0 counted as 0.0), where a max, a min over the ties' keys and a
+    fallback min were three reductions a pick, each a barrier of the program's warps."""
     j = tl.arange(0, KP2)
     vals = tl.full([KP2], float("-inf"), dtype=tl.float32)
-    keys = tl.full([KP2], 0, dtype=tl.int32)
+    keys = tl.full([KP2], _BIG, dtype=tl.int32)
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # float order as signed int order
+    packed = (ordered.to(tl.int64) << 32) | (2147483647 - key).to(tl.int64)
+    none = -9223372036854775807 - 1                         # int64's least: a taken candidate
     taken = key == _BIG
     for t in tl.static_range(K):
-        xv = tl.where(taken, float("-inf"), x)
-        v = tl.max(tl.reshape(xv, [xv.numel]), axis=0)
-        c = tl.min(tl.reshape(tl.where((xv == v) & ~taken, key, _BIG), [xv.numel]), axis=0)
-        c = tl.where(c == _BIG, tl.min(tl.reshape(tl.where(taken, _BIG, key), [xv.numel]), axis=0), c)
-        vals = tl.where(j == t, v, vals)
-        keys = tl.where(j == t, c, keys)
-        taken = taken | (key == c)
+        best = tl.max(tl.reshape(tl.where(taken, none, packed), [packed.numel]), axis=0)
+        hi = (best >> 32).to(tl.int32)
+        v = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        c = 2147483647 - (best & 0x7FFFFFFF).to(tl.int32)
+        left = best != none
+        vals = tl.where((j == t) & left, v, vals)
+        keys = tl.where((j == t) & left, c, keys)
+        taken = taken | ((key == c) & left)
     return vals, keys
 
 
