@@ -81,6 +81,7 @@ TABLES = {
                                                           "EAGLE3 tree round")),
     "bench-8b-sampled": Table("bench-8b-sampled", "bench"),
     "bench-8b-sampling-h100": Table("bench-8b-sampling-h100", "bench"),
+    "bench-8b-row-invariant-h100": Table("bench-8b-row-invariant-h100", "bench"),
     "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
                                            "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
     "draft-model": Table("draft-model", "bench", ("decode floor", "plain decode, context", "decode step",
@@ -431,10 +432,11 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
         if lv["errors"] or lv["rate_limited"]:
             text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"
         steps = lv.get("server_steps") or {}         # the server's engine steps (serve_load.py, /metrics)
-        rounds, batch = steps.get("round"), steps.get("batch")
-        if rounds or batch:
-            text += "; server steps: " + ", ".join(f"{what} {s['count']} × {s['mean_ms']:.3f} ms" for what, s in
-                                                  (("lone rounds", rounds), ("batch", batch)) if s)
+        kinds = (("lone prefills", "prompt"), ("lone rounds", "round"), ("batch steps with prompt chunks",
+                                                                           "batch_prompt"), ("batch", "batch"))
+        shown = [(what, steps[k]) for what, k in kinds if steps.get(k)]
+        if shown:
+            text += "; server steps: " + ", ".join(f"{what} {s['count']} × {s['mean_ms']:.3f} ms" for what, s in shown)
         return text
 
     def first(rep: dict) -> str:
