@@ -16,7 +16,7 @@ from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import EngineSet
+from xcompile.runtime.engines.load import EngineSet, check_cuda_graphs
 
 log = logs.logger("generate")
 DEFAULT_NEW_TOKENS = 128
@@ -138,6 +138,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     """Open the dir, encode the prompt, generate its n samples one after another (streaming text
     unless ``as_json``), print stats."""
     sampling = req.sampling()                       # bad values fail here, before anything is loaded
+    check_cuda_graphs(req.cuda_graphs, req.device)
     manifest = Manifest.load(req.engine_dir)
     check_drafter_options(req, manifest)
     check_tokenizer(req, manifest)

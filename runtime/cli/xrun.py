@@ -138,7 +138,7 @@ def _check_sampling(ctx, req) -> None:
               help="Stop string (repeatable); the text up to it is kept.")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
-@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly (on CUDA; CPU steps always do).")
 @click.option("--sample", is_flag=True,
               help="Sample with the checkpoint's generation_config.json values (the flags below override).")
 @click.option("--temperature", type=TEMPERATURE,
@@ -272,7 +272,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
               help="Requests that may wait for the device (for a batch slot on a --max-batch N dir); more get 429.")
 @click.option("--request-timeout", type=positive_float(),
               help="Seconds from arrival to the last token; later requests end with an error. Default: none.")
-@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Run every step eagerly (on CUDA; CPU steps always do).")
 @click.option("--no-warm-up", is_flag=True,
               help="Report ready without first compiling every kernel and recording every graph a request can "
                    "reach (first requests then wait on them).")

@@ -212,6 +212,15 @@ def torch_models():
     return next(iter(found)).load()
 
 
+def check_cuda_graphs(cuda_graphs: bool, device: str | None) -> None:
+    """OptionError for --no-cuda-graphs where it would change nothing: a CPU's steps always run eagerly."""
+    import torch
+
+    if not cuda_graphs and torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+        raise OptionError("--no-cuda-graphs: steps on the CPU always run eagerly (CUDA graphs are recorded on CUDA "
+                          "devices only), so it would change nothing; drop it")
+
+
 def check_row_invariant(kernels: KernelConfig | None, backend: str) -> None:
     """EngineError when row-invariant kernels are asked of a backend other than fast (whose kernels they are)."""
     if kernels is not None and kernels.row_invariant and backend != "fast":

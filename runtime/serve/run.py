@@ -11,7 +11,7 @@ import torch
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.enginedir.manifest import Manifest
-from xcompile.runtime.engines.load import check_row_invariant, pick_backend
+from xcompile.runtime.engines.load import check_cuda_graphs, check_row_invariant, pick_backend
 from xcompile.runtime.serve.scheduler import ServeConfig
 
 log = logger(__name__)
@@ -24,6 +24,7 @@ def check(config: ServeConfig) -> None:
     manifest.verify(config.engine_dir, sorted(manifest.files))
     if config.device == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    check_cuda_graphs(config.cuda_graphs, config.device)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_row_invariant(config.kernels(), pick_backend(manifest, config.backend, device))
 

@@ -500,3 +500,8 @@ def test_generate_row_invariant_on_the_fast_backend_and_refused_elsewhere(tiny_e
                          "--row-invariant")
         assert code == 2 and f"--row-invariant chooses the fast backend's kernels, and this run takes the {backend}" \
             in out and "Traceback" not in out, out
+
+
+def test_no_cuda_graphs_on_the_cpu_is_refused_as_inert(tiny_engine_dir):
+    refused(run("generate", tiny_engine_dir, "--device", "cpu", "--prompt-ids", PROMPT_IDS, "--no-cuda-graphs"),
+            "--no-cuda-graphs: steps on the CPU always run eagerly", "drop it", code=2)

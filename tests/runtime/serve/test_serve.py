@@ -531,7 +531,8 @@ def test_engines_that_fail_to_load_stop_xrun_serve_with_one_line(tiny_engine_dir
 def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_listens(tiny_engine_dir, tmp_path):
     """Each is one error line before uvicorn starts or an engine loads (a tampered file was found by the load after
     "running on", and said twice; a port in use was uvicorn's exit 3 after the warm-up): exit 1, or 2 for an
-    option the machine or backend cannot honour (--host, --row-invariant on a backend other than fast)."""
+    option the machine or backend cannot honour (--host, --row-invariant on a backend other than fast,
+    --no-cuda-graphs on the CPU)."""
     import shutil
     import socket
     import subprocess
@@ -550,7 +551,9 @@ def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_li
                 (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", port=taken).cmd,
                  f"--port {taken}: cannot listen there", 1),
                 (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--row-invariant").cmd,
-                 "--row-invariant chooses the fast backend's kernels", 2)):
+                 "--row-invariant chooses the fast backend's kernels", 2),
+                (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--no-cuda-graphs").cmd,
+                 "--no-cuda-graphs: steps on the CPU always run eagerly", 2)):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             assert proc.returncode == code and proc.stdout == "", proc.stdout + proc.stderr
             assert proc.stderr.startswith("error: ") and said in proc.stderr and len(proc.stderr.splitlines()) == 1, \
