@@ -349,7 +349,13 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
     text = Text(model_dir)
     doc_end = textdata.doc_end_id(text)
 
-    def windows_of(path: str | Path) -> torch.Tensor:
+    def windows_of(path: str | Path, option: str) -> torch.Tensor:
+        try:
+            return _windows(path)
+        except CompileError as e:                       # which of the two files, where the message names none
+            raise type(e)(str(e) if str(path) in str(e) else f"{option} {path}: {e}") from None
+
+    def _windows(path: str | Path) -> torch.Tensor:
         records = textdata.read_records(path)
         seqs = textdata.tokenize(records, text, responses=not regenerate)
         if regenerate:
@@ -361,8 +367,8 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
                 seqs[i] = seqs[i] + resp
         return textdata.pack(seqs, doc_end, opts.seq_len)
 
-    windows = windows_of(data)
-    heldout = windows_of(heldout_data) if heldout_data is not None else None
+    windows = windows_of(data, "--data")
+    heldout = windows_of(heldout_data, "--heldout") if heldout_data is not None else None
     result = recipe.train(target, windows, opts, heldout, log)
     meta = {"target": str(model), "revision": revision, "data": str(data), "heldout_data": str(heldout_data) if heldout_data else None,
             "regenerate": regenerate, "tap_layers": list(target.taps), "options": asdict(opts),

@@ -184,3 +184,13 @@ def test_cli_refuses_a_window_past_the_targets_positions(tiny_target, corpus, tm
         "--seq-len", str(positions + 1), "--device", "cpu"])
     assert res.exit_code == 2 and f"--seq-len {positions + 1} is past the {positions} positions" in res.output
     assert not out.exists()
+
+
+def test_cli_names_the_heldout_file_whose_text_is_too_short(tiny_target, corpus, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "head"
+    res = CliRunner().invoke(main, ["train-mtp", "--model", str(tiny_target), "--data", str(corpus), "--heldout",
+                                    str(empty), "--out", str(out), "--steps", "1", "--seq-len", str(SEQ),
+                                    "--device", "cpu"])
+    assert res.exit_code == 1 and f"--heldout {empty}: the data holds 0 tokens" in res.output and not out.exists()
