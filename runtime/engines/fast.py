@@ -315,6 +315,7 @@ class FastEagle3Engine(_FastEngine):
         self.rope = p.rope()
         # speculators / vLLM heads: the attention residual is hidden_norm(hidden) (compile/models/eagle3.py)
         self.norm_before_residual = bool(config.get("norm_before_residual", False))
+        self.wide = True            # the batch loop's feed of prompt chunks (batch_drafts.py) as a wide step
 
     def _step(self, ids, pos, wi, mask, inputs):
         batch, s = mask.shape[:2]

@@ -232,10 +232,11 @@ def test_batch_loop_on_the_fast_backend_gives_each_sequence_its_tokens_alone(tin
 
 
 @pytest.mark.parametrize("graph", [EAGLE3, MTP])
-def test_head_steps_of_several_sequences_match_the_reference(tiny, graph):
+def test_head_steps_of_several_sequences_match_the_reference(tiny, graph, monkeypatch):
     """The batch loop's drafts (runtime/decoding/batch_drafts.py): the EAGLE3 head with its fc, and the MTP
-    module, take B sequences a step on the kernels, each at its own write_index in its own cache row; logits,
-    hidden_out and every cache row match the reference's batched step."""
+    module, take B sequences a step on the kernels, each at its own write_index in its own cache row (the EAGLE3
+    step past MAX_ROWS rows as a wide step); logits, hidden_out and every cache row match the reference's batched
+    step."""
     module = tiny.eagle3 if graph == EAGLE3 else tiny.mtp
     ref = torch_engines(module, graph, MAX_SEQ_LEN, batch=4)
     kind = {EAGLE3: fast.FastEagle3Engine, MTP: fast.FastMTPEngine}[graph]
@@ -243,7 +244,9 @@ def test_head_steps_of_several_sequences_match_the_reference(tiny, graph):
     ref[graph].new_kv()
     got.new_kv()
     width = 3 * T.EAGLE3_CFG.target_hidden_size if graph == EAGLE3 else tiny.mtp.cfg.hidden_size
-    for wi, n, seed in (([0, 0, 0, 0], 6, 1), ([6, 3, 6, 1], 3, 2), ([9, 6, 9, 4], 1, 3)):
+    if graph == EAGLE3:         # its 80-row step below is a wide one (cuBLAS projections), not the reference's
+        monkeypatch.setattr(got.reference, "run", lambda **_: pytest.fail("a head step ran on the reference"))
+    for wi, n, seed in (([0, 0, 0, 0], 6, 1), ([6, 3, 6, 1], 3, 2), ([9, 6, 9, 4], 1, 3), ([10, 7, 10, 5], 20, 4)):
         inputs = batch_step(wi, n, seed)
         taps = torch.randn(4, n, width, generator=torch.Generator().manual_seed(seed))
         if graph == EAGLE3:
@@ -256,7 +259,7 @@ def test_head_steps_of_several_sequences_match_the_reference(tiny, graph):
         assert have["logits"].shape == want["logits"].shape and close(have["logits"], want["logits"])
         assert close(have["hidden_out"], want["hidden_out"])
     for a, b in zip(got.kv, ref[graph].kv):
-        assert close(a[:, :, :10], b[:, :, :10])
+        assert close(a[:, :, :30], b[:, :, :30])
 
 
 def test_batch_loop_verifies_chains_on_the_fast_backend(tiny):
