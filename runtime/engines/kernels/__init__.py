@@ -16,8 +16,9 @@ One module per fused step, each with the plain-torch reference it is tested agai
     config.py     KernelConfig: what is left to a user or a benchmark (PDL, the CUDA GEMV, the tile tables
                   in tiles.json)
 
-The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); longer passes
-(prompts) run the reference modules. The tile kernels reduce each row in an order that does not depend
+The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); a batch step of
+more rows in all, each sequence at most MAX_ROWS (prompt chunks beside decoding rows), keeps rope_kv and attention
+and takes cuBLAS for its projections (linear.wide_linear); longer passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does not depend
 on how many rows the call carries (fixed tiles of 16 rows, tiles chosen by the weight shape only,
 attention chunks at absolute key positions). One-row calls of the GEMV shapes reduce in another order, so
 a token decoded alone and the same token verified in a block may round differently, and in bf16
