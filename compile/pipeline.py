@@ -242,7 +242,7 @@ def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) 
     if req.max_seq_len is None:
         return min(DEFAULT_MAX_SEQ_LEN, cfg.context_length)
     if req.max_seq_len > cfg.context_length:
-        raise CompileError(f"--max-seq-len {req.max_seq_len} exceeds {cfg.context_source} of {where}; "
+        raise CompileOptionError(f"--max-seq-len {req.max_seq_len} exceeds {cfg.context_source} of {where}; "
                            "RoPE past it is untrained")
     if req.max_seq_len < MIN_SEQ_LEN:
         raise CompileError(f"--max-seq-len {req.max_seq_len}: must be at least {MIN_SEQ_LEN}")
@@ -304,7 +304,7 @@ def _draft_part(req: ExportRequest, target_cfg: Qwen3Config, max_seq_len: int, d
     if draft_dir is not None and target_dir is not None:
         _check_same_vocabulary(draft_dir, target_dir)
     if max_seq_len > cfg.context_length:
-        raise CompileError(f"--max-seq-len {max_seq_len} exceeds {cfg.context_source} of {where}")
+        raise CompileOptionError(f"--max-seq-len {max_seq_len} exceeds {cfg.context_source} of {where}")
     with torch.device("meta"):
         draft = Qwen3(cfg, max_seq_len).to(dtype)
     return _Part(DRAFT, draft, source, ModelEntry(qwen3.KIND, cfg.to_dict(), source.source, _extra(source, draft)))

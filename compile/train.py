@@ -323,7 +323,7 @@ def train_files(recipe: Recipe, model: str | Path, data: str | Path, out: str | 
     xcompile wrote."""
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise CompileError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
+        raise CompileOptionError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
     model_dir = resolve(str(model), revision)
     with files.staged_dir(out, f"xcompile {recipe.command}", inputs=(model_dir, data, heldout_data),
                           replace=force) as tmp:

@@ -10,7 +10,7 @@ from pathlib import Path
 from huggingface_hub import try_to_load_from_cache
 
 from xcompile.compile.config import KNOWN_MODELS, KnownModel
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 
 
 def aliases() -> str:
@@ -85,7 +85,8 @@ def resolve(spec: str, revision: str | None = None) -> Path:
 
 def _no_revision(revision: str | None, why: str) -> None:
     if revision is not None:
-        raise CompileError(f"--revision {revision}: {why}; a revision picks a snapshot of a Hugging Face repo id")
+        raise CompileOptionError(f"--revision {revision}: {why}; a revision picks a snapshot of a Hugging Face repo "
+                                 "id")
 
 
 def resolve_eagle3(model_spec: str, eagle3: str | None) -> Path:

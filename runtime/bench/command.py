@@ -21,6 +21,7 @@ from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
 from xcompile.runtime.engines.load import (
     EngineSet,
+    check_backend_options,
     check_row_invariant,
     fast_engines,
     open_engine_dir,
@@ -72,11 +73,14 @@ def _room(req: BenchRequest) -> int:
 
 def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, req.backend, str(device), verify=req.verify, kernels=req.kernels())
+        return open_engine_dir(req.engine_dir, check_backend(req, device), str(device), verify=req.verify,
+                               kernels=req.kernels())
     if req.backend not in ("auto", "torch", "fast"):
         raise OptionError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     if req.backend == "torch" or (req.backend == "auto" and device.type != "cuda"):
         check_row_invariant(req.kernels(), "torch")             # before the weights are drawn
+    if req.backend != "auto":                                   # auto: torch or fast, whatever they hold
+        check_backend_options(req.backend, device, req.kv_cache_dtype)
     provider = torch_models()
     manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
                                                      eagle3=True, draft=req.draft_model, quantize=req.quantize,
@@ -88,6 +92,20 @@ def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
     if backend == "fast":
         engines = fast_engines(manifest, engines, req.kernels())
     return EngineSet(None, manifest, backend, engines, d2t.get(EAGLE3), {"provider": provider}, d2t.get(MTP))
+
+
+def check_backend(req: BenchRequest, device: torch.device) -> str:
+    """The backend an engine dir's bench runs on, after OptionError for one that cannot run what was asked."""
+    manifest = Manifest.load(req.engine_dir)
+    backend = pick_backend(manifest, req.backend, device)
+    check_row_invariant(req.kernels(), backend)
+    check_backend_options(backend, device, req.kv_cache_dtype)
+    if manifest.max_batch > 1 and backend in ("ort", "trt"):
+        picked = f"--backend {backend}" if req.backend == backend else f"--backend auto (here {backend})"
+        raise OptionError(f"{picked}: {req.engine_dir}'s graphs fix the batch at {manifest.max_batch} sequences "
+                          "(exported with --max-batch), and xrun bench times one; use --backend torch or fast, or a "
+                          "dir exported with --max-batch 1")
+    return backend
 
 
 def check_contexts(req: BenchRequest) -> None:
@@ -106,6 +124,8 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    if req.engine_dir:
+        check_backend(req, device)
     check_contexts(req)
     inputs = (req.engine_dir, req.prompts)
     with contextlib.ExitStack() as outputs:

@@ -8,15 +8,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from xcompile.runtime.api import LLM
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.decoding.outcome import Result
-from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec
+from xcompile.runtime.decoding.registry import DrafterSpec, check_spec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import EngineSet, check_cuda_graphs
+from xcompile.runtime.engines.load import EngineSet, check_backend_options, check_cuda_graphs, pick_backend
 
 log = logs.logger("generate")
 DEFAULT_NEW_TOKENS = 128
@@ -86,26 +88,8 @@ def prompt_ids(req: GenerateRequest, es: EngineSet, text: Text | None) -> list[i
 
 
 def check_drafter_options(req: GenerateRequest, manifest: Manifest) -> None:
-    """Refuse a tree the drafter ``req.drafter`` resolves to in this dir would ignore (``auto`` picks as
-    ``make_drafter`` does), before any engine is loaded. (An explicit --gamma with ``none`` is the CLI's
-    to refuse: a DrafterSpec always carries a gamma.)"""
-    spec = req.drafter
-    drafter = spec.name
-    if drafter == "auto":
-        drafter = next((name for name, kind in DRAFTERS.items() if all(g in manifest.graphs for g in kind.graphs)))
-    auto = f" (--drafter auto picks {drafter} for {req.engine_dir})" if spec.name == "auto" else ""
-    if drafter == "none" and spec.tree:
-        raise OptionError(f"--tree-* would do nothing: no drafter runs{auto}")
-    if drafter == "draft-model" and spec.tree:
-        raise OptionError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
-                          f"tokens{auto}")
-    # a round's block beside a prompt of one token at least: a longer one fits no prompt at all (the prompt check
-    # would blame the prompt)
-    block, option = (spec.tree.total_tokens + 1, f"--tree-tokens {spec.tree.total_tokens}") if spec.tree else \
-        (spec.gamma + 1, f"--gamma {spec.gamma}")
-    if drafter != "none" and block >= manifest.max_seq_len:
-        raise OptionError(f"{option}: a round verifies {block} tokens, which leaves no room for a prompt in "
-                          f"{req.engine_dir}'s max_seq_len {manifest.max_seq_len}; draft fewer{auto}")
+    """registry.check_spec for the request's drafter, before any engine is loaded."""
+    check_spec(req.drafter, req.engine_dir, manifest)
 
 
 def check_tokenizer(req: GenerateRequest, manifest: Manifest) -> None:
@@ -142,6 +126,8 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     manifest = Manifest.load(req.engine_dir)
     check_drafter_options(req, manifest)
     check_tokenizer(req, manifest)
+    device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_backend_options(pick_backend(manifest, req.backend, device), device, req.kv_cache_dtype)
     opened = time.perf_counter()
     from xcompile.runtime.engines.kernels.config import KernelConfig
     kernels = KernelConfig(row_invariant=True) if req.row_invariant else None

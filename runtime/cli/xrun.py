@@ -44,6 +44,9 @@ def main() -> None:
 def _ids(ctx, param, text: str | None) -> list[int] | None:
     if text is None:
         return None
+    parts = [t.strip() for t in text.split(",")] if "," in text else text.split()
+    if "," in text and "" in parts and any(parts):
+        raise click.BadParameter(f"an empty id between commas in {text!r}; give ids like '1,2,3'")
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
@@ -51,6 +54,13 @@ def _ids(ctx, param, text: str | None) -> list[int] | None:
     if not ids:
         raise click.BadParameter("no token ids given; pass at least one, e.g. '1,2,3'")
     return ids
+
+
+def _nonempty(value: str | None, option: str) -> str | None:
+    if value == "":
+        raise click.BadParameter(f"an empty {option} would let no request in (none can send an empty key); give a "
+                                 "key, or leave it out to serve without one")
+    return value
 
 
 def _check_drafter_options(drafter: str, gamma: int | None, tree: dict) -> None:
@@ -166,6 +176,9 @@ def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter,
 
     if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-ids, --chat")
+    if prompt == "" or chat == "":
+        raise click.UsageError(f"{'--prompt' if prompt == '' else '--chat'} is empty (or stdin was): give at least "
+                               "one character")
     tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
     _check_drafter_options(drafter, gamma, tree)
     spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
@@ -267,7 +280,8 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--tree-depth", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: draft steps per round.")
 @click.option("--tree-tokens", type=click.IntRange(min=1), help="EAGLE3 / MTP tree: draft tokens verified per round.")
 @click.option("--served-model-name", help="Model id clients send (default: the engine dir's model name).")
-@click.option("--api-key", envvar="XRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
+@click.option("--api-key", envvar="XRUN_API_KEY", callback=lambda ctx, param, v: _nonempty(v, "--api-key"),
+              help="Require 'Authorization: Bearer KEY' on /v1 (or $XRUN_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for the device (for a batch slot on a --max-batch N dir); more get 429.")
 @click.option("--request-timeout", type=positive_float(),

@@ -12,12 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP
 from xcompile.runtime.engines.load import AUTO, EngineSet
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.drafters import Drafter
+    from xcompile.runtime.enginedir.manifest import Manifest
 
 DEFAULT_GAMMA = 4       # draft tokens per chain round when none is asked for
 
@@ -72,12 +73,12 @@ class DrafterSpec:
         if name == AUTO:
             name = next(n for n, k in DRAFTERS.items() if k.holds(es))
             if self.tree is not None and not DRAFTERS[name].tree:
-                raise EngineError(f"{es.directory or es.manifest.name}: --tree-* needs an EAGLE3 head or an MTP "
+                raise OptionError(f"{es.directory or es.manifest.name}: --tree-* needs an EAGLE3 head or an MTP "
                                   "module, which the dir does not hold; rebuild with --eagle3 or --mtp, or use --gamma")
         kind = DRAFTERS[name]
         if not kind.holds(es):
             other = next(n for n, k in DRAFTERS.items() if k.holds(es))
-            raise EngineError(f"{es.directory or es.manifest.name}: holds no {kind.what}; rebuild with "
+            raise OptionError(f"{es.directory or es.manifest.name}: holds no {kind.what}; rebuild with "
                               f"{kind.rebuild}, or use --drafter {other}")
         return DrafterSpec(name, self.gamma, self.tree)
 
@@ -161,3 +162,40 @@ def make_drafter(es: EngineSet, spec: DrafterSpec | str = AUTO) -> Drafter:
     """The drafter ``spec`` asks for (a name alone: its default chain), from what the engine dir holds."""
     spec = (DrafterSpec(spec) if isinstance(spec, str) else spec).resolve(es)
     return DRAFTERS[spec.name].make(es, spec)
+
+
+def check_spec(spec: DrafterSpec, directory, manifest: Manifest) -> None:
+    """Before any engine loads: OptionError for a drafter the dir does not hold, a tree the drafter ``spec``
+    resolves to would ignore (``auto`` picks as ``make_drafter`` does), or a round that leaves no room for a
+    prompt. (An explicit --gamma with ``none`` is the CLI's to refuse: a DrafterSpec always carries a gamma.)"""
+    def held(kind: DrafterKind) -> bool:
+        return all(g in manifest.graphs for g in kind.graphs)
+
+    drafter = spec.name
+    if drafter == AUTO:
+        drafter = next(name for name, kind in DRAFTERS.items() if held(kind))
+    elif not held(DRAFTERS[drafter]):
+        kind, other = DRAFTERS[drafter], next(n for n, k in DRAFTERS.items() if held(k))
+        raise OptionError(f"--drafter {drafter}: {directory} holds no {kind.what}; rebuild with {kind.rebuild}, or "
+                          f"use --drafter {other}")
+    auto = f" (--drafter auto picks {drafter} for {directory})" if spec.name == AUTO else ""
+    if drafter == "none" and spec.tree:
+        raise OptionError(f"--tree-* would do nothing: no drafter runs{auto}")
+    if drafter == "draft-model" and spec.tree:
+        raise OptionError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
+                          f"tokens{auto}")
+    # a round's block beside a prompt of one token at least: a longer one fits no prompt at all (the prompt check
+    # would blame the prompt)
+    block, option = (spec.tree.total_tokens + 1, f"--tree-tokens {spec.tree.total_tokens}") if spec.tree else \
+        (spec.gamma + 1, f"--gamma {spec.gamma}")
+    if drafter != "none" and block >= manifest.max_seq_len:
+        raise OptionError(f"{option}: a round verifies {block} tokens, which leaves no room for a prompt in "
+                          f"{directory}'s max_seq_len {manifest.max_seq_len}; draft fewer{auto}")
+    t = spec.tree
+    if t is not None and drafter != "none":
+        # the KV slots a tree round writes past the prompt (drafters.eagle3.Eagle3TreeDrafter's lookahead)
+        need = max(t.total_tokens, t.topk * (t.depth - 1), t.depth + 1)
+        if need + 1 > manifest.max_seq_len:
+            raise OptionError(f"--tree-topk {t.topk} --tree-depth {t.depth} --tree-tokens {t.total_tokens}: a round "
+                              f"writes {need} KV slots, which leaves no room for a prompt in {directory}'s "
+                              f"max_seq_len {manifest.max_seq_len}; a smaller tree{auto}")

@@ -176,6 +176,20 @@ def check_kv_cache_dtype(name: str) -> None:
         raise EngineError(f"--kv-cache-dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
 
 
+def check_backend_options(backend: str, device, kv_cache_dtype: str) -> None:
+    """Before any weight loads: OptionError for the fast backend off CUDA, or an FP8 KV cache on a backend whose
+    graphs read full-precision caches (what opening the engines and set_kv_cache_dtype would say later)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if backend == "fast":
+        from xcompile.runtime.engines.fast import check_device
+
+        check_device(device)
+    if KV_CACHE_DTYPES[kv_cache_dtype] is not None and backend not in ("fast", "torch"):
+        raise OptionError(f"--kv-cache-dtype {kv_cache_dtype}: the {backend} backend holds the KV cache in the "
+                          "engines' dtype; an FP8 cache runs on --backend fast or torch (the ONNX / TensorRT graphs "
+                          "read full-precision caches for now)")
+
+
 def set_kv_cache_dtype(es: EngineSet, name: str) -> None:
     """The target's KV cache of engine set ``es`` in --kv-cache-dtype ``name``, before any KV is bound; EngineError
     (one line) where its backend cannot hold it."""

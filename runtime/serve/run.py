@@ -10,8 +10,9 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.logs import logger
+from xcompile.runtime.decoding.registry import check_spec
 from xcompile.runtime.enginedir.manifest import Manifest
-from xcompile.runtime.engines.load import check_cuda_graphs, check_row_invariant, pick_backend
+from xcompile.runtime.engines.load import check_backend_options, check_cuda_graphs, check_row_invariant, pick_backend
 from xcompile.runtime.serve.scheduler import ServeConfig
 
 log = logger(__name__)
@@ -19,14 +20,17 @@ log = logger(__name__)
 
 def check(config: ServeConfig) -> None:
     """What can be checked before a port opens: the engine dir (its manifest, and its files' sizes and sampled
-    blocks: tens of milliseconds), the device, the backend's name."""
+    blocks: tens of milliseconds), the device, the backend and what it can run, the drafter against the dir."""
     manifest = Manifest.load(config.engine_dir)
     manifest.verify(config.engine_dir, sorted(manifest.files))
     if config.device == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     check_cuda_graphs(config.cuda_graphs, config.device)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_row_invariant(config.kernels(), pick_backend(manifest, config.backend, device))
+    backend = pick_backend(manifest, config.backend, device)
+    check_row_invariant(config.kernels(), backend)
+    check_backend_options(backend, device, config.kv_cache_dtype)
+    check_spec(config.drafter, config.engine_dir, manifest)
 
 
 def serve_http(config: ServeConfig, host: str, port: int) -> None:

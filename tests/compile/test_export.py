@@ -188,7 +188,7 @@ def test_a_head_without_d2t_is_refused_in_one_line(tiny_target, tiny_eagle3, tmp
 
 
 def test_max_seq_len_beyond_max_position_embeddings(tiny_target, tmp_path):
-    line = one_line_error(cli("export", "--model", tiny_target, "--out", tmp_path / "out", "--max-seq-len", 1024))
+    line = one_line_error(cli("export", "--model", tiny_target, "--out", tmp_path / "out", "--max-seq-len", 1024), code=2)
     assert "max_position_embeddings 512" in line
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 

@@ -313,7 +313,7 @@ def test_what_does_not_fit_is_refused(tiny_target, tiny_engine_dir, mtp_dir, tmp
     assert not (tmp_path / "out").exists()
     res = CliRunner().invoke(xrun, ["generate", str(tiny_engine_dir), "--backend", "ort", "--prompt-ids", "5,9",
                                     "--drafter", "mtp"])
-    refused(res, "holds no MTP module", "--mtp", code=1)
+    refused(res, "--drafter mtp", "holds no MTP module", "--mtp", code=2)        # an option the dir cannot take
 
 
 def test_a_synthetic_module_of_a_large_vocabulary_has_a_valid_draft_vocabulary():

@@ -505,3 +505,12 @@ def test_generate_row_invariant_on_the_fast_backend_and_refused_elsewhere(tiny_e
 def test_no_cuda_graphs_on_the_cpu_is_refused_as_inert(tiny_engine_dir):
     refused(run("generate", tiny_engine_dir, "--device", "cpu", "--prompt-ids", PROMPT_IDS, "--no-cuda-graphs"),
             "--no-cuda-graphs: steps on the CPU always run eagerly", "drop it", code=2)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--prompt", ""], ["--prompt is empty"]),
+    (["--prompt-ids", "1,,2"], ["--prompt-ids", "an empty id between commas"]),
+    (["--prompt-ids", "5,9", "--tree-depth", 100, "--tree-tokens", 200], ["--tree-depth 100", "writes", "KV slots"]),
+])
+def test_generate_refuses_an_empty_prompt_a_lost_id_and_a_tree_the_dir_cannot_hold(tiny_engine_dir, args, needles):
+    refused(run("generate", tiny_engine_dir, "--device", "cpu", *args), *needles, code=2)

@@ -105,3 +105,13 @@ def test_llm_on_a_batch_dir_speculates_for_a_lone_request_on_the_torch_backend(t
     assert [one.token_ids] + many == refs(single_dir, [prompts[0]] + prompts)
     with LLM(head_dir, backend="ort", device="cpu") as llm:
         assert llm.spec.name == "none" and llm.batch.solo is None
+
+
+def test_xrun_bench_refuses_a_fixed_batch_dir_on_ort_before_it_loads(batch_dir):
+    from click.testing import CliRunner
+
+    from xcompile.runtime.cli.xrun import main
+
+    r = CliRunner().invoke(main, ["bench", str(batch_dir), "--device", "cpu", "--backend", "ort", "--contexts", "8",
+                                  "--new-tokens", "4", "--gammas", "1", "--tree", ""])
+    assert r.exit_code == 2 and "fix the batch at 4 sequences" in r.output and "loaded" not in r.output, r.output

@@ -553,7 +553,13 @@ def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_li
                 (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--row-invariant").cmd,
                  "--row-invariant chooses the fast backend's kernels", 2),
                 (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--no-cuda-graphs").cmd,
-                 "--no-cuda-graphs: steps on the CPU always run eagerly", 2)):
+                 "--no-cuda-graphs: steps on the CPU always run eagerly", 2),
+                (serving.XrunServe(tiny_engine_dir, *ARGS, "--device", "cpu", "--kv-cache-dtype", "fp8").cmd,
+                 "--kv-cache-dtype fp8: the ort backend", 2),
+                (serving.XrunServe(tiny_engine_dir, "--backend", "ort", "--drafter", "mtp", "--device", "cpu").cmd,
+                 "--drafter mtp: ", 2),
+                (serving.XrunServe(tiny_engine_dir, "--backend", "ort", "--gamma", "300", "--device", "cpu").cmd,
+                 "--gamma 300: a round verifies 301 tokens", 2)):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             assert proc.returncode == code and proc.stdout == "", proc.stdout + proc.stderr
             assert proc.stderr.startswith("error: ") and said in proc.stderr and len(proc.stderr.splitlines()) == 1, \
