@@ -71,9 +71,10 @@ def _room(req: BenchRequest) -> int:
     return -(-need // 256) * 256
 
 
-def open_engines(req: BenchRequest, device: torch.device) -> EngineSet:
+def open_engines(req: BenchRequest, device: torch.device, backend: str | None = None) -> EngineSet:
+    """The engines to time; ``backend``: an engine dir's, from check_backend (else checked here)."""
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, check_backend(req, device), str(device), verify=req.verify,
+        return open_engine_dir(req.engine_dir, backend or check_backend(req, device), str(device), verify=req.verify,
                                kernels=req.kernels())
     if req.backend not in ("auto", "torch", "fast"):
         raise OptionError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
@@ -124,8 +125,7 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    if req.engine_dir:
-        check_backend(req, device)
+    backend = check_backend(req, device) if req.engine_dir else None
     check_contexts(req)
     inputs = (req.engine_dir, req.prompts)
     with contextlib.ExitStack() as outputs:
@@ -134,7 +134,7 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
         json_tmp, plot_tmp = (outputs.enter_context(files.staged_file(path, "xrun bench", inputs=inputs, option=opt))
                               if path else None for path, opt in ((req.json_path, "--json"), (req.plot, "--plot")))
         start = time.perf_counter()
-        es = outputs.enter_context(open_engines(req, device))
+        es = outputs.enter_context(open_engines(req, device, backend))
         set_kv_cache_dtype(es, req.kv_cache_dtype)
         log.info(f"# [{time.perf_counter() - start:7.1f} s] loaded {es.manifest.name} ({es.backend} on {es.device})")
         report = _measure(req, es, echo)

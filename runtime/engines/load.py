@@ -185,9 +185,13 @@ def check_backend_options(backend: str, device, kv_cache_dtype: str) -> None:
 
         check_device(device)
     if KV_CACHE_DTYPES[kv_cache_dtype] is not None and backend not in ("fast", "torch"):
-        raise OptionError(f"--kv-cache-dtype {kv_cache_dtype}: the {backend} backend holds the KV cache in the "
-                          "engines' dtype; an FP8 cache runs on --backend fast or torch (the ONNX / TensorRT graphs "
-                          "read full-precision caches for now)")
+        raise _no_fp8_cache(kv_cache_dtype, backend)
+
+
+def _no_fp8_cache(name: str, backend: str) -> OptionError:
+    return OptionError(f"--kv-cache-dtype {name}: the {backend} backend holds the KV cache in the engines' dtype; an "
+                       "FP8 cache runs on --backend fast or torch (the ONNX / TensorRT graphs read full-precision "
+                       "caches for now)")
 
 
 def set_kv_cache_dtype(es: EngineSet, name: str) -> None:
@@ -200,9 +204,7 @@ def set_kv_cache_dtype(es: EngineSet, name: str) -> None:
 
     target, dtype = es.engines[TARGET], getattr(torch, KV_CACHE_DTYPES[name])
     if dtype not in target.kv_dtypes:
-        raise OptionError(f"--kv-cache-dtype {name}: the {es.backend} backend holds the KV cache in the engines' "
-                          "dtype; an FP8 cache runs on --backend fast or torch (the ONNX / TensorRT graphs read "
-                          "full-precision caches for now)")
+        raise _no_fp8_cache(name, es.backend)
     target.set_kv_dtype(dtype)
 
 
