@@ -108,7 +108,7 @@ def _train(ctx, files, opts: dict, data, heldout, out, regenerate, max_new_token
 @main.command("train-eagle3")
 @_train_options("eagle3-head", "Head directory (AngelSlim layout)")
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=32000, show_default=True,
-              help="Draft vocabulary: the N most frequent tokens.")
+              help="Draft vocabulary: the N most frequent tokens (the whole vocabulary when N reaches it).")
 def train_eagle3_cmd(ctx, model, revision, data, heldout, out, draft_vocab, ttt_steps, steps, tokens, minutes, lr,
                      batch, seq_len, device, seed, regenerate, max_new_tokens, force) -> None:
     """Distil an EAGLE3 head from a target (training-time-test recipe) and write it to --out."""
@@ -205,7 +205,7 @@ _MTP_HELP = ("Add an MTP module (xcompile train-mtp writes one): its directory; 
 @_MAX_BATCH
 @click.option("--synthetic", is_flag=True, help="Seeded random weights in the shape of the --model alias.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
+@click.option("--out", callback=writable_dir, default=None,
               help="Engine dir to write [default: engines/<model name>].")
 @click.option("--trt", "flavor", type=click.Choice(["auto", "tensorrt", "rtx"]), default="auto", show_default=True,
               help="auto: full TensorRT when installed, else TensorRT-RTX.")
@@ -268,9 +268,16 @@ def build_cmd(ctx, directory, model, revision, eagle3, mtp, draft_model, eagle3_
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect_cmd(directory, as_json) -> None:
     """Show an engine dir: manifest, each graph's ONNX I/O and each engine's shapes per profile and aliasing."""
-    from xcompile.compile.inspect import inspect
+    import json
 
-    click.echo(inspect(directory, as_json=as_json))
+    from xcompile.compile.errors import CompileError
+    from xcompile.compile.inspect import describe, format_report
+
+    d = describe(directory)
+    click.echo(json.dumps(d, indent=2) if as_json else format_report(d))
+    if d["damaged"]:          # the report stands; the exit status and one line say the dir cannot run
+        raise CompileError(f"{directory}: {len(d['damaged'])} file(s) missing or resized ({d['damaged'][0]}); "
+                           "re-export the engine dir (--force)")
 
 
 @main.command("verify")
@@ -293,7 +300,7 @@ def verify_cmd(directory, fast) -> None:
 @click.option("--eagle3-taps", "eagle3_taps", metavar="L1,L2,L3", callback=_taps,
               help="Override the head's tap layers: 0-based layer-output ids (= HF hidden_states index - 1), "
                    "e.g. 1,17,32 for Qwen3-8B [default: from the head's config, else 1, L/2-1, L-4].")
-@click.option("--out", required=True, type=click.Path(), help="Engine dir to write.")
+@click.option("--out", required=True, callback=writable_dir, help="Engine dir to write.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1),
               help="KV cache capacity [default: min(4096, max_position_embeddings or YaRN's longer context)].")

@@ -416,12 +416,14 @@ def _prompt(directory: Path, manifest: Manifest, opts: DiffOptions) -> list[int]
         ids = Tokenizer.from_file(str(path)).encode(opts.prompt, add_special_tokens=False).ids
     else:
         ids = [(7 * i + 3) % vocab for i in range(DEFAULT_PROMPT_LEN)]   # any fixed in-vocab ids
+    given = "--prompt-ids" if opts.prompt_ids is not None else "--prompt" if opts.prompt is not None else None
     if len(ids) < 2:
-        raise CompileError(f"the prompt has {len(ids)} token(s); the EAGLE3 pass needs at least 2")
+        raise CompileOptionError(f"{given}: the prompt has {len(ids)} token(s); the EAGLE3 pass needs at least 2")
     if any(not 0 <= i < vocab for i in ids):
-        raise CompileError(f"prompt ids must lie in [0, {vocab}); got {ids}")
+        raise CompileOptionError(f"{given}: prompt ids must lie in [0, {vocab}); got {ids}")
     need = len(ids) + max(opts.steps, opts.draft_steps) + 1
     if need > manifest.max_seq_len:
-        raise CompileError(f"prompt ({len(ids)} tokens) + steps need {need} cache rows; the engine holds "
-                           f"{manifest.max_seq_len}")
+        steps = f"--steps {opts.steps}" if opts.steps >= opts.draft_steps else f"--draft-steps {opts.draft_steps}"
+        raise CompileOptionError(f"{steps}: the prompt's {len(ids)} tokens and the steps need {need} cache rows; "
+                                 f"{directory} holds {manifest.max_seq_len}; give fewer steps or a shorter prompt")
     return ids

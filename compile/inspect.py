@@ -9,7 +9,6 @@ elsewhere they are derived from the manifest.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -100,6 +99,9 @@ def describe(directory: Path, read_engines: bool = True) -> dict:
     # the block hashes are for `xcompile verify`; a report shows what they cover
     out["files"] = {n: r["size"] for n, r in manifest.files.items()}
     out["inputs"] = {n: r["size"] for n, r in manifest.inputs.items()}
+    # what a stat tells without reading the bytes (`xcompile verify` hashes them): a file gone or resized
+    out["damaged"] = [f"{name}: {problem}" for name in manifest.needed_files()
+                      if (problem := _stat_problem(directory / name, manifest.files.get(name)))]
     out["graphs"], out["engines"] = {}, {}
     for graph, g in manifest.graphs.items():
         path = directory / g.onnx
@@ -126,6 +128,14 @@ def describe(directory: Path, read_engines: bool = True) -> dict:
                 entry["read"] = f"from the manifest (engine not deserialized: {err})"
         out["engines"][graph] = entry
     return out
+
+
+def _stat_problem(path: Path, record: dict | None) -> str | None:
+    if not path.is_file():
+        return "missing"
+    if record is not None and path.stat().st_size != record["size"]:
+        return f"{path.stat().st_size} bytes, {record['size']} recorded"
+    return None
 
 
 def format_report(d: dict) -> str:
@@ -161,6 +171,7 @@ def format_report(d: dict) -> str:
             for name, shapes in e["shapes"].items():
                 alias = f"  aliases {e['aliases'][name]}" if name in e["aliases"] else ""
                 lines.append(f"  {name:16} " + " | ".join(f"{n} {s}" for n, s in zip(names, shapes)) + alias)
+    lines += [f"damaged: {problem}" for problem in d["damaged"]]
     return "\n".join(lines)
 
 
@@ -185,9 +196,3 @@ def verify_dir(directory: Path, full: bool = True, log=lambda _: None) -> str:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def inspect(directory: Path, as_json: bool = False, read_engines: bool = True) -> str:
-    """The report ``xcompile inspect`` prints."""
-    d = describe(directory, read_engines)
-    return json.dumps(d, indent=2) if as_json else format_report(d)

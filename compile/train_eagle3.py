@@ -133,8 +133,10 @@ def train_eagle3(target, windows: torch.Tensor, opts: TrainOptions, heldout: tor
     head (fp32 master weights) and its log."""
     check_target(target, windows, opts, "train_eagle3")
     head = new_head(target, opts.draft_vocab, windows, windows.shape[1] + opts.ttt_steps, opts.seed)
+    whole = (f", the target's whole vocabulary: --draft-vocab {opts.draft_vocab} asks for more"
+             if opts.draft_vocab > target.cfg.vocab_size else "")
     log(f"train-eagle3: draft vocab {len(head.d2t)} (covers {float(head.t2d.cpu()[windows].float().mean()):.1%} of "
-        "the data)")
+        f"the data{whole})")
     return train_head(target, head, eagle3_loss(target, head, opts), windows, opts, heldout, log)
 
 

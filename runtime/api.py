@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xcompile.runtime.common.errors import EngineError, OptionError
+from xcompile.runtime.common.logs import logger
 from xcompile.runtime.decoding.outcome import Stats
-from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
+from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape
 from xcompile.runtime.decoding.sampling import GENERATION_CONFIG, GREEDY, SamplingParams, generation_defaults, with_seed
 from xcompile.runtime.decoding.warmup import Warmed, sampler_modes
-from xcompile.runtime.engines.load import check_kv_cache_dtype, set_kv_cache_dtype
+from xcompile.runtime.engines.load import check_kv_cache_dtype, resolve_device, set_kv_cache_dtype
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.batch import BatchGenerator
@@ -79,7 +80,6 @@ class LLM:
         every byte of the dir's files first (default: sampled blocks); kernels: the fast backend's kernel choices;
         kv_cache_dtype: auto (the engines' dtype) or fp8 (the target's cache in e4m3, unscaled: the fast and torch
         backends). EngineError (one line naming the file or option) when the dir cannot serve this."""
-        import torch
 
         from xcompile.runtime.decoding.batch import BatchGenerator
         from xcompile.runtime.decoding.batch_drafts import BatchDrafts, batch_chain
@@ -97,7 +97,7 @@ class LLM:
             tree_options = (tree.topk, tree.depth, tree.total_tokens) if tree is not None else (None, None, None)
             spec = DrafterSpec.from_options(drafter, gamma, *tree_options)
         check_kv_cache_dtype(kv_cache_dtype)          # before the weights load
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = str(resolve_device(device))
         self.engines = open_engine_dir(engine_dir, backend, device, cuda_graphs=cuda_graphs, verify=verify,
                                        kernels=kernels)
         try:
@@ -118,6 +118,12 @@ class LLM:
                                       "batch, so it cannot speculate; use --drafter none, --backend "
                                       "fast or torch, or an engine dir exported with --max-batch 1")
                 self.spec = spec.resolve(self.engines) if lone and spec.name != "none" else DrafterSpec("none")
+                if spec.name == "auto" and not lone and any(k.holds(self.engines) for k in DRAFTERS.values()
+                                                            if k.graphs):
+                    logger(__name__).warning(
+                        "--drafter auto: none, %s's %s graphs fix the batch at %d sequences, so it cannot "
+                        "speculate; use --backend fast or torch, or an engine dir exported with --max-batch 1",
+                        directory, self.engines.backend, m.max_batch)
                 self.drafter = make_drafter(self.engines, self.spec) if self.spec.name != "none" else None
                 self.batch_spec = batch_chain(self.spec, m.max_batch)
                 # bound before the lone sequence's drafter, which would narrow the engines' KV to one slot

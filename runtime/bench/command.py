@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from xcompile.runtime.bench.measure import BenchOptions, context_fits, format_report, run_bench
+from xcompile.runtime.bench.measure import BenchOptions, context_fits, format_report, round_room, run_bench
 from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.decoding.registry import TreeShape
@@ -26,6 +26,7 @@ from xcompile.runtime.engines.load import (
     fast_engines,
     open_engine_dir,
     pick_backend,
+    resolve_device,
     set_kv_cache_dtype,
     torch_models,
 )
@@ -66,8 +67,7 @@ class BenchRequest:
 
 def _room(req: BenchRequest) -> int:
     """KV slots a synthetic bench needs: the longest context, its new tokens and one round's lookahead."""
-    lookahead = max([*req.gammas, req.tree.total_tokens if req.tree else 0, 8]) + 1
-    need = max(req.contexts) + req.new_tokens + lookahead + 64
+    need = max(req.contexts) + max(64, req.new_tokens) + round_room(req.gammas, req.tree)     # context_fits
     return -(-need // 256) * 256
 
 
@@ -110,11 +110,25 @@ def check_backend(req: BenchRequest, device: torch.device) -> str:
 
 
 def check_contexts(req: BenchRequest) -> None:
-    """EngineError unless some context fits the engine dir (a synthetic bench is sized for them all)."""
+    """OptionError unless a round, --new-tokens and some context fit the engine dir (a synthetic bench is sized
+    for them all)."""
     if req.engine_dir is None:
         return
     max_seq_len = Manifest.load(req.engine_dir).max_seq_len
-    if not any(context_fits(c, req.new_tokens, max_seq_len) for c in req.contexts):
+    room = round_room(req.gammas, req.tree)
+    if room + 2 > max_seq_len:                      # a round beside a prompt of one token and one new token
+        t = req.tree
+        option = f"--tree {t.topk},{t.depth},{t.total_tokens}" if t and t.lookahead == room else \
+            f"--gammas {max(req.gammas)}" if max(req.gammas, default=0) + 1 == room else None
+        if option:
+            raise OptionError(f"{option}: a round writes {room} KV slots, which leaves no room for a prompt in "
+                              f"{req.engine_dir}'s max_seq_len {max_seq_len}; draft fewer")
+        raise EngineError(f"{req.engine_dir}: max_seq_len {max_seq_len} is too short to bench (it needs "
+                          f"{room + 2}); re-export with a larger --max-seq-len")
+    if not context_fits(1, req.new_tokens, max_seq_len, room):
+        raise OptionError(f"--new-tokens {req.new_tokens}: with a round's {room} KV slots that leaves no room for "
+                          f"a context in {req.engine_dir}'s max_seq_len {max_seq_len}; give fewer")
+    if not any(context_fits(c, req.new_tokens, max_seq_len, room) for c in req.contexts):
         raise OptionError(f"--contexts {','.join(map(str, req.contexts))}: none fits {req.engine_dir}, which holds "
                           f"{max_seq_len} tokens (a context needs room for --new-tokens and a round too); give "
                           "shorter contexts or rebuild with a larger --max-seq-len")
@@ -122,7 +136,7 @@ def check_contexts(req: BenchRequest) -> None:
 
 def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
-    device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(req.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     backend = check_backend(req, device) if req.engine_dir else None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -375,7 +375,8 @@ def _measurements(es: EngineSet, opts: BenchOptions, graphs: bool, tree_tokens: 
     """How many measurements ``_measure`` makes, for the progress bar: every drafter (in both graph
     modes on CUDA), the step costs and the peer at the first context that fits; plain decoding at
     the others."""
-    fits = sum(context_fits(c, opts.new_tokens, es.manifest.max_seq_len) for c in opts.contexts)
+    room = round_room(opts.gammas, opts.tree)
+    fits = sum(context_fits(c, opts.new_tokens, es.manifest.max_seq_len, room) for c in opts.contexts)
     first = len(drafters(es, opts)) * (2 if graphs else 1) + sum(map(len, step_sizes(es, opts, tree_tokens).values()))
     return (first + peer + fits - 1 + 1) if fits else 0        # + 1: the prefill
 
@@ -386,7 +387,7 @@ def _measure(es: EngineSet, opts: BenchOptions, report: dict, graphs: bool, tree
     longest one that fits a prefill."""
     first, longest = True, 0
     for ctx in opts.contexts:
-        if not context_fits(ctx, opts.new_tokens, es.manifest.max_seq_len):
+        if not context_fits(ctx, opts.new_tokens, es.manifest.max_seq_len, round_room(opts.gammas, opts.tree)):
             log(f"context {ctx}: skipped, the engine holds {es.manifest.max_seq_len} tokens")
             continue
         prompts = _prompts(opts, ctx, vocab, g)
@@ -423,10 +424,15 @@ def _tick(bar, what: str) -> None:
     _log.debug(f"measured {what}")
 
 
-def context_fits(ctx: int, new_tokens: int, max_seq_len: int) -> bool:
+def round_room(gammas: Sequence[int], tree: TreeShape | None) -> int:
+    """KV slots the widest round of ``gammas`` / ``tree`` writes past the text (64 at least)."""
+    return max([64, *(g + 1 for g in gammas), tree.lookahead if tree else 0])
+
+
+def context_fits(ctx: int, new_tokens: int, max_seq_len: int, room: int = 64) -> bool:
     """Whether a context of ``ctx`` tokens leaves an engine of ``max_seq_len`` room for the generation
-    (at least 64 tokens) and a round's lookahead (64)."""
-    return ctx + max(64, new_tokens) + 64 <= max_seq_len
+    (at least 64 tokens) and a round's lookahead (``room``, from round_room)."""
+    return ctx + max(64, new_tokens) + room <= max_seq_len
 
 
 def _prompts(opts: BenchOptions, ctx: int, vocab: int, g: torch.Generator) -> list[list[int]] | None:

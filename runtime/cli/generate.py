@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from xcompile.runtime.api import LLM
 from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError, OptionError
@@ -18,7 +16,13 @@ from xcompile.runtime.decoding.registry import DrafterSpec, check_spec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import EngineSet, check_backend_options, check_cuda_graphs, pick_backend
+from xcompile.runtime.engines.load import (
+    EngineSet,
+    check_backend_options,
+    check_cuda_graphs,
+    pick_backend,
+    resolve_device,
+)
 
 log = logs.logger("generate")
 DEFAULT_NEW_TOKENS = 128
@@ -126,7 +130,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
     manifest = Manifest.load(req.engine_dir)
     check_drafter_options(req, manifest)
     check_tokenizer(req, manifest)
-    device = torch.device(req.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(req.device)
     check_backend_options(pick_backend(manifest, req.backend, device), device, req.kv_cache_dtype)
     opened = time.perf_counter()
     from xcompile.runtime.engines.kernels.config import KernelConfig

@@ -140,6 +140,8 @@ def writable_file(ctx, param, value):
     that fills it (its directory exists and is writable; the path is not a directory)."""
     if value is None:
         return None
+    if not value.strip():
+        raise click.BadParameter("an empty path; give one", param_hint=param.opts[0])
     option, path = param.opts[0], Path(value)
     if path.is_dir():
         raise click.BadParameter(f"{path} is a directory; give a file path", param_hint=option)
@@ -156,10 +158,15 @@ def writable_dir(ctx, param, value):
     a writable directory; an existing path must be a directory)."""
     if value is None:
         return None
+    if not value.strip():
+        raise click.BadParameter("an empty path; give one", param_hint=param.opts[0])
     option, path = param.opts[0], Path(value).absolute()
     if path.exists() and not path.is_dir():
         raise click.BadParameter(f"{path} exists and is not a directory", param_hint=option)
     existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing.is_dir() and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise click.BadParameter(f"{existing} is on a read-only file system, so {path} cannot be written; choose "
+                                 "another path", param_hint=option)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise click.BadParameter(f"{existing} is not a writable directory, so {path} cannot be written; choose "
                                  "another path", param_hint=option)

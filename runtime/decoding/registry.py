@@ -37,6 +37,11 @@ class TreeShape:
             if getattr(self, name) < 1:
                 raise EngineError(f"{flag} must be >= 1, got {getattr(self, name)}")
 
+    @property
+    def lookahead(self) -> int:
+        """KV slots a round of this tree writes past the prompt: its verified block, or its widest draft step."""
+        return max(self.total_tokens, self.topk * (self.depth - 1), self.depth + 1)
+
 
 @dataclass(frozen=True)
 class DrafterSpec:
@@ -193,8 +198,7 @@ def check_spec(spec: DrafterSpec, directory, manifest: Manifest) -> None:
                           f"{directory}'s max_seq_len {manifest.max_seq_len}; draft fewer{auto}")
     t = spec.tree
     if t is not None and drafter != "none":
-        # the KV slots a tree round writes past the prompt (drafters.eagle3.Eagle3TreeDrafter's lookahead)
-        need = max(t.total_tokens, t.topk * (t.depth - 1), t.depth + 1)
+        need = t.lookahead
         if need + 1 > manifest.max_seq_len:
             raise OptionError(f"--tree-topk {t.topk} --tree-depth {t.depth} --tree-tokens {t.total_tokens}: a round "
                               f"writes {need} KV slots, which leaves no room for a prompt in {directory}'s "

@@ -228,11 +228,16 @@ def torch_models():
     return next(iter(found)).load()
 
 
-def check_cuda_graphs(cuda_graphs: bool, device: str | None) -> None:
-    """OptionError for --no-cuda-graphs where it would change nothing: a CPU's steps always run eagerly."""
+def resolve_device(device: str | None) -> torch.device:
+    """``device`` as given, else the GPU where torch sees one, else the CPU (every command's default)."""
     import torch
 
-    if not cuda_graphs and torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def check_cuda_graphs(cuda_graphs: bool, device: str | None) -> None:
+    """OptionError for --no-cuda-graphs where it would change nothing: a CPU's steps always run eagerly."""
+    if not cuda_graphs and resolve_device(device).type == "cpu":
         raise OptionError("--no-cuda-graphs: steps on the CPU always run eagerly (CUDA graphs are recorded on CUDA "
                           "devices only), so it would change nothing; drop it")
 

@@ -12,7 +12,13 @@ from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.decoding.registry import check_spec
 from xcompile.runtime.enginedir.manifest import Manifest
-from xcompile.runtime.engines.load import check_backend_options, check_cuda_graphs, check_row_invariant, pick_backend
+from xcompile.runtime.engines.load import (
+    check_backend_options,
+    check_cuda_graphs,
+    check_row_invariant,
+    pick_backend,
+    resolve_device,
+)
 from xcompile.runtime.serve.scheduler import ServeConfig
 
 log = logger(__name__)
@@ -26,7 +32,7 @@ def check(config: ServeConfig) -> None:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     check_cuda_graphs(config.cuda_graphs, config.device)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(config.device)
     backend = pick_backend(manifest, config.backend, device)
     check_row_invariant(config.kernels(), backend)
     check_backend_options(backend, device, config.kv_cache_dtype)

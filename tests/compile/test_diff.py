@@ -161,5 +161,10 @@ def test_bad_diff_requests(fp32_dir, tmp_path):
     assert "not both" in error(fp32_dir, "--prompt", "hi", "--prompt-ids", "1,2")
     assert "comma-separated" in error(fp32_dir, "--prompt-ids", "1,x")
     assert "OUTPUT=TOL" in error(fp32_dir, "--atol", "logits=big")
-    assert "must lie in [0, 256)" in error(fp32_dir, "--prompt-ids", "1,999")
+    assert "--prompt-ids: prompt ids must lie in [0, 256)" in error(fp32_dir, "--prompt-ids", "1,999")
+    assert "--prompt-ids: the prompt has 1 token" in error(fp32_dir, "--prompt-ids", "5")
+    # a value the dir cannot take is a bad option (exit 2) that names it
+    for option in ("--steps", "--draft-steps"):
+        result = cli("diff", fp32_dir, option, 5000)
+        assert result.exit_code == 2 and f"{option} 5000: " in result.output, result.output
     assert "not an xcompile engine dir" in error(tmp_path)

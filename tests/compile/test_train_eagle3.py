@@ -111,6 +111,16 @@ def test_loss_falls(target, corpus, tiny_target):
     assert len(result.heldout["step_acc"]) == 3
 
 
+def test_a_draft_vocab_past_the_target_takes_it_all_and_says_so(target, corpus, tiny_target):
+    text = Text(tiny_target)
+    windows = textdata.pack(textdata.tokenize(textdata.read_records(corpus), text), textdata.doc_end_id(text), SEQ)
+    opts = TrainOptions(steps=1, lr=1e-2, batch=4, seq_len=SEQ, draft_vocab=10**6, ttt_steps=2, device="cpu")
+    lines = []
+    result = train_eagle3(target, windows, opts, log=lines.append)
+    assert len(result.head.d2t) == target.cfg.vocab_size
+    assert any("whole vocabulary: --draft-vocab 1000000 asks for more" in line for line in lines), lines
+
+
 def test_cli_writes_a_loadable_head(tiny_target, corpus, tmp_path):
     out = tmp_path / "head"
     res = CliRunner().invoke(main, [

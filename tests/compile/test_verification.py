@@ -160,6 +160,18 @@ def test_bad_prompts_are_one_line(engine_copy):
     assert "the chat template line 1 cannot be rendered (TemplateSyntaxError" in line and "use --prompt" in line
 
 
+def test_inspect_names_a_missing_or_resized_file(engine_copy):
+    """inspect prints what it can, then says which files the dir lacks (a stat each; verify hashes them)."""
+    (engine_copy / "target.onnx.data").unlink()
+    with open(engine_copy / "d2t.safetensors", "ab") as f:
+        f.write(b"x")
+    r = run(xcompile, "inspect", engine_copy)
+    assert "graph target:" in r.stdout and "damaged: target.onnx.data: missing" in r.stdout
+    assert "damaged: d2t.safetensors: " in r.stdout and "recorded" in r.stdout
+    line = error_line(r)
+    assert "target.onnx.data: missing" in line and "re-export" in line
+
+
 def test_truncated_onnx_in_inspect(engine_copy):
     (engine_copy / "draft.onnx").write_bytes((engine_copy / "draft.onnx").read_bytes()[:500])
     line = error_line(run(xcompile, "inspect", engine_copy))

@@ -16,6 +16,7 @@ import torch
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_pass
+from xcompile.runtime.decoding.registry import TreeShape
 from xcompile.runtime.decoding.speculative import (
     Block,
     chain_block,
@@ -198,7 +199,7 @@ class Eagle3TreeDrafter(_Eagle3):
                               f"(1 + topk + (depth-1)*topk^2 candidates), got topk={topk} depth={depth} "
                               f"total_tokens={total_tokens}")
         super().__init__(eagle3_engine, fc_engine, d2t, max_depth=depth, block_size=total_tokens,
-                         lookahead=max(total_tokens, topk * (depth - 1), depth + 1), columns=columns)
+                         lookahead=TreeShape(topk, depth, total_tokens).lookahead, columns=columns)
         if self.d2t is not None and topk > self.d2t.numel():
             raise EngineError(f"{self.name}: topk {topk} exceeds the draft vocabulary ({self.d2t.numel()})")
         self.topk, self.depth, self.total_tokens, self.pool = topk, depth, total_tokens, pool

@@ -351,6 +351,13 @@ def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
     refused(r, "--contexts 4096", "none fits", "256 tokens", code=2)
     assert "loaded" not in r.stderr
 
+    # a round or --new-tokens that leaves no context room is named, not blamed on --contexts
+    for args, named in ((("--gammas", 300), "--gammas 300"), (("--tree", "100,4,32"), "--tree 100,4,32"),
+                        (("--new-tokens", 200), "--new-tokens 200")):
+        r = run("bench", tiny_engine_dir, "--device", "cpu", "--backend", "torch", *args)
+        refused(r, named, "max_seq_len 256", code=2)
+        assert "loaded" not in r.stderr
+
 
 # sampling ----------------------------------------------------------------------------------------
 

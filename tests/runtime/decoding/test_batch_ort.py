@@ -4,6 +4,8 @@ checkpoint, and the torch backend opens the batch dir with one KV slot per seque
 
 from __future__ import annotations
 
+import logging
+
 import fixtures
 import pytest
 import torch
@@ -83,11 +85,11 @@ def test_llm_and_xrun_generate_batch_on_a_batch_dir(batch_dir, single_dir, promp
 
 
 def test_llm_on_a_batch_dir_speculates_for_a_lone_request_on_the_torch_backend(tiny_target, tiny_eagle3, single_dir,
-                                                                                tmp_path_factory, prompts):
+                                                                                tmp_path_factory, prompts, caplog):
     """A --max-batch 4 dir with an EAGLE3 head, on the torch backend (whose engines run one sequence in the first
     slot): a request alone speculates (runtime/decoding/solo.py) and several batch, verifying chains in the batch
     steps (batch_drafts.py); every answer is plain greedy's. On ORT, whose graphs fix the batch, auto drafts
-    nothing there."""
+    nothing there, and says why."""
     from xcompile.runtime.api import LLM
 
     head_dir = fixtures.exported_dir(tmp_path_factory, "tiny-batch4-eagle3", model=str(tiny_target),
@@ -103,8 +105,10 @@ def test_llm_on_a_batch_dir_speculates_for_a_lone_request_on_the_torch_backend(t
         many = [o.token_ids for o in outs]
         assert llm.batch.stats.steps > 0 and sum(o.stats.drafted for o in outs) > 0
     assert [one.token_ids] + many == refs(single_dir, [prompts[0]] + prompts)
-    with LLM(head_dir, backend="ort", device="cpu") as llm:
-        assert llm.spec.name == "none" and llm.batch.solo is None
+    with caplog.at_level(logging.WARNING, logger="xcompile"):
+        with LLM(head_dir, backend="ort", device="cpu") as llm:
+            assert llm.spec.name == "none" and llm.batch.solo is None
+    assert "--drafter auto: none" in caplog.text and "fix the batch at 4 sequences" in caplog.text
 
 
 def test_xrun_bench_refuses_a_fixed_batch_dir_on_ort_before_it_loads(batch_dir):
