@@ -25,7 +25,7 @@ import torch
 from batch_decode import positive_list  # benchmarks/: the scripts' shared option types and timing
 from kernels import graph_time
 
-from xcompile.runtime.bench.measure import copy_bandwidth
+from xcompile.runtime.bench.costs import copy_bandwidth
 from xcompile.runtime.engines.kernels import attention as A
 
 HQ, HKV, D = 32, 8, 128

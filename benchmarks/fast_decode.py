@@ -31,7 +31,7 @@ from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.reference import SYNTHETIC_SCHEMES, eagle3_engines, quantize_linears, qwen3_engine
-from xcompile.runtime.bench.measure import matmul_rate, prefill_flops, timed
+from xcompile.runtime.bench.costs import matmul_rate, prefill_flops, timed
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import causal, prompt_inputs
 from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQwen3Engine
@@ -167,7 +167,7 @@ def main() -> None:
             print(f"{what:<14}{ctx:>6}{tokens:>7}{row['ref_ms']:>9.3f}"
                   + "".join(f"{row[n + '_ms']:>15.3f}" if n + "_ms" in row else f"{'-':>15}" for n in configs))
     # prefill: TTFT of a 4096-token prompt (the fast engine runs prompts on the reference modules) against the
-    # bf16 matmul rate measured here, FLOPs counted as xrun bench counts them (runtime/bench/measure.py)
+    # bf16 matmul rate measured here, FLOPs counted as xrun bench counts them (runtime/bench/costs.py)
     n = min(4096, args.max_seq_len)
     prompt = prompt_inputs(torch.randint(0, cfg.vocab_size, (1, n), device=DEV))
     ttft = timed(lambda: fast.run(**prompt), DEV, 5, warmup=1)

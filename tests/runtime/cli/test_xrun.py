@@ -455,7 +455,7 @@ def test_prefill_flops_of_the_qwen3_8b_shape():
     Qwen3-8B's config at 4096 tokens, the projections are 6.95e9 parameters (36 layers of 4096x6144 qkv,
     4096x4096 o, 3 x 4096x12288 MLP), lm_head 151936 x 4096, attention 2 x 36 x 4096 x 4096^2."""
     from xcompile.compile.config import KNOWN_MODELS
-    from xcompile.runtime.bench.measure import prefill_flops
+    from xcompile.runtime.bench.costs import prefill_flops
 
     config = dataclasses.asdict(KNOWN_MODELS["qwen3-8b"].config)
     projections = 36 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 12288)
