@@ -8,7 +8,9 @@ Rows timed, each the median µs of one call over --calls replays:
     kernels, no tie     sample.sample on fp32 logits drawn from N(0, 3): the k-th and (k + 1)-th values differ,
                         so the rows launch draws among the candidates
     kernels, tie        the same logits rounded to bf16's steps at the top and the (k + 1)-th set to the k-th: the
-                        rows launch streams the whole row (the normaliser, then the draw)
+                        rows launch counts the tied tokens from the blocks (none is open: no column is read again)
+    kernels, tie, blocks open   integer logits and top-p 1: every block's last candidate ties the k-th and the
+                        tied tokens are kept, so the draw reads every block again (the worst case)
     blocks launch       the first launch alone (each column block's K1 largest), tie logits
     torch sampler       Sampler.draw(Sampler.warp(x)), the ops the kernels replace
     argmax              greedy's pick, for scale
@@ -71,15 +73,21 @@ def main() -> None:
     import triton
     kp2, block = triton.next_power_of_2(k1), min(BLOCK_V, triton.next_power_of_2(args.vocab))
     nb = triton.cdiv(args.vocab, block)
-    pv, pi, _, _ = sample._SCRATCH.get(1, nb, kp2, dev)
+    pv, pi, pn, _ = sample._SCRATCH.get(1, nb, kp2, dev)
+    # the worst case: integer logits (every block's last candidate ties the k-th) and no top-p cut, so the tied
+    # tokens are kept and every block is read again
+    integer = (plain * 2).round()
+    wide = Sampler(dev, fused=True)
+    wide.reset(SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=1.0, seed=0))
 
     def blocks():
-        sample._sample_blocks_kernel[(1, nb)](tied, fused.temperature, pv, pi, tied, args.vocab, nb, 1,
+        sample._sample_blocks_kernel[(1, nb)](tied, fused.temperature, pv, pi, pn, tied, args.vocab, nb, 1,
                                               tied.stride(0), tied.stride(0), K1=k1, KP2=kp2, BLOCK=block,
                                               HAS_Q=False, PDL=sample.pdl(), num_warps=8, **sample.launch())
 
     rows = [("kernels, no tie", lambda: sample.sample(plain, fused)),
             ("kernels, tie", lambda: sample.sample(tied, fused)),
+            ("kernels, tie, blocks open", lambda: sample.sample(integer, wide)),
             ("blocks launch (tie logits)", blocks),
             ("torch sampler", lambda: torch_sampler.draw(torch_sampler.warp(tied))),
             ("argmax", lambda: tied.argmax(-1))]

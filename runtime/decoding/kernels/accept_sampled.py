@@ -4,17 +4,16 @@ same stream (two draws: one coin per node, then the bonus's Gumbel noise), with 
 
     blocks   [B*S rows, column blocks]: each block's MAX_K + 1 largest scaled logits (sample.py's first launch)
     warps    one program per row: the row's warp from its candidates (top-k, then top-p and min-p cut them; a
-             tie at the k-th value streams the row, as sample.py does) into a scratch [B*S, 4]: top, threshold,
-             kept normaliser, tie. In the walk's own program the rows' streams ran one after another: on an H100
-             the tree's 32 rows took 2.41 ms, the chain's 0.635 (2026-12-05), more than the torch rule
+             tie at the k-th value counted from the blocks, as sample.py does) into a scratch [B*S, 4]: top,
+             threshold, kept normaliser, tie
     chain    one program per sequence, node by node: p of draft r + 1 under row r's warp, the coin; from the
              first rejection on nothing more is read. Then the residual at the last
              accepted node: p with the rejected draft zeroed (drafts picked deterministically, q = None), or
              max(0, p - q) over the draft's own q row (drafts drawn from q, through q_ids when q is over a
              draft vocabulary); and the bonus, a Gumbel-max over the residual's support, which is inside p's kept
-             set (its candidates, or the streamed row on a tie)
+             set (its candidates; on a tie also the open blocks' tokens at tau_k, sample._tile)
 
-Only p's kept tokens can carry weight, so everything but a tie reads the S rows' candidates alone. The torch rule
+Only p's kept tokens can carry weight, so everything but a kept tie reads the S rows' candidates alone. The torch rule
 takes the whole vocabulary through warp, probs, the residual and the noise of every column: a dozen launches
 over [S, V] (0.399 ms for a γ 6 chain round of the Qwen3 vocabulary on the H200, 2026-12-04). As sample.py, the
 sums run in another order and the GPU's exp and log round otherwise, so a near tie at a coin, a cut or the
@@ -36,9 +35,11 @@ from xcompile.runtime.decoding.kernels.sample import (
     _draw_base,
     _gumbel,
     _mix32,
+    _next_open,
     _row_candidates,
     _sample_blocks_kernel,
     _scaled,
+    _tile,
     _warp,
 )
 from xcompile.runtime.decoding.kernels.topk import BLOCK_V
@@ -70,6 +71,12 @@ def _gumbel_max(w, cols, noise, key1):
 
 
 @triton.jit
+def _better(m, at, best, pick):
+    """(best, pick) after a part's maximum m at column at: the larger, the lower column on a tie (argmax's)."""
+    return tl.maximum(best, m), tl.where((m > best) | ((m == best) & (at < pick)), at, pick)
+
+
+@triton.jit
 def _residual(s, x, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr):
     """p at the tokens x (scaled logits s) under the row's warp, and the residual's weight there: p with the
     rejected draft zeroed (no q), or max(0, p - q) with q the rejected draft's row (q None past the chain)."""
@@ -87,16 +94,16 @@ def _residual(s, x, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["K"])
-def _warp_rows_kernel(X, T, TOP_P, MIN_P, PV, PI, ST, V, NB, S, stride_x, K, K1: tl.constexpr, KP2: tl.constexpr,
-                      NBP2: tl.constexpr, TOPP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _warp_rows_kernel(TOP_P, MIN_P, PV, PI, PN, ST, NB, S, K, K1: tl.constexpr, KP2: tl.constexpr,
+                      NBP2: tl.constexpr, TOPP: tl.constexpr, PDL: tl.constexpr):
     # row r of B*S: its warp (sample._warp) -> ST[r] = (top, tau, kept normaliser, tie)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     b = row // S
-    _, _, _, top, tau, kept, tie = _warp(X, row, stride_x, tl.load(T + b), tl.load(TOP_P + b), tl.load(MIN_P + b),
-                                         PV, PI, NB, V, K, K1, KP2, NBP2, TOPP, BLOCK, True)
+    _, _, _, top, tau, _, kept, tie = _warp(tl.load(TOP_P + b), tl.load(MIN_P + b), PV, PI, PN, row, NB, K, K1,
+                                            KP2, NBP2, TOPP, True)
     tl.store(ST + row * 4, top)
     tl.store(ST + row * 4 + 1, tau)
     tl.store(ST + row * 4 + 2, kept)
@@ -107,13 +114,14 @@ def _warp_rows_kernel(X, T, TOP_P, MIN_P, PV, PI, ST, V, NB, S, stride_x, K, K1:
 def _row_warp(ST, PV, PI, row, NB, K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr):
     """Row ``row``'s warp as _warp returns it, its scalars read from the warps launch's ST."""
     vals, ids = _row_candidates(PV, PI, row, NB, K1, KP2, NBP2)
-    live = tl.arange(0, KP2) < K
-    return vals, ids, live, tl.load(ST + row * 4), tl.load(ST + row * 4 + 1), tl.load(ST + row * 4 + 2), \
+    j = tl.arange(0, KP2)
+    tau_k = tl.max(tl.where(j == K - 1, vals, float("-inf")), axis=0)
+    return vals, ids, j < K, tl.load(ST + row * 4), tl.load(ST + row * 4 + 1), tau_k, tl.load(ST + row * 4 + 2), \
         tl.load(ST + row * 4 + 3) != 0
 
 
 @triton.jit(do_not_specialize=["K"])
-def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, ST, TOK, QTOK, Q, T2D, COUNT, OUT, V, VQ, NB, S, stride_x,
+def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, ST, TOK, QTOK, Q, T2D, COUNT, OUT, V, VQ, NB, S, stride_x,
                   K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr, BLOCK: tl.constexpr,
                   HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -140,26 +148,31 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, ST, TOK, QTOK, Q, T2D, C
             alive = passed
     # the bonus: from the residual at node `count` (its row's p, less the rejected draft), Gumbel-max
     row = b * S + count
-    vals, ids, live, top, tau, kept, tie = _row_warp(ST, PV, PI, row, NB, K, K1, KP2, NBP2)
+    vals, ids, live, top, tau, tau_k, kept, tie = _row_warp(ST, PV, PI, row, NB, K, K1, KP2, NBP2)
     rejected = tl.load(TOK + b * S + count + 1, mask=count + 1 < S, other=-1)
     Qrow = Q + (b * S + count + 1) * VQ
-    if tie:                             # the kept set may reach past the candidates: stream the row
-        mass = 0.0
-        for c0 in range(0, V, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            s = _scaled(X + row * stride_x, cols, V, temp)
-            p, r = _residual(s, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
-            mass += tl.sum(r, axis=0)
-        use_r = mass > 0                # rounding left nothing: p itself (speculative.accept_sampled)
-        best = tl.full([], float("-inf"), tl.float32)
-        pick = tl.zeros([], tl.int32)
-        for c0 in range(0, V, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            s = _scaled(X + row * stride_x, cols, V, temp)
-            p, r = _residual(s, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
-            m, at = _gumbel_max(tl.where(use_r, r, p), cols, noise, key1)
-            pick = tl.where(m > best, at, pick)
-            best = tl.maximum(best, m)
+    if tie:     # the kept set: the blocks' own candidates, and the open blocks' tokens at tau_k when kept
+        # (the branches and the loop name their own tensors: Triton merges a name's types across them)
+        tv, ti, own, is_open, _ = _tile(PV, PI, PN, row, NB, tau_k, K1, KP2, NBP2)
+        p_t, r_t = _residual(tv, ti, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
+        p_t, r_t = tl.where(own, p_t, 0.0), tl.where(own, r_t, 0.0)
+        mass = tl.sum(r_t, axis=0)
+        best_r, pick_r = _gumbel_max(r_t, ti, noise, key1)      # both draws at once: the mass decides after
+        best_p, pick_p = _gumbel_max(p_t, ti, noise, key1)
+        blk = tl.where(tau == tau_k, _next_open(is_open, -1, NBP2), NBP2)
+        while blk < NB:
+            cols = blk * BLOCK + tl.arange(0, BLOCK)
+            s_b = _scaled(X + row * stride_x, cols, V, temp)
+            p_b, r_b = _residual(s_b, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
+            tied = (s_b == tau_k) & (cols < V)
+            p_b, r_b = tl.where(tied, p_b, 0.0), tl.where(tied, r_b, 0.0)
+            mass += tl.sum(r_b, axis=0)
+            m_b, at_b = _gumbel_max(r_b, cols, noise, key1)
+            best_r, pick_r = _better(m_b, at_b, best_r, pick_r)
+            m_b, at_b = _gumbel_max(p_b, cols, noise, key1)
+            best_p, pick_p = _better(m_b, at_b, best_p, pick_p)
+            blk = _next_open(is_open, blk, NBP2)
+        pick = tl.where(mass > 0, pick_r, pick_p)   # rounding left nothing: p itself (speculative.accept_sampled)
     else:
         p, r = _residual(vals, ids, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
         p = tl.where(live, p, 0.0)
@@ -187,26 +200,26 @@ class Candidates:
 
 def candidates(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Candidates]:
     """The first launch: every row's column blocks' MAX_K + 1 largest scaled logits (sample.py's blocks kernel) of
-    logits [B, S, V] -> (the rows [B*S, V], candidate values and ids [B*S, blocks, KP2], the sizes)."""
+    logits [B, S, V] -> (the rows [B*S, V], candidate values and ids [B*S, blocks, KP2], the count of each block's
+    tokens at its last candidate [B*S, blocks], the sizes)."""
     b, s, v = logits.shape
     c = Candidates(min(sampler.params.top_k, v), min(MAX_K + 1, v), triton.next_power_of_2(min(MAX_K + 1, v)),
                    min(BLOCK_V, triton.next_power_of_2(v)), triton.cdiv(v, min(BLOCK_V, triton.next_power_of_2(v))))
     x = logits.reshape(b * s, v)
     if x.stride(1) != 1:
         x = x.contiguous()
-    pv, pi, _, _ = _SCRATCH.get(b * s, c.nb, c.kp2, x.device)
-    _sample_blocks_kernel[(b * s, c.nb)](x, sampler.temperature, pv, pi, x, v, c.nb, s, x.stride(0), 0, K1=c.k1,
+    pv, pi, pn, _ = _SCRATCH.get(b * s, c.nb, c.kp2, x.device)
+    _sample_blocks_kernel[(b * s, c.nb)](x, sampler.temperature, pv, pi, pn, x, v, c.nb, s, x.stride(0), 0, K1=c.k1,
                                          KP2=c.kp2, BLOCK=c.block, HAS_Q=False, PDL=pdl(), num_warps=8, **launch())
-    return x, pv, pi, c
+    return x, pv, pi, pn, c
 
 
-def warp_rows(x: torch.Tensor, pv: torch.Tensor, pi: torch.Tensor, c: Candidates, sampler, s: int,
+def warp_rows(pv: torch.Tensor, pi: torch.Tensor, pn: torch.Tensor, c: Candidates, sampler, s: int,
               st: torch.Tensor) -> None:
     """The second launch: every row's warp into ``st`` [B*S, 4] (module docstring), one program a row."""
-    _warp_rows_kernel[(x.shape[0],)](x, sampler.temperature, sampler.top_p, sampler.min_p, pv, pi, st, x.shape[1],
-                                     c.nb, s, x.stride(0), c.k, K1=c.k1, KP2=c.kp2,
-                                     NBP2=triton.next_power_of_2(c.nb), TOPP=sampler.params.top_p < 1, BLOCK=c.block,
-                                     PDL=pdl(), num_warps=8, **launch())
+    _warp_rows_kernel[(pv.shape[0],)](sampler.top_p, sampler.min_p, pv, pi, pn, st, c.nb, s, c.k, K1=c.k1, KP2=c.kp2,
+                                      NBP2=triton.next_power_of_2(c.nb), TOPP=sampler.params.top_p < 1, PDL=pdl(),
+                                      num_warps=8, **launch())
 
 
 class SampledChainAccept:
@@ -240,16 +253,16 @@ class SampledChainAccept:
 
     def __call__(self, block: Block, logits: torch.Tensor, sampler) -> Accepted:
         b, s, v = logits.shape
-        x, pv, pi, c = candidates(logits, sampler)
+        x, pv, pi, pn, c = candidates(logits, sampler)
         k, k1, kp2, bl, nb = c.k, c.k1, c.kp2, c.block, c.nb
         has_q = block.q is not None
         q = block.q if has_q else self._none
         assert block.tokens.is_contiguous() and q.is_contiguous() and (not has_q or block.q_tok.is_contiguous())
         has_t2d = has_q and block.q_ids is not None
         t2d = self.t2d(block.q_ids, v) if has_t2d else self.count
-        warp_rows(x, pv, pi, c, sampler, s, self.warps)
+        warp_rows(pv, pi, pn, c, sampler, s, self.warps)
         _chain_kernel[(b,)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key, sampler.counter, pv,
-                            pi, self.warps, block.tokens, block.q_tok if has_q else self._none, q, t2d, self.count,
+                            pi, pn, self.warps, block.tokens, block.q_tok if has_q else self._none, q, t2d, self.count,
                             self.tokens, v, q.shape[-1], nb, s, x.stride(0), k, K1=k1, KP2=kp2,
                             NBP2=triton.next_power_of_2(nb), BLOCK=bl, HAS_Q=has_q, HAS_T2D=has_t2d, PDL=pdl(),
                             num_warps=8, **launch())

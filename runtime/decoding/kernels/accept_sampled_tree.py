@@ -3,9 +3,8 @@ a tree whose drafts are point masses (q = None: the EAGLE-2 trees' top-k childre
 1..MAX_K, from the same stream (one coin per node, then the bonus's Gumbel noise), with no sort and no host sync.
 
     blocks   [B*S rows, column blocks]: each block's MAX_K + 1 largest scaled logits (sample.py's first launch)
-    warps    one program per node row: its warp (top-k, top-p, min-p; a tie at the k-th value streams the row)
-             into a scratch row (accept_sampled.warp_rows; inside the tree's program the 32 rows' streams ran one
-             after another: 2.41 ms a 10/6/32 round on an H100, 2026-12-05)
+    warps    one program per node row: its warp (top-k, top-p, min-p; a tie at the k-th value counted from the
+             blocks) into a scratch row (accept_sampled.warp_rows)
     tree     one program per sequence: the rule over the block's [S, S] sibling and ancestor matrices in
              registers: p(x_i | parent), a repeated sibling token zeroed, node i kept when u_i (1 - the earlier
              siblings' p) < p(x_i) and no earlier sibling was, the deepest node whose every ancestor was kept
@@ -26,6 +25,7 @@ import triton.language as tl
 from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
 from xcompile.runtime.decoding.kernels.accept_sampled import (
+    _better,
     _gumbel_max,
     _row_warp,
     _sequence,
@@ -33,7 +33,7 @@ from xcompile.runtime.decoding.kernels.accept_sampled import (
     candidates,
     warp_rows,
 )
-from xcompile.runtime.decoding.kernels.sample import _scaled
+from xcompile.runtime.decoding.kernels.sample import _next_open, _scaled, _tile
 from xcompile.runtime.decoding.speculative import Accepted, Block
 
 MAX_NODES = 64      # the sibling and ancestor matrices of a tree in one register tile
@@ -51,7 +51,7 @@ def _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S):
 
 
 @triton.jit(do_not_specialize=["K"])
-def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, COUNT, PATH, OUT, V, NB, S, D,
+def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, TOK, PAR, DEP, MASK, ST, COUNT, PATH, OUT, V, NB, S, D,
                  stride_x, stride_tb, stride_pb, stride_db, stride_mb, stride_mi, K, K1: tl.constexpr,
                  KP2: tl.constexpr, NBP2: tl.constexpr, BLOCK: tl.constexpr, SP2: tl.constexpr,
                  DP2: tl.constexpr, PDL: tl.constexpr):
@@ -96,25 +96,27 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, TOK, PAR, DEP, MASK, ST, 
     # the bonus: from best's row, its children's tokens zeroed (each was tried and rejected)
     children = tl.where(drafted & (par == best), x, -1)
     row = b * S + best
-    vals, ids, live, top, tau, kept, tie = _row_warp(ST, PV, PI, row, NB, K, K1, KP2, NBP2)
-    if tie:                             # the kept set may reach past the candidates: stream the row
-        mass = 0.0
-        for c0 in range(0, V, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            s = _scaled(X + row * stride_x, cols, V, temp)
-            p = tl.where(s >= tau, tl.exp(s - top) / kept, 0.0)
-            mass += tl.sum(tl.where(_hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S), 0.0, p), axis=0)
-        use_r = mass > 0
-        best_g = tl.full([], float("-inf"), tl.float32)
-        pick = tl.zeros([], tl.int32)
-        for c0 in range(0, V, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            s = _scaled(X + row * stride_x, cols, V, temp)
-            p = tl.where(s >= tau, tl.exp(s - top) / kept, 0.0)
-            hit = _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S)
-            m, at_m = _gumbel_max(tl.where(hit, tl.where(use_r, 0.0, p), p), cols, noise, key1)
-            pick = tl.where(m > best_g, at_m, pick)
-            best_g = tl.maximum(best_g, m)
+    vals, ids, live, top, tau, tau_k, kept, tie = _row_warp(ST, PV, PI, row, NB, K, K1, KP2, NBP2)
+    if tie:     # the kept set: the blocks' own candidates, and the open blocks' tokens at tau_k when kept
+        tv, ti, own, is_open, _ = _tile(PV, PI, PN, row, NB, tau_k, K1, KP2, NBP2)
+        p_t = tl.where(own & (tv >= tau), tl.exp(tv - top) / kept, 0.0)
+        r_t = tl.where(_hit(ti, best, TOK, PAR, b, stride_tb, stride_pb, S), 0.0, p_t)
+        mass = tl.sum(r_t, axis=0)
+        best_r, pick_r = _gumbel_max(r_t, ti, noise, key1)      # both draws at once: the mass decides after
+        best_p, pick_p = _gumbel_max(p_t, ti, noise, key1)
+        blk = tl.where(tau == tau_k, _next_open(is_open, -1, NBP2), NBP2)
+        while blk < NB:
+            cols = blk * BLOCK + tl.arange(0, BLOCK)
+            s_b = _scaled(X + row * stride_x, cols, V, temp)
+            p_b = tl.where((s_b == tau_k) & (cols < V), tl.exp(s_b - top) / kept, 0.0)
+            r_b = tl.where(_hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S), 0.0, p_b)
+            mass += tl.sum(r_b, axis=0)
+            m_b, at_b = _gumbel_max(r_b, cols, noise, key1)
+            best_r, pick_r = _better(m_b, at_b, best_r, pick_r)
+            m_b, at_b = _gumbel_max(p_b, cols, noise, key1)
+            best_p, pick_p = _better(m_b, at_b, best_p, pick_p)
+            blk = _next_open(is_open, blk, NBP2)
+        pick = tl.where(mass > 0, pick_r, pick_p)
     else:                               # (names of their own: Triton merges a name's types across branches)
         p_k = tl.where(live & (vals >= tau), tl.exp(vals - top) / kept, 0.0)
         tried = tl.max((ids[:, None] == children[None, :]).to(tl.int32), axis=1) > 0
@@ -149,14 +151,14 @@ class SampledTreeAccept:
 
     def __call__(self, block: Block, logits: torch.Tensor, sampler) -> Accepted:
         b, s, v = logits.shape
-        x, pv, pi, c = candidates(logits, sampler)
+        x, pv, pi, pn, c = candidates(logits, sampler)
         k, k1, kp2, bl, nb = c.k, c.k1, c.kp2, c.block, c.nb
         tok, par, dep, mask = block.tokens, block.parents, block.depth, block.mask
         assert tok.stride(1) == par.stride(1) == dep.stride(1) == mask.stride(2) == 1
         d = block.max_depth
-        warp_rows(x, pv, pi, c, sampler, s, self.stats)
+        warp_rows(pv, pi, pn, c, sampler, s, self.stats)
         _tree_kernel[(b,)](x, sampler.temperature, sampler.top_p, sampler.min_p, sampler.key, sampler.counter, pv, pi,
-                           tok, par, dep, mask.view(torch.uint8), self.stats, self.count, self.path, self.tokens, v, nb,
+                           pn, tok, par, dep, mask.view(torch.uint8), self.stats, self.count, self.path, self.tokens, v, nb,
                            s, d, x.stride(0), tok.stride(0), par.stride(0), dep.stride(0), mask.stride(0),
                            mask.stride(1), k, K1=k1, KP2=kp2, NBP2=triton.next_power_of_2(nb),
                            BLOCK=bl, SP2=triton.next_power_of_2(s),
