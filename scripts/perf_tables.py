@@ -88,6 +88,7 @@ TABLES = {
                                                   "draft-model")),
     "peer": Table("peer", "bench", ("transformers",)),
     "demo-agreement": Table("demo-agreement", "agreement"),
+    "demo-agreement-row-invariant-h100": Table("demo-agreement-row-invariant-h100", "agreement"),
     "demo-cpu": Table("demo-cpu", "demo"),
     "drafters-cpu": Table("drafters-cpu", "tau"),
     "sampling-cpu": Table("sampling-cpu", "tau"),
