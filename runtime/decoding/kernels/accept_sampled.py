@@ -77,6 +77,17 @@ def _better(m, at, best, pick):
 
 
 @triton.jit
+def _draws(p, r, cols, noise, key1, mass, best_r, pick_r, best_p, pick_p):
+    """One part of a tie's kept set (columns ``cols``, p and the residual r there) into the bonus's two draws, from
+    r and from p itself, and r's mass: after the last part the mass says which draw stands."""
+    m, at = _gumbel_max(r, cols, noise, key1)
+    best_r, pick_r = _better(m, at, best_r, pick_r)
+    m, at = _gumbel_max(p, cols, noise, key1)
+    best_p, pick_p = _better(m, at, best_p, pick_p)
+    return mass + tl.sum(r, axis=0), best_r, pick_r, best_p, pick_p
+
+
+@triton.jit
 def _residual(s, x, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr):
     """p at the tokens x (scaled logits s) under the row's warp, and the residual's weight there: p with the
     rejected draft zeroed (no q), or max(0, p - q) with q the rejected draft's row (q None past the chain)."""
@@ -156,9 +167,8 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, ST, TOK, QTOK, Q, T2
         tv, ti, own, is_open, _ = _tile(PV, PI, PN, row, NB, tau_k, K1, KP2, NBP2)
         p_t, r_t = _residual(tv, ti, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
         p_t, r_t = tl.where(own, p_t, 0.0), tl.where(own, r_t, 0.0)
-        mass = tl.sum(r_t, axis=0)
-        best_r, pick_r = _gumbel_max(r_t, ti, noise, key1)      # both draws at once: the mass decides after
-        best_p, pick_p = _gumbel_max(p_t, ti, noise, key1)
+        mass, best_r, pick_r, best_p, pick_p = _draws(p_t, r_t, ti, noise, key1, 0.0, float("-inf"), 2147483647,
+                                                      float("-inf"), 2147483647)
         blk = tl.where(tau == tau_k, _next_open(is_open, -1, NBP2), NBP2)
         while blk < NB:
             cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -166,11 +176,8 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, ST, TOK, QTOK, Q, T2
             p_b, r_b = _residual(s_b, cols, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q, HAS_T2D)
             tied = (s_b == tau_k) & (cols < V)
             p_b, r_b = tl.where(tied, p_b, 0.0), tl.where(tied, r_b, 0.0)
-            mass += tl.sum(r_b, axis=0)
-            m_b, at_b = _gumbel_max(r_b, cols, noise, key1)
-            best_r, pick_r = _better(m_b, at_b, best_r, pick_r)
-            m_b, at_b = _gumbel_max(p_b, cols, noise, key1)
-            best_p, pick_p = _better(m_b, at_b, best_p, pick_p)
+            mass, best_r, pick_r, best_p, pick_p = _draws(p_b, r_b, cols, noise, key1, mass, best_r, pick_r, best_p,
+                                                          pick_p)
             blk = _next_open(is_open, blk, NBP2)
         pick = tl.where(mass > 0, pick_r, pick_p)   # rounding left nothing: p itself (speculative.accept_sampled)
     else:

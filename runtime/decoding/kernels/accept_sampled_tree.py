@@ -25,7 +25,7 @@ import triton.language as tl
 from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
 from xcompile.runtime.decoding.kernels.accept_sampled import (
-    _better,
+    _draws,
     _gumbel_max,
     _row_warp,
     _sequence,
@@ -101,20 +101,16 @@ def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, TOK, PAR, DEP, MASK, 
         tv, ti, own, is_open, _ = _tile(PV, PI, PN, row, NB, tau_k, K1, KP2, NBP2)
         p_t = tl.where(own & (tv >= tau), tl.exp(tv - top) / kept, 0.0)
         r_t = tl.where(_hit(ti, best, TOK, PAR, b, stride_tb, stride_pb, S), 0.0, p_t)
-        mass = tl.sum(r_t, axis=0)
-        best_r, pick_r = _gumbel_max(r_t, ti, noise, key1)      # both draws at once: the mass decides after
-        best_p, pick_p = _gumbel_max(p_t, ti, noise, key1)
+        mass, best_r, pick_r, best_p, pick_p = _draws(p_t, r_t, ti, noise, key1, 0.0, float("-inf"), 2147483647,
+                                                      float("-inf"), 2147483647)
         blk = tl.where(tau == tau_k, _next_open(is_open, -1, NBP2), NBP2)
         while blk < NB:
             cols = blk * BLOCK + tl.arange(0, BLOCK)
             s_b = _scaled(X + row * stride_x, cols, V, temp)
             p_b = tl.where((s_b == tau_k) & (cols < V), tl.exp(s_b - top) / kept, 0.0)
             r_b = tl.where(_hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S), 0.0, p_b)
-            mass += tl.sum(r_b, axis=0)
-            m_b, at_b = _gumbel_max(r_b, cols, noise, key1)
-            best_r, pick_r = _better(m_b, at_b, best_r, pick_r)
-            m_b, at_b = _gumbel_max(p_b, cols, noise, key1)
-            best_p, pick_p = _better(m_b, at_b, best_p, pick_p)
+            mass, best_r, pick_r, best_p, pick_p = _draws(p_b, r_b, cols, noise, key1, mass, best_r, pick_r, best_p,
+                                                          pick_p)
             blk = _next_open(is_open, blk, NBP2)
         pick = tl.where(mass > 0, pick_r, pick_p)
     else:                               # (names of their own: Triton merges a name's types across branches)
