@@ -323,7 +323,8 @@ def train_files(recipe: Recipe, model: str | Path, data: str | Path, out: str | 
     xcompile wrote."""
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise CompileOptionError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu")
+        raise CompileOptionError("--device cuda (the default): torch sees no CUDA device here; pass --device cpu "
+                                 "(fine for a small model such as the demo's)")
     model_dir = resolve(str(model), revision)
     with files.staged_dir(out, f"xcompile {recipe.command}", inputs=(model_dir, data, heldout_data),
                           replace=force) as tmp:

@@ -121,6 +121,14 @@ def test_a_draft_vocab_past_the_target_takes_it_all_and_says_so(target, corpus, 
     assert any("whole vocabulary: --draft-vocab 1000000 asks for more" in line for line in lines), lines
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default --device cuda runs here")
+def test_the_default_device_without_a_gpu_is_a_bad_option(tiny_target, corpus, tmp_path):
+    res = CliRunner().invoke(main, ["train-eagle3", "--model", str(tiny_target), "--data", str(corpus), "--out",
+                                    str(tmp_path / "head"), "--steps", "1"])
+    assert res.exit_code == 2 and "--device cuda (the default)" in res.output and "--device cpu" in res.output
+    assert not (tmp_path / "head").exists()
+
+
 def test_cli_writes_a_loadable_head(tiny_target, corpus, tmp_path):
     out = tmp_path / "head"
     res = CliRunner().invoke(main, [
