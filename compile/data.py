@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
+from xcompile.compile.hf_config import read_json
 from xcompile.runtime.common import logs
 from xcompile.runtime.enginedir.text import Text
 

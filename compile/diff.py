@@ -278,7 +278,7 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
 def check_unquantized(directory: Path, checkpoint: Path, manifest: Manifest | None = None) -> None:
     """Raise where ``--unquantized checkpoint`` cannot be compared with ``directory``'s target: the target is
     not quantized, or the checkpoint is quantized or of another shape (its config's SHAPE_FIELDS)."""
-    from xcompile.compile.config import read_json
+    from xcompile.compile.hf_config import read_json
 
     manifest = manifest or Manifest.load(directory)
     record = manifest.models[TARGET].extra.get("quantization")

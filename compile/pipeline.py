@@ -23,20 +23,18 @@ from xcompile.compile import checkpoint as ckpt
 from xcompile.compile import synthetic
 from xcompile.compile.checkpoint.quantized import linear_weights
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
-from xcompile.compile.config import (
-    TAP_DEFAULT,
-    TAP_OVERRIDE,
-    Eagle3Config,
-    Qwen3Config,
-    check_eagle3_fits,
-    parse_generation_config,
-    read_json,
-    synthetic_eagle3_config,
-    tap_convention,
-)
+from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.export import Weights, export_graph
 from xcompile.compile.families import family
+from xcompile.compile.hf_config import (
+    TAP_DEFAULT,
+    TAP_OVERRIDE,
+    check_eagle3_fits,
+    parse_generation_config,
+    read_json,
+    tap_convention,
+)
 from xcompile.compile.models import eagle3, mtp, qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
@@ -253,7 +251,7 @@ def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtyp
                taps_from: str, taps: tuple[int, ...]) -> _Part:
     with torch.device("meta"):
         head = Eagle3(head_cfg, target.module.max_seq_len).to(dtype)
-    # which config field (or option) the taps came from and how its ids count (config.TAP_FIELDS)
+    # which config field (or option) the taps came from and how its ids count (hf_config.TAP_FIELDS)
     entry = ModelEntry(eagle3.KIND, head_cfg.to_dict(), source.source,
                        {"taps": list(taps), "taps_from": taps_from,
                         "taps_convention": tap_convention(taps_from), "rope_theta": head.rope_theta})

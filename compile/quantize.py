@@ -35,8 +35,9 @@ from safetensors import SafetensorError
 
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import resolve
-from xcompile.compile.config import Qwen3Config, parse_qwen3, read_json
+from xcompile.compile.config import Qwen3Config
 from xcompile.compile.errors import CompileError, CompileOptionError
+from xcompile.compile.hf_config import parse_qwen3, read_json
 from xcompile.compile.pipeline import TOKENIZER_FILES
 from xcompile.compile.quantization import CT_FLOAT, CT_PACKED, parse_quantization
 from xcompile.runtime.common import files, logs

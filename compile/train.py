@@ -22,8 +22,9 @@ import torch
 
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_qwen3, resolve
-from xcompile.compile.config import Qwen3Config, parse_generation_config, parse_qwen3, read_json
+from xcompile.compile.config import Qwen3Config
 from xcompile.compile.errors import CompileError, CompileOptionError
+from xcompile.compile.hf_config import parse_generation_config, parse_qwen3, read_json
 from xcompile.compile.models.layers import grouped_attention
 from xcompile.compile.models.mtp import MTP
 from xcompile.compile.reference import eagle3_engines, qwen3_engine, torch_engines

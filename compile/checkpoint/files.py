@@ -13,8 +13,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from xcompile.compile.checkpoint.resolution import refetch_hint
-from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
+from xcompile.compile.hf_config import read_json
 
 # weight layouts in the order we look for them (HF save_pretrained names)
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"

@@ -26,8 +26,8 @@ from xcompile.compile.checkpoint.files import Checkpoint, weight_file_names
 from xcompile.compile.checkpoint.keymap import module_state, plan
 from xcompile.compile.checkpoint.quantized import quantized_key_map
 from xcompile.compile.checkpoint.resolution import refetch_hint
-from xcompile.compile.config import read_json
 from xcompile.compile.errors import CompileError
+from xcompile.compile.hf_config import read_json
 from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.quantization import Quantization, parse_quantization
 from xcompile.runtime.enginedir import integrity

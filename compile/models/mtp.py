@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from xcompile.compile.config import EAGLE3_DRAFT_VOCAB, Qwen3Config, parse_qwen3, read_json
+from xcompile.compile.config import EAGLE3_DRAFT_VOCAB, Qwen3Config
 from xcompile.compile.errors import CompileError
+from xcompile.compile.hf_config import parse_qwen3, read_json
 from xcompile.compile.models.eagle3 import check_d2t, target_ids
 from xcompile.compile.models.keymap import ROPE_CACHE, KeyMap
 from xcompile.compile.models.layers import RMSNorm, Rotary, make_step, select_rows

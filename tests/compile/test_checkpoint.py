@@ -25,8 +25,9 @@ from tokenizers import Tokenizer
 
 from xcompile.compile import checkpoint as ck
 from xcompile.compile import synthetic
-from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, parse_eagle3, parse_qwen3, synthetic_eagle3_config
+from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
+from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.synthetic import synthetic_eagle3, synthetic_qwen3, synthetic_state, synthetic_tensor

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from fixtures import TINY_QWEN3, eagle3_config, eagle3_tensors, qwen3_config, write_weights
 
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
-from xcompile.compile.config import parse_eagle3, parse_qwen3
 from xcompile.compile.errors import CompileError
+from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
 
 TOL = 1e-4
 MAX_SEQ = 32
