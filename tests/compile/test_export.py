@@ -197,8 +197,8 @@ def test_unwritable_output_dir(tiny_target, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
     line = one_line_error(cli("export", "--model", tiny_target, "--out", blocker / "sub" / "out",
-                              "--max-seq-len", MAX_SEQ))
-    assert f"{blocker / 'sub' / 'out'}: cannot write there: not a directory" in line
+                              "--max-seq-len", MAX_SEQ), code=2)          # a bad --out, seen before any work
+    assert f"--out: {blocker} is not a writable directory, so {blocker / 'sub' / 'out'} cannot be written" in line
     assert blocker.read_text() == "not a dir" and leftovers(tmp_path) == []
 
 
