@@ -229,10 +229,14 @@ def torch_models():
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``device`` as given, else the GPU where torch sees one, else the CPU (every command's default)."""
+    """``device`` as given, else the GPU where torch sees one, else the CPU (every command's default); OptionError
+    for a CUDA device where torch sees none."""
     import torch
 
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    return dev
 
 
 def check_cuda_graphs(cuda_graphs: bool, device: str | None) -> None:
@@ -269,15 +273,12 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches, and to ORT on
     CUDA (its ``enable_cuda_graph``); torch- and fast-backend rounds are recorded by the generation loop
     (``LoopOptions(cuda_graphs=...)``, runtime/decoding/rounds.py)."""
-    import torch
 
     from xcompile.runtime.enginedir.manifest import Manifest
 
     directory = Path(directory)
     manifest = Manifest.load(directory)
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    dev = resolve_device(device)
     backend = pick_backend(manifest, backend, dev)
     check_row_invariant(kernels, backend)
     if backend == "trt" and dev.type != "cuda":

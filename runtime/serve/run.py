@@ -6,8 +6,6 @@ import logging
 import os
 import socket
 
-import torch
-
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.decoding.registry import check_spec
@@ -29,10 +27,8 @@ def check(config: ServeConfig) -> None:
     blocks: tens of milliseconds), the device, the backend and what it can run, the drafter against the dir."""
     manifest = Manifest.load(config.engine_dir)
     manifest.verify(config.engine_dir, sorted(manifest.files))
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise OptionError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    check_cuda_graphs(config.cuda_graphs, config.device)
     device = resolve_device(config.device)
+    check_cuda_graphs(config.cuda_graphs, config.device)
     backend = pick_backend(manifest, config.backend, device)
     check_row_invariant(config.kernels(), backend)
     check_backend_options(backend, device, config.kv_cache_dtype)

@@ -8,6 +8,7 @@ import json
 
 import fixtures
 import pytest
+import torch
 from click.testing import CliRunner
 from fixtures import refused
 
@@ -344,6 +345,14 @@ def test_bench_puts_the_paradigms_side_by_side(tiny_engine_dir, tmp_path):
     assert all(len(p["alpha"]) == 2 and p["draft_over_verify"] is not None and p["tau"] >= 1 for p in rows)
     assert not plot or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refused(run("bench", tiny_engine_dir, "--device", "cpu", "--mtp"), "--mtp", "--synthetic")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("command", [("generate", "--prompt-ids", "1,2"), ("bench",), ("serve",)])
+def test_device_cuda_without_one_is_a_bad_option(tiny_engine_dir, command):
+    """One check (load.resolve_device) for every command, before anything loads or listens."""
+    r = run(command[0], tiny_engine_dir, *command[1:], "--device", "cuda")
+    refused(r, "--device cuda: no CUDA device is visible", "--device cpu", code=2)
 
 
 def test_bench_contexts_that_do_not_fit(tiny_engine_dir):
