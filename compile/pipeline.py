@@ -241,7 +241,7 @@ def _max_seq_len(req: ExportRequest, cfg: Qwen3Config, target_dir: Path | None) 
         return min(DEFAULT_MAX_SEQ_LEN, cfg.context_length)
     if req.max_seq_len > cfg.context_length:
         raise CompileOptionError(f"--max-seq-len {req.max_seq_len} exceeds {cfg.context_source} of {where}; "
-                           "RoPE past it is untrained")
+                                 "RoPE past it is untrained")
     if req.max_seq_len < MIN_SEQ_LEN:
         raise CompileError(f"--max-seq-len {req.max_seq_len}: must be at least {MIN_SEQ_LEN}")
     return req.max_seq_len

@@ -71,11 +71,10 @@ def _room(req: BenchRequest) -> int:
     return -(-need // 256) * 256
 
 
-def open_engines(req: BenchRequest, device: torch.device, backend: str | None = None) -> EngineSet:
-    """The engines to time; ``backend``: an engine dir's, from check_backend (else checked here)."""
+def open_engines(req: BenchRequest, device: torch.device, backend: str | None) -> EngineSet:
+    """The engines to time; ``backend``: an engine dir's, from check_backend."""
     if req.engine_dir:
-        return open_engine_dir(req.engine_dir, backend or check_backend(req, device), str(device), verify=req.verify,
-                               kernels=req.kernels())
+        return open_engine_dir(req.engine_dir, backend, str(device), verify=req.verify, kernels=req.kernels())
     if req.backend not in ("auto", "torch", "fast"):
         raise OptionError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX from)")
     if req.backend == "torch" or (req.backend == "auto" and device.type != "cuda"):
@@ -95,9 +94,9 @@ def open_engines(req: BenchRequest, device: torch.device, backend: str | None = 
     return EngineSet(None, manifest, backend, engines, d2t.get(EAGLE3), {"provider": provider}, d2t.get(MTP))
 
 
-def check_backend(req: BenchRequest, device: torch.device) -> str:
-    """The backend an engine dir's bench runs on, after OptionError for one that cannot run what was asked."""
-    manifest = Manifest.load(req.engine_dir)
+def check_backend(req: BenchRequest, manifest: Manifest, device: torch.device) -> str:
+    """The backend the bench of an engine dir (its ``manifest``) runs on, after OptionError for one that cannot run
+    what was asked."""
     backend = pick_backend(manifest, req.backend, device)
     check_row_invariant(req.kernels(), backend)
     check_backend_options(backend, device, req.kv_cache_dtype)
@@ -109,12 +108,9 @@ def check_backend(req: BenchRequest, device: torch.device) -> str:
     return backend
 
 
-def check_contexts(req: BenchRequest) -> None:
-    """OptionError unless a round, --new-tokens and some context fit the engine dir (a synthetic bench is sized
-    for them all)."""
-    if req.engine_dir is None:
-        return
-    max_seq_len = Manifest.load(req.engine_dir).max_seq_len
+def check_contexts(req: BenchRequest, max_seq_len: int) -> None:
+    """OptionError unless a round, --new-tokens and some context fit an engine dir of ``max_seq_len`` (a synthetic
+    bench is sized for them all)."""
     room = round_room(req.gammas, req.tree)
     if room + 2 > max_seq_len:                      # a round beside a prompt of one token and one new token
         t = req.tree
@@ -137,8 +133,11 @@ def check_contexts(req: BenchRequest) -> None:
 def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
     device = resolve_device(req.device)
-    backend = check_backend(req, device) if req.engine_dir else None
-    check_contexts(req)
+    backend = None
+    if req.engine_dir:
+        manifest = Manifest.load(req.engine_dir)
+        backend = check_backend(req, manifest, device)
+        check_contexts(req, manifest.max_seq_len)
     inputs = (req.engine_dir, req.prompts)
     with contextlib.ExitStack() as outputs:
         # --json / --plot are staged (runtime/common/files.py) before anything is measured: an output that
