@@ -155,8 +155,8 @@ def _warp(top_p, min_p, PV, PI, PN, row, NB, K, K1: tl.constexpr, KP2: tl.conste
     kept = 0.0
     if KEPT:
         kept = tl.sum(tl.where(live & (vals >= tau), tl.exp(vals - top), 0.0), axis=0)
-        if tie:         # tau above tau_k: the candidates above it (all of them are); at tau_k: z
-            kept = tl.where(tau > tau_k, tl.sum(tl.where(live & (vals >= tau), tl.exp(vals - top), 0.0), axis=0), z)
+        if tie:         # tau above tau_k: the candidates above it (all of them are), as summed; at tau_k: z
+            kept = tl.where(tau > tau_k, kept, z)
     return vals, ids, live, top, tau, tau_k, kept, tie
 
 
