@@ -65,20 +65,14 @@ WARPS = 4           # of the split kernel (8: within noise at one row, slower at
 
 
 @triton.jit
-def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i, l_i, acc,
-                  IEEE: tl.constexpr):
-    """Online-softmax update of one query tile's state (m_i, l_i, acc) with the keys ``keys``."""
-    inside = keys < end
+def _online(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Online-softmax update of one query tile's state (m_i, l_i, acc) with the keys k, v where ``visible``
+    [rows, keys]. A row that sees none of them keeps its state bit for bit (alpha 1, p 0, v finite)."""
     if IEEE:
         scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(k))
-    scores = scores * sm_scale
-    col = keys - (wi + M - W)                                               # >= 0: a column of the mask
-    in_mask = (col >= 0) & inside
-    seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
-    visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
-    scores = tl.where(visible, scores, float("-inf"))
+    scores = tl.where(visible, scores * sm_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # rows with nothing visible yet
     p = tl.exp(scores - m_safe[:, None])
@@ -89,6 +83,44 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i, l_i, acc,
+                  IEEE: tl.constexpr):
+    """_online with the keys ``keys`` (k, v) at their slots, visible as the mask says."""
+    inside = keys < end
+    col = keys - (wi + M - W)                                               # >= 0: a column of the mask
+    in_mask = (col >= 0) & inside
+    seen = tl.load(TM + tok[:, None] * stride_tm + col[None, :], mask=live[:, None] & in_mask[None, :], other=0)
+    visible = ((col < 0)[None, :] | (seen != 0)) & inside[None, :]
+    return _online(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
+def _attend_packed(q, KC, VC, base, keys, end, tok, live, TM, stride_tm, origin, W, sm_scale, m_i, l_i, acc,
+                   WP2: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr):
+    """_online over the keys ``keys`` as each token's visible mask columns packed in column order onto
+    origin, origin + 1, ... (row_invariant): a tree node's ancestors then sit where plain decoding holds them
+    (its depth-i ancestor at origin + i) in the same key steps and splits, so it sums them in the same grouping
+    and a node's row is the bits of its token decoded alone. One pass per token of the tile, each with its own
+    gathered keys; keys below origin are the cached ones as they are."""
+    c = tl.arange(0, WP2)
+    d = tl.arange(0, D)
+    i = keys - origin                                                       # a lane's packed index (< 0: cached)
+    for tk in range(tl.min(tok, axis=0), tl.max(tl.where(live, tok, -1), axis=0) + 1):    # the tile's tokens
+        vis = tl.load(TM + tk * stride_tm + c, mask=c < W, other=0) != 0
+        rank = tl.cumsum(vis.to(tl.int32), axis=0) - 1
+        n_vis = tl.sum(vis.to(tl.int32), axis=0)
+        col = tl.sum(tl.where(vis[None, :] & (rank[None, :] == i[:, None]), c[None, :], 0), axis=1)
+        ok = (keys < end) & (i < n_vis)
+        offs = base + tl.where(i < 0, keys, origin + col)[:, None] * D + d[None, :]
+        k = tl.load(KC + offs, mask=ok[:, None], other=0)
+        v = tl.load(VC + offs, mask=ok[:, None], other=0)
+        if KV8:
+            k, v = _e4m3(k, NATIVE).to(q.dtype), _e4m3(v, NATIVE).to(q.dtype)
+        m_i, l_i, acc = _online(q, k, v, (tok == tk)[:, None] & ok[None, :], sm_scale, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -105,7 +137,8 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
 def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_ch, stride_tb, stride_tm, sm_scale,
                   CHUNK, SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                  FIRST: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr):
+                  FIRST: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr,
+                  WP2: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # the reduction, then the o projection, launch now
     HKV: tl.constexpr = HQ // G
@@ -147,17 +180,26 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
         m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
-        m_i, l_i, acc = _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i, l_i,
-                                      acc, IEEE)
+        origin = wi + M - W                                                 # the mask's first column
+        if PACKED and start + BLOCK_S > origin:
+            m_i, l_i, acc = _attend_packed(q, KC, VC, base, keys, end, tok, live, TM, stride_tm, origin, W, sm_scale,
+                                           m_i, l_i, acc, WP2, D, IEEE, KV8, NATIVE)
+        else:
+            m_i, l_i, acc = _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
+                                          l_i, acc, IEEE)
         for s0 in range(start + BLOCK_S, end, BLOCK_S):
             ks = s0 + tl.arange(0, BLOCK_S)
-            kv_offs = base + ks[:, None] * D + d[None, :]
-            k = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0)
-            v = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0)
-            if KV8:
-                k, v = _e4m3(k, NATIVE).to(q.dtype), _e4m3(v, NATIVE).to(q.dtype)
-            m_i, l_i, acc = _attend_block(q, k, v, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale, m_i,
-                                          l_i, acc, IEEE)
+            if PACKED and s0 + BLOCK_S > origin:
+                m_i, l_i, acc = _attend_packed(q, KC, VC, base, ks, end, tok, live, TM, stride_tm, origin, W,
+                                               sm_scale, m_i, l_i, acc, WP2, D, IEEE, KV8, NATIVE)
+            else:
+                kv_offs = base + ks[:, None] * D + d[None, :]
+                k_s = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0)
+                v_s = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0)
+                if KV8:
+                    k_s, v_s = _e4m3(k_s, NATIVE).to(q.dtype), _e4m3(v_s, NATIVE).to(q.dtype)
+                m_i, l_i, acc = _attend_block(q, k_s, v_s, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale,
+                                              m_i, l_i, acc, IEEE)
         # partials [splits, B*M, HQ, (D | m, l)]; the combine reads the live splits only
         slot = ((split * (tl.num_programs(0) // HKV) + b) * M + tok) * HQ + head
         tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
@@ -242,8 +284,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
         MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
-        PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), num_warps=WARPS, num_stages=2, **regs,
-        **cfg.launch())
+        PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant,
+        WP2=triton.next_power_of_2(w), num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
     if out is None:
         out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)

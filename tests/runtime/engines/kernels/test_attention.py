@@ -14,6 +14,7 @@ from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
 
 from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
 from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
+from xcompile.runtime.engines.kernels.config import KernelConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -206,3 +207,66 @@ def test_attention_batch_of_sequences(rows):
     for b in range(batch):
         alone = attention(q[b * rows:(b + 1) * rows], kc[b:b + 1], vc[b:b + 1], wi[b:b + 1], tm[b], heads)
         assert torch.equal(got[b * rows:(b + 1) * rows], alone)
+
+
+TREE = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 6, 8]         # a 12-node tree's parents, breadth first
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """Each node sees its ancestors and itself."""
+    tm = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            tm[i] |= tm[p]
+    return tm.to(DEV)
+
+
+def tree_rows_alone(q, kc, vc, write_index: int, tm, heads: int, cfg: KernelConfig) -> list[torch.Tensor]:
+    """Each node's row as plain decoding computes it: alone, at write_index + its depth, its ancestors' keys
+    and values copied in depth order to write_index, write_index + 1, ... (where an accepted path goes)."""
+    rows = []
+    for r in range(tm.shape[0]):
+        ancestors = tm[r].nonzero().flatten()
+        k2, v2 = kc.clone(), vc.clone()
+        k2[:, :, write_index:write_index + len(ancestors)] = kc[:, :, write_index + ancestors]
+        v2[:, :, write_index:write_index + len(ancestors)] = vc[:, :, write_index + ancestors]
+        wi = torch.tensor([write_index + len(ancestors) - 1], device=DEV)
+        rows.append(attention(q[r:r + 1], k2, v2, wi, tm[:1, :1], heads, cfg=cfg)[0])
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,write_index", [(8, 2, 60), (6, 2, 100)])
+def test_row_invariant_tree_node_is_its_token_decoded_alone(heads, kv_heads, write_index, dtype):
+    """KernelConfig.row_invariant: a tree node's row is the bits of its token decoded alone after its
+    ancestors, though they sit at scattered slots of the block (each token's keys packed in column order
+    onto consecutive positions); without the option the key steps group them otherwise. At write_index 60 the
+    ancestors straddle a 64-key step; 6 heads on 2 put a token's heads across two row tiles."""
+    torch.manual_seed(write_index)
+    d, tm = 64, tree_mask(TREE)
+    kc, vc = randn(1, kv_heads, 640, d, dtype=dtype), randn(1, kv_heads, 640, d, dtype=dtype)
+    q = randn(len(TREE), heads * d, dtype=dtype)
+    wi = torch.tensor([write_index], device=DEV)
+    exact = KernelConfig(row_invariant=True)
+    got = attention(q, kc, vc, wi, tm, heads, cfg=exact)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < TOL[dtype]
+    assert all(torch.equal(row, got[r]) for r, row in enumerate(tree_rows_alone(q, kc, vc, write_index, tm, heads,
+                                                                                exact)))
+    if dtype == torch.float32 and write_index == 60:      # the setup's check: the block's own layout parts
+        loose = attention(q, kc, vc, wi, tm, heads)
+        assert not all(torch.equal(row, loose[r]) for r, row in enumerate(tree_rows_alone(
+            q, kc, vc, write_index, tm, heads, KernelConfig())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [60, 3000])
+def test_row_invariant_tree_at_qwen3_8b_head_shape(ctx):
+    """The same in bf16 on the GPU at the 8B head's shapes (32 heads on 8, d 128, a 4352-slot cache)."""
+    torch.manual_seed(ctx)
+    tm = tree_mask(TREE)
+    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
+    q = randn(len(TREE), 32 * 128, dtype=torch.bfloat16)
+    exact = KernelConfig(row_invariant=True)
+    got = attention(q, kc, vc, torch.tensor([ctx], device=DEV), tm, 32, cfg=exact)
+    assert rel(got, attention_reference(q, kc, vc, torch.tensor([ctx], device=DEV), tm, 32)) < 1e-2
+    assert all(torch.equal(row, got[r]) for r, row in enumerate(tree_rows_alone(q, kc, vc, ctx, tm, 32, exact)))
