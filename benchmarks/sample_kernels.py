@@ -69,9 +69,10 @@ def main() -> None:
     fused, torch_sampler = Sampler(dev, fused=True), Sampler(dev, fused=False)
     fused.reset(params)
     torch_sampler.reset(params)
-    k1 = min(sample.MAX_K + 1, args.vocab)
+    k1 = min(args.top_k + 1, args.vocab)                          # what sample.sample launches
     import triton
-    kp2, block = triton.next_power_of_2(k1), min(BLOCK_V, triton.next_power_of_2(args.vocab))
+    kp2 = triton.next_power_of_2(min(sample.MAX_K + 1, args.vocab))
+    block = min(BLOCK_V, triton.next_power_of_2(args.vocab))
     nb = triton.cdiv(args.vocab, block)
     pv, pi, pn, _ = sample._SCRATCH.get(1, nb, kp2, dev)
     # the worst case: integer logits (every block's last candidate ties the k-th) and no top-p cut, so the tied

@@ -2,7 +2,7 @@
 first rejection, the bonus drawn from the residual left there) for a sampler whose top-k is 1..MAX_K, from the
 same stream (two draws: one coin per node, then the bonus's Gumbel noise), with no sort and no host sync.
 
-    blocks   [B*S rows, column blocks]: each block's MAX_K + 1 largest scaled logits (sample.py's first launch)
+    blocks   [B*S rows, column blocks]: each block's K + 1 largest scaled logits (sample.py's first launch)
     warps    one program per row: the row's warp from its candidates (top-k, then top-p and min-p cut them; a
              tie at the k-th value counted from the blocks, as sample.py does) into a scratch [B*S, 4]: top,
              threshold, kept normaliser, tie
@@ -104,8 +104,8 @@ def _residual(s, x, V, top, tau, kept, rejected, Qrow, T2D, HAS_Q: tl.constexpr,
     return p, r
 
 
-@triton.jit(do_not_specialize=["K"])
-def _warp_rows_kernel(TOP_P, MIN_P, PV, PI, PN, ST, NB, S, K, K1: tl.constexpr, KP2: tl.constexpr,
+@triton.jit(do_not_specialize=["K", "K1"])
+def _warp_rows_kernel(TOP_P, MIN_P, PV, PI, PN, ST, NB, S, K, K1, KP2: tl.constexpr,
                       NBP2: tl.constexpr, TOPP: tl.constexpr, PDL: tl.constexpr):
     # row r of B*S: its warp (sample._warp) -> ST[r] = (top, tau, kept normaliser, tie)
     if PDL:
@@ -122,7 +122,7 @@ def _warp_rows_kernel(TOP_P, MIN_P, PV, PI, PN, ST, NB, S, K, K1: tl.constexpr, 
 
 
 @triton.jit
-def _row_warp(ST, PV, PI, row, NB, K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr):
+def _row_warp(ST, PV, PI, row, NB, K, K1, KP2: tl.constexpr, NBP2: tl.constexpr):
     """Row ``row``'s warp as _warp returns it, its scalars read from the warps launch's ST."""
     vals, ids = _row_candidates(PV, PI, row, NB, K1, KP2, NBP2)
     j = tl.arange(0, KP2)
@@ -131,9 +131,9 @@ def _row_warp(ST, PV, PI, row, NB, K, K1: tl.constexpr, KP2: tl.constexpr, NBP2:
         tl.load(ST + row * 4 + 3) != 0
 
 
-@triton.jit(do_not_specialize=["K"])
+@triton.jit(do_not_specialize=["K", "K1"])
 def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, ST, TOK, QTOK, Q, T2D, COUNT, OUT, V, VQ, NB, S, stride_x,
-                  K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr, BLOCK: tl.constexpr,
+                  K, K1, KP2: tl.constexpr, NBP2: tl.constexpr, BLOCK: tl.constexpr,
                   HAS_Q: tl.constexpr, HAS_T2D: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -195,8 +195,8 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, ST, TOK, QTOK, Q, T2
 
 @dataclass(frozen=True)
 class Candidates:
-    """The launch sizes of a block's candidate search: top-k, candidates a column block keeps (MAX_K + 1) and its
-    power of two, columns a block, blocks a row."""
+    """The launch sizes of a block's candidate search: top-k, candidates a column block keeps (k + 1), the
+    power of two that holds MAX_K + 1 (the same for every k: no compile per k), columns a block, blocks a row."""
 
     k: int
     k1: int
@@ -206,11 +206,12 @@ class Candidates:
 
 
 def candidates(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Candidates]:
-    """The first launch: every row's column blocks' MAX_K + 1 largest scaled logits (sample.py's blocks kernel) of
+    """The first launch: every row's column blocks' k + 1 largest scaled logits (sample.py's blocks kernel) of
     logits [B, S, V] -> (the rows [B*S, V], candidate values and ids [B*S, blocks, KP2], the count of each block's
     tokens at its last candidate [B*S, blocks], the sizes)."""
     b, s, v = logits.shape
-    c = Candidates(min(sampler.params.top_k, v), min(MAX_K + 1, v), triton.next_power_of_2(min(MAX_K + 1, v)),
+    k = min(sampler.params.top_k, v)
+    c = Candidates(k, min(k + 1, v), triton.next_power_of_2(min(MAX_K + 1, v)),
                    min(BLOCK_V, triton.next_power_of_2(v)), triton.cdiv(v, min(BLOCK_V, triton.next_power_of_2(v))))
     x = logits.reshape(b * s, v)
     if x.stride(1) != 1:

@@ -2,7 +2,7 @@
 a tree whose drafts are point masses (q = None: the EAGLE-2 trees' top-k children) for a sampler whose top-k is
 1..MAX_K, from the same stream (one coin per node, then the bonus's Gumbel noise), with no sort and no host sync.
 
-    blocks   [B*S rows, column blocks]: each block's MAX_K + 1 largest scaled logits (sample.py's first launch)
+    blocks   [B*S rows, column blocks]: each block's K + 1 largest scaled logits (sample.py's first launch)
     warps    one program per node row: its warp (top-k, top-p, min-p; a tie at the k-th value counted from the
              blocks) into a scratch row (accept_sampled.warp_rows)
     tree     one program per sequence: the rule over the block's [S, S] sibling and ancestor matrices in
@@ -50,9 +50,9 @@ def _hit(cols, best, TOK, PAR, b, stride_tb, stride_pb, S):
     return hit
 
 
-@triton.jit(do_not_specialize=["K"])
+@triton.jit(do_not_specialize=["K", "K1"])
 def _tree_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, TOK, PAR, DEP, MASK, ST, COUNT, PATH, OUT, V, NB, S, D,
-                 stride_x, stride_tb, stride_pb, stride_db, stride_mb, stride_mi, K, K1: tl.constexpr,
+                 stride_x, stride_tb, stride_pb, stride_db, stride_mb, stride_mi, K, K1,
                  KP2: tl.constexpr, NBP2: tl.constexpr, BLOCK: tl.constexpr, SP2: tl.constexpr,
                  DP2: tl.constexpr, PDL: tl.constexpr):
     if PDL:

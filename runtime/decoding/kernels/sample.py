@@ -5,10 +5,10 @@ sync. The logits are scaled as torch scales them; the normaliser and the top-p m
 order and the GPU's exp and log round otherwise, so a near tie at a top-p / min-p cut or in the Gumbel argmax
 can go the other way than in the torch sampler (in the interpreter the tests see the same tokens).
 
-    blocks   [rows, column blocks]: each block's MAX_K + 1 largest scaled logits and their columns (topk.py's
-             _top; K itself is an argument, so no value of top-k compiles a kernel of its own)
+    blocks   [rows, column blocks]: each block's K + 1 largest scaled logits and their columns (topk.py's
+             _top; K is an argument, so no value of top-k compiles a kernel of its own)
              and how many of the block's tokens equal its last candidate
-    rows     [batch]: per row, the MAX_K + 1 largest of those. Top-k keeps the tokens at or above the K-th (tau_k);
+    rows     [batch]: per row, the K + 1 largest of those. Top-k keeps the tokens at or above the K-th (tau_k);
              when the (K + 1)-th is below it, nothing else can reach tau_k and the kept tokens are these K:
              top-p and min-p cut them further and the draw is an argmax over them. When it ties tau_k (bf16
              logits tie often), tokens at tau_k may lie outside the candidates, but only in a block whose last
@@ -19,7 +19,8 @@ can go the other way than in the torch sampler (in the interpreter the tests see
 The torch sampler took 0.218 ms for one graphed step of the Qwen3 vocabulary on the H200 (T 0.6, top-k 20,
 top-p 0.95), greedy's argmax 0.011 ms: its topk, the sorted top-p and a hash of every column's uniform were
 a dozen launches over the vocabulary. Streaming the whole row on a tie took 0.199 ms a draw on an H100 (no tie:
-0.056; 2026-12-06).
+0.056; 2026-12-06). A pick of _top is a reduction over the block, so a block keeps K + 1 candidates, not
+MAX_K + 1 (top-k 20: 21 picks, not 33).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def _scaled(row, cols, V, temp):
     return tl.math.div_rn(x, temp + tl.zeros_like(x))
 
 
-@triton.jit
-def _sample_blocks_kernel(X, T, PV, PI, PN, Q, V, NB, R, stride_x, stride_q, K1: tl.constexpr, KP2: tl.constexpr,
+@triton.jit(do_not_specialize=["K1"])
+def _sample_blocks_kernel(X, T, PV, PI, PN, Q, V, NB, R, stride_x, stride_q, K1, KP2: tl.constexpr,
                           BLOCK: tl.constexpr, HAS_Q: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -90,7 +91,7 @@ def _draw_base(KEY, CNT, b, ahead):
 
 
 @triton.jit
-def _row_candidates(PV, PI, row, NB, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr):
+def _row_candidates(PV, PI, row, NB, K1, KP2: tl.constexpr, NBP2: tl.constexpr):
     """Row ``row``'s K1 largest scaled logits and their ids, merged from its column blocks' candidates (the
     blocks launch), largest first."""
     j = tl.arange(0, KP2)
@@ -102,7 +103,7 @@ def _row_candidates(PV, PI, row, NB, K1: tl.constexpr, KP2: tl.constexpr, NBP2: 
 
 
 @triton.jit
-def _tile(PV, PI, PN, row, NB, tau_k, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr):
+def _tile(PV, PI, PN, row, NB, tau_k, K1, KP2: tl.constexpr, NBP2: tl.constexpr):
     """Row ``row``'s column blocks' candidates, flattened: (values, ids, ``own``: the candidates that stand for
     themselves in a tie's kept set, each token once: all >= tau_k of a closed block, those above tau_k of an open
     one), the open blocks [NBP2] (last candidate at tau_k: their tokens at tau_k may reach past the candidates,
@@ -130,7 +131,7 @@ def _next_open(is_open, after, NBP2: tl.constexpr):
 
 
 @triton.jit
-def _warp(top_p, min_p, PV, PI, PN, row, NB, K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr,
+def _warp(top_p, min_p, PV, PI, PN, row, NB, K, K1, KP2: tl.constexpr, NBP2: tl.constexpr,
           TOPP: tl.constexpr, KEPT: tl.constexpr):
     """Row ``row``'s warp (Sampler.warp) from its blocks' candidates: the candidates (values, ids, in the top k),
     the row's top, the threshold tau, the k-th value tau_k, whether it ties the (k + 1)-th (then tokens past the
@@ -160,9 +161,9 @@ def _warp(top_p, min_p, PV, PI, PN, row, NB, K, K1: tl.constexpr, KP2: tl.conste
     return vals, ids, live, top, tau, tau_k, kept, tie
 
 
-@triton.jit(do_not_specialize=["K"])      # k an argument: no top-k value compiles a kernel of its own
+@triton.jit(do_not_specialize=["K", "K1"])      # k an argument: no top-k value compiles a kernel of its own
 def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, OUT, Q, QTOK, TGT, V, NB, R, stride_x, stride_out,
-                        stride_q, stride_qt, K, K1: tl.constexpr, KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr,
+                        stride_q, stride_qt, K, K1, KP2: tl.constexpr, NBP2: tl.constexpr, TOPP: tl.constexpr,
                         BLOCK: tl.constexpr, HAS_Q: tl.constexpr, HAS_T: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -224,7 +225,8 @@ def sample(logits: torch.Tensor, sampler, out: torch.Tensor | None = None, q: to
     ``q_tok`` may be strided views (a column of a block's buffers)."""
     k = min(sampler.params.top_k, logits.shape[-1])
     assert 0 < k <= MAX_K and not sampler.greedy, sampler.params
-    k1 = min(MAX_K + 1, logits.shape[-1])        # candidates for any k (an argument: no compile per k)
+    k1 = min(k + 1, logits.shape[-1])            # candidates: the k-th and the one that may tie it
+    kp2 = triton.next_power_of_2(min(MAX_K + 1, logits.shape[-1]))      # room for any k: no compile per k
     shape = logits.shape[:-1]
     v = logits.shape[-1]
     x = logits.reshape(-1, v)
@@ -235,7 +237,6 @@ def sample(logits: torch.Tensor, sampler, out: torch.Tensor | None = None, q: to
     assert not has_q or (r == 1 and q.shape == x.shape and q.stride(1) == 1 and q_tok is not None
                          and q.dtype == q_tok.dtype == torch.float32), (q, q_tok)
     assert targets is None or (r == 1 and targets.is_contiguous() and targets.dtype == torch.int64)
-    kp2 = triton.next_power_of_2(k1)
     block = min(BLOCK_V, triton.next_power_of_2(v))
     nb = triton.cdiv(v, block)
     pv, pi, pn, _ = _SCRATCH.get(rows, nb, kp2, x.device)

@@ -46,7 +46,7 @@ def _top(x, key, K: tl.constexpr, KP2: tl.constexpr):
     packed = (ordered.to(tl.int64) << 32) | (2147483647 - key).to(tl.int64)
     none = -9223372036854775807 - 1                         # int64's least: a taken candidate
     taken = key == _BIG
-    for t in tl.static_range(K):
+    for t in range(K):                                      # K may be a launch argument
         best = tl.max(tl.reshape(tl.where(taken, none, packed), [packed.numel]), axis=0)
         hi = (best >> 32).to(tl.int32)
         v = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)

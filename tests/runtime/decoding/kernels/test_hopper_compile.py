@@ -30,7 +30,7 @@ if "nvidia" not in backends:
 POINTERS = {**dict.fromkeys(("T", "TOP_P", "MIN_P", "PV", "PN", "Q", "QTOK", "ST"), "*fp32"),
             **dict.fromkeys(("KEY", "CNT", "OUT", "TGT", "TOK", "COUNT", "T2D", "PAR", "DEP", "PATH"), "*i64"),
             "PI": "*i32", "X": "*bf16", "MASK": "*u8"}
-TILE = dict(K1=sample.MAX_K + 1, KP2=64, PDL=False)         # 151,936 columns: 38 blocks of 4,096
+TILE = dict(KP2=64, PDL=False)                              # 151,936 columns: 38 blocks of 4,096
 KERNELS = [
     (sample._sample_blocks_kernel, dict(TILE, BLOCK=4096, HAS_Q=True)),
     (sample._sample_rows_kernel, dict(TILE, NBP2=64, TOPP=True, BLOCK=4096, HAS_Q=False, HAS_T=False)),
