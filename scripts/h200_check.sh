@@ -4,7 +4,8 @@
 #   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
 #            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
 #   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
-#   agree8b  the same on the Qwen3-8B shape's synthetic weights (8 prompts x 512 tokens; issue 38 item 3)
+#   agree8b  the same on the Qwen3-8B shape's synthetic weights (8 prompts x 512 tokens; issue 38 item 3;
+#            AGREE8B_ARGS: its other options, --row-invariant say)
 #   quant    the quantized kernels' tests (all, compiled), benchmarks/qlinear_tiles.py at one row, qgemv.cu's tiles
 #            beside the Triton GEMV (TILES_ARGS: its options),
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
@@ -133,7 +134,8 @@ for part in "$@"; do
     grep -E "$SHOW|sample|accept" "$OUT/bench_sampled.log"
     ;;
   agree8b)
-    run agree8b 540 python3 benchmarks/fast_agreement.py --synthetic qwen3-8b --num-prompts 8 --new-tokens 512
+    run agree8b 540 python3 benchmarks/fast_agreement.py --synthetic qwen3-8b --num-prompts 8 --new-tokens 512 \
+      ${AGREE8B_ARGS:-}
     grep -E "teacher-forced|tau" "$OUT/agree8b.log"
     ;;
   batch)
