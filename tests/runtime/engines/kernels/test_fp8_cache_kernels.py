@@ -14,6 +14,7 @@ from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
 
 from xcompile.compile.models.layers import rope_tables  # noqa: E402
 from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
+from xcompile.runtime.engines.kernels.config import KernelConfig  # noqa: E402
 from xcompile.runtime.engines.kernels.qcodes import _to_e4m3  # noqa: E402
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
 
@@ -79,3 +80,20 @@ def test_attention_reads_an_fp8_cache_exactly(m, dtype):
     # the same as over the caches' values in q's dtype (e4m3 values are exact in bf16)
     full = attention(q, *(c.to(dtype) for c in caches), index, mask, heads)
     assert rel(got, want) < TOL[dtype] and torch.equal(got, full)
+
+
+def test_row_invariant_tree_reads_an_fp8_cache_exactly():
+    """A tree block under KernelConfig.row_invariant (each token's keys gathered, attention.py's packed path)
+    over an FP8 cache: the bits of the same call over the cache's values in bf16."""
+    torch.manual_seed(5)
+    heads, kv_heads, d, wi = 4, 2, 64, 60
+    caches = [randn(1, kv_heads, 256, d, dtype=torch.float32, scale=3.0).to(FP8) for _ in range(2)]
+    mask = torch.eye(6, dtype=torch.bool, device=DEV)
+    for i, p in enumerate([-1, 0, 0, 1, 2, 2]):           # each node sees its ancestors
+        if p >= 0:
+            mask[i] |= mask[p]
+    q = randn(6, heads * d, dtype=torch.bfloat16)
+    index, exact = torch.tensor([wi], device=DEV), KernelConfig(row_invariant=True)
+    got = attention(q, *caches, index, mask, heads, cfg=exact)
+    assert rel(got, attention_reference(q, *caches, index, mask, heads)) < TOL[torch.bfloat16]
+    assert torch.equal(got, attention(q, *(c.to(torch.bfloat16) for c in caches), index, mask, heads, cfg=exact))
