@@ -96,7 +96,7 @@ for part in "$@"; do
   case $part in
   tests)
     # TESTS: other pytest arguments (default: every gpu-marked test of the engines and the loop)
-    run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:--m gpu tests/runtime/engines tests/runtime/decoding}
+    run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:--m gpu tests/runtime/engines tests/runtime/decoding}
     tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
     ;;
   bench)
@@ -106,7 +106,7 @@ for part in "$@"; do
     cat "$OUT/fast_decode.log"
     ;;
   quant)
-    run qlinear_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/engines/kernels/test_qlinear.py \
+    run qlinear_tests 240 python3 -m pytest -q -p no:cacheprovider -rfEs tests/runtime/engines/kernels/test_qlinear.py \
       tests/runtime/engines/kernels/test_cuda_qgemv.py
     tail -1 "$OUT/qlinear_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/qlinear_tests.log" | head -20
     run qlinear_tiles 280 python3 benchmarks/qlinear_tiles.py --rows 1 --cuda ${TILES_ARGS:-}
@@ -122,7 +122,7 @@ for part in "$@"; do
     ;;
   sample)
     # 330: on a fresh H100 the kernels' and loops' tests (61) ran past 240 s with their first compiles (2026-12-06)
-    run sample_tests 330 python3 -m pytest -q -p no:cacheprovider -rs ${SAMPLE_TESTS:-tests/runtime/decoding/kernels/test_sample.py \
+    run sample_tests 330 python3 -m pytest -q -p no:cacheprovider -rfEs ${SAMPLE_TESTS:-tests/runtime/decoding/kernels/test_sample.py \
       tests/runtime/decoding/kernels/test_accept_sampled.py tests/runtime/decoding/test_sampling_gpu.py}
     tail -1 "$OUT/sample_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/sample_tests.log" | head -20
     run sample_kernels 60 python3 benchmarks/sample_kernels.py

@@ -98,24 +98,15 @@ def _attend_block(q, k, v, keys, end, tok, live, TM, stride_tm, wi, M, W, sm_sca
 
 
 @triton.jit
-def _bent(TM, stride_tm, tok, live, M, W, WP2: tl.constexpr):
-    """Whether a live row's mask is other than a chain's (token t sees columns 0..W - M + t), so that packing
-    its visible columns (_attend_packed) would move keys: plain decoding and chains never pay for it."""
-    c = tl.arange(0, WP2)
-    cols = live[:, None] & (c < W)[None, :]
-    seen = tl.load(TM + tok[:, None] * stride_tm + c[None, :], mask=cols, other=0) != 0
-    bent = cols & (seen != (c[None, :] <= (W - M + tok)[:, None]))
-    return tl.max(tl.max(bent.to(tl.int32), axis=1), axis=0) > 0
-
-
-@triton.jit
 def _attend_packed(q, KC, VC, base, keys, end, tok, live, TM, stride_tm, origin, W, sm_scale, m_i, l_i, acc,
                    WP2: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr):
     """_online over the keys ``keys`` as each token's visible mask columns packed in column order onto
     origin, origin + 1, ... (row_invariant): a tree node's ancestors then sit where plain decoding holds them
     (its depth-i ancestor at origin + i) in the same key steps and splits, so it sums them in the same grouping
     and a node's row is the bits of its token decoded alone. One pass per token of the tile, each reading its
-    own keys (those below origin as they are; a second tile kept live across the passes spilled registers)."""
+    own keys (those below origin as they are; a second tile kept live across the passes spilled registers).
+    Every row_invariant call takes it for its tiles from origin on, one row and chains included: on an H100 the
+    shared tiles (_attend_block) and these passes rounded 2 of 24 tree rows an ulp apart over the same keys."""
     c = tl.arange(0, WP2)
     d = tl.arange(0, D)
     i = keys - origin                                                       # a lane's packed index (< 0: cached)
@@ -189,10 +180,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
         origin = wi + M - W                                                 # the mask's first column
-        bent = False                                                        # compiled away unless PACKED
-        if PACKED:
-            bent = _bent(TM, stride_tm, tok, live, M, W, WP2)
-        if bent and start + BLOCK_S > origin:
+        if PACKED and start + BLOCK_S > origin:
             m_i, l_i, acc = _attend_packed(q, KC, VC, base, keys, end, tok, live, TM, stride_tm, origin, W, sm_scale,
                                            m_i, l_i, acc, WP2, D, IEEE, KV8, NATIVE)
         else:       # (names of their own: a branch may not retype k, v)
@@ -204,7 +192,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
         for s0 in range(start + BLOCK_S, end, BLOCK_S):
             ks = s0 + tl.arange(0, BLOCK_S)
             kv_offs = base + ks[:, None] * D + d[None, :]
-            if bent and s0 + BLOCK_S > origin:
+            if PACKED and s0 + BLOCK_S > origin:
                 m_i, l_i, acc = _attend_packed(q, KC, VC, base, ks, end, tok, live, TM, stride_tm, origin, W,
                                                sm_scale, m_i, l_i, acc, WP2, D, IEEE, KV8, NATIVE)
             else:
@@ -298,7 +286,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
         k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
         MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
-        PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant and m > 1,
+        PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant,
         WP2=triton.next_power_of_2(w), num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
     if out is None:
         out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
