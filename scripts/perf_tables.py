@@ -89,6 +89,7 @@ TABLES = {
     "peer": Table("peer", "bench", ("transformers",)),
     "demo-agreement": Table("demo-agreement", "agreement"),
     "demo-agreement-row-invariant-h100": Table("demo-agreement-row-invariant-h100", "agreement"),
+    "agreement-8b-row-invariant-h100": Table("agreement-8b-row-invariant-h100", "agreement"),
     "demo-cpu": Table("demo-cpu", "demo"),
     "drafters-cpu": Table("drafters-cpu", "tau"),
     "sampling-cpu": Table("sampling-cpu", "tau"),

@@ -29,6 +29,10 @@ requested before the PDL wait (1 / 7 / 32 tokens at context 128: 4.32 / 4.61 / 5
 while both are in SHORT_CHUNK's range (on a 4352-slot cache: wi + 64 <= 1088) and not past it (one row's
 chunk is 128 keys, several rows' 256), where speculative and plain greedy may part at a near tie.
 
+Under KernelConfig.row_invariant the key steps from the mask's first column on are read per token, its visible
+columns packed in order onto consecutive positions (_attend_packed): a tree node then sums its ancestors' keys
+in the grouping its token decoded alone sums them, where the mask alone would leave them at scattered slots.
+
 Launches: the split kernel at 4 warps holds ~180 registers a thread, two programs a SM; grids of more than
 four programs a SM at the cache's full length are capped at MAXNREG (four a SM: a 32-token verify at
 context 4096 7.06 -> 6.73 ms). The reduction sums COMBINE_BLOCK columns of a head a program (a one-row

@@ -9,9 +9,11 @@ stays open is what a user or a benchmark must be able to choose:
                shapes in ``tiles.cuda`` on gemv.cu's, FP8 and INT4 on qgemv.cu's; off to time the Triton GEMVs
     tiles      the tile tables, per weight shape (N_OUT, K): data in tiles.json, replaced by a tuning run's
     row_invariant  one-row calls take the paths of several rows' (the tile kernels, attention's split layout of
-               several rows), so a token's logits are the same bits alone as in any row of a verify block and
-               every drafter's greedy output is plain greedy's bit for bit; its cost is the one-row GEMV's
-               speed (docs/performance.md measures it)
+               several rows) and attention reads each token's visible keys packed onto consecutive positions
+               (a tree node's ancestors where plain decoding holds them), so a token's logits are the same bits
+               alone as in any row of a verify block, chain or tree, and every drafter's greedy output is plain
+               greedy's bit for bit; its cost is the one-row GEMV's speed and the packed passes
+               (docs/performance.md measures it)
 
 Tile tables are keyed by weight shape only, never by row count, so a row reduces in the same order at
 every row count the tile kernel serves.
