@@ -14,8 +14,8 @@ block where plain decoding computes it alone (issue 38's row invariance, at the 
 1. Teacher-forced: the reference's greedy tokens are fed one decode step at a time into both the torch
    backend and the other backend; at every position the two argmaxes are compared. Each disagreement is
    reported with the reference's top-2 logit gap there (a near tie when small).
-2. Free-running on the other backend: plain greedy against the EAGLE3 chain (gamma 4, 6) and tree
-   (10/6/32), the same of the MTP module and the draft model's chain (gamma 4) where the dir holds them, with
+2. Free-running on the other backend: plain greedy against the EAGLE3 chains (--gammas, default 4 and 6) and
+   trees (--tree, default 10/6/32), the same of the MTP module and the draft model's chains where the dir holds them, with
    whole-round CUDA graphs where the backend allows them: identical outputs, or the first divergence with its
    gap. The measured tau of each is printed too.
 
@@ -24,7 +24,8 @@ tile (where BK divides K; a KernelConfig whose ``gemv`` table lists every weight
 numerics the Qwen3-8B shapes get from the shipped tables, tried on the demo's trained weights, whose own shapes
 have none. ``--cuda-all COLS,WARPS,STAGES`` does the same with gemv.cu's CUDA C++ kernel (its ``cuda`` table).
 ``--row-invariant`` runs the fast target with KernelConfig.row_invariant (one-row calls on the verify paths), under
-which every speculative output should equal plain greedy's.
+which every speculative output should equal plain greedy's. ``--gammas 1,2,3,4,5,6,7,8`` and ``--tree 16,8,64``
+(repeatable) choose the chains and trees counted (default: chains of 4 and 6, the 10/6/32 tree).
 """
 
 from __future__ import annotations
@@ -118,6 +119,25 @@ def tile_arg(kind: type, text: str, option: str):
                          + ("; AHEAD 1-4)" if kind is Gemv else ")")) from None
 
 
+def shapes(gammas: str, trees: list[str]) -> tuple[list[int], list[TreeShape]]:
+    """--gammas and --tree as chain lengths and tree shapes (SystemExit naming the option if malformed)."""
+    try:
+        lengths = [int(g) for g in gammas.split(",")]
+        assert lengths and min(lengths) >= 1
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--gammas {gammas!r}: expected chain lengths >= 1, comma-separated") from None
+    trees_out = []
+    for t in trees:
+        try:
+            parts = [int(v) for v in t.split(",")]
+            if len(parts) != 3:
+                raise ValueError(t)
+            trees_out.append(TreeShape(*parts))
+        except (ValueError, EngineError):
+            raise SystemExit(f"--tree {t!r}: expected TOPK,DEPTH,TOKENS (integers >= 1)") from None
+    return lengths, trees_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine_dir", nargs="?")
@@ -134,7 +154,11 @@ def main() -> None:
     ap.add_argument("--gemv-all", help="BN,BK,WARPS[,AHEAD]: every one-row projection on this GEMV tile (docstring)")
     ap.add_argument("--cuda-all", help="COLS,WARPS,STAGES: every one-row projection on gemv.cu's kernel (docstring)")
     ap.add_argument("--row-invariant", action="store_true", help="the fast target's one-row calls on its verify paths")
+    ap.add_argument("--gammas", default="4,6", help="chain lengths counted, each drafter the dir holds (1,2,...,8 say)")
+    ap.add_argument("--tree", action="append", metavar="TOPK,DEPTH,TOKENS",
+                    help="a tree shape counted for EAGLE3 and MTP (repeatable; default 10,6,32)")
     args = ap.parse_args()
+    args.gammas, args.tree = shapes(args.gammas, args.tree or ["10,6,32"])
     if (args.engine_dir is None) == (args.synthetic is None):
         ap.error("give an ENGINE_DIR or --synthetic NAME, not both")
     gemv = tile_arg(Gemv, args.gemv_all, "--gemv-all") if args.gemv_all else None
@@ -206,8 +230,8 @@ def run(args, ref_es, fast_es) -> list[float]:
           f"gaps there: {[round(g, 4) for g in sorted(gaps)]}; positions with a gap <= {eps:.4f}: {near}")
     fast_plain = graphed(fast_es, NoDrafter())
     specs = [s for name in ("eagle3", "mtp") if DRAFTERS[name].holds(fast_es)
-             for s in (DrafterSpec(name, 4), DrafterSpec(name, 6), DrafterSpec(name, tree=TreeShape(10, 6, 32)))]
-    specs += [DrafterSpec("draft-model", 4)] if DRAFTERS["draft-model"].holds(fast_es) else []
+             for s in [DrafterSpec(name, g) for g in args.gammas] + [DrafterSpec(name, tree=t) for t in args.tree]]
+    specs += [DrafterSpec("draft-model", g) for g in args.gammas] if DRAFTERS["draft-model"].holds(fast_es) else []
     for spec in specs:
         name = spec.label
         taus = {}

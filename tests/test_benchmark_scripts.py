@@ -77,6 +77,8 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("fast_agreement.py", ["no-such-dir", "--row-invariant", "--against", "ort"], "use them with --against fast"),
     ("fast_agreement.py", ["no-such-dir", "--device", "cpu"], "no-such-dir"),
     ("fast_agreement.py", ["--synthetic", "qwen3-8b", "--against", "ort"], "--synthetic has no ONNX graphs"),
+    ("fast_agreement.py", ["no-such-dir", "--gammas", "4,0"], "--gammas '4,0': expected chain lengths >= 1"),
+    ("fast_agreement.py", ["no-such-dir", "--tree", "10,6"], "--tree '10,6': expected TOPK,DEPTH,TOKENS"),
     ("dump_logits.py", ["--out", "never-written.pt"], "no CUDA device here"),
     ("dump_logits.py", ["--compare", "no-such-a.pt", "no-such-b.pt"], "no-such-a.pt: not readable as a dump"),
     ("serve_load.py", [], "give an ENGINE_DIR (a server is started) or --url of a running server, not both"),
