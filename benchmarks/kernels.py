@@ -39,7 +39,8 @@ from triton.runtime.errors import OutOfResources
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels.config import TABLES, CudaGemv, Gemv, KernelConfig, Tile, Tiles, shipped_tiles
-from xcompile.runtime.engines.kernels.linear import RowSums, linear, linear_reference
+from xcompile.runtime.engines.kernels.linear import linear, linear_reference
+from xcompile.runtime.engines.kernels.tile_finish import RowSums
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
 ROWS = (1, 7, 32)               # decode, chain verify (gamma 6), tree verify (10/6/32)

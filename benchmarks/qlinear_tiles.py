@@ -23,7 +23,7 @@ from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels import cuda_qgemv as C
 from xcompile.runtime.engines.kernels import qlinear as Q
 from xcompile.runtime.engines.kernels.config import KernelConfig
-from xcompile.runtime.engines.kernels.linear import RowSums
+from xcompile.runtime.engines.kernels.tile_finish import RowSums
 from xcompile.runtime.engines.qweight import FP8, INT4, quantize
 
 DEV, DT = torch.device("cuda"), torch.bfloat16

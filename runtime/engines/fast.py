@@ -40,10 +40,11 @@ from xcompile.runtime.engines.base import KV_FP8, SHORT_STEPS, Engine
 from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
 from xcompile.runtime.engines.kernels.attention import attention
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
-from xcompile.runtime.engines.kernels.linear import RowSums, embedding, linear
+from xcompile.runtime.engines.kernels.linear import embedding, linear
 from xcompile.runtime.engines.kernels.norm import embed_norms
 from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv
+from xcompile.runtime.engines.kernels.tile_finish import RowSums
 from xcompile.runtime.engines.qweight import QWeight
 from xcompile.runtime.engines.torch_module import TorchEngine
 

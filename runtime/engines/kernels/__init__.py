@@ -10,6 +10,8 @@ One module per fused step, each with the plain-torch reference it is tested agai
     qlinear.py    the same with quantized weights (FP8 blocks, INT4 groups; codes converted in registers,
                   qcodes.py); one row on qgemv.py's Triton GEMV, or (INT4, where nvcc builds it) in
                   CUDA C++ on the tensor cores (qgemv.cu, cuda_qgemv.py)
+    tile_finish.py  what linear's and qlinear's tile kernels do after their K loop (row scaling, epilogues,
+                  split-K partials) and the row sums that carry an RMSNorm between calls (RowSums)
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
     norm.py       the embedding gather (with row sums), the EAGLE3 step's input norms, RMSNorm launches

@@ -38,10 +38,10 @@ from xcompile.runtime.common.gpu import ieee_dot, interpreted
 from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE, cuda_qgemv
 from xcompile.runtime.engines.kernels.common import _load_x, counters
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
-from xcompile.runtime.engines.kernels.linear import RowSums, _finish, _zero_accs
 from xcompile.runtime.engines.kernels.norm import rms_norm
 from xcompile.runtime.engines.kernels.qcodes import _tile_codes
 from xcompile.runtime.engines.kernels.qgemv import _columns, _qgemv_kernel
+from xcompile.runtime.engines.kernels.tile_finish import RowSums, _finish, _zero_accs
 from xcompile.runtime.engines.qweight import FP8, INT4, QWeight
 
 # by kind: the tile kernel's (BLOCK_N, warps, stages, programs: K split until the grid has that many), the
@@ -210,7 +210,7 @@ def _qlinear_kernel(X, CODES, S, Z, G, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, 
                     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                     NSUM: tl.constexpr, NSUM_P2: tl.constexpr, SUMS: tl.constexpr, NATIVE: tl.constexpr):
     # one program: BLOCK_N output columns for all M rows (TILES tiles of BLOCK_M rows, unrolled), over the
-    # K_SPLIT inputs from program_id(1) * K_SPLIT (all of K unless split: linear._finish)
+    # K_SPLIT inputs from program_id(1) * K_SPLIT (all of K unless split: tile_finish._finish)
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * K_SPLIT
     cols, wcols, srow, urow = _columns(pid_n, N_OUT, BLOCK_N, ROWS)

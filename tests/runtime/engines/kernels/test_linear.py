@@ -23,6 +23,7 @@ from xcompile.runtime.engines.kernels.attention import attention  # noqa: E402
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig, Tiles  # noqa: E402
 from xcompile.runtime.engines.kernels.linear import linear, linear_reference  # noqa: E402
 from xcompile.runtime.engines.kernels.norm import embedding_rows, rms_norm  # noqa: E402
+from xcompile.runtime.engines.kernels.tile_finish import RowSums  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -176,10 +177,10 @@ def test_norm_sums_match_reference_and_the_row_count(split, dtype):
     readers = [(randn(2 * n, h, dtype=dtype, scale=h ** -0.5), True), (randn(n, h, dtype=dtype, scale=h ** -0.5), False)]
     full = None
     for m in (40, 2, 7, 17):
-        sums = L.RowSums(h, dtype, torch.device(DEV))
+        sums = RowSums(h, dtype, torch.device(DEV))
         x = x0[:m].clone()
         linear(a[:m], wo, residual=x, out=x, sums_out=sums, cfg=cfg)
-        assert sums.source == L.RowSums.key(x) and sums.blocks == 5
+        assert sums.source == RowSums.key(x) and sums.blocks == 5
         assert rel(sums.buf[:5, :m].sum(0), (x.float() ** 2).sum(1)) < 1e-6
         got = [linear(x, fold(w, g), norm=sums.unit, gated=gated, sums=sums, cfg=cfg) for w, gated in readers]
         for out, (w, gated) in zip(got, readers):
@@ -198,12 +199,12 @@ def test_row_sums_are_used_only_for_the_result_they_were_left_for():
     h, n = 96, 64
     wo, wg = randn(h, h, dtype=torch.float32, scale=h ** -0.5), randn(2 * n, h, dtype=torch.float32, scale=h ** -0.5)
     cfg = with_tiles(gemv={(h, h): (4, 32, 4)})
-    sums = L.RowSums(h, torch.float32, torch.device(DEV))
+    sums = RowSums(h, torch.float32, torch.device(DEV))
     x = randn(5, h, dtype=torch.float32)
     linear(x[:1], wo, residual=x[:1], out=x[:1], sums_out=sums, cfg=cfg)         # a GEMV: no sums
     assert sums.source is None
     linear(x, wo, residual=x, out=x, sums_out=sums, cfg=cfg)
-    assert sums.source == L.RowSums.key(x)
+    assert sums.source == RowSums.key(x)
     want = linear(x, wg, norm=sums.unit, gated=True, cfg=cfg)                    # no sums: the norm launch
     other = x.clone()
     assert torch.equal(linear(other, wg, norm=sums.unit, gated=True, sums=sums, cfg=cfg), want)   # not other's
@@ -227,10 +228,10 @@ def test_embedding_leaves_the_row_sums_the_first_qkv_reads(dtype):
     ids0 = torch.randint(0, v, (40,), device=DEV)
     full = None
     for m in (40, 2, 7, 17):
-        sums = L.RowSums(h, dtype, torch.device(DEV))
+        sums = RowSums(h, dtype, torch.device(DEV))
         x = L.embedding(ids0[:m], embed, sums_out=sums)
         assert torch.equal(x, F.embedding(ids0[:m], embed))
-        assert sums.source == L.RowSums.key(x) and sums.blocks == 1
+        assert sums.source == RowSums.key(x) and sums.blocks == 1
         assert rel(sums.buf[0, :m], (x.float() ** 2).sum(1)) < 1e-6
         out = linear(x, fold(w, g), norm=sums.unit, sums=sums)
         assert rel(out, linear_reference(x, w, norm=g)) < TOL[dtype]
@@ -327,7 +328,7 @@ def test_row_sums_at_qwen3_8b_shapes(writer, reader):
     x0, wf = 3 * randn(33, h, dtype=torch.bfloat16), fold(wr, g)
     outs = []
     for m in (7, 33):
-        sums, x = L.RowSums(h, torch.bfloat16, torch.device(DEV)), x0[:m].clone()
+        sums, x = RowSums(h, torch.bfloat16, torch.device(DEV)), x0[:m].clone()
         linear(a[:m], ww, residual=x, out=x, sums_out=sums)
         assert sums.source is not None
         assert rel(sums.buf[:sums.blocks, :m].sum(0), (x.float() ** 2).sum(1)) < 1e-5
@@ -349,7 +350,7 @@ def test_embedding_sums_at_qwen3_8b_qkv():
     ids, wf = torch.randint(0, 1000, (32,), device=DEV), fold(w, g)
     outs = []
     for m in (7, 32):
-        sums = L.RowSums(4096, torch.bfloat16, torch.device(DEV))
+        sums = RowSums(4096, torch.bfloat16, torch.device(DEV))
         x = L.embedding(ids[:m], embed, sums_out=sums)
         assert torch.equal(x, F.embedding(ids[:m], embed))
         assert rel(sums.buf[0, :m], (x.float() ** 2).sum(1)) < 1e-5

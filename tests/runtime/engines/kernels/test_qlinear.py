@@ -13,8 +13,8 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 
 from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
 
-from xcompile.runtime.engines.kernels.linear import RowSums  # noqa: E402
 from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear, qlinear_reference  # noqa: E402
+from xcompile.runtime.engines.kernels.tile_finish import RowSums  # noqa: E402
 from xcompile.runtime.engines.qweight import FP8, INT4, QWeight, quantize  # noqa: E402
 
 SCHEMES = [(FP8, (32, 64)), (INT4, (1, 64)), (INT4, (1, 128))]
@@ -81,7 +81,7 @@ def test_gemv_tiles_stream_k_in_steps_with_tiles_loaded_ahead(scheme, tile, monk
 @pytest.mark.parametrize("programs", [18, 10**6], ids=["uneven-split", "a-chunk-each"])
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s}")
 def test_tile_kernel_splits_k_into_whole_chunks(scheme, programs, monkeypatch):
-    """The tile kernel with K split across programs (linear._finish adds the partials in split order): pieces
+    """The tile kernel with K split across programs (tile_finish._finish adds the partials in split order): pieces
     of unequal length, down to one chunk each, gated with the norm and a residual, two row tiles."""
     import xcompile.runtime.engines.kernels.qlinear as Q
 
