@@ -123,8 +123,9 @@ def shapes(gammas: str, trees: list[str]) -> tuple[list[int], list[TreeShape]]:
     """--gammas and --tree as chain lengths and tree shapes (SystemExit naming the option if malformed)."""
     try:
         lengths = [int(g) for g in gammas.split(",")]
-        assert lengths and min(lengths) >= 1
-    except (ValueError, AssertionError):
+        if min(lengths) < 1:
+            raise ValueError(gammas)
+    except ValueError:
         raise SystemExit(f"--gammas {gammas!r}: expected chain lengths >= 1, comma-separated") from None
     trees_out = []
     for t in trees:

@@ -47,7 +47,6 @@ def timed(fn, calls: int) -> float:
 
 def main() -> None:
     from xcompile.runtime.decoding.kernels import sample
-    from xcompile.runtime.decoding.kernels.topk import BLOCK_V
     from xcompile.runtime.decoding.sampling import Sampler, SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,12 +68,8 @@ def main() -> None:
     fused, torch_sampler = Sampler(dev, fused=True), Sampler(dev, fused=False)
     fused.reset(params)
     torch_sampler.reset(params)
-    k1 = min(args.top_k + 1, args.vocab)                          # what sample.sample launches
-    import triton
-    kp2 = triton.next_power_of_2(min(sample.MAX_K + 1, args.vocab))
-    block = min(BLOCK_V, triton.next_power_of_2(args.vocab))
-    nb = triton.cdiv(args.vocab, block)
-    pv, pi, pn, _ = sample._SCRATCH.get(1, nb, kp2, dev)
+    c = sample.Candidates.of(args.top_k, args.vocab)                 # what sample.sample launches
+    pv, pi, pn, _ = sample._SCRATCH.get(1, c.nb, c.kp2, dev)
     # the worst case: integer logits (every block's last candidate ties the k-th) and no top-p cut, so the tied
     # tokens are kept and every block is read again
     integer = (plain * 2).round()
@@ -82,9 +77,9 @@ def main() -> None:
     wide.reset(SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=1.0, seed=0))
 
     def blocks():
-        sample._sample_blocks_kernel[(1, nb)](tied, fused.temperature, pv, pi, pn, tied, args.vocab, nb, 1,
-                                              tied.stride(0), tied.stride(0), K1=k1, KP2=kp2, BLOCK=block,
-                                              HAS_Q=False, PDL=sample.pdl(), num_warps=8, **sample.launch())
+        sample._sample_blocks_kernel[(1, c.nb)](tied, fused.temperature, pv, pi, pn, tied, args.vocab, c.nb, 1,
+                                                tied.stride(0), tied.stride(0), K1=c.k1, KP2=c.kp2, BLOCK=c.block,
+                                                HAS_Q=False, PDL=sample.pdl(), num_warps=8, **sample.launch())
 
     rows = [("kernels, no tie", lambda: sample.sample(plain, fused)),
             ("kernels, tie", lambda: sample.sample(tied, fused)),

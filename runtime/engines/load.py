@@ -273,7 +273,6 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     ``cuda_graphs`` applies to TensorRT engines, which record graphs of their own launches, and to ORT on
     CUDA (its ``enable_cuda_graph``); torch- and fast-backend rounds are recorded by the generation loop
     (``LoopOptions(cuda_graphs=...)``, runtime/decoding/rounds.py)."""
-
     from xcompile.runtime.enginedir.manifest import Manifest
 
     directory = Path(directory)

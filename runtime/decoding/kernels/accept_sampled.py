@@ -22,8 +22,6 @@ Gumbel argmax can go the other way than in the torch rule (in the interpreter th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +30,7 @@ from xcompile.runtime.decoding.kernels import SAMPLE_MAX_K as MAX_K
 from xcompile.runtime.decoding.kernels import launch, pdl
 from xcompile.runtime.decoding.kernels.sample import (
     _SCRATCH,
+    Candidates,
     _draw_base,
     _gumbel,
     _mix32,
@@ -42,7 +41,6 @@ from xcompile.runtime.decoding.kernels.sample import (
     _tile,
     _warp,
 )
-from xcompile.runtime.decoding.kernels.topk import BLOCK_V
 from xcompile.runtime.decoding.speculative import Accepted, Block
 
 
@@ -193,26 +191,12 @@ def _chain_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, ST, TOK, QTOK, Q, T2
     tl.store(CNT + b, cnt + 2)
 
 
-@dataclass(frozen=True)
-class Candidates:
-    """The launch sizes of a block's candidate search: top-k, candidates a column block keeps (k + 1), the
-    power of two that holds MAX_K + 1 (the same for every k: no compile per k), columns a block, blocks a row."""
-
-    k: int
-    k1: int
-    kp2: int
-    block: int
-    nb: int
-
-
 def candidates(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Candidates]:
     """The first launch: every row's column blocks' k + 1 largest scaled logits (sample.py's blocks kernel) of
     logits [B, S, V] -> (the rows [B*S, V], candidate values and ids [B*S, blocks, KP2], the count of each block's
     tokens at its last candidate [B*S, blocks], the sizes)."""
     b, s, v = logits.shape
-    k = min(sampler.params.top_k, v)
-    c = Candidates(k, min(k + 1, v), triton.next_power_of_2(min(MAX_K + 1, v)),
-                   min(BLOCK_V, triton.next_power_of_2(v)), triton.cdiv(v, min(BLOCK_V, triton.next_power_of_2(v))))
+    c = Candidates.of(sampler.params.top_k, v)
     x = logits.reshape(b * s, v)
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -25,6 +25,8 @@ MAX_K + 1 (top-k 20: 21 picks, not 33).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,25 @@ from xcompile.runtime.decoding.kernels import launch, pdl
 from xcompile.runtime.decoding.kernels.topk import BLOCK_V, TopkScratch, _top
 
 _SCRATCH = TopkScratch()
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The launch sizes of a candidate search (the blocks launch and what reads its results): top-k, candidates a
+    column block keeps (k + 1: the k-th and the one that may tie it), the power of two that holds MAX_K + 1 (the
+    same for every k: no compile per k), columns a block, blocks a row."""
+
+    k: int
+    k1: int
+    kp2: int
+    block: int
+    nb: int
+
+    @staticmethod
+    def of(top_k: int, v: int) -> Candidates:
+        """The sizes for a sampler's ``top_k`` over ``v`` columns."""
+        k, block = min(top_k, v), min(BLOCK_V, triton.next_power_of_2(v))
+        return Candidates(k, min(k + 1, v), triton.next_power_of_2(min(MAX_K + 1, v)), block, triton.cdiv(v, block))
 
 
 @triton.jit
@@ -223,12 +244,11 @@ def sample(logits: torch.Tensor, sampler, out: torch.Tensor | None = None, q: to
     the token go (Warped.probs, what speculative sampling verifies against); ``targets`` [V], the draft
     vocabulary's target ids the tokens are written as (the rows keep the draft columns). ``out``, ``q`` and
     ``q_tok`` may be strided views (a column of a block's buffers)."""
-    k = min(sampler.params.top_k, logits.shape[-1])
-    assert 0 < k <= MAX_K and not sampler.greedy, sampler.params
-    k1 = min(k + 1, logits.shape[-1])            # candidates: the k-th and the one that may tie it
-    kp2 = triton.next_power_of_2(min(MAX_K + 1, logits.shape[-1]))      # room for any k: no compile per k
     shape = logits.shape[:-1]
     v = logits.shape[-1]
+    c = Candidates.of(sampler.params.top_k, v)
+    k, k1, kp2, block, nb = c.k, c.k1, c.kp2, c.block, c.nb
+    assert 0 < k <= MAX_K and not sampler.greedy, sampler.params
     x = logits.reshape(-1, v)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -237,8 +257,6 @@ def sample(logits: torch.Tensor, sampler, out: torch.Tensor | None = None, q: to
     assert not has_q or (r == 1 and q.shape == x.shape and q.stride(1) == 1 and q_tok is not None
                          and q.dtype == q_tok.dtype == torch.float32), (q, q_tok)
     assert targets is None or (r == 1 and targets.is_contiguous() and targets.dtype == torch.int64)
-    block = min(BLOCK_V, triton.next_power_of_2(v))
-    nb = triton.cdiv(v, block)
     pv, pi, pn, _ = _SCRATCH.get(rows, nb, kp2, x.device)
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
