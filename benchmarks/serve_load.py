@@ -11,7 +11,10 @@ With ENGINE_DIR it starts ``xrun serve ENGINE_DIR --host 127.0.0.1 --port 0 SERV
 ``xrun`` beside this interpreter), reads its port from uvicorn's "running on" line, waits for /health, and stops it
 when done, on a failure or on Ctrl-C / SIGTERM: SIGTERM, then a wait (SIGKILL after --stop-timeout s).
 
-Per concurrency N: one unmeasured warm-up request, then N streams start together, each sending --per-stream
+Per concurrency N: one unmeasured warm-up request, then N concurrent unmeasured 2-token requests that open the
+client's N keep-alive connections (as a client that has been talking to the server holds them: on the 2-core CPU
+16 cold connections put the 16 requests' response headers at 57 ms against 20 ms warm, 2026-12-06, the server's
+event loop accepting them while the first request ran), then N streams start together, each sending --per-stream
 requests one after another: streaming completions (``AsyncOpenAI``, ``stream=True``, temperature 0, ``max_tokens``
 --max-tokens, ``return_token_ids`` so that each chunk says how many tokens it carries, and ``include_usage``). The
 prompts are consecutive windows of --prompt-words words of --prompts FILE sent as text, else token-id prompts of
@@ -235,12 +238,15 @@ def open_client(url: str, args, timeout: float, streams: int = 1):
 
 
 async def run_level(url: str, model: str, streams: int, args, timeout: float) -> dict:
-    """``streams`` concurrent streams of ``args.per_stream`` requests each, after one warm-up request."""
+    """``streams`` concurrent streams of ``args.per_stream`` requests each, after one warm-up request and the
+    opening of ``streams`` connections (module docstring)."""
     async with open_client(url, args, timeout, streams) as openai_client:
         prompts = make_prompts(args, streams * args.per_stream + 1)
-        warm = await one_request(openai_client, model, prompts[-1], args.max_tokens)
-        if warm["status"] != 200:
-            raise RuntimeError(f"the warm-up request failed ({warm['status']}): {warm['error']}")
+        warm = [await one_request(openai_client, model, prompts[-1], args.max_tokens)]
+        warm += await asyncio.gather(*(one_request(openai_client, model, prompts[-1], 2) for _ in range(streams)))
+        for w in warm:
+            if w["status"] != 200:
+                raise RuntimeError(f"a warm-up request failed ({w['status']}): {w['error']}")
 
         async def stream(s: int) -> list[dict]:
             return [await one_request(openai_client, model, prompts[s * args.per_stream + k], args.max_tokens)

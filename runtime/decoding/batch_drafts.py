@@ -77,10 +77,11 @@ class BatchDrafts:
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
         self.fed = False            # propose needs a seed: the head's first feed makes it
 
-    def record(self, capture: Capture) -> None:
+    def record(self, capture: Capture, sizes: Sequence[int]) -> None:
         """Replay the head's fixed-shape passes from CUDA graphs, as the loop does its target steps
-        (``GraphedEngine``): the proposals' one-token steps, and feeds of one token or a chain's k + 1 a row."""
-        d, sizes = self.drafter, [1, self.gamma + 1]
+        (``GraphedEngine``): the proposals' one-token steps, and feeds of the loop's recorded ``sizes`` (one token,
+        a chain's k + 1, padded prompt chunks) a row."""
+        d = self.drafter
         d.eagle3 = GraphedEngine(d.eagle3, sizes, capture)
         if d.fc is not None:
             d.fc = GraphedEngine(d.fc, sizes, capture)

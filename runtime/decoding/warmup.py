@@ -17,9 +17,11 @@ What a cold request pays, and where:
                    the cache's end is another. Each is run twice (eager; recorded and replayed) under each
                    sampler mode of ``sampler_modes``.
     batch steps    the batch loop's steps take S = 1 .. its chunk tokens (ORT graphs one per S): each is run
-                   twice, greedy, and sampled steps once per sampled mode; with drafts (batch_drafts.py) the
-                   head's feeds ride along, and two sequences decode a few verify steps (the head's proposals,
-                   the verify step recorded); its lone sequence's Generator (solo.py) is warmed as above.
+                   twice, greedy and eagerly, then once at each of the loop's recorded sizes (a CUDA graph each:
+                   prompt-carrying steps are padded to them, batch.recorded_sizes), and sampled steps once per
+                   sampled mode; with drafts (batch_drafts.py) the head's feeds ride along, and two sequences
+                   decode a few verify steps (the head's proposals, the verify step recorded); its lone
+                   sequence's Generator (solo.py) is warmed as above.
 
 Afterwards the KV buffers and the loop's state are cleared as a fresh loop has them (the recordings, compiled
 kernels and cached masks stay: that is the point), so a request's output is what it is without warm-up.
@@ -135,9 +137,14 @@ def warm_batch(loop, samplings: list[SamplingParams] | tuple[SamplingParams, ...
     sizes = list(range(1, min(loop.chunk, loop.max_seq_len - 1) + 1))
     solo, loop.solo = loop.solo, None           # these single sequences take batch steps
     try:
-        with parts.part(f"batch steps of {spans(sizes)} tokens, greedy", sync):
+        with parts.part(f"batch steps of {spans(sizes)} tokens, greedy", sync), loop.eager():
             for s in sizes:                     # one sequence at a time: a step of s tokens each
                 for _ in range(SHORT_PASSES):
+                    loop.generate([([0] * s, 1)])
+        if loop.recorded:                       # the recorded steps (CUDA graphs), prompt chunks padded to them
+            recorded = [s for s in loop.sizes if s < loop.max_seq_len]
+            with parts.part(f"batch steps recorded at {', '.join(map(str, recorded))} tokens", sync):
+                for s in recorded:
                     loop.generate([([0] * s, 1)])
         if loop.drafts is not None:             # two sequences: verify steps of a root and its chain a row,
             gamma = loop.drafts.gamma           # at least two however many drafts each accepts

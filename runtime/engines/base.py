@@ -74,6 +74,10 @@ class Engine(ABC):
     # fast kernels' MAX_ROWS); None: one route for any size. A prompt of up to SHORT_STEPS of them runs in such
     # steps (drafters.prompt_pass).
     short_rows: int | None = None
+    # The most rows (B sequences x S tokens) a batch step runs on the engine's own capturable kernels: the batch
+    # loop pads prompt-carrying steps up to a few token counts within it and replays them from CUDA graphs
+    # (runtime/decoding/batch.py). None: only its fixed steps (one token a row, a verify's chain) are recorded.
+    step_rows: int | None = None
 
     # KV dtypes besides the compute dtype that the engine's steps write and read (set_kv_dtype)
     kv_dtypes: tuple[torch.dtype, ...] = ()

@@ -170,6 +170,10 @@ class _FastEngine(Engine):
     # the whole cache, an additive mask and fp32 scores of S_max columns, and some 1,600 eager launches.
     wide = False
 
+    @property
+    def step_rows(self) -> int:
+        return WIDE_ROWS if self.wide else MAX_ROWS
+
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference.spec, reference.kv_shape, reference.dtype, reference.device)
         check_device(self.device)

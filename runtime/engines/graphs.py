@@ -112,7 +112,7 @@ class GraphedEngine(Engine):
         """tokens: the token counts (the contract's dynamic axis) of the steps to capture."""
         super().__init__(engine.spec, engine.kv_shape, engine.dtype, engine.device)
         self.engine, self.kv, self.kv_dtype = engine, engine.kv, engine.kv_dtype
-        self.short_rows = engine.short_rows
+        self.short_rows, self.step_rows = engine.short_rows, engine.step_rows
         self.tokens = frozenset(tokens)
         self.capture = capture or CudaGraphCapture()
         self.fallback: str | None = None

@@ -65,6 +65,26 @@ def test_steps_of_one_token_a_row_replay_one_recorded_step(tiny, prompts):
     assert capture.captures == 1 and capture.replays >= NEW
 
 
+def test_prompt_steps_padded_to_recorded_sizes_replay_and_change_no_token(tiny, prompts):
+    """Where the target runs B x S rows on its own kernels (Engine.step_rows: the fast backend's wide steps), a step
+    carrying prompt chunks is padded up to the next recorded size (powers of two up to the chunk) and replayed as
+    the decoding steps are: here every step replays, and every sequence still gets its tokens alone."""
+    capture = T.Emulated()
+    target = T.qwen3_engine(tiny.target, batch=BATCH)
+    target.step_rows = BATCH * 8
+    batch = BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8, capture=capture)
+    assert batch.sizes == [1, 2, 4, 8]
+    assert [r.tokens for r in batch.generate([(p, NEW) for p in prompts])] == alone(tiny, prompts)
+    counts = sorted(key[0][1][1] for key in batch._graphed.graphs)         # input_ids' S of each recording
+    assert counts == [1, 8] and capture.captures == 2                      # every prompt chunk beside a longer one
+    assert capture.replays == batch.stats.steps                            # no step ran eagerly
+    three = prompts[4]
+    assert batch.generate([(three, NEW)])[0].tokens == alone(tiny, [three])[0]
+    assert sorted(key[0][1][1] for key in batch._graphed.graphs) == [1, 4, 8]   # 3 prompt tokens padded to 4
+    target.step_rows = BATCH * 2                                           # only S <= 2 on the engine's kernels
+    assert BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8, capture=capture).sizes == [1, 2]
+
+
 def test_greedy_tokens_equal_speculative_decoding_alone(tiny, prompts):
     ref = alone(tiny, prompts[:4], drafter=Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3))
     assert [r.tokens for r in batch_of(tiny).generate([(p, NEW) for p in prompts[:4]])] == ref

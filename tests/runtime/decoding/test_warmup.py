@@ -124,19 +124,20 @@ def test_a_warmed_drafting_batch_loop_records_nothing_more(tiny):
     def batch(capture=None) -> BatchGenerator:
         heads = torch_engines(tiny.eagle3, EAGLE3, MAX_SEQ_LEN, batch=4)
         drafts = BatchDrafts(Eagle3ChainDrafter(heads[EAGLE3], heads[EAGLE3_FC], tiny.d2t, 3), 4, MAX_SEQ_LEN, "cpu")
-        return BatchGenerator(T.qwen3_engine(tiny.target, batch=4), [], MAX_SEQ_LEN, chunk=8, capture=capture,
-                              drafts=drafts)
+        target = T.qwen3_engine(tiny.target, batch=4)
+        target.step_rows = 4 * 8                # its prompt steps padded to 1, 2, 4 or 8 tokens and recorded
+        return BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8, capture=capture, drafts=drafts)
 
     prompts = T.random_prompts((1, 9, 30), seed=9)
     work = [(p, 12) for p in prompts]
     capture = T.Emulated()
     warm = batch(capture)
     parts = warm.warm_up([GREEDY])
-    assert [p.what for p in parts] == ["batch steps of 1..8 tokens, greedy", "batch steps verifying chains of 3 drafts"]
+    assert [p.what for p in parts] == ["batch steps of 1..8 tokens, greedy", "batch steps recorded at 1, 2, 4, 8 tokens",
+                                       "batch steps verifying chains of 3 drafts"]
     recorded = capture.captures
-    # the target: one token a row, a root and its chain a row, a 4-token prompt chunk (the chain's token count,
-    # other logit rows); the head and its fc: passes of one token and of the chain's four a row
-    assert recorded == 3 + 2 + 2
+    # the target, the head and its fc: steps of 1, 2, 4 (also a root and its chain a row) and 8 tokens a row
+    assert recorded == 3 * 4
     results = warm.generate(work)
     assert capture.captures == recorded and sum(r.stats.drafted for r in results) > 0
     fresh = batch().generate(work)                              # eager: the same tokens, the same acceptance

@@ -442,6 +442,8 @@ def test_fast_batch_loop_on_the_gpu(graphs, gamma):
     results = batch.generate([(p, 48) for p in prompts])
     assert [r.tokens for r in results] == want
     assert (sum(r.stats.drafted for r in results) > 0) == bool(gamma)
+    if graphs:          # prompt-carrying steps, padded to the recorded sizes, replayed too (batch.recorded_sizes)
+        assert batch.recorded and {key[0][1][1] for key in batch._graphed.graphs} - {1, gamma + 1}
 
 
 def test_an_fp8_cache_on_the_kernels_is_the_references(tiny):
