@@ -32,8 +32,10 @@
 #            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
 #            server's default), beside the server's own mean round at one stream (SERVE_BENCH=0: not that)
 #   exact    row-invariant decoding (KernelConfig.row_invariant, issue 38): xrun bench at context 128 without and with
-#            --row-invariant, one after the other (what bit-exact speculation costs plain decoding); EXACT_AGREE=1:
-#            then benchmarks/fast_agreement.py --row-invariant on the demo pair in bf16 (speculative vs plain greedy)
+#            --row-invariant, one after the other (what bit-exact speculation costs plain decoding; EXACT_BENCH=0: not
+#            that); EXACT_AGREE=1: then benchmarks/fast_agreement.py --row-invariant on the demo target with its
+#            EAGLE3 head, MTP module and draft model in bf16 (speculative vs plain greedy; AGREE_ARGS: its other
+#            options, --gammas 1,2,3,4,5,6,7,8 --tree 16,8,64 say)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -169,17 +171,17 @@ for part in "$@"; do
     grep -E "$SHOW" "$OUT/serve_bench.log"
     ;;
   exact)
-    for mode in off on; do
+    [ "${EXACT_BENCH:-1}" = 0 ] || for mode in off on; do
       run "bench_exact_$mode" 150 xrun bench "${BENCH[@]}" --contexts 128 $([ $mode = on ] && echo --row-invariant) \
         --json "$OUT/bench_exact_$mode.json"
       grep -E "$SHOW" "$OUT/bench_exact_$mode.log"
     done
     [ "${EXACT_AGREE:-0}" = 1 ] || continue
-    run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \
-      --force
-    run agree_exact 300 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
-      --row-invariant
-    tail -8 "$OUT/agree_exact.log"
+    run demo_export 120 xcompile export --model demo --eagle3 --mtp --draft-model demo --out /tmp/demo-bf16 \
+      --dtype bf16 --max-seq-len 1024 --force
+    run agree_exact 420 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
+      --row-invariant ${AGREE_ARGS:-}
+    grep -E "teacher-forced|tau" "$OUT/agree_exact.log"
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \
@@ -187,8 +189,8 @@ for part in "$@"; do
     grep -E "$SHOW|^(mtp|draft) |round" "$OUT/paradigms.log" | head -30
     ;;
   agree)
-    run demo_export 120 xcompile export --model demo --eagle3 --out /tmp/demo-bf16 --dtype bf16 --max-seq-len 1024 \
-      --force
+    run demo_export 120 xcompile export --model demo --eagle3 --mtp --draft-model demo --out /tmp/demo-bf16 \
+      --dtype bf16 --max-seq-len 1024 --force
     run agree 240 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
       --max-gap 0.0625
     tail -6 "$OUT/agree.log"
