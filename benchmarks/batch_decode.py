@@ -90,8 +90,9 @@ def level(cfg: Qwen3Config, batch: int, gamma: int, args, max_seq_len: int, dtyp
     together (module docstring)."""
     engines, d2t = open_fast(cfg, max_seq_len, batch, dtype, device)
     target = engines[TARGET]
+    # break_even 0: every step verifies (a synthetic head accepts nothing, so the loop's rule would stop drafting)
     drafts = BatchDrafts(Eagle3ChainDrafter(engines[EAGLE3], engines[EAGLE3_FC], d2t, gamma), batch, max_seq_len,
-                         target.device) if gamma else None
+                         target.device, 0.0) if gamma else None
     capture = CudaGraphCapture() if args.graphs and target.device.type == "cuda" else None
     loop = BatchGenerator(target, [], max_seq_len, capture=capture, drafts=drafts)
     loop.warm_up()

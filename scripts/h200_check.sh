@@ -28,7 +28,7 @@
 #            (chain gamma 6): decode and verify against the floor counting KV bytes, and the 32,000-token prefill
 #            against the matmul rate; the same at 32000 with an FP8 KV cache
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
-#            benchmarks/serve_load.py at 1 / 4 / 16 streams of 256 tokens, then 64 prompt lengths one at a time
+#            benchmarks/serve_load.py at 1 / 4 / 16 streams (SERVE_STREAMS) of 256 tokens, then 64 prompt lengths one at a time
 #            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
 #            server's default), beside the server's own mean round at one stream (SERVE_BENCH=0: not that)
 #   exact    row-invariant decoding (KernelConfig.row_invariant, issue 38): xrun bench at context 128 without and with
@@ -161,7 +161,7 @@ for part in "$@"; do
   serve)
     run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
       --out /tmp/serve-8b --force
-    run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams 1,4,16 \
+    run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams "${SERVE_STREAMS:-1,4,16}" \
       --max-tokens 256 --lengths 64 --json "$OUT/serve_load.json"
     tail -14 "$OUT/serve_load.log"
     # the batch-1 round a lone request runs in the server (xrun serve's default drafter: the EAGLE3 chain, gamma 4)

@@ -293,7 +293,7 @@ class BatchGenerator:
         if verified:                                    # the accepted drafts, then the target's token after them
             accepted = greedy[verified]
             tokens = greedy[:accepted + 1]
-            self.drafts.tally(q.stats, n - 1, accepted)
+            self.drafts.tally(b, q.stats, n - 1, accepted)
         else:
             tokens = [greedy[0] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1, :1])]
         self.stats.decode_tokens += len(tokens)

@@ -16,7 +16,10 @@ Sampled sequences (their draws follow the batch-1 loop's plain rounds, batch.py)
 drafter's lookahead left in their slot decode one token a step; their drafts are proposed with the others' and
 dropped. The drafter's state only decides how many drafts are accepted, never which tokens come out.
 
-The rule (docs/design.md, "Speculation under load"): a step runs every slot, so k + 1 tokens a row put
+A step verifies chains only while it pays: while the drafting rows' running mean of accepted drafts reaches
+BREAK_EVEN, else it decodes one token a row and verifies once every PROBE steps to measure again (``pays``).
+
+The chain's length (docs/design.md, "Speculation under load"): a step runs every slot, so k + 1 tokens a row put
 max_batch * (k + 1) rows through the target, and the fast kernels take up to MAX_ROWS (64) rows a call (more go
 to the reference modules, several times slower a step); so k <= MAX_ROWS // max_batch - 1: 6 up to --max-batch
 9, 3 at 16, none past 32 (the loop then decodes one token a row). A lone greedy sequence runs the batch-1
@@ -45,6 +48,15 @@ if TYPE_CHECKING:
     from xcompile.runtime.decoding.sequence import BatchSequence
 
 
+# When a step verifies chains (BatchDrafts.plan): a verify step of chains of 3 a row costs 1.6-1.7x a plain step on
+# an H100 at 4-16 slots (9.9 / 6.1 ms at 4, 11.2 / 6.6 ms at 16, the head's passes graphed; docs/performance.md),
+# so it pays while the drafting rows accept 0.7 drafts a step on average; below that the loop decodes plainly
+# and verifies once every PROBE steps to measure the acceptance again.
+BREAK_EVEN = 0.7
+PROBE = 32
+RATE = 0.25         # the weight of a verify step's accepted drafts in a row's running mean
+
+
 def max_gamma(max_batch: int) -> int:
     """The longest chain a batch step of ``max_batch`` slots verifies within MAX_ROWS rows (0: none)."""
     return max(0, MAX_ROWS // max_batch - 1)
@@ -63,7 +75,10 @@ def batch_chain(spec: DrafterSpec, max_batch: int) -> DrafterSpec:
 class BatchDrafts:
     """An EAGLE3 or MTP chain drafter over every slot of a batch loop (module docstring)."""
 
-    def __init__(self, drafter: Eagle3ChainDrafter, max_batch: int, max_seq_len: int, device: torch.device):
+    def __init__(self, drafter: Eagle3ChainDrafter, max_batch: int, max_seq_len: int, device: torch.device,
+                 break_even: float = BREAK_EVEN):
+        """break_even: the accepted drafts a verify step a drafting row must average for a step to verify chains
+        (0: every step with a drafting row verifies)."""
         if not isinstance(drafter, Eagle3ChainDrafter):
             raise EngineError(f"batched speculation drafts EAGLE3 or MTP chains, not {drafter.name!r}; a "
                               "lone sequence speculates with any drafter (solo)")
@@ -76,6 +91,10 @@ class BatchDrafts:
         self.drafter, self.gamma = drafter, drafter.k
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
         self.fed = False            # propose needs a seed: the head's first feed makes it
+        self.break_even = break_even
+        self.rate = [float(drafter.k)] * max_batch      # accepted drafts a verify step, per slot (a running mean)
+        self.holder: list[BatchSequence | None] = [None] * max_batch   # whose rate it is
+        self.plain = 0              # steps since the last verify step
 
     def record(self, capture: Capture, sizes: Sequence[int]) -> None:
         """Replay the head's fixed-shape passes from CUDA graphs, as the loop does its target steps
@@ -91,10 +110,22 @@ class BatchDrafts:
         return q.sampling.greedy and not q.prefilling and q.length + self.drafter.lookahead <= self.max_seq_len
 
     def plan(self, rows: Sequence[tuple[int, BatchSequence]]) -> tuple[torch.Tensor | None, set[int]]:
-        """This step's chains (``propose``) and the slots that verify theirs."""
+        """This step's chains (``propose``) and the slots that verify theirs: none unless the step pays (``pays``)."""
         slots = {b for b, q in rows if self.speculates(q)}
-        chains = self.propose(rows) if slots else None
+        chains = self.propose(rows) if slots and self.pays(rows, slots) else None
         return chains, slots if chains is not None else set()
+
+    def pays(self, rows: Sequence[tuple[int, BatchSequence]], slots: set[int]) -> bool:
+        """Whether a step verifying ``slots``' chains pays (BREAK_EVEN): their running mean of accepted drafts (a new
+        sequence starts at k, so it drafts) at least ``break_even``, or PROBE plain steps since the last verify."""
+        for b, q in rows:
+            if self.holder[b] is not q:
+                self.holder[b], self.rate[b] = q, float(self.gamma)
+        if sum(self.rate[b] for b in slots) >= self.break_even * len(slots) or self.plain >= PROBE:
+            self.plain = 0
+            return True
+        self.plain += 1
+        return False
 
     def place(self, ids: torch.Tensor, chains: torch.Tensor, slots: set[int], r: int) -> torch.Tensor:
         """Write each of ``slots``' drafts into its row of the step's ids [B, S] (columns 1..r-1, after the root);
@@ -105,8 +136,10 @@ class BatchDrafts:
         ids[:, 1:r] = torch.where(on[:, None], chains[:, 1:r], ids[:, 1:r])
         return on
 
-    def tally(self, stats: Stats, drafted: int, accepted: int) -> None:
-        """A verify step's drafts into a sequence's stats (its rounds and target passes are the loop's)."""
+    def tally(self, b: int, stats: Stats, drafted: int, accepted: int) -> None:
+        """A verify step's drafts into slot b's running mean and its sequence's stats (its rounds and target passes
+        are the loop's)."""
+        self.rate[b] += RATE * (accepted - self.rate[b])
         stats.drafted, stats.accepted = stats.drafted + drafted, stats.accepted + accepted
         stats.accepted_at += [0] * (self.gamma - len(stats.accepted_at))
         for i in range(accepted):

@@ -158,7 +158,8 @@ def test_demo_batch_steps_verify_chains_as_each_sequence_does_alone(tmp_path_fac
         plain = BatchGenerator(target, m.eos_token_ids, m.max_seq_len)
         want = plain.generate([(p, NEW_TOKENS) for p in prompts])
         for name in ("eagle3", "mtp"):
-            drafts = BatchDrafts(make_drafter(es, DrafterSpec(name, 3)), 4, m.max_seq_len, target.device)
+            # break_even 0: every step verifies, as every round of the batch-1 Generator compared with below does
+            drafts = BatchDrafts(make_drafter(es, DrafterSpec(name, 3)), 4, m.max_seq_len, target.device, 0.0)
             batch = BatchGenerator(target, m.eos_token_ids, m.max_seq_len, drafts=drafts)
             got = batch.generate([(p, NEW_TOKENS) for p in prompts])
             assert [r.tokens for r in got] == [r.tokens for r in want]

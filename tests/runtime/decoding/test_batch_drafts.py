@@ -15,9 +15,10 @@ import tiny_engines as T
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.batch import BatchGenerator
-from xcompile.runtime.decoding.batch_drafts import BatchDrafts, batch_chain, max_gamma
+from xcompile.runtime.decoding.batch_drafts import BREAK_EVEN, PROBE, BatchDrafts, batch_chain, max_gamma
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter, MTPChainDrafter, NoDrafter
 from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec, TreeShape
 from xcompile.runtime.decoding.sampling import SamplingParams
 from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, MTP
@@ -45,9 +46,11 @@ def head(tiny, kind: str, k: int, batch: int = 1):
     return MTPChainDrafter(T.torch_engines(tiny.mtp, MTP, MAX_SEQ_LEN, batch=batch)[MTP], k, T.MTP_COLUMNS)
 
 
-def drafting(tiny, kind: str = "eagle3", k: int = 3, chunk: int = 8) -> BatchGenerator:
+def drafting(tiny, kind: str = "eagle3", k: int = 3, chunk: int = 8, break_even: float = 0.0) -> BatchGenerator:
+    """A drafting loop; break_even 0 by default: every step with a greedy decoding row verifies, as the batch-1
+    Generator's every round does, which the tests compare rounds and acceptance with."""
     target = T.qwen3_engine(tiny.target, batch=BATCH)
-    drafts = BatchDrafts(head(tiny, kind, k, BATCH), BATCH, MAX_SEQ_LEN, target.device)
+    drafts = BatchDrafts(head(tiny, kind, k, BATCH), BATCH, MAX_SEQ_LEN, target.device, break_even)
     return BatchGenerator(target, [], MAX_SEQ_LEN, chunk=chunk, drafts=drafts)
 
 
@@ -92,6 +95,34 @@ def test_rows_near_the_end_of_their_slot_stop_drafting(tiny, prompts):
     assert [r.tokens for r in results] == [r.tokens for r in alone(tiny, ps, NoDrafter(), new=1000)]
     assert [r.finish_reason for r in results] == ["max_seq_len", "max_seq_len"]
     assert len(results[0].tokens) == MAX_SEQ_LEN - len(ps[0]) + 1
+
+
+def test_a_step_verifies_while_its_rows_acceptance_pays(tiny):
+    """BREAK_EVEN: a step verifies chains while its drafting rows' running mean of accepted drafts reaches the bar
+    (a new sequence starts at k); below it the loop decodes plainly and verifies once every PROBE steps."""
+    drafts = BatchDrafts(head(tiny, "eagle3", 3, 2), 2, MAX_SEQ_LEN, "cpu")
+    assert drafts.break_even == BREAK_EVEN == 0.7
+    a, b = object(), object()
+    rows = [(0, a), (1, b)]
+    assert drafts.pays(rows, {0, 1})                        # new sequences: k = 3 each
+    for _ in range(12):                                     # slot 0 accepts nothing, slot 1 one draft a step
+        drafts.tally(0, Stats(), 3, 0)
+        drafts.tally(1, Stats(), 3, 1)
+    assert drafts.rate[0] < 0.1 and 0.9 < drafts.rate[1] < 1.1
+    assert drafts.pays(rows, {1}) and not drafts.pays(rows, {0, 1})     # mean 0.5 < 0.7
+    assert [drafts.pays(rows, {0, 1}) for _ in range(PROBE)] == [False] * (PROBE - 1) + [True]   # the probe
+    assert drafts.pays([(0, object()), (1, b)], {0, 1})     # a new sequence in slot 0 starts at k again
+
+
+def test_a_bar_no_row_reaches_leaves_the_probes_only(tiny, prompts):
+    """With a bar above k (never reached) the loop verifies only its probes, one step in PROBE + 1, and still gives
+    plain greedy's tokens."""
+    ps = prompts[:2]
+    loop = drafting(tiny, break_even=10.0)
+    results = loop.generate([(p, 80) for p in ps])
+    assert [r.tokens for r in results] == [r.tokens for r in alone(tiny, ps, NoDrafter(), new=80)]
+    verifies = max(r.stats.drafted for r in results) // 3
+    assert 1 <= verifies <= loop.stats.steps // (PROBE + 1) + 1, (verifies, loop.stats.steps)
 
 
 def test_chains_that_do_not_fit_the_slots_and_other_drafters_are_refused(tiny):
