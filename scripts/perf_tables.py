@@ -517,8 +517,9 @@ def render(name: str, table: Table, files: list[tuple[str, dict]], page: Path) -
         lines = render_load(columns)
     elif table.kind == "batch":
         lines = render_batch(columns)
-    elif table.kind == "agreement":
-        lines = [x for _, rep in columns for x in render_agreement(rep)]
+    elif table.kind == "agreement":         # one block a run, each under its label when there are several
+        lines = [x for label, rep in columns
+                 for x in ([f"**{label}**", ""] if len(columns) > 1 else []) + render_agreement(rep) + [""]][:-1]
     else:
         lines = [x for _, rep in columns for x in render_demo(rep)]
     link = os.path.relpath(PERF, page.parent)
