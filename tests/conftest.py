@@ -10,7 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Triton's interpreter computes tl.dot with numpy's matmul, whose bits depend on the sgemm kernel OpenBLAS runs:
+# its Haswell / Zen kernel (what OPENBLAS_CORETYPE=Haswell, set on this workplace's machines, picks) sums an
+# element otherwise at 4 rows than at 16, so the row-invariance tests (a token alone against a row of a verify
+# block, the same tiles on a GPU) failed three on a 2-core AMD EPYC (2026-12-06); the SkylakeX kernel sums alike
+# from 2 rows on. So it is chosen where the CPU runs AVX-512, before torch loads numpy.
+_cpuinfo = Path("/proc/cpuinfo")
+if _cpuinfo.exists() and " avx512f" in _cpuinfo.read_text(errors="ignore"):
+    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+
+import torch  # noqa: E402
 
 # the fused kernels (runtime/engines/kernels/) run in Triton's interpreter where no GPU is visible; it must be
 # chosen before triton is first imported

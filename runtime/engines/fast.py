@@ -1,8 +1,7 @@
 """The ``fast`` backend: decode, verify and draft steps on fused Triton kernels (runtime/engines/kernels/).
 
 A fast engine wraps the torch backend's engine of the same graph: it takes the reference module's
-weights (packed once: q/k/v and gate/up concatenated, the module's own parameters re-pointed at the
-packed storage, so no weight is held twice), shares its KV buffers, and runs every step of up to
+weights (packed once, norms folded in: fast_weights.py), shares its KV buffers, and runs every step of up to
 ``MAX_ROWS`` tokens on the kernels; longer passes (prompts) run the reference module, whose cuBLAS
 matmuls and SDPA are what a prefill needs. Per Qwen3 layer, a step is six launches plus the
 attention reduction:
@@ -32,23 +31,20 @@ import dataclasses
 
 import torch
 
-from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.gpu import interpreted
 from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.engines.base import KV_FP8, SHORT_STEPS, Engine
+from xcompile.runtime.engines.fast_weights import Layer, Packed, dense, nbytes, project
 from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
 from xcompile.runtime.engines.kernels.attention import attention
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.linear import embedding, linear
 from xcompile.runtime.engines.kernels.norm import embed_norms
-from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv
 from xcompile.runtime.engines.kernels.tile_finish import RowSums
-from xcompile.runtime.engines.qweight import QWeight
 from xcompile.runtime.engines.torch_module import TorchEngine
 
-log = logs.logger("fast")
 WIDE_ROWS = 1024    # rows of a wide batch step (_FastEngine.wide): 16 sequences x 64 prompt tokens
 
 
@@ -58,101 +54,6 @@ def check_device(device: torch.device) -> None:
         return
     raise OptionError(f"--backend fast runs Triton kernels on a CUDA device, not on {device} (tests set "
                       "TRITON_INTERPRET=1 to run them on the CPU); use --backend torch or ort")
-
-
-class _Packed:
-    """Parameters of a reference module by name, with helpers that pack several into one tensor; ``quantized``:
-    the codes of its quantized linears by parameter name (runtime/engines/qweight.py)."""
-
-    def __init__(self, module: torch.nn.Module, quantized: dict[str, QWeight] | None = None):
-        self.module = module
-        self.params = dict(module.named_parameters(remove_duplicate=False))
-        self.buffers = dict(module.named_buffers())
-        self.quantized = quantized or {}
-
-    def weights(self, names: list[str]) -> torch.Tensor | QLinear:
-        """The [n_i, K] weights ``names`` stacked along rows: quantized (QLinear) where each of them is and the
-        kernels take its blocks, else the parameters (``cat``)."""
-        if all(n in self.quantized for n in names):
-            try:
-                return QLinear.pack([self.quantized[n] for n in names], self.get(names[0]).device)
-            except ValueError as e:         # blocks the kernels do not tile: the dequantized parameters, said once
-                log.warning(f"fast backend: {', '.join(names)} run dequantized (bf16 bytes): {e}")
-        return self.cat(names) if len(names) > 1 else self.get(names[0])
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.params:
-            raise EngineError(f"fast backend: the reference module has no parameter {name!r}")
-        return self.params[name].data
-
-    def has(self, name: str) -> bool:
-        return name in self.params
-
-    def cat(self, names: list[str]) -> torch.Tensor:
-        """Concatenate the [n_i, K] weights ``names`` along rows, then re-point each parameter at its
-        rows of the packed tensor (the old storage is freed: no weight is held twice)."""
-        packed = torch.cat([self.get(n) for n in names])
-        start = 0
-        for n in names:
-            rows = self.params[n].shape[0]
-            self.params[n].data = packed[start:start + rows]
-            start += rows
-        return packed
-
-    def fold(self, norm: str, weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-        """Fold the RMSNorm weight ``norm`` into the [N, K] ``weight`` it alone feeds (W * g per column, in
-        place, rounded once) and make the norm's weight ones (the module's a copy of its own): RMSNorm(x) W^T
-        is unchanged but for that rounding, and a call whose 1/rms comes from row sums (linear.RowSums) then
-        needs no prologue. Returns ``unit`` (the RowSums' ones), the fast layer's norm weight."""
-        weight.mul_(self.get(norm)[None, :])
-        self.params[norm].data = unit.clone()          # the module's own ones: ``unit`` is the kernels' token
-        return unit
-
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module's RoPE tables cos/sin [positions, D/2] (fp32)."""
-        cos = next((b for n, b in self.buffers.items() if n.endswith("rotary.cos")), None)
-        sin = next((b for n, b in self.buffers.items() if n.endswith("rotary.sin")), None)
-        if cos is None or sin is None:
-            raise EngineError("fast backend: the reference module has no rotary.cos/sin tables")
-        return cos.contiguous(), sin.contiguous()
-
-
-class _Layer:
-    """One decoder layer's packed weights; the RMSNorm weights before gate/up (and, ``qk_norm``, before qkv)
-    folded into them (_Packed.fold) unless they are quantized (the kernel then applies the norm's weight)."""
-
-    def __init__(self, p: _Packed, prefix: str, qk_norm: bool, unit: torch.Tensor):
-        a = f"{prefix}self_attn."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if p.has(f"{a}{proj}.bias"):
-                raise EngineError("fast backend: attention biases are not supported; use --backend torch")
-        self.qkv = p.weights([f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"])
-        self.o = p.weights([f"{a}o_proj.weight"])
-        self.q_norm = p.get(f"{a}q_norm.weight") if qk_norm else None
-        self.k_norm = p.get(f"{a}k_norm.weight") if qk_norm else None
-        self.gate_up = p.weights([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
-        # a Qwen3 layer's input norm feeds qkv alone; the EAGLE3 layer's feeds the embedding half of u
-        self.ln1 = p.fold(f"{prefix}input_layernorm.weight", self.qkv, unit) if qk_norm and _dense(self.qkv) else \
-            p.get(f"{prefix}input_layernorm.weight")
-        ln2 = f"{prefix}post_attention_layernorm.weight"
-        self.ln2 = p.fold(ln2, self.gate_up, unit) if _dense(self.gate_up) else p.get(ln2)
-        self.down = p.weights([f"{prefix}mlp.down_proj.weight"])
-
-    def projections(self) -> list[torch.Tensor | QLinear]:
-        return [self.qkv, self.o, self.gate_up, self.down]
-
-
-def _dense(w: torch.Tensor | QLinear) -> bool:
-    return isinstance(w, torch.Tensor)
-
-
-def project(x: torch.Tensor, w: torch.Tensor | QLinear, **kwargs) -> torch.Tensor:
-    """linear() for a dense weight, qlinear() for a quantized one (the same arguments)."""
-    return linear(x, w, **kwargs) if _dense(w) else qlinear(x, w, **kwargs)
-
-
-def nbytes(w: torch.Tensor | QLinear) -> int:
-    return w.numel() * w.element_size() if _dense(w) else w.nbytes()
 
 
 class _FastEngine(Engine):
@@ -206,13 +107,13 @@ class _FastEngine(Engine):
         self.reference.close()
         super().close()
 
-    def _attend(self, layer: _Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
+    def _attend(self, layer: Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
         """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
         q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
                     self.head_dim, layer.q_norm, layer.k_norm, self.eps, cfg=self.kernels)
         return attention(q, k_cache, v_cache, wi, mask, self.heads, cfg=self.kernels)
 
-    def _decoder(self, layer: _Layer, x: torch.Tensor, k_cache, v_cache, pos, wi, mask,
+    def _decoder(self, layer: Layer, x: torch.Tensor, k_cache, v_cache, pos, wi, mask,
                  extra: torch.Tensor | None = None) -> None:
         """One Qwen3 decoder layer over x [S, H] in place (its row sums in ``self.sums``); ``extra``: a copy of
         its output (an EAGLE3 tap)."""
@@ -261,9 +162,9 @@ class FastQwen3Engine(_FastEngine):
     def __init__(self, reference: TorchEngine, config: dict, taps: list[int] | tuple[int, ...] = (),
                  kernels: KernelConfig = DEFAULT, shared_head: bool = False):
         super().__init__(reference, config, kernels)
-        p = _Packed(reference.module, reference.module.quantized)
+        p = Packed(reference.module, reference.module.quantized)
         unit = self.sums.unit
-        self.layers = [_Layer(p, f"model.layers.{i}.", qk_norm=True, unit=unit)
+        self.layers = [Layer(p, f"model.layers.{i}.", qk_norm=True, unit=unit)
                        for i in range(config["num_hidden_layers"])]
         self.embed = p.get("model.embed_tokens.weight")
         self.lm_head = p.get("lm_head.weight")
@@ -274,7 +175,7 @@ class FastQwen3Engine(_FastEngine):
         # tap slot(s) of each tapped layer, in the order of the concatenated hidden_taps output
         self.taps = sorted(taps)
         self.hidden = config["hidden_size"]
-        self.wide = all(_dense(w) for layer in self.layers for w in layer.projections()) and _dense(self.lm_head)
+        self.wide = all(dense(w) for layer in self.layers for w in layer.projections()) and dense(self.lm_head)
 
     def _step(self, ids, pos, wi, mask, inputs):
         batch, s = mask.shape[:2]
@@ -311,8 +212,8 @@ class FastEagle3Engine(_FastEngine):
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference, config, kernels)
-        p = _Packed(reference.module)
-        self.layer = _Layer(p, "midlayer.", qk_norm=False, unit=self.sums.unit)
+        p = Packed(reference.module)
+        self.layer = Layer(p, "midlayer.", qk_norm=False, unit=self.sums.unit)
         self.embed = p.get("embed_tokens.weight")
         self.hidden_norm = p.get("midlayer.hidden_norm.weight")
         self.lm_head = p.get("lm_head.weight")
@@ -347,8 +248,8 @@ class FastMTPEngine(_FastEngine):
 
     def __init__(self, reference: TorchEngine, config: dict, kernels: KernelConfig = DEFAULT):
         super().__init__(reference, config, kernels)
-        p = _Packed(reference.module)
-        self.layer = _Layer(p, "", qk_norm=True, unit=self.sums.unit)
+        p = Packed(reference.module)
+        self.layer = Layer(p, "", qk_norm=True, unit=self.sums.unit)
         self.embed, self.eh = p.get("embed_tokens.weight"), p.get("eh_proj.weight")
         self.enorm, self.hnorm = p.get("enorm.weight"), p.get("hnorm.weight")
         self.lm_head = p.get("shared_head.head.weight")
@@ -377,7 +278,7 @@ class FastFCEngine(_FastEngine):
         Engine.__init__(self, reference.spec, None, reference.dtype, reference.device)
         check_device(self.device)
         self.reference, self.kernels = reference, kernels
-        self.fc = _Packed(reference.module).get("fc.weight")
+        self.fc = Packed(reference.module).get("fc.weight")
 
     def run(self, **inputs):
         """Up to SHORT_STEPS steps' rows (a short prompt's taps, drafters.prompt_pass) on the kernel, MAX_ROWS

@@ -12,6 +12,7 @@ import pytest
 import tiny_engines as T
 import torch
 from fixtures import step_inputs
+from kernel_checks import ROWS_ALIKE
 
 pytest.importorskip("triton", reason="the fast backend needs triton (pip install triton)")
 
@@ -55,6 +56,7 @@ def one_by_one_and_block(tiny, kernels: KernelConfig) -> tuple[torch.Tensor, tor
     return alone, block
 
 
+@ROWS_ALIKE
 def test_a_token_alone_is_the_same_bits_as_in_a_verify_block():
     tiny = T.build(MAX_SEQ_LEN, head_dim=16)
     alone, block = one_by_one_and_block(tiny, with_gemvs(tiny.target, KernelConfig(row_invariant=True)))

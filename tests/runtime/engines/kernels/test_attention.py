@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
 
-from kernel_checks import DEV, DTYPES, TOL, randn, rel  # noqa: E402
+from kernel_checks import DEV, DTYPES, ROWS_ALIKE, TOL, randn, rel  # noqa: E402
 
 from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
 from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
@@ -235,6 +235,7 @@ def tree_rows_alone(q, kc, vc, write_index: int, tm, heads: int, cfg: KernelConf
     return rows
 
 
+@ROWS_ALIKE
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,write_index", [(8, 2, 60), (6, 2, 100)])
 def test_row_invariant_tree_node_is_its_token_decoded_alone(heads, kv_heads, write_index, dtype):
