@@ -62,11 +62,12 @@ def recorded_sizes(target: Engine, max_batch: int, chunk: int, gamma: int = 0) -
     """The token counts S of the loop's recorded steps: 1, a verify's gamma + 1, and where the target runs
     max_batch x S rows on its own capturable kernels (``Engine.step_rows``) the powers of two up to the chunk and
     the chunk, to which a step carrying prompt chunks is padded. Eagerly, such a step of the Qwen3-8B shape at 16
-    slots took 21.2 ms on an H100 against 11.3 ms for a decoding step verifying 16 chains of 3 (2026-12-06): its
-    some 600 launches issued one by one."""
+    slots took 21.2 ms on an H100 against 11.3 ms for a decoding step verifying 16 chains of 3 (2026-12-06), its
+    launches issued one by one from the host."""
     sizes = {1} | ({gamma + 1} if gamma else set())
     if target.step_rows is not None:
-        sizes |= {n for n in [1 << i for i in range(chunk.bit_length())] + [chunk] if max_batch * n <= target.step_rows}
+        padded = [1 << i for i in range(chunk.bit_length())] + [chunk]
+        sizes |= {n for n in padded if max_batch * n <= target.step_rows}
     return sorted(sizes)
 
 
