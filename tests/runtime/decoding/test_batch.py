@@ -85,6 +85,26 @@ def test_prompt_steps_padded_to_recorded_sizes_replay_and_change_no_token(tiny, 
     assert BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8, capture=capture).sizes == [1, 2]
 
 
+def test_a_step_near_a_slots_end_runs_unpadded(tiny, prompts):
+    """A step whose padded size would write past a row's slot runs eagerly at its own S: a 7-token prompt joins
+    a sequence 3 slots from its end, so the step carries 3 tokens a row, not 4 or 8."""
+    capture = T.Emulated()
+    target = T.qwen3_engine(tiny.target, batch=BATCH)
+    target.step_rows = BATCH * 8
+    batch = BatchGenerator(target, [], MAX_SEQ_LEN, chunk=8, capture=capture)
+    long, short = T.random_prompts((MAX_SEQ_LEN - 8, 7), seed=11)
+    a = batch.submit(long, 8)
+    while a.length < MAX_SEQ_LEN - 3:
+        batch.step()
+    b = batch.submit(short, 4)
+    replays = capture.replays
+    batch.step()
+    assert capture.replays == replays and b.length == 3                 # eager, 3 prompt tokens
+    while not batch.idle:
+        batch.step()
+    assert [a.result.tokens, b.result.tokens] == alone(tiny, [long], new=8) + alone(tiny, [short], new=4)
+
+
 def test_greedy_tokens_equal_speculative_decoding_alone(tiny, prompts):
     ref = alone(tiny, prompts[:4], drafter=Eagle3ChainDrafter(*tiny.eagle3_engines(), tiny.d2t, 3))
     assert [r.tokens for r in batch_of(tiny).generate([(p, NEW) for p in prompts[:4]])] == ref
