@@ -425,12 +425,15 @@ def _need_levels(columns: list[tuple[str, dict]], script: str) -> None:
 
 def render_load(columns: list[tuple[str, dict]]) -> list[str]:
     """benchmarks/serve_load.py reports: a row per concurrency, a column per report; each cell the aggregate tok/s,
-    TTFT and inter-token latency p50 / p99, and the failed requests if any."""
+    TTFT p50 / p99 (and the server's own mean where the report has it) and inter-token latency p50 / p99, and the
+    failed requests if any."""
     def cell(lv: dict | None) -> str:
         if lv is None:
             return "—"
-        text = (f"{lv['tokens_per_s']:.1f} tok/s; TTFT {lv['ttft_ms']['p50']:.0f} / {lv['ttft_ms']['p99']:.0f} ms; "
-                f"ITL {lv['itl_ms']['p50']:.0f} / {lv['itl_ms']['p99']:.0f} ms")
+        text = f"{lv['tokens_per_s']:.1f} tok/s; TTFT {lv['ttft_ms']['p50']:.0f} / {lv['ttft_ms']['p99']:.0f} ms"
+        if lv.get("server_ttft_ms_mean") is not None:      # the server's own share (/metrics: admission to token)
+            text += f" (the server's mean {lv['server_ttft_ms_mean']:.0f} ms)"
+        text += f"; ITL {lv['itl_ms']['p50']:.0f} / {lv['itl_ms']['p99']:.0f} ms"
         if lv["errors"] or lv["rate_limited"]:
             text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"
         steps = lv.get("server_steps") or {}         # the server's engine steps (serve_load.py, /metrics)
