@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 
 # When a step verifies chains (BatchDrafts.plan): a verify step of chains of 3 a row costs 1.6-1.7x a plain step on
-# an H100 at 4-16 slots (9.9 / 6.1 ms at 4, 11.2 / 6.6 ms at 16, the head's passes graphed; docs/performance.md),
+# an H100 at 4-16 slots (9.9 / 6.1 ms at 4, 11.2 / 6.6 ms at 16, the head's passes graphed; two calls of two days,
+# docs/performance.md),
 # so it pays while the drafting rows accept 0.7 drafts a step on average; below that the loop decodes plainly
 # and verifies once every PROBE steps to measure the acceptance again.
 BREAK_EVEN = 0.7
