@@ -239,7 +239,9 @@ class BatchGenerator:
         s = min(max(need.values()), room)
         if self.recorded:
             s = next((n for n in self.sizes if s <= n <= room), s)
-        r = min(s, drafts.gamma + 1) if drafts is not None else 1               # logit rows a sequence
+        # logit rows a sequence: with drafts the verify's (up to S) whether or not rows draft, so that each recorded
+        # size is one graph
+        r = min(s, drafts.gamma + 1) if drafts is not None else 1
         ids = torch.full((self.max_batch, s), PAD, dtype=torch.int64)
         write = torch.zeros(self.max_batch, dtype=torch.int64)
         last = torch.zeros(self.max_batch, r, dtype=torch.int64)
@@ -294,7 +296,7 @@ class BatchGenerator:
         if verified:                                    # the accepted drafts, then the target's token after them
             accepted = greedy[verified]
             tokens = greedy[:accepted + 1]
-            self.drafts.tally(b, q.stats, n - 1, accepted)
+            self.drafts.tally(q, n - 1, accepted)
         else:
             tokens = [greedy[0] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1, :1])]
         self.stats.decode_tokens += len(tokens)

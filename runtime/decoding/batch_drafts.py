@@ -38,7 +38,6 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.drafters import Eagle3ChainDrafter
-from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DrafterSpec
 from xcompile.runtime.decoding.sequence import PAD
 from xcompile.runtime.engines.graphs import Capture, GraphedEngine
@@ -93,8 +92,6 @@ class BatchDrafts:
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
         self.fed = False            # propose needs a seed: the head's first feed makes it
         self.break_even = break_even
-        self.rate = [float(drafter.k)] * max_batch      # accepted drafts a verify step, per slot (a running mean)
-        self.holder: list[BatchSequence | None] = [None] * max_batch   # whose rate it is
         self.plain = 0              # steps since the last verify step
 
     def record(self, capture: Capture, sizes: Sequence[int]) -> None:
@@ -112,17 +109,16 @@ class BatchDrafts:
 
     def plan(self, rows: Sequence[tuple[int, BatchSequence]]) -> tuple[torch.Tensor | None, set[int]]:
         """This step's chains (``propose``) and the slots that verify theirs: none unless the step pays (``pays``)."""
-        slots = {b for b, q in rows if self.speculates(q)}
-        chains = self.propose(rows) if slots and self.pays(rows, slots) else None
-        return chains, slots if chains is not None else set()
+        drafting = [(b, q) for b, q in rows if self.speculates(q)]
+        chains = self.propose(rows) if drafting and self.pays([q for _, q in drafting]) else None
+        return chains, {b for b, _ in drafting} if chains is not None else set()
 
-    def pays(self, rows: Sequence[tuple[int, BatchSequence]], slots: set[int]) -> bool:
-        """Whether a step verifying ``slots``' chains pays (BREAK_EVEN): their running mean of accepted drafts (a new
-        sequence starts at k, so it drafts) at least ``break_even``, or PROBE plain steps since the last verify."""
-        for b, q in rows:
-            if self.holder[b] is not q:
-                self.holder[b], self.rate[b] = q, float(self.gamma)
-        if sum(self.rate[b] for b in slots) >= self.break_even * len(slots) or self.plain >= PROBE:
+    def pays(self, drafting: Sequence[BatchSequence]) -> bool:
+        """Whether a step verifying the ``drafting`` sequences' chains pays (BREAK_EVEN): their running means of
+        accepted drafts (``accepting``; a sequence that has verified none counts k, so it drafts) average at least
+        ``break_even``, or PROBE plain steps since the last verify."""
+        rates = [self.gamma if q.accepting is None else q.accepting for q in drafting]
+        if sum(rates) >= self.break_even * len(rates) or self.plain >= PROBE:
             self.plain = 0
             return True
         self.plain += 1
@@ -137,10 +133,11 @@ class BatchDrafts:
         ids[:, 1:r] = torch.where(on[:, None], chains[:, 1:r], ids[:, 1:r])
         return on
 
-    def tally(self, b: int, stats: Stats, drafted: int, accepted: int) -> None:
-        """A verify step's drafts into slot b's running mean and its sequence's stats (its rounds and target passes
-        are the loop's)."""
-        self.rate[b] += RATE * (accepted - self.rate[b])
+    def tally(self, q: BatchSequence, drafted: int, accepted: int) -> None:
+        """A verify step's drafts into q's running mean and stats (its rounds and target passes are the loop's)."""
+        rate = self.gamma if q.accepting is None else q.accepting
+        q.accepting = rate + RATE * (accepted - rate)
+        stats = q.stats
         stats.drafted, stats.accepted = stats.drafted + drafted, stats.accepted + accepted
         stats.accepted_at += [0] * (self.gamma - len(stats.accepted_at))
         for i in range(accepted):

@@ -30,6 +30,7 @@ class BatchSequence:
     start: float = 0.0
     result: Result | None = None
     error: str | None = None    # why it stopped with reason "error" (its callback or stop check raised)
+    accepting: float | None = None  # drafts it accepted a verify step, a running mean (batch_drafts.py; None: none yet)
 
     @property
     def prefilling(self) -> bool:

@@ -10,6 +10,8 @@ drafting; chains too long for the loop's slots, and drafters that do not batch, 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import tiny_engines as T
 
@@ -102,16 +104,18 @@ def test_a_step_verifies_while_its_rows_acceptance_pays(tiny):
     (a new sequence starts at k); below it the loop decodes plainly and verifies once every PROBE steps."""
     drafts = BatchDrafts(head(tiny, "eagle3", 3, 2), 2, MAX_SEQ_LEN, "cpu")
     assert drafts.break_even == BREAK_EVEN == 0.7
-    a, b = object(), object()
-    rows = [(0, a), (1, b)]
-    assert drafts.pays(rows, {0, 1})                        # new sequences: k = 3 each
-    for _ in range(12):                                     # slot 0 accepts nothing, slot 1 one draft a step
-        drafts.tally(0, Stats(), 3, 0)
-        drafts.tally(1, Stats(), 3, 1)
-    assert drafts.rate[0] < 0.1 and 0.9 < drafts.rate[1] < 1.1
-    assert drafts.pays(rows, {1}) and not drafts.pays(rows, {0, 1})     # mean 0.5 < 0.7
-    assert [drafts.pays(rows, {0, 1}) for _ in range(PROBE)] == [False] * (PROBE - 1) + [True]   # the probe
-    assert drafts.pays([(0, object()), (1, b)], {0, 1})     # a new sequence in slot 0 starts at k again
+
+    def sequence():
+        return SimpleNamespace(accepting=None, stats=Stats())
+    a, b = sequence(), sequence()
+    assert drafts.pays([a, b])                              # new sequences: k = 3 each
+    for _ in range(12):                                     # a accepts nothing, b one draft a step
+        drafts.tally(a, 3, 0)
+        drafts.tally(b, 3, 1)
+    assert a.accepting < 0.1 and 0.9 < b.accepting < 1.1 and a.stats.drafted == 36 and b.stats.accepted == 12
+    assert drafts.pays([b]) and not drafts.pays([a, b])     # mean 0.5 < 0.7
+    assert [drafts.pays([a, b]) for _ in range(PROBE)] == [False] * (PROBE - 1) + [True]   # the probe
+    assert drafts.pays([sequence(), b])                     # a new sequence in a's slot starts at k again
 
 
 def test_a_bar_no_row_reaches_leaves_the_probes_only(tiny, prompts):
