@@ -4,8 +4,9 @@
 #   bench    xrun bench --synthetic qwen3-8b --backend fast (contexts 128,4096, chain gamma 6, tree 10/6/32), then
 #            benchmarks/fast_decode.py (graphed steps with PDL / the CUDA GEMV off, prefill TTFT, agreement)
 #   agree    benchmarks/fast_agreement.py on the demo pair in bf16 (fast vs reference, speculative vs plain greedy)
-#   agree8b  the same on the Qwen3-8B shape's synthetic weights (8 prompts x 512 tokens; issue 38 item 3;
-#            AGREE8B_ARGS: its other options, --row-invariant say)
+#   agree8b  the same on the Qwen3-8B shape's synthetic weights (8 prompts x 512 tokens; issue 38 item 3), by
+#            default counted on the fast backend alone, row-invariant, for chains of 1-8 and the 32- and 64-node
+#            trees (AGREE8B_ARGS: other options instead, "--drafters draft-model --draft-model qwen3-0.6b" say)
 #   quant    the quantized kernels' tests (all, compiled), benchmarks/qlinear_tiles.py at one row, qgemv.cu's tiles
 #            beside the Triton GEMV (TILES_ARGS: its options),
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
@@ -137,7 +138,7 @@ for part in "$@"; do
     ;;
   agree8b)
     run agree8b 540 python3 benchmarks/fast_agreement.py --synthetic qwen3-8b --num-prompts 8 --new-tokens 512 \
-      ${AGREE8B_ARGS:-}
+      ${AGREE8B_ARGS:---fast-only --row-invariant --gammas 1,2,3,4,5,6,7,8 --tree 10,6,32 --tree 16,8,64}
     grep -E "teacher-forced|tau" "$OUT/agree8b.log"
     ;;
   batch)

@@ -158,6 +158,9 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
 @pytest.mark.parametrize("script,args,said", [
     ("fast_agreement.py", [], "give an ENGINE_DIR or --synthetic NAME, not both"),
     ("fast_agreement.py", ["some-dir", "--synthetic", "qwen3-8b"], "give an ENGINE_DIR or --synthetic NAME, not both"),
+    ("fast_agreement.py", ["some-dir", "--mtp"], "--mtp / --draft-model add drafters to --synthetic weights"),
+    ("fast_agreement.py", ["some-dir", "--drafters", "eagle3,none"], "--drafters 'none': expected some of eagle3,"),
+    ("fast_agreement.py", ["some-dir", "--fast-only", "--against", "ort"], "--fast-only counts on the fast backend"),
     ("batch_decode.py", ["--batches", "4,0"], "--batches: '4,0': expected positive integers"),
     ("batch_decode.py", ["--new-tokens", "0"], "--new-tokens must be at least 1"),
     ("batch_decode.py", ["--gammas", "3,-1"], "--gammas: '3,-1': expected chain lengths >= 0"),
@@ -173,6 +176,44 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
 def test_bad_options_are_refused_as_argparse_does(script, args, said):
     done = run(script, *args)
     assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
+
+
+def test_fast_agreement_counts_every_drafter_against_plain_greedy_and_the_tables_read_it(capsys):
+    """count(), the check --fast-only keeps, over tiny torch engines of the synthetic flow (EAGLE3, MTP, a draft
+    model): plain greedy once per prompt, a line per chain and tree that scripts/perf_tables.py reads back."""
+    import types
+
+    from xcompile.compile.config import Qwen3Config
+    from xcompile.compile.reference import reference_engines, synthetic_manifest
+    from xcompile.runtime.decoding.registry import TreeShape
+    from xcompile.runtime.engines.load import EngineSet
+
+    agree, tables = script(BENCHMARKS / "fast_agreement.py"), script(BENCHMARKS.parent / "scripts" / "perf_tables.py")
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    manifest = synthetic_manifest("qwen3-8b", 64, "fp32", mtp=True, config=cfg)
+    engines = reference_engines(manifest, "cpu")
+    es = EngineSet(None, manifest, "torch", engines, d2t=engines["eagle3"].module.d2t, mtp_d2t=None)
+    args = types.SimpleNamespace(gammas=[1, 3], tree=[TreeShape(2, 2, 4)], drafters=["eagle3", "mtp"], new_tokens=8)
+    prompts = [[5, 9, 2, 7], [11, 3, 3, 1]]
+    with torch.inference_mode():
+        gaps = agree.count(args, prompts, None, es)
+    out = capsys.readouterr().out
+    assert gaps == []                                   # fp32 on the CPU: every run is plain greedy's
+    parsed = tables.parse_agreement_log(out, "count")
+    assert "teacher" not in parsed
+    assert [d["drafter"] for d in parsed["drafters"]] == ["eagle3 chain g=1", "eagle3 chain g=3", "eagle3 tree 2/2/4",
+                                                          "mtp chain g=1", "mtp chain g=3", "mtp tree 2/2/4"]
+    assert all(d["torch"] is None and (d["same"], d["n"]) == ("2", "2") for d in parsed["drafters"])
+    assert "Counted on the fast backend alone" in tables.render_agreement(parsed)[0]
+
+
+def script(path: Path):
+    """A script's module, imported from its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)      # dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
