@@ -29,8 +29,9 @@ Definitions, as vLLM's benchmarks/benchmark_serving.py has them:
     latency    a request's start to its stream's end
 
 Before the levels, one request alone is the first request after /health said ready (with --url: the run's first
-request to that server), its client warmed by a GET /v1/models first (the openai client's first call pays for its
-connection and set-up: on an H100 the server's own TTFT was 22 ms of the client's 92, 2026-12-05): its TTFT is
+request to that server), its client warmed by a GET /v1/models and a streaming completion the server refuses with
+a 404 before generating (an unserved model name): the openai client's first calls pay for its connection and its
+code paths (on an H100 the server's own TTFT was 22 ms of the client's 92, 2026-12-05, before either): its TTFT is
 reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: arrival to first
 token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's.
 Each level reports the server's engine steps too (/metrics, a --max-batch N dir): how many prefills and
@@ -309,8 +310,14 @@ async def run_first(url: str, model: str, args, timeout: float) -> dict:
     """The first request after ready, alone (module docstring)."""
     before = server_histograms(url, args.api_key)
     async with open_client(url, args, timeout) as openai_client:
-        # the client's own first call (its connection, headers, lazy imports) on a route that generates nothing
+        # the client's own first calls on routes that generate nothing: its connection, headers and lazy imports
+        # (GET /v1/models), then a streaming completion's code paths (a request for a model the server does not
+        # serve: its 404 comes before any generation). Without the second, a fresh client's first stream took
+        # 15-17 ms against 6 ms for its next ones, on a warm server on the 2-core CPU (2026-12-06).
         await openai_client.models.list()
+        refused = await one_request(openai_client, f"not-{model}", make_prompts(args, 1)[0], 1)
+        if refused["status"] != 404:
+            raise RuntimeError(f"the client's warm-up for an unserved model got {refused['status']}, not 404")
         r = await one_request(openai_client, model, make_prompts(args, 1)[0], args.max_tokens)
     if r["status"] != 200:
         raise RuntimeError(f"the first request failed ({r['status']}): {r['error']}")
