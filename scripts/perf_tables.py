@@ -82,6 +82,8 @@ TABLES = {
     "bench-8b-sampled": Table("bench-8b-sampled", "bench"),
     "bench-8b-sampling-h100": Table("bench-8b-sampling-h100", "bench"),
     "bench-8b-row-invariant-h100": Table("bench-8b-row-invariant-h100", "bench"),
+    "long-8b-h100": Table("long-8b-h100", "bench", ("decode floor", "plain decode, context", "decode step",
+                                                    "verify", "EAGLE3 chain round", "prefill")),
     "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
                                            "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
     "draft-model": Table("draft-model", "bench", ("decode floor", "plain decode, context", "decode step",
