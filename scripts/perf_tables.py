@@ -403,9 +403,11 @@ def render_agreement(a: dict) -> list[str]:
         lines = [f"Teacher-forced, the fast backend's greedy token equals the reference modules' at {t['same']} of "
                  f"{t['n']} positions ({t['pct']} %); at each of the {t['n'] - t['same']} others the reference's top-2 "
                  f"logits are within {t['max_gap']:g}.", ""]
-    other = a["drafters"][0]["backend"]
-    lines += _grid(["drafter", "τ, torch backend", f"τ, {other} backend", f"outputs identical to plain greedy ({other})"],
-                   [[d["drafter"], d["torch"] or "—", d["fast"], f"{d['same']} / {d['n']}"] for d in a["drafters"]])
+    other, torch = a["drafters"][0]["backend"], any(d["torch"] for d in a["drafters"])
+    lines += _grid(["drafter", *(["τ, torch backend"] if torch else []), f"τ, {other} backend",
+                    f"outputs identical to plain greedy ({other})"],
+                   [[d["drafter"], *([d["torch"] or "—"] if torch else []), d["fast"], f"{d['same']} / {d['n']}"]
+                    for d in a["drafters"]])
     if n := a.get("near"):
         lines += ["", f"Where speculative and plain greedy part on the fast backend, {n['near']} of {n['all']} "
                       f"partings are at a near tie (top-2 gap ≤ {n['gap']})."]
