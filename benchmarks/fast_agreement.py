@@ -52,7 +52,6 @@ from xcompile.runtime.engines.fast import FastEagle3Engine, FastFCEngine, FastQw
 from xcompile.runtime.engines.kernels.config import CudaGemv, Gemv, KernelConfig, shipped_tiles
 from xcompile.runtime.engines.load import EngineSet, fast_engines, open_engine_dir
 
-
 COUNTED = ("eagle3", "mtp", "draft-model")       # the drafters whose outputs are counted against plain greedy
 
 

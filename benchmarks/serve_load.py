@@ -32,8 +32,8 @@ Before the levels, one request alone is the first request after /health said rea
 request to that server), its client warmed by a GET /v1/models and a streaming completion the server refuses with
 a 404 before generating (an unserved model name): the openai client's first calls pay for its connection and its
 code paths (on an H100 the server's own TTFT was 22 ms of the client's 92, 2026-12-05, before either): its TTFT is
-reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: arrival to first
-token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's.
+reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: the request reaching
+the app to its first token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's.
 Each level reports the server's engine steps too (/metrics, a --max-batch N dir): how many prefills and
 speculative rounds a lone request ran on the batch-1 Generator, and batch steps (those that carried prompt chunks
 apart), with their mean wall time on the engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then

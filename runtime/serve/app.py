@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -147,7 +148,9 @@ def _failed(request: Request, e: Exception) -> JSONResponse:
 
 class _CountResponses:
     """ASGI middleware counting each response by route and status as it starts (a stream's status is
-    its first line's; how its generations ended is in xcompile_generations_total)."""
+    its first line's; how its generations ended is in xcompile_generations_total), and noting when each request
+    reached the app (``request.state.arrived``, time.monotonic()): a job's TTFT counts from there, its body's
+    parse, checks and tokenizing included."""
 
     def __init__(self, app):
         self.app = app
@@ -155,6 +158,7 @@ class _CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.monotonic()
 
         async def counted(message):
             if message["type"] == "http.response.start":
@@ -200,7 +204,7 @@ async def _answer(request: Request, body, kind: str, prompts: list, param: str):
     max_tokens = _max_tokens(body, max(map(len, ids)), worker.max_seq_len)
     sampling = body.sampling()
     job = Job([Generation(p, max_tokens, body.stop, sampling, j) for p in ids for j in range(body.n)],
-              sched.deadline())
+              sched.deadline(), arrived=getattr(request.state, "arrived", time.monotonic()))
     reply = Reply(kind, body, worker, ids, request.app.state.metrics, job, sampling.seed)
     events = sched.run(job)
     await anext(events)                     # admitted (or ServeError 429 as an HTTP error, before any stream)

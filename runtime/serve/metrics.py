@@ -5,7 +5,8 @@
     xcompile_prompt_tokens_total, xcompile_generation_tokens_total
     xcompile_draft_tokens_total, xcompile_accepted_tokens_total     (their ratio: the acceptance rate)
     xcompile_queue_depth, xcompile_requests_running                 requests waiting / on the device (0 or 1)
-    xcompile_time_to_first_token_seconds             arrival to the first token, queueing included
+    xcompile_time_to_first_token_seconds             the request reaching the app (its headers read) to its first
+                                                    token: the body's parse, checks, tokenizing and queueing included
     xcompile_time_per_output_token_seconds           per choice: (last token - first token) / (tokens - 1)
     xcompile_acceptance_length                       tau of each choice: tokens per target forward
     xcompile_engine_step_seconds{kind}              the batching engine thread's steps (--max-batch N dirs): a lone
@@ -39,7 +40,7 @@ class Metrics:
         self.accepted = Counter("xcompile_accepted_tokens", "Draft tokens accepted by verification", registry=r)
         Gauge("xcompile_queue_depth", "Requests waiting for the device", registry=r).set_function(queue_depth)
         Gauge("xcompile_requests_running", "Requests on the device", registry=r).set_function(running)
-        self.ttft = Histogram("xcompile_time_to_first_token_seconds", "Arrival to first token, queueing included",
+        self.ttft = Histogram("xcompile_time_to_first_token_seconds", "The request reaching the app to its first token, parse and queueing included",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("xcompile_time_per_output_token_seconds", "Per choice: mean time between tokens "
                               "after the first", buckets=LATENCY_BUCKETS, registry=r)

@@ -312,6 +312,19 @@ def test_without_a_budget_chat_generates_to_the_context_end(held, worker, monkey
         assert r["usage"]["completion_tokens"] == 256 - 245 and r["choices"][0]["finish_reason"] == "length"
 
 
+def test_ttft_counts_from_the_request_reaching_the_app(held, worker, monkeypatch):
+    """The server's TTFT histogram starts when the request reaches the app, so a slow body's handling before
+    the job exists (here a tokenizer that takes 0.3 s) is in it, not on the client's side of the clock."""
+    encode = worker.encode
+    monkeypatch.setattr(worker, "encode", lambda *a: time.sleep(0.3) or encode(*a))
+    key = ("xcompile_time_to_first_token_seconds_sum", ())
+    before = scrape_with(held.url, AUTH)
+    with httpx.Client(base_url=held.url, headers=AUTH, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert scrape_with(held.url, AUTH)[key] - before.get(key, 0.0) >= 0.3
+
+
 def test_unknown_route_and_method(server):
     r = httpx.get(f"{server.url}/v1/engines", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
@@ -324,7 +337,12 @@ def test_unknown_route_and_method(server):
 
 def scrape(url: str) -> dict[tuple, float]:
     """{(sample name, sorted labels): value} of /metrics, through prometheus_client's own parser."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return scrape_with(url, {})
+
+
+def scrape_with(url: str, headers: dict) -> dict[tuple, float]:
+    """``scrape`` with request headers (a server with an API key)."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
