@@ -14,7 +14,9 @@ when done, on a failure or on Ctrl-C / SIGTERM: SIGTERM, then a wait (SIGKILL af
 Per concurrency N: one unmeasured warm-up request, then N concurrent unmeasured 2-token requests that open the
 client's N keep-alive connections (as a client that has been talking to the server holds them: on the 2-core CPU
 16 cold connections put the 16 requests' response headers at 57 ms against 20 ms warm, 2026-12-06, the server's
-event loop accepting them while the first request ran), then N streams start together, each sending --per-stream
+event loop accepting them while the first request ran), then N concurrent streaming requests for a model the
+server does not serve, timed from start to their 404 (the HTTP side's share of a TTFT at that concurrency: the
+client's and the server's Python, no engine; "refused" in the report), then N streams start together, each sending --per-stream
 requests one after another: streaming completions (``AsyncOpenAI``, ``stream=True``, temperature 0, ``max_tokens``
 --max-tokens, ``return_token_ids`` so that each chunk says how many tokens it carries, and ``include_usage``). The
 prompts are consecutive windows of --prompt-words words of --prompts FILE sent as text, else token-id prompts of
@@ -202,9 +204,9 @@ async def one_request(client, model: str, prompt, max_tokens: int) -> dict:
                     counts.append(n)
                 finish = choice.finish_reason or finish
     except openai.APIStatusError as e:
-        return {"status": e.status_code, "error": e.message[:300], "start": start}
+        return {"status": e.status_code, "error": e.message[:300], "start": start, "end": time.perf_counter()}
     except openai.APIError as e:                # an error event inside the stream, or the connection failed
-        return {"status": None, "error": f"{type(e).__name__}: {e}"[:300], "start": start}
+        return {"status": None, "error": f"{type(e).__name__}: {e}"[:300], "start": start, "end": time.perf_counter()}
     end = time.perf_counter()
     return {"status": 200, "start": start, "end": end, "tokens": sum(counts), "usage_tokens": usage,
             "finish_reason": finish, "ttft": times[0] - start if times else None,
@@ -248,6 +250,12 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
         for w in warm:
             if w["status"] != 200:
                 raise RuntimeError(f"a warm-up request failed ({w['status']}): {w['error']}")
+        # the HTTP share at this concurrency: N streams' requests for a model the server does not serve, which
+        # it refuses (404) before any generation, timed from each one's start to its answer
+        refused = await asyncio.gather(*(one_request(openai_client, f"not-{model}", prompts[s], 1)
+                                         for s in range(streams)))
+        if any(r["status"] != 404 for r in refused):
+            raise RuntimeError(f"a request for an unserved model got {refused[0]['status']}, not 404")
 
         async def stream(s: int) -> list[dict]:
             return [await one_request(openai_client, model, prompts[s * args.per_stream + k], args.max_tokens)
@@ -266,6 +274,7 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "ttft_ms": spread([r["ttft"] for r in ok if r["ttft"] is not None]),
             "server_ttft_ms_mean": server_mean(before, after), "server_steps": server_steps(before, after),
+            "refused_ms": spread([r["end"] - r["start"] for r in refused]),
             "itl_ms": spread([g for r in ok for g in r["gaps"]]),
             "tpot_ms": spread([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
             "latency_ms": spread([r["end"] - r["start"] for r in ok]),
@@ -349,10 +358,12 @@ async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
 # the report
 
 
-def table(levels: list[dict]) -> str:
-    def three(d: dict) -> str:
-        return " / ".join("—" if d[f"p{p}"] is None else f"{d[f'p{p}']:.1f}" for p in PERCENTILES)
+def three(d: dict) -> str:
+    """A spread's p50 / p90 / p99."""
+    return " / ".join("—" if d[f"p{p}"] is None else f"{d[f'p{p}']:.1f}" for p in PERCENTILES)
 
+
+def table(levels: list[dict]) -> str:
     head = f"{'streams':>7} {'ok':>5} {'err':>4} {'429':>4} {'tok/s':>8}  {'TTFT p50/p90/p99 ms':>26}  " \
            f"{'ITL p50/p90/p99 ms':>24}  {'latency p50/p99 s':>18}"
     lines = [head]
@@ -381,6 +392,9 @@ def summary(report: dict) -> list[str]:
         steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.3f} ms" for k, v in lv["server_steps"].items())
         if steps:
             lines.append(f"{lv['streams']} stream(s), the server's engine steps (count x mean): {steps}")
+        if lv.get("refused_ms", {}).get("p50") is not None:
+            lines.append(f"{lv['streams']} stream(s), as many requests refused before generating (404): "
+                         f"{three(lv['refused_ms'])} ms (p50 / p90 / p99), the HTTP side's share")
     lengths = report["prompt_lengths"]
     if lengths and lengths["slowest"]:
         t, low, high = lengths["ttft_ms"], *lengths["lengths"]

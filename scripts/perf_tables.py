@@ -438,8 +438,10 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
         if lv is None:
             return "—"
         text = f"{lv['tokens_per_s']:.1f} tok/s; TTFT {lv['ttft_ms']['p50']:.0f} / {lv['ttft_ms']['p99']:.0f} ms"
-        if lv.get("server_ttft_ms_mean") is not None:      # the server's own share (/metrics: admission to token)
+        if lv.get("server_ttft_ms_mean") is not None:      # the server's own share (/metrics: arrival to token)
             text += f" (the server's mean {lv['server_ttft_ms_mean']:.0f} ms)"
+        if lv.get("refused_ms"):                            # as many requests refused (404): the HTTP side alone
+            text += f"; {lv['streams']} requests refused before generating {lv['refused_ms']['p50']:.0f} ms p50"
         text += f"; ITL {lv['itl_ms']['p50']:.0f} / {lv['itl_ms']['p99']:.0f} ms"
         if lv["errors"] or lv["rate_limited"]:
             text += f"; {lv['errors']} errors, {lv['rate_limited']} refused (429) of {lv['requests']}"

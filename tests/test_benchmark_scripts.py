@@ -272,6 +272,7 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
         for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
             assert 0 < lv[key]["p50"] <= lv[key]["p90"] <= lv[key]["p99"], (key, lv[key])
         assert lv["ttft_ms"]["p99"] <= lv["latency_ms"]["p99"]
+        assert 0 < lv["refused_ms"]["p50"] <= lv["refused_ms"]["p99"]         # N requests refused (404), timed
         assert 0 < lv["server_ttft_ms_mean"] <= lv["ttft_ms"]["p99"]     # the server's share of the level's TTFTs
         steps = lv["server_steps"]      # ONNX Runtime fixes the batch: no lone runs, every step a batch step
         assert list(steps) == ["batch_prompt", "batch"] and all(s["count"] > 0 and s["mean_ms"] > 0
@@ -283,13 +284,15 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
     assert list(lengths["ttft_ms_by_length"]) == ["16", "17", "18"]
     assert lengths["slowest"]["ttft_ms"] == max(lengths["ttft_ms_by_length"].values())
     assert lengths["slowest"]["length"] in (16, 17, 18) and lengths["slowest"]["over_median"] >= 1
-    # the table (head, two levels), the first request, each level's engine steps, the lengths
+    # the table (head, two levels), the first request, each level's engine steps and refusals, the lengths
     out_lines = done.stdout.strip().splitlines()
-    assert len(out_lines) == 7 and "tok/s" in out_lines[0], done.stdout
+    assert len(out_lines) == 9 and "tok/s" in out_lines[0], done.stdout
     assert out_lines[3].startswith("first request after ready: TTFT") and "its own mean at 1 stream" in out_lines[3]
     assert out_lines[4].startswith("1 stream(s), the server's engine steps (count x mean): batch_prompt ")
-    assert out_lines[5].startswith("4 stream(s), the server's engine steps (count x mean): batch_prompt ")
-    assert "prompt lengths 16-18" in out_lines[6]
+    assert out_lines[5].startswith("1 stream(s), as many requests refused before generating (404): ")
+    assert out_lines[6].startswith("4 stream(s), the server's engine steps (count x mean): batch_prompt ")
+    assert out_lines[7].startswith("4 stream(s), as many requests refused before generating (404): ")
+    assert "prompt lengths 16-18" in out_lines[8]
 
 
 def test_serve_load_refuses_a_prompt_file_shorter_than_its_longest_window(tmp_path):
