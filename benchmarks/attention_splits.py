@@ -2,7 +2,7 @@
 size: what a verify block of several rows pays over a decode step's one row (issue 39, item 2).
 
     python benchmarks/attention_splits.py [--contexts 4096,16384,32000] [--rows 1,7,32] [--chunks 64,128,...]
-                                          [--row-tiles 16,32]
+                                          [--row-tiles 16,32] [--even 17,32,64] [--cache 32256]
 
 One Qwen3-8B layer's attention (32 query heads over 8 KV heads of 128), bf16, on a cache of context + 64
 slots: for each context, row count and --row-tiles value (query rows a program reads each KV tile for: a
@@ -12,6 +12,11 @@ inside a CUDA graph of calls over rotating caches (so L2 never holds the keys; k
 GB/s of the live K/V bytes read, and that rate against the bytes a device copy moves a second here (read +
 write: the memory system's rate, which a verify reading the keys once would approach). Each output is first
 checked against the shipped chunk and tile's (the same softmax, summed in another order).
+
+--even N,...: also the even layout (attention's ``even``): N splits share the live keys, the chunk picked at run
+time from write_index, labelled eN. --cache SLOTS: a cache of that many slots for every context, as an engine
+dir's max_seq_len sizes it (fixed chunks are then chosen for the whole cache, and splits past a shorter live
+length idle); by default context + 64.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def main() -> int:
     ap.add_argument("--chunks", type=positive_list, default=[64, 128, 256, 512, 1024])
     ap.add_argument("--row-tiles", type=positive_list, default=[16, 32],
                     help="query rows (token x head of a group) a program reads each KV tile for; 16 ships")
+    ap.add_argument("--even", type=positive_list, default=[], help="split counts of the even layout to time too")
+    ap.add_argument("--cache", type=int, help="cache slots for every context (default: context + 64)")
     args = ap.parse_args()
     if max(args.rows) > A.MAX_ROWS:
         ap.error(f"--rows: at most {A.MAX_ROWS} rows a call")
@@ -46,6 +53,9 @@ def main() -> int:
         ap.error(f"--chunks: each a multiple of {A.BLOCK_S} keys")
     if any(t not in (16, 32, 64) for t in args.row_tiles):
         ap.error("--row-tiles: each 16, 32 or 64")
+    if args.cache is not None and args.cache < max(args.contexts) + A.MAX_ROWS:
+        ap.error(f"--cache {args.cache}: shorter than the longest context + {A.MAX_ROWS} "
+                 f"({max(args.contexts) + A.MAX_ROWS})")
     if not torch.cuda.is_available():
         print("attention_splits.py times the kernels on a GPU: no CUDA device is visible here", file=sys.stderr)
         return 2
@@ -54,7 +64,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     print(f"{'context':>8} {'rows':>4} {'tile':>4} {'chunk':>6} {'splits':>6} {'us':>8} {'GB/s':>6} {'of copy':>7}")
     for ctx in args.contexts:
-        slots = ctx + A.MAX_ROWS
+        slots = args.cache or ctx + A.MAX_ROWS
         caches = torch.randn(COPIES, 2, 1, HKV, slots, D, device=dev, dtype=torch.bfloat16)
         for m in args.rows:
             q = torch.randn(m, HQ * D, device=dev, dtype=torch.bfloat16)
@@ -62,20 +72,27 @@ def main() -> int:
             mask = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
             shipped = A.chunk_for(slots, m)
             want = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ)
-            for tile, chunk in itertools.product(args.row_tiles, [shipped] + [c for c in args.chunks if c != shipped]):
-                got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, chunk=chunk, row_tile=tile)
+            layouts = [dict(chunk=c) for c in [shipped] + [c for c in args.chunks if c != shipped]]
+            layouts += [dict(even=n) for n in args.even]
+            for tile, layout in itertools.product(args.row_tiles, layouts):
+                got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, row_tile=tile, **layout)
                 if ((got.float() - want.float()).norm() / want.float().norm()).item() > 2e-2:
-                    print(f"chunk {chunk}, tile {tile}: output differs from the shipped one's at context {ctx}, {m} rows")
+                    print(f"{layout}, tile {tile}: output differs from the shipped one's at context {ctx}, {m} rows")
                     return 1
-                us = graph_time([lambda i=i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, chunk=chunk,
-                                                         row_tile=tile) for i in range(COPIES)])
+                us = graph_time([lambda i=i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, row_tile=tile,
+                                                         **layout) for i in range(COPIES)])
                 read = 2 * HKV * ctx * D * 2
                 rate = read / (us / 1e6)
-                label = f"{chunk}{'*' if chunk == shipped and tile == A.ROW_TILE else ''}"
-                print(f"{ctx:>8} {m:>4} {tile:>4} {label:>6} {math.ceil(slots / chunk):>6} {us:>8.1f} "
+                if "even" in layout:
+                    label, splits = f"e{layout['even']}", min(layout["even"], math.ceil(slots / A.BLOCK_S))
+                else:
+                    chunk = layout["chunk"]
+                    label = f"{chunk}{'*' if chunk == shipped and tile == A.ROW_TILE else ''}"
+                    splits = math.ceil(slots / chunk)
+                print(f"{ctx:>8} {m:>4} {tile:>4} {label:>6} {splits:>6} {us:>8.1f} "
                       f"{rate / 1e9:>6.0f} {100 * rate / bandwidth:>6.0f}%")
-    print("* the shipped chunk (attention.chunk_for); 'of copy': the K/V bytes read a second against the bytes a "
-          "copy moves a second (read + write)")
+    print("* the shipped chunk (attention.chunk_for); eN: the even layout over N splits; 'of copy': the K/V bytes "
+          "read a second against the bytes a copy moves a second (read + write)")
     return 0
 
 

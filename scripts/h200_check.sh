@@ -25,7 +25,8 @@
 #            written as a safetensors checkpoint and opened from it; OPEN_ARGS: its options instead), the warm-up,
 #            an 8-token prefill, the prefills of 16-79 tokens, a round
 #   long     benchmarks/attention_splits.py (one layer's attention per chunk size and row tile at 16K and 32K,
-#            1 / 7 / 32 rows); xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000
+#            1 / 7 / 32 rows; then 7 / 32 rows on one 32,256-slot cache at 128-32000, fixed chunks against the
+#            even layout); xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000
 #            (chain gamma 6): decode and verify against the floor counting KV bytes, and the 32,000-token prefill
 #            against the matmul rate; the same at 32000 with an FP8 KV cache
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
@@ -152,6 +153,11 @@ for part in "$@"; do
   long)
     run attention_splits 120 python3 benchmarks/attention_splits.py --contexts 16384,32000 --chunks 128,256,512,1024
     cat "$OUT/attention_splits.log"
+    # several rows on one 32,256-slot cache at every context, as the bench's graphs run them: fixed chunks against
+    # the even layout (attention's even) over 17 / 32 / 64 splits
+    run attention_even 120 python3 benchmarks/attention_splits.py --contexts 128,4096,16384,32000 --cache 32256 \
+      --rows 7,32 --chunks 1024 --even 17,32,64
+    cat "$OUT/attention_even.log"
     run long_bench 280 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree "" \
       --num-prompts 1 --contexts 128,16384,32000 --json "$OUT/long_bench.json"
     grep -E "$SHOW|^ +(16384|32000) +yes|prefill" "$OUT/long_bench.log"

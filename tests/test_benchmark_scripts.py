@@ -171,6 +171,7 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("attention_splits.py", ["--chunks", "64,100"], "--chunks: each a multiple of 64 keys"),
     ("attention_splits.py", ["--rows", "1,65"], "--rows: at most 64 rows a call"),
     ("attention_splits.py", ["--row-tiles", "16,24"], "--row-tiles: each 16, 32 or 64"),
+    ("attention_splits.py", ["--contexts", "4096", "--cache", "4100"], "--cache 4100: shorter than the longest context"),
     ("open_dir.py", ["--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder does not exist"),
 ])
 def test_bad_options_are_refused_as_argparse_does(script, args, said):

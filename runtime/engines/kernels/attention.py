@@ -129,12 +129,16 @@ def _attend_packed(q, KC, VC, base, keys, end, tok, live, TM, stride_tm, origin,
 
 
 @triton.jit
-def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr):
+def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr, EVEN: tl.constexpr, BLOCK_S: tl.constexpr):
     """Keys per split: SMALL while write_index + MAX_M keys fit the launch's splits at that size (the same for
-    every row count, so a row's bits stay those of a block's row), else CHUNK."""
-    chunk = CHUNK + 0 * wi
-    if SMALL > 0:
-        chunk = tl.where(wi + MAX_M <= SMALL * splits, SMALL, chunk)
+    every row count, so a row's bits stay those of a block's row), else CHUNK. EVEN: the fewest whole BLOCK_S
+    steps with which the launch's splits cover write_index + MAX_M keys (``attention``'s ``even``)."""
+    if EVEN:
+        chunk = BLOCK_S * tl.cdiv(wi + MAX_M, splits * BLOCK_S)
+    else:
+        chunk = CHUNK + 0 * wi
+        if SMALL > 0:
+            chunk = tl.where(wi + MAX_M <= SMALL * splits, SMALL, chunk)
     return chunk
 
 
@@ -143,7 +147,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
                   CHUNK, SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   FIRST: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr,
-                  WP2: tl.constexpr):
+                  WP2: tl.constexpr, EVEN: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # the reduction, then the o projection, launch now
     HKV: tl.constexpr = HQ // G
@@ -161,7 +165,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
     # splits past the live length return at once, and the first block's cached keys and values are in
     # flight before the wait (programmatic dependent launch).
     wi = tl.load(WI + b)
-    chunk = _chunk(wi, CHUNK, tl.num_programs(1), SMALL, MAX_M)
+    chunk = _chunk(wi, CHUNK, tl.num_programs(1), SMALL, MAX_M, EVEN, BLOCK_S)
     start = split * chunk
     end = tl.minimum(start + chunk, wi + M)
     if start < end:
@@ -216,7 +220,7 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_
 @triton.jit
 def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.constexpr, MAX_M: tl.constexpr,
                     HQ: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
-                    FIRST: tl.constexpr):
+                    FIRST: tl.constexpr, EVEN: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program per (row of the B*M, head, DB of the head's D columns): the live splits' partials of those
     columns, weighted by their softmax statistics, summed over the splits."""
     if PDL:
@@ -229,7 +233,7 @@ def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.cons
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
     wi = tl.load(WI + row // M)
-    ok = s < tl.cdiv(wi + M, _chunk(wi, CHUNK, SPLITS, SMALL, MAX_M))       # the splits that hold live keys
+    ok = s < tl.cdiv(wi + M, _chunk(wi, CHUNK, SPLITS, SMALL, MAX_M, EVEN, BLOCK_S))    # those with live keys
     slot = (s * tl.num_programs(0) + row) * HQ + head
     m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
     l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
@@ -262,22 +266,30 @@ def chunk_for(max_seq_len: int, rows: int = 1) -> int:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
-              cfg: KernelConfig = DEFAULT, row_tile: int = ROW_TILE) -> torch.Tensor:
+              cfg: KernelConfig = DEFAULT, row_tile: int = ROW_TILE, even: int = 0) -> torch.Tensor:
     """q [B*M, Hq*D]; caches [B, Hkv, S_max, D]; write_index [B]; tree_mask [B, M, W >= M] bool, or [M, W] for
     B = 1 (rows may be strided) -> [B*M, Hq*D]. chunk: keys per split (None: chunk_for the cache and M; the tests
-    set it); row_tile: query rows (token x head of a group) a program reads each KV tile for
-    (benchmarks/attention_splits.py sweeps it)."""
+    set it); row_tile: query rows (token x head of a group) a program reads each KV tile for. even: that many
+    splits share each sequence's live keys at run time (the fewest whole BLOCK_S steps covering write_index +
+    MAX_ROWS keys), instead of chunks fixed by the cache's size, whose splits past a shorter live length idle
+    (not under row_invariant: the layout then moves with write_index). benchmarks/attention_splits.py sweeps
+    row_tile, chunk and even; the shipped calls take neither of the last two yet."""
     if tree_mask.dim() == 2:
         tree_mask = tree_mask[None]
     batch, m, w = tree_mask.shape
     rows = q.shape[0]
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
-    chunk = chunk or chunk_for(max_seq_len, max(m, 2) if cfg.row_invariant else m)
-    splits = math.ceil(max_seq_len / chunk)
+    assert not (even and (chunk or cfg.row_invariant)), "even: a layout of its own, not with chunk or row_invariant"
+    if even:
+        splits = min(even, triton.cdiv(max_seq_len, BLOCK_S))
+        chunk = BLOCK_S * triton.cdiv(max_seq_len, splits * BLOCK_S)           # (the kernels' own from write_index)
+    else:
+        chunk = chunk or chunk_for(max_seq_len, max(m, 2) if cfg.row_invariant else m)
+        splits = math.ceil(max_seq_len / chunk)
     assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
     assert row_tile in (16, 32, 64), f"row_tile {row_tile}: 16, 32 or 64"
-    small = SHORT_CHUNK if SHORT_CHUNK < chunk else 0       # a chunk no longer than the short one: nothing to switch
+    small = SHORT_CHUNK if SHORT_CHUNK < chunk and not even else 0    # no longer than the short one: no switch
     assert w >= m and tree_mask.stride(2) == 1 and q.stride(1) == 1 and k_cache.stride() == v_cache.stride()
     kv8 = k_cache.dtype == KV_FP8
     if kv8:
@@ -291,7 +303,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
         MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
         PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant,
-        WP2=triton.next_power_of_2(w), num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
+        WP2=triton.next_power_of_2(w), EVEN=bool(even), num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
     if out is None:
         out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
@@ -299,7 +311,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     assert d % db == 0, f"combine_block {db} does not divide head_dim {d}"
     _combine_kernel[(rows, heads, d // db)](partial, stats, out, write_index, m, out.stride(0), chunk, splits,
                                             SMALL=small, MAX_M=MAX_ROWS, HQ=heads, D=d, DB=db, SPLITS_P2=p2,
-                                            PDL=cfg.pdl_on, FIRST=rows > 1, num_warps=min(8, max(1, p2 * db // 2048)),
+                                            PDL=cfg.pdl_on, FIRST=rows > 1, EVEN=bool(even), BLOCK_S=BLOCK_S,
+                                            num_warps=min(8, max(1, p2 * db // 2048)),
                                             **cfg.launch())
     return out
 

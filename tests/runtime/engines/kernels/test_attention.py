@@ -50,6 +50,26 @@ def test_attention_row_tiles(row_tile, heads, kv_heads, write_index, rows):
     got = attention(q, kc, vc, wi, tm, heads, row_tile=row_tile)
     assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
 
+@pytest.mark.parametrize("even,row_tile", [(3, 16), (5, 32), (64, 16)])
+@pytest.mark.parametrize("write_index,rows", [(0, 7), (100, 1), (300, 7), (517, 33), (560, 64)])
+def test_attention_even_splits(even, row_tile, write_index, rows):
+    """``even``: the launch's splits share the live keys, each sequence's chunk from its own write_index (here
+    3 / 5 / 10 splits of a 640-slot cache: 64 splits are capped at its ten 64-key steps): accurate at short and
+    long live lengths and in a batch of two sequences at other write_indexes, and a row's bits are the same
+    from 2 rows a call on (the chunk does not depend on the row count)."""
+    torch.manual_seed(write_index + rows + even)
+    d, heads = 64, 8
+    kc, vc = randn(2, 2, 640, d, dtype=torch.float32), randn(2, 2, 640, d, dtype=torch.float32)
+    q = randn(2 * rows, heads * d, dtype=torch.float32)
+    tm = ((torch.rand(2, rows, rows, device=DEV) < 0.5) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([write_index, 640 - rows - write_index // 2], device=DEV)
+    got = attention(q, kc, vc, wi, tm, heads, row_tile=row_tile, even=even)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
+    if rows > 2:
+        two = attention(q[:2], kc[:1], vc[:1], wi[:1], tm[0, :2, :2], heads, row_tile=row_tile, even=even)
+        assert torch.equal(two, got[:2])
+
+
 def attention_640(write_index: int, rows: int):
     """Attention of ``rows`` tokens at ``write_index`` over a 640-slot fp32 cache (8 heads on 2, d 64, 128-key
     chunks), checked accurate and a row alone checked to keep its block row's bits; its inputs and result."""
@@ -177,6 +197,20 @@ def test_attention_at_qwen3_8b_shapes(ctx, rows):
     assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
     if rows > 2:
         assert torch.equal(attention(q[:2], kc, vc, wi, tm[:2, :2], 32)[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [100, 16000, 32000])
+@pytest.mark.parametrize("rows,row_tile", [(7, 32), (32, 32)])
+def test_attention_even_splits_at_qwen3_8b_shapes(ctx, rows, row_tile):
+    """``even`` compiled at the 8B shapes on a 32,256-slot cache (what attention_splits.py --cache times)."""
+    torch.manual_seed(ctx + rows)
+    kc, vc = randn(1, 8, 32256, 128, dtype=torch.bfloat16), randn(1, 8, 32256, 128, dtype=torch.bfloat16)
+    q = randn(rows, 32 * 128, dtype=torch.bfloat16)
+    tm = ((torch.rand(rows, rows, device=DEV) < 0.3) | torch.eye(rows, dtype=torch.bool, device=DEV)).tril()
+    wi = torch.tensor([ctx], device=DEV)
+    got = attention(q, kc, vc, wi, tm, 32, row_tile=row_tile, even=32)
+    assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2
 
 
 @pytest.mark.gpu
