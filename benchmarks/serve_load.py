@@ -16,10 +16,10 @@ client's N keep-alive connections (as a client that has been talking to the serv
 16 cold connections put the 16 requests' response headers at 57 ms against 20 ms warm, 2026-12-06, the server's
 event loop accepting them while the first request ran), then N concurrent streaming requests for a model the
 server does not serve, timed from start to their 404 (the HTTP side's share of a TTFT at that concurrency: the
-client's and the server's Python, no engine; "refused" in the report), then N streams start together, each sending --per-stream
-requests one after another: streaming completions (``AsyncOpenAI``, ``stream=True``, temperature 0, ``max_tokens``
---max-tokens, ``return_token_ids`` so that each chunk says how many tokens it carries, and ``include_usage``). The
-prompts are consecutive windows of --prompt-words words of --prompts FILE sent as text, else token-id prompts of
+client's and the server's Python, no engine; "refused" in the report), then N streams start together, each
+sending --per-stream requests one after another: streaming completions (``AsyncOpenAI``, ``stream=True``,
+temperature 0, ``max_tokens`` --max-tokens, ``return_token_ids`` so that each chunk says how many tokens it
+carries, and ``include_usage``). The prompts are consecutive windows of --prompt-words words of --prompts FILE sent as text, else token-id prompts of
 --prompt-tokens ids below 251 (any Qwen3 vocabulary, and the tests' tiny one); request i takes prompt i.
 Definitions, as vLLM's benchmarks/benchmark_serving.py has them:
 
@@ -35,7 +35,8 @@ request to that server), its client warmed by a GET /v1/models and a streaming c
 a 404 before generating (an unserved model name): the openai client's first calls pay for its connection and its
 code paths (on an H100 the server's own TTFT was 22 ms of the client's 92, 2026-12-05, before either): its TTFT is
 reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: the request reaching
-the app to its first token) beside the one-stream level's mean of it, which tells the server's share from the HTTP and client side's.
+the app to its first token) beside the one-stream level's mean of it, which tells the server's share from the
+HTTP and client side's.
 Each level reports the server's engine steps too (/metrics, a --max-batch N dir): how many prefills and
 speculative rounds a lone request ran on the batch-1 Generator, and batch steps (those that carried prompt chunks
 apart), with their mean wall time on the engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then
