@@ -270,7 +270,7 @@ def count(args, prompts, ref_es, fast_es) -> list[float]:
     wants = [fast_plain.generate(p, args.new_tokens).tokens for p in prompts]
     held = [d for d in args.drafters if DRAFTERS[d].holds(fast_es)]
     specs = [s for name in held for s in [DrafterSpec(name, g) for g in args.gammas]
-             + ([DrafterSpec(name, tree=t) for t in args.tree] if name != "draft-model" else [])]
+             + ([DrafterSpec(name, tree=t) for t in args.tree] if DRAFTERS[name].tree else [])]
     gaps = []
     for spec in specs:
         taus = {}

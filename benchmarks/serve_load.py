@@ -214,6 +214,15 @@ async def one_request(client, model: str, prompt, max_tokens: int) -> dict:
             "gaps": [b - a for a, b in zip(times, times[1:])]}
 
 
+async def refused_requests(client, model: str, prompts: list) -> list[dict]:
+    """One streaming request a prompt, all at once, for a model the server does not serve: each is refused (404)
+    before any generation; their one_request records (RuntimeError for any other answer)."""
+    done = await asyncio.gather(*(one_request(client, f"not-{model}", p, 1) for p in prompts))
+    if bad := [r["status"] for r in done if r["status"] != 404]:
+        raise RuntimeError(f"a request for an unserved model got {bad[0]}, not 404")
+    return done
+
+
 def percentile(values: list[float], p: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:
@@ -251,12 +260,8 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
         for w in warm:
             if w["status"] != 200:
                 raise RuntimeError(f"a warm-up request failed ({w['status']}): {w['error']}")
-        # the HTTP share at this concurrency: N streams' requests for a model the server does not serve, which
-        # it refuses (404) before any generation, timed from each one's start to its answer
-        refused = await asyncio.gather(*(one_request(openai_client, f"not-{model}", prompts[s], 1)
-                                         for s in range(streams)))
-        if any(r["status"] != 404 for r in refused):
-            raise RuntimeError(f"a request for an unserved model got {refused[0]['status']}, not 404")
+        # the HTTP share at this concurrency: N requests the server refuses before generating, timed
+        refused = await refused_requests(openai_client, model, prompts[:streams])
 
         async def stream(s: int) -> list[dict]:
             return [await one_request(openai_client, model, prompts[s * args.per_stream + k], args.max_tokens)
@@ -325,9 +330,7 @@ async def run_first(url: str, model: str, args, timeout: float) -> dict:
         # serve: its 404 comes before any generation). Without the second, a fresh client's first stream took
         # 15-17 ms against 6 ms for its next ones, on a warm server on the 2-core CPU (2026-12-06).
         await openai_client.models.list()
-        refused = await one_request(openai_client, f"not-{model}", make_prompts(args, 1)[0], 1)
-        if refused["status"] != 404:
-            raise RuntimeError(f"the client's warm-up for an unserved model got {refused['status']}, not 404")
+        await refused_requests(openai_client, model, make_prompts(args, 1))
         r = await one_request(openai_client, model, make_prompts(args, 1)[0], args.max_tokens)
     if r["status"] != 200:
         raise RuntimeError(f"the first request failed ({r['status']}): {r['error']}")

@@ -127,10 +127,7 @@ def test_dump_logits_runs_the_tiny_model_in_the_interpreter_and_compares_dumps(t
 
 
 def test_the_tuners_tables_load_back_as_tile_tables(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("tuner", BENCHMARKS / "kernels.py")
-    tuner = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "tuner", tuner)           # its dataclasses look their module up
-    spec.loader.exec_module(tuner)
+    tuner = script(BENCHMARKS / "kernels.py", monkeypatch)
     shipped = tuner.shipped_tiles()
     qkv, gate_up = (6144, 4096), (12288, 4096)
     results = [{"n": 6144, "k": 4096, "chosen": {"tile": tuner.Tile(32, 256, 4, 3, 1), "gemv": None, "cuda": None}},
@@ -179,7 +176,7 @@ def test_bad_options_are_refused_as_argparse_does(script, args, said):
     assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
 
 
-def test_fast_agreement_counts_every_drafter_against_plain_greedy_and_the_tables_read_it(capsys):
+def test_fast_agreement_counts_every_drafter_against_plain_greedy_and_the_tables_read_it(capsys, monkeypatch):
     """count(), the check --fast-only keeps, over tiny torch engines of the synthetic flow (EAGLE3, MTP, a draft
     model): plain greedy once per prompt, a line per chain and tree that scripts/perf_tables.py reads back."""
     import types
@@ -189,7 +186,8 @@ def test_fast_agreement_counts_every_drafter_against_plain_greedy_and_the_tables
     from xcompile.runtime.decoding.registry import TreeShape
     from xcompile.runtime.engines.load import EngineSet
 
-    agree, tables = script(BENCHMARKS / "fast_agreement.py"), script(BENCHMARKS.parent / "scripts" / "perf_tables.py")
+    agree = script(BENCHMARKS / "fast_agreement.py", monkeypatch)
+    tables = script(BENCHMARKS.parent / "scripts" / "perf_tables.py", monkeypatch)
     cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
     manifest = synthetic_manifest("qwen3-8b", 64, "fp32", mtp=True, config=cfg)
@@ -209,10 +207,11 @@ def test_fast_agreement_counts_every_drafter_against_plain_greedy_and_the_tables
     assert "Counted on the fast backend alone" in tables.render_agreement(parsed)[0]
 
 
-def script(path: Path):
-    """A script's module, imported from its file."""
+def script(path: Path, monkeypatch):
+    """A script's module, imported from its file (in sys.modules for the test: its dataclasses look it up there)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)      # dataclasses look it up there
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, module)
     spec.loader.exec_module(module)
     return module
 
@@ -254,9 +253,7 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
     assert png.read_bytes().startswith(b"\x89PNG")
 
     # what each request gets alone from the batch-1 Generator (the tiny model may stop early at its EOS)
-    spec = importlib.util.spec_from_file_location("serve_load", BENCHMARKS / "serve_load.py")
-    load = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(load)
+    load = script(BENCHMARKS / "serve_load.py", monkeypatch)
     args = load.argparse.Namespace(prompts=None, prompt_tokens=16)
     single = fixtures.exported_dir(tmp_path_factory, "tiny-batch1", model=str(tiny_target), dtype="fp32")
     with open_engine_dir(single, "ort", "cpu") as es:

@@ -115,14 +115,18 @@ class BatchDrafts:
 
     def pays(self, drafting: Sequence[BatchSequence]) -> bool:
         """Whether a step verifying the ``drafting`` sequences' chains pays (BREAK_EVEN): their running means of
-        accepted drafts (``accepting``; a sequence that has verified none counts k, so it drafts) average at least
+        accepted drafts (``rate``) average at least
         ``break_even``, or PROBE plain steps since the last verify."""
-        rates = [self.gamma if q.accepting is None else q.accepting for q in drafting]
+        rates = [self.rate(q) for q in drafting]
         if sum(rates) >= self.break_even * len(rates) or self.plain >= PROBE:
             self.plain = 0
             return True
         self.plain += 1
         return False
+
+    def rate(self, q: BatchSequence) -> float:
+        """q's running mean of accepted drafts a verify step; k before its first verify, so that it drafts."""
+        return self.gamma if q.accepting is None else q.accepting
 
     def place(self, ids: torch.Tensor, chains: torch.Tensor, slots: set[int], r: int) -> torch.Tensor:
         """Write each of ``slots``' drafts into its row of the step's ids [B, S] (columns 1..r-1, after the root);
@@ -135,7 +139,7 @@ class BatchDrafts:
 
     def tally(self, q: BatchSequence, drafted: int, accepted: int) -> None:
         """A verify step's drafts into q's running mean and stats (its rounds and target passes are the loop's)."""
-        rate = self.gamma if q.accepting is None else q.accepting
+        rate = self.rate(q)
         q.accepting = rate + RATE * (accepted - rate)
         stats = q.stats
         stats.drafted, stats.accepted = stats.drafted + drafted, stats.accepted + accepted
