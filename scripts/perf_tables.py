@@ -398,11 +398,11 @@ def render_paradigms(columns: list[tuple[str, dict]]) -> list[str]:
 
 
 def render_agreement(a: dict) -> list[str]:
-    lines = ["Counted on the fast backend alone (`--fast-only`): no teacher-forced pass, no torch τ.", ""]
-    if t := a.get("teacher"):
-        lines = [f"Teacher-forced, the fast backend's greedy token equals the reference modules' at {t['same']} of "
-                 f"{t['n']} positions ({t['pct']} %); at each of the {t['n'] - t['same']} others the reference's top-2 "
-                 f"logits are within {t['max_gap']:g}.", ""]
+    t = a.get("teacher")
+    lines = [f"Teacher-forced, the fast backend's greedy token equals the reference modules' at {t['same']} of "
+             f"{t['n']} positions ({t['pct']} %); at each of the {t['n'] - t['same']} others the reference's top-2 "
+             f"logits are within {t['max_gap']:g}." if t else
+             "Counted on the fast backend alone (`--fast-only`): no teacher-forced pass, no torch τ.", ""]
     other, torch = a["drafters"][0]["backend"], any(d["torch"] for d in a["drafters"])
     lines += _grid(["drafter", *(["τ, torch backend"] if torch else []), f"τ, {other} backend",
                     f"outputs identical to plain greedy ({other})"],
