@@ -14,7 +14,8 @@
 inputs: the reference's KV before each step included) and ``<graph>.reference.json`` (reference
 RunResults), so ``polygraphy run <dir>/<graph>.onnx --onnxrt --load-inputs ... --load-outputs ...``
 re-checks every step statelessly; ``<graph>.results.json`` holds both runners' outputs. Polygraphy is imported
-here, and this module only by the ``diff`` command.
+here and in compile/diff_runners.py (the runners and the reference recorder), and these modules only by the
+``diff`` command.
 """
 
 from __future__ import annotations
@@ -22,37 +23,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
 from xcompile.compile.compare import DEFAULT_ATOL, DEFAULT_RTOL, MIN_COSINE, StepResult, compare, tolerances
+from xcompile.compile.diff_runners import EngineRunner, Graph, Recorder, greedy, load_graphs, step_feed
 from xcompile.compile.errors import CompileError, CompileOptionError
-from xcompile.compile.reference import reference_engines
 from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import XcompileError
-from xcompile.runtime.enginedir.contract import (
-    DRAFT,
-    DYNAMIC_DIMS,
-    EAGLE3,
-    EAGLE3_FC,
-    MODEL_DTYPE,
-    MTP,
-    TARGET,
-    GraphSpec,
-    KVShape,
-)
+from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, TARGET
 from xcompile.runtime.enginedir.manifest import Manifest
-from xcompile.runtime.engines.base import TORCH_DTYPES, Engine
 from xcompile.runtime.engines.torch_module import TorchEngine
 
 REFERENCE, ENGINE = "reference", "engine"
@@ -123,119 +108,8 @@ class DiffReport:
         return "\n".join(lines)
 
 
-class EngineRunner(BaseRunner):
-    """A Polygraphy runner over any xcompile Engine (torch reference, ORT, TensorRT): fresh zeroed
-    KV buffers at activation, then the cache carries across iterations like in a generation."""
-
-    def __init__(self, make: Callable[[], Engine], spec: GraphSpec, dims: dict, name: str):
-        super().__init__(name=name, prefix="xcompile")
-        self.make, self.spec, self.dims = make, spec, dims
-        self.engine: Engine | None = None
-
-    def activate_impl(self):
-        self.engine = self.make()
-        self.engine.new_kv()
-
-    def get_input_metadata_impl(self):
-        meta = TensorMetadata()
-        for t in self.spec.step_inputs:
-            dtype = self.engine.dtype if t.dtype == MODEL_DTYPE else TORCH_DTYPES[t.dtype]
-            meta.add(t.name, dtype=dtype, shape=[None if d in DYNAMIC_DIMS else self.dims[d] for d in t.shape])
-        return meta
-
-    def infer_impl(self, feed_dict):
-        inputs = {n: torch.as_tensor(v).to(self.engine.device) for n, v in feed_dict.items()}
-        start = time.perf_counter()
-        # outputs may be views of buffers the next step overwrites: keep host copies
-        out = OrderedDict((n, t.detach().to("cpu", copy=True)) for n, t in self.engine.run(**inputs).items())
-        self.inference_time = time.perf_counter() - start
-        return out
-
-    def deactivate_impl(self):
-        self.engine.close()
-        self.engine = None
-
-
-# --------------------------------------------------------------------------------------------
-# the dir's graphs: reference modules rebuilt from the manifest's sources, engines from the backend
-
-
-@dataclass
-class _Graph:
-    spec: GraphSpec
-    dims: dict
-    kv: KVShape | None
-    module: torch.nn.Module                     # the PyTorch reference
-    engine: Engine                              # the backend's, loaded once
-
-    def reference(self) -> Engine:
-        return TorchEngine(self.module, self.spec, self.kv, self.engine.dtype, self.engine.device)
-
-
-def _load_engine(backend: str, directory: Path, manifest: Manifest, graph: str, device: str) -> Engine:
-    if backend == "ort":
-        from xcompile.runtime.engines import ort
-
-        return ort.load(directory, graph, device, manifest=manifest)
-    from xcompile.runtime.engines import trt
-
-    return trt.load(directory, graph, device, manifest=manifest)
-
-
-def _graphs(directory: Path, manifest: Manifest, backend: str, device: str) -> dict[str, _Graph]:
-    """Engines load first, so a graph the backend cannot run fails before the reference is built."""
-    engines = {name: _load_engine(backend, directory, manifest, name, device) for name in manifest.graphs}
-    references = reference_engines(manifest, device)
-    return {name: _Graph(manifest.graph_spec(name), entry.dims, manifest.kv_shape(name), references[name].module,
-                         engines[name]) for name, entry in manifest.graphs.items()}
-
-
-# --------------------------------------------------------------------------------------------
-# teacher-forced feeds
-
-
-def step_feed(ids: torch.Tensor, start: int, rows: list[int], hidden: torch.Tensor | None = None) -> dict:
-    """Contract step inputs for ``ids`` [B, S] written at ``start`` with a causal mask (+ the
-    EAGLE3 ``hidden_states`` [B, S, H] when given)."""
-    b, s = ids.shape
-    feed = {"input_ids": ids} | ({"hidden_states": hidden} if hidden is not None else {})
-    return feed | {"position_ids": (start + torch.arange(s)).expand(b, s).contiguous(),
-                   "write_index": torch.full((b,), start, dtype=torch.int64),
-                   "tree_mask": torch.ones(s, s, dtype=torch.bool).tril().expand(b, s, s).contiguous(),
-                   "logit_rows": torch.tensor([rows] * b, dtype=torch.int64)}
-
-
-class _Recorder:
-    """Runs a graph's reference over feeds built from its own outputs, recording each step's label,
-    feed and outputs, and (for --save) the KV cache before it."""
-
-    def __init__(self, graph: _Graph, keep_kv: bool):
-        self.engine, self.spec, self.keep_kv = graph.reference(), graph.spec, keep_kv
-        self.engine.new_kv()
-        self.labels, self.feeds, self.kv = [], [], []
-
-    @torch.inference_mode()
-    def __call__(self, label: str, feed: dict) -> dict:
-        if self.keep_kv:
-            self.kv.append([b.cpu().clone() for b in self.engine.kv])
-        out = self.engine.run(**{k: v.to(self.engine.device) for k, v in feed.items()})
-        self.labels.append(label)
-        self.feeds.append({k: v.cpu() for k, v in feed.items()})
-        return {n: t.cpu().clone() for n, t in out.items()}
-
-    def full_feeds(self) -> list[dict]:
-        """Feeds plus the KV inputs of the graph: what a stateless ``polygraphy run`` needs."""
-        names = self.spec.input_names[len(self.spec.step_inputs):]
-        return [f | dict(zip(names, kv)) for f, kv in zip(self.feeds, self.kv or [[]] * len(self.feeds))]
-
-
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, R, V] -> the last row's argmax as [B, 1] int64."""
-    return logits[:, -1].float().argmax(-1, keepdim=True).to(torch.int64)
-
-
-def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOptions, manifest: Manifest,
-                    d2t: dict[str, torch.Tensor]) -> dict[str, _Recorder]:
+def _reference_pass(graphs: dict[str, Graph], prompt: list[int], opts: DiffOptions, manifest: Manifest,
+                    d2t: dict[str, torch.Tensor]) -> dict[str, Recorder]:
     batch = manifest.max_batch
     keep = opts.save is not None
     ids = torch.tensor([prompt] * batch, dtype=torch.int64)
@@ -244,14 +118,14 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
     prefill: dict = {}                  # the target's prompt pass, which the EAGLE3 head reads (a dir always has one)
     for name in (TARGET, DRAFT):
         if name in graphs:
-            rec = runs[name] = _Recorder(graphs[name], keep)
+            rec = runs[name] = Recorder(graphs[name], keep)
             out = rec("prefill", step_feed(ids, 0, [n - 1]))
             if name == TARGET:
                 prefill = out
             for i in range(opts.steps):
-                out = rec(f"decode{i + 1}", step_feed(_greedy(out["logits"]), n + i, [0]))
+                out = rec(f"decode{i + 1}", step_feed(greedy(out["logits"]), n + i, [0]))
     # pairing: draft position t reads target feature t and token t+1 (docs/eagle3.md §3.1)
-    shifted = torch.cat([ids[:, 1:], _greedy(prefill["logits"])], dim=1)
+    shifted = torch.cat([ids[:, 1:], greedy(prefill["logits"])], dim=1)
     for graph in (EAGLE3, MTP):
         if graph not in graphs:
             continue
@@ -259,12 +133,12 @@ def _reference_pass(graphs: dict[str, _Graph], prompt: list[int], opts: DiffOpti
         cols = manifest.tap_columns(graph)
         taps = taps if cols is None else taps[..., cols].contiguous()
         if graph == EAGLE3:
-            fc = runs[EAGLE3_FC] = _Recorder(graphs[EAGLE3_FC], keep)
+            fc = runs[EAGLE3_FC] = Recorder(graphs[EAGLE3_FC], keep)
             taps = fc("fc", {"hidden_taps": taps})["hidden_states"]
-        head = runs[graph] = _Recorder(graphs[graph], keep)
+        head = runs[graph] = Recorder(graphs[graph], keep)
         out = head("prompt", step_feed(shifted, 0, [n - 1], taps))
         for j in range(opts.draft_steps):
-            draft = _greedy(out["logits"])
+            draft = greedy(out["logits"])
             if graph in d2t:
                 draft = draft + d2t[graph][draft]                            # target = draft + d2t[draft]
             out = head(f"draft{j + 1}", step_feed(draft, n + j, [0], out["hidden_out"][:, -1:]))
@@ -301,7 +175,7 @@ def check_unquantized(directory: Path, checkpoint: Path, manifest: Manifest | No
 
 
 @torch.inference_mode()
-def unquantized_agreement(checkpoint: Path, graph: _Graph, rec: _Recorder, engine_logits: list[torch.Tensor],
+def unquantized_agreement(checkpoint: Path, graph: Graph, rec: Recorder, engine_logits: list[torch.Tensor],
                           device: str) -> dict:
     """The unquantized model run on the target's teacher-forced feeds, its logits against the engine's:
     top-1 agreement over every logit row, and the max absolute difference."""
@@ -342,7 +216,7 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     save = files.staged_dir(opts.save, "xcompile diff", inputs=[directory], replace=True, option="--save") \
         if opts.save is not None else contextlib.nullcontext()
     with save as save_dir:
-        graphs = _graphs(directory, manifest, opts.backend, device)
+        graphs = load_graphs(directory, manifest, opts.backend, device)
         # the draft vocabularies' maps: an EAGLE3 head's, an MTP module's when it has one
         d2t = {g: graphs[g].module.d2t.cpu() for g in (EAGLE3, MTP)
                if g in graphs and hasattr(graphs[g].module, "d2t")}
@@ -381,7 +255,7 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     return report
 
 
-def _save(save: Path, shown: Path, directory: Path, manifest: Manifest, graph: str, rec: _Recorder,
+def _save(save: Path, shown: Path, directory: Path, manifest: Manifest, graph: str, rec: Recorder,
           results: RunResults, rows: list[StepResult], opts: DiffOptions) -> str:
     """Write the graph's Polygraphy files into ``save`` (to be renamed to ``shown``); returns the
     ``polygraphy run`` command that re-checks them (ONNX Runtime: fp32/fp16 graphs; bf16 feeds need

@@ -42,7 +42,8 @@
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
 # status is 1 when a step failed. The parts of one call share BUDGET seconds (570; the device stops a command at
-# 600): a step gets what is left, and a step with no time left counts as failed.
+# 600): a step gets what is left, and a step with no time left counts as failed. SKIP="NAME..." leaves out those
+# steps (the names in summary.log, attention_splits say), so a call spends its minutes on the steps it needs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -66,6 +67,7 @@ note() { echo "== [$(date +%T)] $*" | tee -a "$OUT/summary.log"; }
 run() {
   local name=$1 limit=$2; shift 2
   local left=$((BUDGET - SECONDS))
+  [[ " ${SKIP:-} " == *" $name "* ]] && { note "$name: skipped (SKIP)"; return 1; }
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 20 ]; then FAILED+=("$name"); note "$name: not run, out of time"; return 1; fi
   note "$name: $*"
