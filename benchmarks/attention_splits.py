@@ -6,12 +6,13 @@ size: what a verify block of several rows pays over a decode step's one row (iss
 
 One Qwen3-8B layer's attention (32 query heads over 8 KV heads of 128), bf16, on a cache of context + 64
 slots: for each context, row count and --row-tiles value (query rows a program reads each KV tile for: a
-7-token verify's 28 rows of a head group take two programs a split at 16, which ships, one at 32), the shipped
-chunk (attention.chunk_for) and each --chunks value, the median µs of one call (split kernel and reduction)
+7-token verify's 28 rows of a head group take two programs a split at 16, one at 32), the shipped layout
+(attention.layout: one row's fixed chunk, several rows' even splits at 32 rows a tile, marked *), one row's
+fixed chunk (attention.chunk_for) and each --chunks value, the median µs of one call (split kernel and reduction)
 inside a CUDA graph of calls over rotating caches (so L2 never holds the keys; kernels.py's graph_time), its
 GB/s of the live K/V bytes read, and that rate against the bytes a device copy moves a second here (read +
 write: the memory system's rate, which a verify reading the keys once would approach). Each output is first
-checked against the shipped chunk and tile's (the same softmax, summed in another order).
+checked against the shipped layout's (the same softmax, summed in another order).
 
 --even N,...: also the even layout (attention's ``even``): N splits share the live keys, the chunk picked at run
 time from write_index, labelled eN. --cache SLOTS: a cache of that many slots for every context, as an engine
@@ -43,7 +44,8 @@ def main() -> int:
     ap.add_argument("--rows", type=positive_list, default=[1, 7, 32])
     ap.add_argument("--chunks", type=positive_list, default=[64, 128, 256, 512, 1024])
     ap.add_argument("--row-tiles", type=positive_list, default=[16, 32],
-                    help="query rows (token x head of a group) a program reads each KV tile for; 16 ships")
+                    help="query rows (token x head of a group) a program reads each KV tile for (the shipped "
+                    "layout's is timed too)")
     ap.add_argument("--even", type=positive_list, default=[], help="split counts of the even layout to time too")
     ap.add_argument("--cache", type=int, help="cache slots for every context (default: context + 64)")
     args = ap.parse_args()
@@ -70,11 +72,14 @@ def main() -> int:
             q = torch.randn(m, HQ * D, device=dev, dtype=torch.bfloat16)
             wi = torch.tensor([ctx - m], device=dev)
             mask = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-            shipped = A.chunk_for(slots, m)
+            shipped = A.layout(slots, m)                            # {chunk or even, row_tile}
+            tile0 = shipped.pop("row_tile")
             want = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ)
-            layouts = [dict(chunk=c) for c in [shipped] + [c for c in args.chunks if c != shipped]]
-            layouts += [dict(even=n) for n in args.even]
-            for tile, layout in itertools.product(args.row_tiles, layouts):
+            candidates = [shipped] + [dict(chunk=c) for c in [A.chunk_for(slots, m)] + args.chunks]
+            candidates += [dict(even=n) for n in args.even]
+            layouts = [lay for i, lay in enumerate(candidates) if lay not in candidates[:i]]
+            tiles = args.row_tiles + [tile0] * (tile0 not in args.row_tiles)
+            for tile, layout in itertools.product(tiles, layouts):
                 got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, row_tile=tile, **layout)
                 if ((got.float() - want.float()).norm() / want.float().norm()).item() > 2e-2:
                     print(f"{layout}, tile {tile}: output differs from the shipped one's at context {ctx}, {m} rows")
@@ -86,12 +91,11 @@ def main() -> int:
                 if "even" in layout:
                     label, splits = f"e{layout['even']}", min(layout["even"], math.ceil(slots / A.BLOCK_S))
                 else:
-                    chunk = layout["chunk"]
-                    label = f"{chunk}{'*' if chunk == shipped and tile == A.ROW_TILE else ''}"
-                    splits = math.ceil(slots / chunk)
+                    label, splits = f"{layout['chunk']}", math.ceil(slots / layout["chunk"])
+                label += "*" if layout == shipped and tile == tile0 else ""
                 print(f"{ctx:>8} {m:>4} {tile:>4} {label:>6} {splits:>6} {us:>8.1f} "
                       f"{rate / 1e9:>6.0f} {100 * rate / bandwidth:>6.0f}%")
-    print("* the shipped chunk (attention.chunk_for); eN: the even layout over N splits; 'of copy': the K/V bytes "
+    print("* the shipped layout and tile (attention.layout); eN: the even layout over N splits; 'of copy': the K/V bytes "
           "read a second against the bytes a copy moves a second (read + write)")
     return 0
 

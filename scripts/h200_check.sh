@@ -26,9 +26,9 @@
 #            an 8-token prefill, the prefills of 16-79 tokens, a round
 #   long     benchmarks/attention_splits.py (one layer's attention per chunk size and row tile at 16K and 32K,
 #            1 / 7 / 32 rows; then 7 / 32 rows on one 32,256-slot cache at 128-32000, fixed chunks against the
-#            even layout); xrun bench --synthetic qwen3-8b --backend fast at contexts 128, 16384 and 32000
-#            (chain gamma 6): decode and verify against the floor counting KV bytes, and the 32,000-token prefill
-#            against the matmul rate; the same at 32000 with an FP8 KV cache
+#            even layout); xrun bench --synthetic qwen3-8b --backend fast, one run a context of LONG_CONTEXTS
+#            (128 4096 16384 32000; chain gamma 6, tree 10/6/32): decode and verify against the floor counting
+#            KV bytes, and the prompt's prefill against the matmul rate; the same at 32000 with an FP8 KV cache
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams (SERVE_STREAMS) of 256 tokens, then 64 prompt lengths one at a time
 #            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
@@ -160,10 +160,14 @@ for part in "$@"; do
     run attention_even 120 python3 benchmarks/attention_splits.py --contexts 128,4096,16384,32000 --cache 32256 \
       --rows 7,32 --chunks 1024 --even 17,32,64
     cat "$OUT/attention_even.log"
-    run long_bench 280 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree "" \
-      --num-prompts 1 --contexts 128,16384,32000 --json "$OUT/long_bench.json"
-    grep -E "$SHOW|^ +(16384|32000) +yes|prefill" "$OUT/long_bench.log"
-    run long_bench_fp8 150 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree "" \
+    # one bench a context (a bench times the verify and the rounds at its first context only), each on a cache
+    # sized for that context; the chain of 6 and the 32-node tree
+    for ctx in ${LONG_CONTEXTS:-128 4096 16384 32000}; do
+      run "long_bench_$ctx" 120 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 \
+        --tree 10,6,32 --num-prompts 1 --contexts "$ctx" --json "$OUT/long_bench_$ctx.json"
+      grep -E "$SHOW|^ +$ctx +yes|prefill" "$OUT/long_bench_$ctx.log"
+    done
+    run long_bench_fp8 120 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree 10,6,32 \
       --num-prompts 1 --contexts 32000 --kv-cache-dtype fp8 --json "$OUT/long_bench_fp8.json"
     grep -E "$SHOW|^ +32000 +yes|prefill" "$OUT/long_bench_fp8.log"
     ;;

@@ -13,21 +13,24 @@ token m sees every key j < origin and key origin + i iff tree_mask[m, i] (W = M:
 and the new ones the mask allows). Only keys below write_index + M are read: the live length
 lives on the device, so the same launch serves every context length inside one CUDA graph.
 
-Split s covers keys [s*chunk, (s+1)*chunk) at absolute positions, one program per (sequence and kv head,
-split, tile of 16 query rows); the g query heads sharing a KV head ride along the rows (row r = token r//g, head r%g),
-so each KV tile is read once per head group. Splits past the live length return at once; the reduction
-combines the live ones in a fixed order. Chunks at absolute positions chosen from write_index alone, and
-fixed row tiles, make a row's result independent of how many rows (from 2) the call carries.
+Split s covers keys [s*chunk, (s+1)*chunk), one program per (sequence and kv head, split, tile of query rows);
+the g query heads sharing a KV head ride along the rows (row r = token r//g, head r%g), so each KV tile is read
+once per head group. Splits past the live length return at once; the reduction combines the live ones in a
+fixed order. Two layouts (``layout``):
 
-The chunk: CHUNK keys, or whole BLOCK_S steps such that a call of one row divides the cache into at most
-MAX_SPLITS splits and a call of several rows into at most VERIFY_SPLITS (a decode step at context 4096 wants
-one row's 34 splits of 128 keys on a 4352-slot cache, 4.41 ms against 4.48 at 17; a 7 / 32-token verify at
-context 128 wants 17: 4.40 / 4.99 ms at 34, 4.33 / 4.91 at 17). And SHORT_CHUNK keys while write_index +
-MAX_ROWS keys fit the launch's splits at that size: every split one BLOCK_S step, all of its cached keys
-requested before the PDL wait (1 / 7 / 32 tokens at context 128: 4.32 / 4.61 / 5.20 -> 4.26 / 4.56 /
-5.14 ms). A token decoded alone and verified as row r of a block at write_index wi share the split layout
-while both are in SHORT_CHUNK's range (on a 4352-slot cache: wi + 64 <= 1088) and not past it (one row's
-chunk is 128 keys, several rows' 256), where speculative and plain greedy may part at a near tie.
+- One row (decode), and every call under row_invariant: chunks at absolute positions, chosen from write_index
+  alone, and 16-row tiles, so a row's result does not depend on how many rows (from 2) the call carries. The
+  chunk: CHUNK keys, or whole BLOCK_S steps such that a call of one row divides the cache into at most
+  MAX_SPLITS splits and one of several rows into at most VERIFY_SPLITS (a decode step at context 4096 wants one
+  row's 34 splits of 128 keys on a 4352-slot cache, 4.41 ms against 4.48 at 17). And SHORT_CHUNK keys while
+  write_index + MAX_ROWS keys fit the launch's splits at that size: every split one BLOCK_S step, all of its
+  cached keys requested before the PDL wait (1 / 7 / 32 tokens at context 128: 4.32 / 4.61 / 5.20 -> 4.26 /
+  4.56 / 5.14 ms).
+- Several rows (a verify block, a batch step's chains): EVEN_SPLITS splits share each sequence's live keys, the
+  chunk computed at run time from its write_index, and 32-row tiles. A recorded graph then keeps every split
+  busy at any context, where fixed chunks sized for the whole cache left a verify at a shorter context a few
+  live ones. A token decoded alone and verified as a block's row then sum their keys in other groupings, and
+  speculative and plain greedy may part at a near tie; row_invariant keeps one layout for both.
 
 Under KernelConfig.row_invariant the key steps from the mask's first column on are read per token, its visible
 columns packed in order onto consecutive positions (_attend_packed): a tree node then sums its ancestors' keys
@@ -61,7 +64,9 @@ BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split: ms at 1 / 32 tokens on the H200 (Qwen3-8B shape), context 4096: 4.885 /
                     # 9.260 at 64, 4.798 / 8.198 at 128, 4.874 / 7.770 at 256
 MAX_SPLITS = 128    # longer caches get longer chunks: the reduction holds every split's partial at once
-VERIFY_SPLITS = 17  # the most splits a call of several rows takes (module docstring)
+VERIFY_SPLITS = 17  # the most splits a call of several rows takes under row_invariant (module docstring)
+EVEN_SPLITS = 32    # splits sharing the live keys in a call of several rows (``layout``)
+VERIFY_TILE = 32    # query rows a program of such a call reads each KV tile for: a 7-token verify's 28 in one
 SHORT_CHUNK = 64    # keys per split while the live keys fit the launch's splits at that size (docstring)
 MAXNREG = 128       # the split kernel's register cap for grids of more than four programs a SM
 COMBINE_BLOCK = 32  # columns of a head each reduction program sums
@@ -264,16 +269,28 @@ def chunk_for(max_seq_len: int, rows: int = 1) -> int:
     return max(CHUNK, BLOCK_S * math.ceil(max_seq_len / (splits * BLOCK_S)))
 
 
+def layout(max_seq_len: int, rows: int, cfg: KernelConfig = DEFAULT) -> dict:
+    """The shipped split layout of a call of ``rows`` rows a sequence, as ``attention``'s keywords. Several rows:
+    EVEN_SPLITS splits share the live keys, VERIFY_TILE rows a program. Fixed chunks (chunk_for) on a long cache
+    leave a verify at a shorter context few live splits, and 16-row tiles read each KV tile twice for a 7-token
+    verify's 28 rows (H100, one 8B layer on a 32,256-slot cache, 7 rows at context 4096 / 16K / 32K: 61.2 / 67.4 /
+    70.4 -> 15.6 / 38.9 / 64.6 us; 32 rows 84.1 / 121.4 / 209.8 -> 34.9 / 89.5 / 146.8, but 10.4 -> 12.0 at 128;
+    benchmarks/attention_splits.py). One row, and every call under row_invariant: fixed chunks at absolute
+    positions and ROW_TILE rows, so a row's bits do not depend on the call's row count or its write_index."""
+    if rows > 1 and not cfg.row_invariant:
+        return dict(even=EVEN_SPLITS, row_tile=VERIFY_TILE)
+    return dict(chunk=chunk_for(max_seq_len, max(rows, 2) if cfg.row_invariant else rows), row_tile=ROW_TILE)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
-              cfg: KernelConfig = DEFAULT, row_tile: int = ROW_TILE, even: int = 0) -> torch.Tensor:
+              cfg: KernelConfig = DEFAULT, row_tile: int | None = None, even: int = 0) -> torch.Tensor:
     """q [B*M, Hq*D]; caches [B, Hkv, S_max, D]; write_index [B]; tree_mask [B, M, W >= M] bool, or [M, W] for
-    B = 1 (rows may be strided) -> [B*M, Hq*D]. chunk: keys per split (None: chunk_for the cache and M; the tests
-    set it); row_tile: query rows (token x head of a group) a program reads each KV tile for. even: that many
-    splits share each sequence's live keys at run time (the fewest whole BLOCK_S steps covering write_index +
-    MAX_ROWS keys), instead of chunks fixed by the cache's size, whose splits past a shorter live length idle
-    (not under row_invariant: the layout then moves with write_index). benchmarks/attention_splits.py sweeps
-    row_tile, chunk and even; the shipped calls take neither of the last two yet."""
+    B = 1 (rows may be strided) -> [B*M, Hq*D]. Without chunk and even, ``layout``'s. chunk: keys per split at
+    absolute positions; even: that many splits share each sequence's live keys at run time (the fewest whole
+    BLOCK_S steps covering write_index + MAX_ROWS keys), not under row_invariant (the layout then moves with
+    write_index); row_tile: query rows (token x head of a group) a program reads each KV tile for (None: the
+    layout's). The tests and benchmarks/attention_splits.py set them."""
     if tree_mask.dim() == 2:
         tree_mask = tree_mask[None]
     batch, m, w = tree_mask.shape
@@ -281,11 +298,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     _, kv_heads, max_seq_len, d = k_cache.shape
     g = heads // kv_heads
     assert not (even and (chunk or cfg.row_invariant)), "even: a layout of its own, not with chunk or row_invariant"
+    if not (chunk or even):
+        shipped = layout(max_seq_len, m, cfg)
+        chunk, even, row_tile = shipped.get("chunk"), shipped.get("even", 0), row_tile or shipped["row_tile"]
+    row_tile = row_tile or ROW_TILE
     if even:
         splits = min(even, triton.cdiv(max_seq_len, BLOCK_S))
         chunk = BLOCK_S * triton.cdiv(max_seq_len, splits * BLOCK_S)           # (the kernels' own from write_index)
     else:
-        chunk = chunk or chunk_for(max_seq_len, max(m, 2) if cfg.row_invariant else m)
         splits = math.ceil(max_seq_len / chunk)
     assert m <= MAX_ROWS and rows == batch * m and write_index.shape == (batch,) and k_cache.shape[0] >= batch
     assert row_tile in (16, 32, 64), f"row_tile {row_tile}: 16, 32 or 64"

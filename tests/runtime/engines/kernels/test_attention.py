@@ -92,12 +92,20 @@ def test_chunk_for_takes_fewer_splits_for_several_rows():
     assert A.chunk_for(40960) == 320 and A.chunk_for(40960, 7) == 2432
 
 
+def test_layout_takes_even_splits_for_several_rows():
+    """One row: the cache's fixed chunks at 16-row tiles; several rows: EVEN_SPLITS even splits at 32-row tiles;
+    under row_invariant every call, one row's included, the several rows' fixed chunks at 16-row tiles."""
+    ri = KernelConfig(row_invariant=True)
+    assert A.layout(4352, 1) == dict(chunk=128, row_tile=16)
+    assert A.layout(4352, 7) == A.layout(4352, 64) == dict(even=32, row_tile=32)
+    assert A.layout(4352, 1, ri) == A.layout(4352, 7, ri) == dict(chunk=256, row_tile=16)
+
+
 @pytest.mark.parametrize("write_index", [40, 300, 570])
-def test_attention_verify_splits(write_index, monkeypatch):
-    """Calls of several rows split the cache into fewer, longer chunks (here 2 of 320 keys
-    on a 640-slot cache, SHORT_CHUNK's 64 keys only below write_index 65) and one-row calls keep the cache's
-    128: accurate either way, every row count from 2 gives a row the same bits, and a row alone gets those
-    of a one-row call with the cache's chunk."""
+def test_attention_verify_layouts(write_index, monkeypatch):
+    """Calls of several rows take the even layout (its bits from 2 rows on); under row_invariant the cache's
+    fewer, longer fixed chunks (here 2 of 320 keys on a 640-slot cache, SHORT_CHUNK's 64 keys only below
+    write_index 65), one row's call included; one-row calls otherwise keep the cache's 128. Accurate each way."""
     monkeypatch.setattr(A, "VERIFY_SPLITS", 2)                               # the 4352-slot cache's split, small
     torch.manual_seed(write_index)
     d, heads = 64, 8
@@ -105,10 +113,16 @@ def test_attention_verify_splits(write_index, monkeypatch):
     q = randn(7, heads * d, dtype=torch.float32)
     tm = ((torch.rand(7, 7, device=DEV) < 0.5) | torch.eye(7, dtype=torch.bool, device=DEV)).tril()
     wi = torch.tensor([write_index], device=DEV)
+    want = attention_reference(q, kc, vc, wi, tm, heads)
     got = attention(q, kc, vc, wi, tm, heads)
-    assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
-    assert torch.equal(attention(q, kc, vc, wi, tm, heads, chunk=320), got)
+    assert rel(got, want) < 1e-5
+    assert torch.equal(attention(q, kc, vc, wi, tm, heads, even=A.EVEN_SPLITS, row_tile=A.VERIFY_TILE), got)
     assert torch.equal(attention(q[:2], kc, vc, wi, tm[:2, :2], heads)[0], got[0])
+    ri = KernelConfig(row_invariant=True)
+    fixed = attention(q, kc, vc, wi, tm, heads, cfg=ri)
+    assert rel(fixed, want) < 1e-5 and torch.equal(attention(q, kc, vc, wi, tm, heads, chunk=320, cfg=ri), fixed)
+    assert torch.equal(attention(q[:1], kc, vc, wi, tm[:1, :1], heads, cfg=ri),
+                       attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=320, cfg=ri))
     one = attention(q[:1], kc, vc, wi, tm[:1, :1], heads)
     assert torch.equal(one, attention(q[:1], kc, vc, wi, tm[:1, :1], heads, chunk=128))
     assert rel(one, attention_reference(q[:1], kc, vc, wi, tm[:1, :1], heads)) < 1e-5
