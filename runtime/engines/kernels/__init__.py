@@ -14,16 +14,18 @@ One module per fused step, each with the plain-torch reference it is tested agai
                   split-K partials) and the row sums that carry an RMSNorm between calls (RowSums)
     rope_kv.py    q/k RMSNorm + RoPE + KV-cache write of one step's new tokens
     attention.py  split-KV attention over the live KV length with the tree mask, and its reduction
+                  (its online-softmax steps in attention_steps.py)
     norm.py       the embedding gather (with row sums), the EAGLE3 step's input norms, RMSNorm launches
     config.py     KernelConfig: what is left to a user or a benchmark (PDL, the CUDA GEMV, the tile tables
                   in tiles.json)
 
-The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); a batch step of
-more rows in all, each sequence at most MAX_ROWS (prompt chunks beside decoding rows), keeps rope_kv and attention
-and takes cuBLAS for its projections (linear.wide_linear); longer passes (prompts) run the reference modules. The tile kernels reduce each row in an order that does not depend
-on how many rows the call carries (fixed tiles of 16 rows, tiles chosen by the weight shape only,
-attention chunks at absolute key positions). One-row calls of the GEMV shapes reduce in another order, so
-a token decoded alone and the same token verified in a block may round differently, and in bf16
+The kernels take up to ``MAX_ROWS`` query rows (decode, chain and tree verify, draft steps); a batch step of more
+rows in all, each sequence at most MAX_ROWS (prompt chunks beside decoding rows), keeps rope_kv and attention and
+takes cuBLAS for its projections (linear.wide_linear); longer passes (prompts) run the reference modules. The tile
+kernels reduce each row in an order that does not depend on how many rows the call carries (fixed tiles of 16 rows,
+tiles chosen by the weight shape only; attention's several-row layout from 2 rows on, and under
+KernelConfig.row_invariant one layout for every row count). One-row calls of the GEMV shapes reduce in another
+order, so a token decoded alone and the same token verified in a block may round differently, and in bf16
 speculative and plain greedy decoding may part at a near tie (benchmarks/fast_agreement.py counts them).
 """
 
