@@ -43,6 +43,9 @@ class Yarn:
         return {"rope_type": "yarn", **{k: v for k, v in asdict(self).items() if v is not None}}
 
 
+QWEN3_TRAINED_CONTEXT = 32768     # the positions Qwen3 was trained on, which its model card's YaRN stretches
+
+
 @dataclass(frozen=True)
 class Qwen3Config:
     vocab_size: int

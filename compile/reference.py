@@ -10,13 +10,14 @@ check, the runtime tests).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from xcompile.compile import synthetic
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
-from xcompile.compile.config import Qwen3Config, synthetic_eagle3_config
+from xcompile.compile.config import QWEN3_TRAINED_CONTEXT, Qwen3Config, Yarn, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
 from xcompile.compile.families import family
 from xcompile.compile.models import mtp as mtp_model
@@ -105,12 +106,16 @@ SYNTHETIC_SCHEMES = {qweight.FP8: (128, 128), qweight.INT4: (1, 128)}
 
 def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3: bool = True,
                        draft: str | None = None, seed: int = 0, mtp: bool = False, config: Qwen3Config | None = None,
-                       max_batch: int = 1) -> Manifest:
+                       max_batch: int = 1, yarn: float | None = None) -> Manifest:
     """An in-memory manifest of seeded synthetic weights in the shape of a known model (no files):
     what ``xrun bench --synthetic qwen3-8b`` runs. Seeds follow ``xcompile export --synthetic``; ``mtp``: an
     MTP module too, whose tap (the last layer) follows EAGLE3's (Manifest.tap_columns); ``config``: another
-    shape under ``name``'s seeds (benchmarks/batch_decode.py cuts layers); ``max_batch``: the KV slots."""
+    shape under ``name``'s seeds (benchmarks/batch_decode.py cuts layers); ``max_batch``: the KV slots; ``yarn``: the
+    target's RoPE stretched by that YaRN factor over QWEN3_TRAINED_CONTEXT, as Qwen3's model card sets it for long
+    contexts (4: 131,072 positions; the heads keep their own RoPE, as a published head's config does)."""
     cfg = config or synthetic.known_config(name)
+    if yarn is not None:
+        cfg = replace(cfg, rope_scaling=Yarn(yarn, QWEN3_TRAINED_CONTEXT))
     if max_seq_len > cfg.context_length:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s {cfg.context_source}")
     taps = cfg.default_tap_layers if eagle3 else ()
@@ -130,15 +135,23 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
                     models=models)
 
 
+def synthetic_positions(name: str, yarn: float | None = None) -> tuple[int, str]:
+    """The positions a synthetic ``name`` (stretched by YaRN ``yarn``) covers, and where that bound comes from."""
+    cfg = synthetic.known_config(name)
+    if yarn is not None:
+        cfg = replace(cfg, rope_scaling=Yarn(yarn, QWEN3_TRAINED_CONTEXT))
+    return cfg.context_length, cfg.context_source
+
+
 def open_synthetic(name: str, max_seq_len: int, dtype: str, device: torch.device | str, eagle3: bool = True,
-                   draft: str | None = None, seed: int = 0, quantize: str | None = None, mtp: bool = False
-                   ) -> tuple[Manifest, dict[str, Engine], dict[str, torch.Tensor]]:
+                   draft: str | None = None, seed: int = 0, quantize: str | None = None, mtp: bool = False,
+                   yarn: float | None = None) -> tuple[Manifest, dict[str, Engine], dict[str, torch.Tensor]]:
     """Synthetic engines for ``xrun bench --synthetic``: manifest, torch engines and the d2t maps by graph (an
     EAGLE3 head's, an MTP module's with a draft vocabulary).
     ``quantize`` (``fp8`` or ``int4``): the target's decoder linears rounded to that scheme (SYNTHETIC_SCHEMES),
     as a quantized checkpoint of that shape would hold them; the head stays in ``dtype``. ``mtp``: an MTP module
-    too."""
-    manifest = synthetic_manifest(name, max_seq_len, dtype, eagle3, draft, seed, mtp)
+    too; ``yarn``: synthetic_manifest's."""
+    manifest = synthetic_manifest(name, max_seq_len, dtype, eagle3, draft, seed, mtp, yarn=yarn)
     engines = reference_engines(manifest, device)
     if quantize is not None:
         block = SYNTHETIC_SCHEMES[quantize]

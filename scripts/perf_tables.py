@@ -146,6 +146,7 @@ _NUM = r"(?:[\d.]+|nan)"
 _HEADER = re.compile(r"^device (?P<device>.+?)  backend (?P<backend>\S+)  dtype (?P<dtype>\S+)  model (?P<model>\S+)"
                      r"  max_seq_len (?P<max_seq_len>\d+)(?:  sampling: (?P<sampling>.+))?$")
 _BANDWIDTH = re.compile(r"^copy bandwidth (?P<gbs>[\d.]+) GB/s$")
+_PEAK = re.compile(r"^peak GPU memory (?P<gb>[\d.]+) GB \(torch's allocator\)$")
 _FLOOR = re.compile(r"^weights/token (?P<gb>[\d.]+) GB -> floor (?P<ms>[\d.]+) ms/token")
 _PREFILL = re.compile(r"^prefill (?P<tokens>\d+) tokens: TTFT (?P<ms>[\d.]+) ms, (?P<tflops>[\d.]+) TFLOP/s = "
                       r"(?P<pct>\d+) % of the (?P<rate>[\d.]+) TFLOP/s matmul rate")
@@ -177,6 +178,8 @@ def parse_bench_log(text: str, where: str) -> list[dict]:
             continue
         if m := _BANDWIDTH.match(line):
             r["copy_bandwidth_gbs"] = _f(m["gbs"])
+        elif m := _PEAK.match(line):
+            r["peak_memory_gb"] = _f(m["gb"])
         elif m := _FLOOR.match(line):
             r["weight_bytes_per_token"], r["floor_ms_per_token"] = _f(m["gb"]) * 1e9, _f(m["ms"])
         elif m := _PREFILL.match(line):
@@ -357,6 +360,8 @@ def bench_rows(r: dict) -> dict[str, str]:
         rows[f"prefill of {p['tokens']} tokens"] = (f"{p['ttft_ms']:.1f} ms TTFT, {p['tflops']:.1f} TFLOP/s = "
                                                     f"{100 * p['fraction_of_matmul']:.0f} % of the "
                                                     f"{p['matmul_tflops']:.1f} TFLOP/s matmul rate of the run")
+    if r.get("peak_memory_gb"):
+        rows["peak GPU memory (torch's allocator)"] = f"{r['peak_memory_gb']:.1f} GB"
     if r.get("peer_ms_per_token"):
         ms = r["peer_ms_per_token"]
         rows["transformers generate() (static cache), same weights"] = f"{ms:.3f} ms/token, {1e3 / ms:.0f} tok/s"

@@ -58,6 +58,7 @@ class BenchRequest:
     mtp: bool = False                   # --synthetic: an MTP module too
     kv_cache_dtype: str = "auto"        # or fp8: the target's KV cache in e4m3 (load.KV_CACHE_DTYPES)
     row_invariant: bool = False         # the fast target's KernelConfig.row_invariant
+    yarn: float | None = None           # --synthetic: the target's RoPE stretched by YaRN (compile/reference.py)
 
     def kernels(self):
         """The fast backend's KernelConfig asked for (None: the defaults)."""
@@ -84,7 +85,7 @@ def open_engines(req: BenchRequest, device: torch.device, backend: str | None) -
     provider = torch_models()
     manifest, engines, d2t = provider.open_synthetic(req.synthetic, _room(req), req.dtype, device,
                                                      eagle3=True, draft=req.draft_model, quantize=req.quantize,
-                                                     mtp=req.mtp)
+                                                     mtp=req.mtp, yarn=req.yarn)
     backend = "torch" if req.backend == "auto" and device.type != "cuda" else req.backend
     if backend == "auto":
         backend = pick_backend(manifest, "auto", device)
@@ -130,6 +131,15 @@ def check_contexts(req: BenchRequest, max_seq_len: int) -> None:
                           "shorter contexts or rebuild with a larger --max-seq-len")
 
 
+def check_synthetic_contexts(req: BenchRequest) -> None:
+    """OptionError when the KV slots a synthetic bench needs (``_room``) pass the positions its model covers."""
+    positions, source = torch_models().synthetic_positions(req.synthetic, req.yarn)
+    if _room(req) > positions:
+        raise OptionError(f"--contexts {max(req.contexts)}: with --new-tokens and a round it needs {_room(req)} KV "
+                          f"slots, past the synthetic {req.synthetic}'s {source}; give shorter --contexts"
+                          + ("" if req.yarn else ", or --yarn 4 (131,072 positions, as Qwen3's model card sets)"))
+
+
 def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
     """Open, measure (progress to the log), ``echo`` the report, then write --json / --plot."""
     device = resolve_device(req.device)
@@ -138,6 +148,8 @@ def run(req: BenchRequest, echo: Callable[[str], None] = print) -> dict:
         manifest = Manifest.load(req.engine_dir)
         backend = check_backend(req, manifest, device)
         check_contexts(req, manifest.max_seq_len)
+    else:
+        check_synthetic_contexts(req)
     inputs = (req.engine_dir, req.prompts)
     with contextlib.ExitStack() as outputs:
         # --json / --plot are staged (runtime/common/files.py) before anything is measured: an output that

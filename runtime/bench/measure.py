@@ -143,6 +143,8 @@ def run_bench(es: EngineSet, opts: BenchOptions, log: Callable[[str], None] = pr
         report["ort_cuda_graphs"] = {g: e.graph_fallback or ("used" if e.graphs_enabled else "off")
                                      for g, e in es.engines.items()}
         log(f"ORT CUDA graphs: {report['ort_cuda_graphs']}")
+    if dev.type == "cuda":          # what the run needed at its peak: weights, KV buffers, graph pools, the prefill
+        report["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
     if not report["generation"]:
         raise EngineError(f"nothing measured: no context of {list(opts.contexts)} fits the engine "
                           f"({es.manifest.max_seq_len} tokens) and the prompt text; give shorter --contexts")
@@ -276,7 +278,9 @@ def format_report(report: dict) -> str:
              f"model {report['model']}  max_seq_len {report['max_seq_len']}  sampling: {report['sampling']}",
              *([f"prompts: {report['prompts']}"] if "prompts" in report else []),
              *([f"quantized: {_scheme(report['quantization'])}"] if report.get("quantization") else []),
-             f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s"]
+             f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s",
+             *([f"peak GPU memory {report['peak_memory_gb']:.1f} GB (torch's allocator)"] if "peak_memory_gb" in report
+               else [])]
     if "floor_ms_per_token" in report:
         lines.append(f"weights/token {report['weight_bytes_per_token'] / 1e9:.2f} GB -> floor "
                      f"{report['floor_ms_per_token']:.3f} ms/token ({1e3 / report['floor_ms_per_token']:.0f} tok/s)")

@@ -198,8 +198,8 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
         refuse_inert(ctx, ["top_k", "top_p", "min_p", "seed"], "greedy runs (--temperature 0, the default) do not "
                      "sample, so sampling options change nothing; add --temperature T (T > 0) or drop them")
     if synthetic is None:
-        refuse_inert(ctx, ["draft_model", "mtp", "dtype", "quantize"], "apply to --synthetic weights only (an engine "
-                     "dir has its own)")
+        refuse_inert(ctx, ["draft_model", "mtp", "dtype", "quantize", "yarn"], "apply to --synthetic weights only "
+                     "(an engine dir has its own)")
     elif prompts is not None:
         raise click.UsageError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
     if synthetic is not None and backend not in ("auto", "torch", "fast"):
@@ -225,6 +225,9 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
               help="With --synthetic.")
 @click.option("--quantize", type=click.Choice(["fp8", "int4"]),
               help="With --synthetic: the target's decoder linears in FP8 (128x128 blocks) or INT4 (groups of 128).")
+@click.option("--yarn", type=click.FloatRange(min=1, min_open=True),
+              help="With --synthetic: the target's RoPE stretched by this YaRN factor over the 32,768 trained "
+              "positions, as Qwen3's model card sets it for long contexts (4: 131,072).")
 @click.option("--gammas", type=IntList(), default="1,2,4,6,8", show_default=True,
               help="Chain lengths to measure ('' for none).")
 @click.option("--tree", type=IntList(length=3), default="10,6,32", show_default=True,
@@ -251,7 +254,7 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
 @KV_CACHE_OPTION
 @ROW_INVARIANT_OPTION
 @click.pass_context
-def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, gammas, tree, contexts,
+def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, yarn, gammas, tree, contexts,
           new_tokens, repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p,
           seed, kv_cache_dtype, row_invariant):
     """Measure plain and speculative decoding speed against the device's bandwidth floor.
@@ -265,7 +268,7 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
                      repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp,
-                     kv_cache_dtype, row_invariant), echo=click.echo)
+                     kv_cache_dtype, row_invariant, yarn), echo=click.echo)
 
 
 @main.command()

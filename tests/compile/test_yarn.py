@@ -11,6 +11,7 @@ well past position 32. fp32 throughout; logits to 1e-4 absolute (test_qwen3.py's
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import tiny_engines as T
@@ -276,3 +277,25 @@ def test_max_seq_len_may_reach_yarns_context(tmp_path):
     line = result.stderr.strip()
     assert "\n" not in line and "--max-seq-len 129 exceeds 128 positions (YaRN factor 4 x " \
         "original_max_position_embeddings 32)" in line and str(src) in line
+
+
+def test_synthetic_weights_take_qwen3s_model_card_yarn():
+    """``xrun bench --synthetic NAME --yarn F``: the target's RoPE stretched by F over Qwen3's 32,768 trained
+    positions (the model card's rope_scaling), its tables those of a checkpoint that carries it; the heads keep
+    their own RoPE; without it a manifest past max_position_embeddings is refused."""
+    from xcompile.compile.reference import reference_engines, synthetic_manifest, synthetic_positions
+
+    assert synthetic_positions("qwen3-8b") == (40960, "max_position_embeddings 40960")
+    assert synthetic_positions("qwen3-8b", 4.0)[0] == 131072
+    card = Yarn(factor=4.0, original_max_position_embeddings=32768)           # transformers' defaults besides
+    big = synthetic_manifest("qwen3-8b", 131072, yarn=4.0, mtp=True)          # no weights drawn
+    assert big.models["target"].config["rope_scaling"] == asdict(card)
+    assert big.models["eagle3"].config.get("rope_scaling") is None
+    with pytest.raises(CompileError, match="max_seq_len 131072 exceeds qwen3-8b's max_position_embeddings 40960"):
+        synthetic_manifest("qwen3-8b", 131072)
+    tiny = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    module = reference_engines(synthetic_manifest("qwen3-8b", 64, "fp32", config=tiny, yarn=4.0), "cpu")["target"].module
+    want = Rotary(16, 64, tiny.rope_theta, card)
+    rotary = module.model.rotary
+    assert torch.equal(rotary.cos, want.cos) and not torch.equal(rotary.cos, Rotary(16, 64, tiny.rope_theta).cos)

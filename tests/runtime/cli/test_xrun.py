@@ -298,6 +298,8 @@ def test_help_shows_the_drafter_defaults():
     (["--dtype", "fp32"], ["--dtype", "--synthetic"]),
     (["--quantize", "fp8"], ["--quantize", "--synthetic"]),
     (["--quantize", "int8"], ["--quantize", "int8"]),
+    (["--yarn", "4"], ["--yarn", "--synthetic"]),
+    (["--yarn", "1"], ["--yarn", "x>1"]),
     (["--peer", "--backend", "ort"], ["--peer", "--backend torch or fast"]),
     (["--new-tokens", 1], ["--new-tokens"]),
     (["--top-p", "0.9", "--seed", 2], ["--top-p, --seed: greedy runs", "--temperature T"]),
@@ -312,6 +314,14 @@ def test_bench_outputs_checked_before_measuring(tiny_engine_dir, tmp_path):
     refused(run("bench", tiny_engine_dir, "--device", "cpu", "--plot", tmp_path), "--plot", "is a directory")
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--prompts", __file__), "--prompts", "tokenizer")
     refused(run("bench", "--synthetic", "qwen3-0.6b", "--backend", "ort"), "--synthetic runs the torch or fast")
+
+
+def test_bench_synthetic_contexts_past_the_models_positions_are_refused_before_any_weights():
+    """Qwen3-8B covers 40,960 positions; --yarn 4 stretches them to 131,072 as its model card does."""
+    r = run("bench", "--synthetic", "qwen3-8b", "--device", "cpu", "--contexts", "128,50000")
+    refused(r, "--contexts 50000", "50176 KV slots", "qwen3-8b's max_position_embeddings 40960", "--yarn 4")
+    r = run("bench", "--synthetic", "qwen3-8b", "--device", "cpu", "--yarn", "4", "--contexts", "131000")
+    assert "--yarn" not in refused(r, "--contexts 131000", "131072 positions (YaRN factor 4")
 
 
 def test_bench_prompts_that_are_not_utf8_are_a_bad_option(tiny_engine_dir, tmp_path):
