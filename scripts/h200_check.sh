@@ -29,6 +29,9 @@
 #            even layout); xrun bench --synthetic qwen3-8b --backend fast, one run a context of LONG_CONTEXTS
 #            (128 4096 16384 32000; chain gamma 6, tree 10/6/32): decode and verify against the floor counting
 #            KV bytes, and the prompt's prefill against the matmul rate; the same at 32000 with an FP8 KV cache
+#   long128k xrun bench --synthetic qwen3-8b --yarn 4 (Qwen3's model card: 131,072 positions) at a 130,000-token
+#            context, chain gamma 6: decode, verify and round there, the prefill, and torch's peak GPU memory
+#            (about 4 min: the prefill is timed six times)
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams (SERVE_STREAMS) of 256 tokens, then 64 prompt lengths one at a time
 #            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
@@ -51,13 +54,13 @@ BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
 [ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, qbench," \
-  "sample, paradigms, batch, open, long, serve, exact: see its header)"
+  "sample, paradigms, batch, open, long, long128k, serve, exact: see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|serve|exact) ;;
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|long128k|serve|exact) ;;
   *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long," \
-       "serve or exact"
+       "long128k, serve or exact"
      exit 2;;
   esac
 done
@@ -170,6 +173,11 @@ for part in "$@"; do
     run long_bench_fp8 120 xrun bench --synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree 10,6,32 \
       --num-prompts 1 --contexts 32000 --kv-cache-dtype fp8 --json "$OUT/long_bench_fp8.json"
     grep -E "$SHOW|^ +32000 +yes|prefill" "$OUT/long_bench_fp8.log"
+    ;;
+  long128k)
+    run long_bench_128k 420 xrun bench --synthetic qwen3-8b --yarn 4 --backend fast --device cuda --gammas 6 --tree "" \
+      --num-prompts 1 --contexts 130000 --repeats 5 --json "$OUT/long_bench_128k.json"
+    grep -E "$SHOW|^ +130000 +yes|prefill|peak" "$OUT/long_bench_128k.log"
     ;;
   serve)
     run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
