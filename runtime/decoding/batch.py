@@ -9,7 +9,8 @@
 
 Slots: the target's KV buffers are [B, Hkv, S_max, D], B the dir's ``max_batch``, and slot b owns row b. A
 sequence waits (first come, first served) for a free slot, takes it between two steps and gives it back when it
-stops; nothing is cleared (rows past a slot's length are stale, the contract's mask rule).
+stops; nothing is cleared (rows past a slot's length are stale, the contract's mask rule). batch_seats.py keeps
+the slots, the queue and how a sequence stops.
 
 A step is one ``target.run`` over all B rows with one S (ORT and TensorRT graphs fix B): row b writes at
 ``write_index[b]`` = its KV length under a causal mask, ``logit_rows[b]`` its last real token. A decoding row
@@ -29,25 +30,23 @@ it gets alone on the same backend. docs/design.md ("The batch loop") says more.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.batch_drafts import BatchDrafts
+from xcompile.runtime.decoding.batch_seats import Seats
 from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
-from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
+from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams, with_seed
 from xcompile.runtime.decoding.sequence import PAD, BatchSequence, BatchStats
 from xcompile.runtime.decoding.solo import Solo
-from xcompile.runtime.decoding.speculative import accept_chain, chain_block
 from xcompile.runtime.decoding.warmup import Warmed, warm_batch
 from xcompile.runtime.engines.base import Engine
 from xcompile.runtime.engines.graphs import Capture, GraphedEngine
@@ -55,7 +54,6 @@ from xcompile.runtime.engines.graphs import Capture, GraphedEngine
 # Prompt tokens a prefilling sequence feeds per step: the largest step the loop's other paths keep on their
 # short-step routes (layers.MATMUL_ATTENTION_MAX_QUERIES, ort.GRAPH_MAX_TOKENS, the fast kernels' 64 rows).
 CHUNK = 64
-log = logging.getLogger("xcompile.batch")
 
 
 def recorded_sizes(target: Engine, max_batch: int, chunk: int, gamma: int = 0) -> list[int]:
@@ -69,13 +67,6 @@ def recorded_sizes(target: Engine, max_batch: int, chunk: int, gamma: int = 0) -
         padded = [1 << i for i in range(chunk.bit_length())] + [chunk]
         sizes |= {n for n in padded if max_batch * n <= target.step_rows}
     return sorted(sizes)
-
-
-@dataclass
-class _Slot:
-    sampler: Sampler            # per slot: its own seed, stream and counter, as the batch-1 loop has one
-    block: object = None        # a root-only chain block (sampled rows verify through accept_chain)
-    seq: BatchSequence | None = None
 
 
 class BatchGenerator:
@@ -122,10 +113,8 @@ class BatchGenerator:
         self.solo = Solo(solo) if solo is not None else None
         self.max_batch, self.max_seq_len = kv.batch, max_seq_len
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
-        self.slots = [_Slot(Sampler(self.device)) for _ in range(self.max_batch)]
-        for s in self.slots:
-            s.block = chain_block(torch.zeros(1, 1, dtype=torch.int64, device=self.device))
-        self.waiting: deque[BatchSequence] = deque()
+        self.seats = Seats(self.device, self.max_batch, max_seq_len)
+        self.slots, self.waiting = self.seats.slots, self.seats.waiting
         self._pending: list[BatchSequence] = []     # what the running step() has stopped so far
         self.stats = BatchStats(rows_used=[0] * self.max_batch)
         self._causal: dict[int, torch.Tensor] = {}         # the causal tree_mask [B, S, S] of each S used
@@ -159,7 +148,7 @@ class BatchGenerator:
 
     @property
     def running(self) -> list[BatchSequence]:
-        return [s.seq for s in self.slots if s.seq is not None]
+        return self.seats.running
 
     @property
     def recorded(self) -> bool:
@@ -168,7 +157,7 @@ class BatchGenerator:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and all(s.seq is None for s in self.slots)
+        return self.seats.idle
 
     def generate(self, requests: Sequence[tuple]) -> list[Result]:
         """Every request (``submit``'s positional arguments) through the batch; their Results in order."""
@@ -220,11 +209,11 @@ class BatchGenerator:
         """Drop cancelled sequences, seat waiting ones, run one target pass over every slot and commit what
         it gave each row. Returns the sequences that stopped during this call."""
         # the sequences that stop in this call, kept where abort() finds them should the step raise midway
-        ended = self._pending = self._drop_cancelled()
+        ended = self._pending = self.seats.drop_cancelled()
         if self.solo is not None and self._solo_step(ended):
             self._pending = []
             return ended
-        self._seat()
+        self.seats.seat()
         rows = [(b, s.seq) for b, s in enumerate(self.slots) if s.seq is not None]
         if not rows:
             self._pending = []
@@ -271,7 +260,7 @@ class BatchGenerator:
             fed[b] = (at, head)
             if tokens:
                 q.root = tokens[-1]
-                if self._emit(q, tokens):
+                if self.seats.emit(q, tokens):
                     ended.append(q)
         if drafts is not None:
             drafts.feed(fed, out["hidden_taps"], s)
@@ -298,7 +287,7 @@ class BatchGenerator:
             tokens = greedy[:accepted + 1]
             self.drafts.tally(q, n - 1, accepted)
         else:
-            tokens = [greedy[0] if q.sampling.greedy else self._sampled(b, q.root, logits[b:b + 1, :1])]
+            tokens = [greedy[0] if q.sampling.greedy else self.seats.sampled(b, q.root, logits[b:b + 1, :1])]
         self.stats.decode_tokens += len(tokens)
         q.length += len(tokens)
         return tokens, tokens
@@ -311,15 +300,15 @@ class BatchGenerator:
         if solo.seq is None:
             if not solo.eligible(self.waiting, self.running):
                 return False
-            self._seat()                # every slot free: it takes slot 0
+            self.seats.seat()                # every slot free: it takes slot 0
             solo.start(self.slots[0].seq)
         q = solo.seq
         tokens = solo.next_round()
         self.stats.solo_rounds += 1
         if tokens is None:              # ended on its own: the loop's stops agree but for the cache's end
             q.stops.reason = q.stops.reason or solo.finish_reason
-            self._finish(q)
-        elif not self._emit(q, tokens):
+            self.seats.finish(q)
+        elif not self.seats.emit(q, tokens):
             return True
         solo.release()
         ended.append(q)
@@ -332,67 +321,7 @@ class BatchGenerator:
         done, self._pending = self._pending, []        # stopped already in the step that raised
         if self.solo is not None:
             self.solo.release()
-        ended = [s.seq for s in self.slots if s.seq is not None] + list(self.waiting)
-        self.waiting.clear()
-        for q in ended:
-            q.error, q.stops.reason = why, "error"
-            self._finish(q)
-        return done + ended
-
-    def _sampled(self, b: int, root: int, logits: torch.Tensor) -> int:
-        """Row b's next token as a plain round of the batch-1 loop verifies it (speculative.accept_chain over
-        a root-only block: one coin, then the bonus draw), so the slot's stream makes the same draws."""
-        slot = self.slots[b]
-        slot.block.tokens.fill_(root)
-        return int(accept_chain(slot.block, logits, slot.sampler).tokens[0, 0])
-
-    def _emit(self, q: BatchSequence, tokens: list[int]) -> bool:
-        """Apply q's stops to its new tokens and stream them; True when q has stopped (its slot is free then).
-        An exception of q's own (its stop check's detokenize, its callback) stops q alone, reason "error"."""
-        try:
-            kept = q.stops.push(tokens)
-            if kept and q.on_tokens is not None:
-                q.on_tokens(kept)
-        except Exception as e:              # q's own failure: record it, never let it reach the other rows
-            log.exception("a batched sequence failed in its stop check or callback")
-            q.error = f"{type(e).__name__}: {e}"
-            q.stops.reason = "error"
-        if not q.stops.reason and q.length + 1 > self.max_seq_len:
-            q.stops.reason = "max_seq_len"             # the next step would write its root past the slot
-        if q.stops.reason:
-            self._finish(q)
-            return True
-        return False
-
-    def _drop_cancelled(self) -> list[BatchSequence]:
-        ended = [q for q in self.waiting if q.cancel is not None and q.cancel.is_set()]
-        for q in ended:
-            self.waiting.remove(q)
-        ended += [s.seq for s in self.slots if s.seq is not None and s.seq.cancel is not None
-                  and s.seq.cancel.is_set()]
-        for q in ended:
-            q.stops.reason = "cancelled"
-            self._finish(q)
-        return ended
-
-    def _seat(self) -> None:
-        for b, slot in enumerate(self.slots):
-            if not self.waiting:
-                return
-            if slot.seq is None:
-                q = self.waiting.popleft()
-                q.slot, q.start = b, time.perf_counter()
-                q.seed = slot.sampler.reset(q.sampling, q.index)
-                slot.seq = q
-
-    def _finish(self, q: BatchSequence) -> None:
-        if q.slot >= 0:
-            self.slots[q.slot].seq = None
-        stats = q.stats
-        stats.new_tokens = len(q.stops.tokens)
-        if q.start:
-            stats.decode_s = time.perf_counter() - q.start - stats.prefill_s
-        q.result = Result(q.stops.tokens, stats, q.stops.reason, q.seed, q.index)
+        return done + self.seats.stop_all(why)
 
     def _mask(self, s: int) -> torch.Tensor:
         mask = self._causal.get(s)
