@@ -95,8 +95,8 @@ def main() -> int:
                 label += "*" if layout == shipped and tile == tile0 else ""
                 print(f"{ctx:>8} {m:>4} {tile:>4} {label:>6} {splits:>6} {us:>8.1f} "
                       f"{rate / 1e9:>6.0f} {100 * rate / bandwidth:>6.0f}%")
-    print("* the shipped layout and tile (attention.layout); eN: the even layout over N splits; 'of copy': the K/V bytes "
-          "read a second against the bytes a copy moves a second (read + write)")
+    print("* the shipped layout and tile (attention.layout); eN: the even layout over N splits; 'of copy': the K/V "
+          "bytes read a second against the bytes a copy moves a second (read + write)")
     return 0
 
 

@@ -295,7 +295,8 @@ def test_synthetic_weights_take_qwen3s_model_card_yarn():
         synthetic_manifest("qwen3-8b", 131072)
     tiny = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    module = reference_engines(synthetic_manifest("qwen3-8b", 64, "fp32", config=tiny, yarn=4.0), "cpu")["target"].module
+    manifest = synthetic_manifest("qwen3-8b", 64, "fp32", config=tiny, yarn=4.0)
+    module = reference_engines(manifest, "cpu")["target"].module
     want = Rotary(16, 64, tiny.rope_theta, card)
     rotary = module.model.rotary
     assert torch.equal(rotary.cos, want.cos) and not torch.equal(rotary.cos, Rotary(16, 64, tiny.rope_theta).cos)
