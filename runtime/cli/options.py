@@ -54,6 +54,7 @@ TOP_K = click.IntRange(min=0)
 TOP_P = Finite(min=0, min_open=True, max=1)
 MIN_P = Finite(min=0, max=1)
 SEED = click.IntRange(0, 2**63 - 1)
+YARN_FACTOR = Finite(min=1, min_open=True, max=32)     # xrun bench --yarn: up to 32 x 32,768 = 1,048,576 positions
 
 
 class IntList(click.ParamType):

@@ -13,6 +13,7 @@ from xcompile.runtime.cli.options import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
+    YARN_FACTOR,
     IntList,
     given,
     positive_float,
@@ -225,7 +226,7 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
               help="With --synthetic.")
 @click.option("--quantize", type=click.Choice(["fp8", "int4"]),
               help="With --synthetic: the target's decoder linears in FP8 (128x128 blocks) or INT4 (groups of 128).")
-@click.option("--yarn", type=click.FloatRange(min=1, min_open=True),
+@click.option("--yarn", type=YARN_FACTOR,
               help="With --synthetic: the target's RoPE stretched by this YaRN factor over the 32,768 trained "
               "positions, as Qwen3's model card sets it for long contexts (4: 131,072).")
 @click.option("--gammas", type=IntList(), default="1,2,4,6,8", show_default=True,
