@@ -113,9 +113,7 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
     shape under ``name``'s seeds (benchmarks/batch_decode.py cuts layers); ``max_batch``: the KV slots; ``yarn``: the
     target's RoPE stretched by that YaRN factor over QWEN3_TRAINED_CONTEXT, as Qwen3's model card sets it for long
     contexts (4: 131,072 positions; the heads keep their own RoPE, as a published head's config does)."""
-    cfg = config or synthetic.known_config(name)
-    if yarn is not None:
-        cfg = replace(cfg, rope_scaling=Yarn(yarn, QWEN3_TRAINED_CONTEXT))
+    cfg = _synthetic_config(name, yarn, config)
     if max_seq_len > cfg.context_length:
         raise CompileError(f"max_seq_len {max_seq_len} exceeds {name}'s {cfg.context_source}")
     taps = cfg.default_tap_layers if eagle3 else ()
@@ -135,11 +133,15 @@ def synthetic_manifest(name: str, max_seq_len: int, dtype: str = "bf16", eagle3:
                     models=models)
 
 
+def _synthetic_config(name: str, yarn: float | None, config: Qwen3Config | None = None) -> Qwen3Config:
+    """``config`` or ``name``'s, its RoPE stretched by the YaRN factor ``yarn`` over QWEN3_TRAINED_CONTEXT."""
+    cfg = config or synthetic.known_config(name)
+    return cfg if yarn is None else replace(cfg, rope_scaling=Yarn(yarn, QWEN3_TRAINED_CONTEXT))
+
+
 def synthetic_positions(name: str, yarn: float | None = None) -> tuple[int, str]:
     """The positions a synthetic ``name`` (stretched by YaRN ``yarn``) covers, and where that bound comes from."""
-    cfg = synthetic.known_config(name)
-    if yarn is not None:
-        cfg = replace(cfg, rope_scaling=Yarn(yarn, QWEN3_TRAINED_CONTEXT))
+    cfg = _synthetic_config(name, yarn)
     return cfg.context_length, cfg.context_source
 
 
