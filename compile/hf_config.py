@@ -66,7 +66,10 @@ class _Fields:
             value = float(value)
         if kind is int and isinstance(value, bool) or not isinstance(value, kind):
             raise self.fail(name, f"should be {kind.__name__}, got {value!r}")
-        if kind in (int, float) and value <= 0 and name not in ("rms_norm_eps",):
+        zero_ok = name == "rms_norm_eps"
+        if kind is float and not math.isfinite(value):          # json reads Infinity and NaN
+            raise self.fail(name, f"should be a finite number{' >= 0' if zero_ok else ''}, got {value!r}")
+        if kind in (int, float) and value <= 0 and not zero_ok:
             raise self.fail(name, f"should be positive, got {value!r}")
         return value
 
@@ -107,9 +110,13 @@ class _Fields:
         # dict's (Phi3 style), and without either the trained context is max_position_embeddings
         original = self.get("original_max_position_embeddings", int) or \
             f.get("original_max_position_embeddings", int) or self.get("max_position_embeddings", int, 40960)
+        # a missing factor is the ratio of the two lengths (transformers' DeepSeek-V3 note)
+        factor = f.get("factor", float) or self.get("max_position_embeddings", int, 40960) / original
+        if factor * original > MAX_POSITIONS:
+            raise f.fail("factor", f"is {factor:g}: {factor:g} x {original} trained positions passes the "
+                         f"{MAX_POSITIONS:,} xcompile takes")
         return Yarn(
-            # a missing factor is the ratio of the two lengths (transformers' DeepSeek-V3 note)
-            factor=f.get("factor", float) or self.get("max_position_embeddings", int, 40960) / original,
+            factor=factor,
             original_max_position_embeddings=original,
             beta_fast=f.get("beta_fast", float, 32.0),
             beta_slow=f.get("beta_slow", float, 1.0),
@@ -124,10 +131,14 @@ class _Fields:
         value = self.data.get(name)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise self.fail(name, f"should be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+            raise self.fail(name, f"should be a finite number >= 0, got {value!r}")
         return float(value)
 
+
+# the most positions a scaled RoPE may cover: 2^24 tokens, far past any KV cache one GPU holds (the 8B shape's
+# at 2^24 tokens: 2.5 TB in bf16)
+MAX_POSITIONS = 1 << 24
 
 # rope_scaling / rope_parameters keys of a YaRN config (transformers' _validate_yarn_rope_parameters), plus the
 # keys every rope dict may carry

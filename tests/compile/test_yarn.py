@@ -102,6 +102,10 @@ def test_yarn_fields_and_transformers_fallbacks(tmp_path):
     ({**YARN, "low_freq_factor": 1.0}, "rope_scaling.low_freq_factor", "not a YaRN field"),
     ({**YARN, "partial_rotary_factor": 0.5}, "rope_scaling.partial_rotary_factor", "0.5"),
     ({**YARN, "factor": "4"}, "rope_scaling.factor", "should be float"),
+    ({**YARN, "factor": float("inf")}, "rope_scaling.factor", "should be a finite number"),   # json's Infinity
+    ({**YARN, "factor": float("nan")}, "rope_scaling.factor", "should be a finite number"),
+    ({**YARN, "factor": 1e308}, "rope_scaling.factor", "passes the 16,777,216 xcompile takes"),
+    ({**YARN, "mscale": float("inf")}, "rope_scaling.mscale", "finite number >= 0"),
 ])
 def test_other_rope_scalings_are_refused_in_one_line(tmp_path, scaling, field, value):
     msg = refusal(parse_qwen3, write(tmp_path, qwen3_config({"rope_scaling": scaling})))
