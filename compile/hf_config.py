@@ -66,8 +66,8 @@ class _Fields:
             value = float(value)
         if kind is int and isinstance(value, bool) or not isinstance(value, kind):
             raise self.fail(name, f"should be {kind.__name__}, got {value!r}")
-        zero_ok = name == "rms_norm_eps"
-        if kind is float and not math.isfinite(value):          # json reads Infinity and NaN
+        zero_ok = name == "rms_norm_eps"                        # 0 allowed, below it not
+        if kind is float and not math.isfinite(value) or zero_ok and value < 0:     # json reads Infinity and NaN
             raise self.fail(name, f"should be a finite number{' >= 0' if zero_ok else ''}, got {value!r}")
         if kind in (int, float) and value <= 0 and not zero_ok:
             raise self.fail(name, f"should be positive, got {value!r}")
@@ -170,7 +170,8 @@ def architecture(path: Path, data: dict) -> str:
 def _refuse_variants(f: _Fields, data: dict) -> None:
     """What a Qwen3 config may set that the graphs do not compute, refused rather than ignored: another MLP
     activation, sliding-window layers (transformers makes layers at or past max_window_layers sliding when
-    use_sliding_window is true, or as layer_types lists them), an RMSNorm eps that is negative or not finite."""
+    use_sliding_window is true, or as layer_types lists them). (An RMSNorm eps that is negative or not finite:
+    _Fields.get, for every config.)"""
     if data.get("hidden_act", "silu") != "silu":
         raise f.fail("hidden_act", f"is {data['hidden_act']!r}; xcompile computes Qwen3's SiLU-gated MLP")
     if data.get("use_sliding_window"):
@@ -180,9 +181,6 @@ def _refuse_variants(f: _Fields, data: dict) -> None:
     if sliding:
         raise f.fail("layer_types", f"makes layer {sliding[0]} {data['layer_types'][sliding[0]]!r}; xcompile "
                                     "computes full attention in every layer")
-    eps = f.get("rms_norm_eps", float, 1e-6)
-    if not math.isfinite(eps) or eps < 0:
-        raise f.fail("rms_norm_eps", f"should be a finite number >= 0, got {eps!r}")
 
 
 def parse_qwen3(path: Path, data: dict | None = None, architectures: tuple[str, ...] = QWEN3_ARCHITECTURES
