@@ -31,7 +31,7 @@
 #            KV bytes, and the prompt's prefill against the matmul rate; the same at 32000 with an FP8 KV cache
 #   long128k xrun bench --synthetic qwen3-8b --yarn 4 (Qwen3's model card: 131,072 positions) at a 130,000-token
 #            context, chain gamma 6: decode, verify and round there, the prefill, and torch's peak GPU memory
-#            (about 4 min: the prefill is timed six times)
+#            (not yet run, so its time is not known; the prefill of 130,000 tokens is timed six times)
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams (SERVE_STREAMS) of 256 tokens, then 64 prompt lengths one at a time
 #            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the

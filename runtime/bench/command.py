@@ -134,8 +134,8 @@ def check_contexts(req: BenchRequest, max_seq_len: int) -> None:
 def check_synthetic_contexts(req: BenchRequest) -> None:
     """OptionError when the KV slots a synthetic bench needs (``_room``) pass the positions its model covers."""
     positions, source = torch_models().synthetic_positions(req.synthetic, req.yarn)
-    if _room(req) > positions:
-        raise OptionError(f"--contexts {max(req.contexts)}: with --new-tokens and a round it needs {_room(req)} KV "
+    if (need := _room(req)) > positions:
+        raise OptionError(f"--contexts {max(req.contexts)}: with --new-tokens and a round it needs {need} KV "
                           f"slots, past the synthetic {req.synthetic}'s {source}; give shorter --contexts"
                           + ("" if req.yarn else ", or --yarn 4 (131,072 positions, as Qwen3's model card sets)"))
 

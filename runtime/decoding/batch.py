@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -114,7 +115,6 @@ class BatchGenerator:
         self.max_batch, self.max_seq_len = kv.batch, max_seq_len
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
         self.seats = Seats(self.device, self.max_batch, max_seq_len)
-        self.slots, self.waiting = self.seats.slots, self.seats.waiting
         self._pending: list[BatchSequence] = []     # what the running step() has stopped so far
         self.stats = BatchStats(rows_used=[0] * self.max_batch)
         self._causal: dict[int, torch.Tensor] = {}         # the causal tree_mask [B, S, S] of each S used
@@ -145,6 +145,10 @@ class BatchGenerator:
                             index, cancel, on_tokens, Stats(prompt_tokens=len(prompt_ids)))
         self.waiting.append(seq)
         return seq
+
+    @property
+    def waiting(self) -> deque[BatchSequence]:
+        return self.seats.waiting
 
     @property
     def running(self) -> list[BatchSequence]:
@@ -214,7 +218,7 @@ class BatchGenerator:
             self._pending = []
             return ended
         self.seats.seat()
-        rows = [(b, s.seq) for b, s in enumerate(self.slots) if s.seq is not None]
+        rows = [(b, s.seq) for b, s in enumerate(self.seats.slots) if s.seq is not None]
         if not rows:
             self._pending = []
             return ended
@@ -278,7 +282,7 @@ class BatchGenerator:
             q.length += n
             if q.length < len(q.prompt):
                 return q.prompt[at + 1:q.length + 1], []
-            tokens = [greedy[0] if q.sampling.greedy else int(self.slots[b].sampler.sample(logits[b:b + 1, 0])[0])]
+            tokens = [greedy[0] if q.sampling.greedy else int(self.seats.slots[b].sampler.sample(logits[b:b + 1, 0])[0])]
             q.stats.prefill_s = time.perf_counter() - q.start
             return q.prompt[at + 1:] + tokens, tokens
         q.stats.rounds += 1
@@ -300,8 +304,8 @@ class BatchGenerator:
         if solo.seq is None:
             if not solo.eligible(self.waiting, self.running):
                 return False
-            self.seats.seat()                # every slot free: it takes slot 0
-            solo.start(self.slots[0].seq)
+            self.seats.seat()           # every slot free: it takes slot 0
+            solo.start(self.seats.slots[0].seq)
         q = solo.seq
         tokens = solo.next_round()
         self.stats.solo_rounds += 1
