@@ -68,7 +68,9 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
                                                                         e.status_code))
     app.add_exception_handler(Exception, _failed)
 
-    def authorize(request: Request) -> None:
+    # async: FastAPI runs a plain def dependency on its thread pool, a thread hop a request that waits for the GIL
+    # while the engine thread holds it
+    async def authorize(request: Request) -> None:
         if config.api_key is None:
             return
         given = request.headers.get("authorization", "")

@@ -598,3 +598,26 @@ def test_a_server_with_an_fp8_cache_gives_xrun_generates_tokens(tiny_engine_dir)
         assert r.json()["choices"][0]["token_ids"] == want
     finally:
         s.stop()
+
+
+def test_a_request_takes_no_thread_hop_and_the_engine_thread_gets_the_gil_back_soon(held, worker, monkeypatch):
+    """The app's dependencies are async (FastAPI runs a plain def one on its thread pool: a hop a request that
+    waits for the GIL while the engine thread holds it), and the serving process hands the GIL over every 0.5 ms
+    at most (scheduler.SWITCH_INTERVAL), not Python's 5."""
+    import sys
+
+    import fastapi.dependencies.utils as deps
+
+    from xcompile.runtime.serve.scheduler import SWITCH_INTERVAL
+
+    hops = []
+    pool = deps.run_in_threadpool
+
+    async def counted(func, *args, **kwargs):
+        hops.append(func)
+        return await pool(func, *args, **kwargs)
+
+    monkeypatch.setattr(deps, "run_in_threadpool", counted)
+    r = httpx.post(f"{held.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and hops == []
+    assert sys.getswitchinterval() <= SWITCH_INTERVAL
