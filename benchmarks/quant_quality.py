@@ -34,7 +34,8 @@ import torch
 from xcompile.compile import checkpoint as ck
 from xcompile.compile import data as textdata
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.quantize import SCHEMES, QuantizeOptions, quantize_checkpoint
 from xcompile.compile.train_eagle3 import measure_acceptance
 from xcompile.runtime.enginedir.text import Text

@@ -1,5 +1,5 @@
 """Model configs: frozen dataclasses for Qwen3 targets (every dense size, YaRN included) and EAGLE3 heads, and
-the models xcompile knows by name. hf_config.py reads them from HF ``config.json`` files.
+the models xcompile knows by name. hf_config.py (head_config.py: EAGLE3 heads) reads them from HF ``config.json`` files.
 """
 
 from __future__ import annotations

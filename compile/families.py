@@ -20,7 +20,8 @@ from xcompile.compile.checkpoint import build_eagle3, build_mtp, build_qwen3
 from xcompile.compile.checkpoint.source import WeightSource
 from xcompile.compile.config import Eagle3Config, Qwen3Config, Yarn
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.models import eagle3, mtp, qwen3
 
 # (source, config, max_seq_len, dtype, device, target module or None, manifest extra) -> module

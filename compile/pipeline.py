@@ -27,14 +27,8 @@ from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_
 from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.export import Weights, export_graph
 from xcompile.compile.families import family
-from xcompile.compile.hf_config import (
-    TAP_DEFAULT,
-    TAP_OVERRIDE,
-    check_eagle3_fits,
-    parse_generation_config,
-    read_json,
-    tap_convention,
-)
+from xcompile.compile.head_config import TAP_DEFAULT, TAP_OVERRIDE, check_eagle3_fits, tap_convention
+from xcompile.compile.hf_config import parse_generation_config, read_json
 from xcompile.compile.models import eagle3, mtp, qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
@@ -251,7 +245,7 @@ def _head_part(head_cfg: Eagle3Config, source: WeightSource, target: _Part, dtyp
                taps_from: str, taps: tuple[int, ...]) -> _Part:
     with torch.device("meta"):
         head = Eagle3(head_cfg, target.module.max_seq_len).to(dtype)
-    # which config field (or option) the taps came from and how its ids count (hf_config.TAP_FIELDS)
+    # which config field (or option) the taps came from and how its ids count (head_config.TAP_FIELDS)
     entry = ModelEntry(eagle3.KIND, head_cfg.to_dict(), source.source,
                        {"taps": list(taps), "taps_from": taps_from,
                         "taps_convention": tap_convention(taps_from), "rope_theta": head.rope_theta})

@@ -23,7 +23,8 @@ from xcompile.compile.checkpoint.resolution import resolve, resolve_draft, resol
 from xcompile.compile.checkpoint.source import CheckpointSource, WeightSource
 from xcompile.compile.config import DEMO_DIR, Eagle3Config, Qwen3Config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import check_eagle3_fits, parse_eagle3, parse_qwen3, read_json
+from xcompile.compile.head_config import check_eagle3_fits, parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3, read_json
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.mtp import MTP, check_mtp_fits, draft_vocab_size, parse_mtp
 from xcompile.compile.models.qwen3 import Qwen3

@@ -187,7 +187,8 @@ def test_fp32_graph_builds_with_decomposable_attention(tiny_eagle3, tiny_target,
 
     from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
     from xcompile.compile.export import export_graph
-    from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+    from xcompile.compile.head_config import parse_eagle3
+    from xcompile.compile.hf_config import parse_qwen3
 
     cfg = parse_qwen3(tiny_target / "config.json")
     target = load_qwen3(tiny_target, MAX_SEQ, tap_layers(parse_eagle3(tiny_eagle3 / "config.json"), cfg), torch.float32)

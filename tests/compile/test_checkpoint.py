@@ -27,7 +27,8 @@ from xcompile.compile import checkpoint as ck
 from xcompile.compile import synthetic
 from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.models.eagle3 import Eagle3
 from xcompile.compile.models.qwen3 import Qwen3
 from xcompile.compile.synthetic import synthetic_eagle3, synthetic_qwen3, synthetic_state, synthetic_tensor

@@ -10,7 +10,8 @@ from fixtures import eagle3_config, qwen3_config
 
 from xcompile.compile.config import KNOWN_MODELS, synthetic_eagle3_config
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import check_eagle3_fits, parse_eagle3, parse_generation_config, parse_qwen3
+from xcompile.compile.head_config import check_eagle3_fits, parse_eagle3
+from xcompile.compile.hf_config import parse_generation_config, parse_qwen3
 
 
 def write(tmp_path, data, name="config.json"):

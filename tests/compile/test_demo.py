@@ -12,7 +12,8 @@ import torch
 from xcompile.compile import checkpoint as ck
 from xcompile.compile.data import read_records
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "corpus.heldout.txt"

@@ -13,7 +13,7 @@ from fixtures import step_inputs
 from safetensors.torch import load_file
 
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3
-from xcompile.compile.hf_config import parse_eagle3
+from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.models.eagle3 import Eagle3FC
 
 TOL = 1e-4

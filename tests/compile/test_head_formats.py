@@ -27,7 +27,8 @@ from fixtures import TINY_QWEN3, eagle3_config, eagle3_tensors, qwen3_config, wr
 
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
 from xcompile.compile.errors import CompileError
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 
 TOL = 1e-4
 MAX_SEQ = 32

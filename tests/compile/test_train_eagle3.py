@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
 from xcompile.compile.cli import main
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.train_eagle3 import (
     TrainOptions,
     draft_vocabulary,

@@ -24,7 +24,8 @@ from xcompile.compile.cli import main
 from xcompile.compile.config import Qwen3Config, Yarn
 from xcompile.compile.errors import CompileError
 from xcompile.compile.families import family
-from xcompile.compile.hf_config import parse_eagle3, parse_qwen3
+from xcompile.compile.head_config import parse_eagle3
+from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.models.layers import Rotary, yarn_inv_freq
 from xcompile.runtime.enginedir.manifest import Manifest
 
