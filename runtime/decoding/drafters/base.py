@@ -30,8 +30,9 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
+from xcompile.runtime.decoding.draft_tree import to_target
 from xcompile.runtime.decoding.sampling import Sampler
-from xcompile.runtime.decoding.speculative import Accepted, Block, chain_block, to_target
+from xcompile.runtime.decoding.speculative import Accepted, Block, chain_block
 from xcompile.runtime.engines.base import SHORT_STEPS, Engine
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class Drafter(ABC):
 
     def _pick(self, block: Block, i: int, logits: torch.Tensor, targets: torch.Tensor | None = None) -> None:
         """Draft token i of ``block`` (target ids, ``targets`` the draft->target lookup of
-        speculative.target_table) from draft logits [B, Vq], written into block.tokens[:, i]: the argmax
+        draft_tree.target_table) from draft logits [B, Vq], written into block.tokens[:, i]: the argmax
         when greedy (one launch where ``bind`` put the kernels), else a draw from the warped q, with q's
         row and q(token) written into the block."""
         s = self.sampler

@@ -15,16 +15,10 @@ import torch
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
+from xcompile.runtime.decoding.draft_tree import expand_level, select_tree, target_table, topk_children
 from xcompile.runtime.decoding.drafters.base import Drafter, advance, causal, prompt_pass
 from xcompile.runtime.decoding.registry import TreeShape
-from xcompile.runtime.decoding.speculative import (
-    Block,
-    chain_block,
-    expand_level,
-    select_tree,
-    target_table,
-    topk_children,
-)
+from xcompile.runtime.decoding.speculative import Block, chain_block
 from xcompile.runtime.enginedir.contract import EAGLE3, EAGLE3_FC, MTP
 from xcompile.runtime.engines.base import Engine
 

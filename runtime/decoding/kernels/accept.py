@@ -139,7 +139,7 @@ class ChainAccept:
 
 class GreedyPick:
     """A drafter's greedy pick in one launch: the argmax of one row of draft logits, mapped through the
-    draft -> target table when given (speculative.to_target), written into the block (its buffers of
+    draft -> target table when given (draft_tree.to_target), written into the block (its buffers of
     their own, rewritten by every call)."""
 
     def __init__(self, vocab: int, device: torch.device):

@@ -230,7 +230,7 @@ def _sample_rows_kernel(X, T, TOP_P, MIN_P, KEY, CNT, PV, PI, PN, OUT, Q, QTOK, 
                 tl.store(Q + row * stride_q + ids, tl.exp(vals - logz), mask=on)
             at = pick + tl.arange(0, 1)
             tl.store(QTOK + row * stride_qt + tl.arange(0, 1), tl.exp(_scaled(X + row * stride_x, at, V, temp) - logz))
-        if HAS_T:   # a draft vocabulary's column as its target id (speculative.target_table)
+        if HAS_T:   # a draft vocabulary's column as its target id (draft_tree.target_table)
             pick = tl.load(TGT + pick)
         tl.store(OUT + row * stride_out, pick.to(tl.int64))
     tl.store(CNT + b, tl.load(CNT + b) + 1)

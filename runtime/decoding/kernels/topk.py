@@ -2,7 +2,7 @@
 
     topk_children   draft logits [B, R, V] -> (log-probs [B, R, k] fp32, target ids [B, R, k]): the k largest
                     of each row's log_softmax, largest first (ties: the lower column first), ids mapped
-                    through ``targets`` (speculative.target_table) when given
+                    through ``targets`` (draft_tree.target_table) when given
     expand_level    one level's children into the candidate pool (score = the parent's + log-prob, token,
                     parent's pool index) and, but for the last level, the k best of them as the next level's
                     expanded nodes (their token, input hidden, ancestor mask row, score and pool index)
@@ -12,7 +12,7 @@ then per row the merge of its blocks' candidates and the log-sum-exp), in place 
 log_softmax, torch.topk's kernels and the id lookup. The log-sum-exp adds the blocks' sums in block
 order, so a log-prob can differ from torch.log_softmax's in the last bit (tested to 1e-6). expand_level
 is one program per batch row in place of nine small ops. The plain-torch references are what the tree
-drafter runs without these kernels (speculative.topk_children, speculative.expand_level).
+drafter runs without these kernels (draft_tree.topk_children, draft_tree.expand_level).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ _SCRATCH = TopkScratch()
 
 
 def topk_children(logits: torch.Tensor, targets: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculative.topk_children in two launches: logits [B, R, V] (rows contiguous) -> (log-probs
+    """draft_tree.topk_children in two launches: logits [B, R, V] (rows contiguous) -> (log-probs
     [B, R, k] fp32, target ids [B, R, k] int64)."""
     b, r, v = logits.shape
     assert 1 <= k <= MAX_K and k <= v and logits.stride(-1) == 1
@@ -192,7 +192,7 @@ def expand_level(logp: torch.Tensor, tok: torch.Tensor, ex_score: torch.Tensor, 
                  hidden: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                  ex_tokens: torch.Tensor, ex_hidden: torch.Tensor, ex_mask: torch.Tensor, base: int, s: int,
                  last: bool, out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculative.expand_level in one launch (the same tensors, in place), the next level's expanded
+    """draft_tree.expand_level in one launch (the same tensors, in place), the next level's expanded
     scores and pool indices written into ``out`` ([B, k] fp32 and int64, not ex_score / ex_pool) and
     returned."""
     b, k, _ = logp.shape

@@ -1,4 +1,4 @@
-"""The EAGLE-2 tree's selection in one launch: speculative.select_tree's sorts, parent ranks and ancestor walk.
+"""The EAGLE-2 tree's selection in one launch: draft_tree.select_tree's sorts, parent ranks and ancestor walk.
 
     scores [B, M] fp32 cumulative draft log-probs, tokens [B, M] int64 target ids, parents [B, M] int64 pool
     index of each candidate's parent (-1: the root's), root [B]
@@ -74,7 +74,7 @@ class TreeBuffers:
 
 def select_tree_into(out: TreeBuffers, root: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
                      parents: torch.Tensor, max_depth: int) -> None:
-    """speculative.select_tree's selection of out.keep.shape[1] nodes, written into ``out``."""
+    """draft_tree.select_tree's selection of out.keep.shape[1] nodes, written into ``out``."""
     b, m = scores.shape
     n = out.keep.shape[1]
     assert scores.is_contiguous() and tokens.is_contiguous() and parents.is_contiguous() and n <= m

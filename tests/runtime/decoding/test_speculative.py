@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from xcompile.runtime.decoding.draft_tree import select_tree, target_table, topk_children
 from xcompile.runtime.decoding.speculative import (
     Block,
     _stacked,
@@ -16,9 +17,6 @@ from xcompile.runtime.decoding.speculative import (
     chain_block,
     compact_kv,
     for_host,
-    select_tree,
-    target_table,
-    topk_children,
 )
 from xcompile.runtime.enginedir.contract import KVShape
 from xcompile.runtime.engines.base import new_kv

@@ -70,8 +70,8 @@ def test_greedy_pick_kernel_equals_argmax_then_lookup(vocab, mapped, dtype):
     """The pick kernel: to_target(logits.argmax(-1), targets) written into a column of a block's
     tokens (the others untouched), with ties (the lower column), several times in a row (the counter
     resets itself)."""
+    from xcompile.runtime.decoding.draft_tree import target_table, to_target
     from xcompile.runtime.decoding.kernels.accept import GreedyPick
-    from xcompile.runtime.decoding.speculative import target_table, to_target
     torch.manual_seed(vocab)
     targets = target_table(torch.randperm(3 * vocab, device=DEV)[:vocab].sort().values - torch.arange(vocab, device=DEV)) \
         if mapped else None

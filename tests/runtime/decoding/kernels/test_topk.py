@@ -18,12 +18,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("rows,vocab,k", [(1, 1000, 10), (10, 10000, 10), (3, 8200, 1), (4, 5000, 16)])
 @pytest.mark.parametrize("mapped", [False, True])
 def test_topk_children_kernel_matches_torch(rows, vocab, k, mapped, dtype):
-    """The two-launch top-k of the draft log-probs: speculative.topk_children's ids and its
+    """The two-launch top-k of the draft log-probs: draft_tree.topk_children's ids and its
     log-probs to 1e-6 (the log-sum-exp summed in block order), over several column blocks (4096 columns
     each), batch 2, with and without the draft -> target table. Ties (many in bf16) go to the lower column,
     so the reference is a stable sort (torch.topk leaves their order open; in fp32 there are none)."""
+    from xcompile.runtime.decoding.draft_tree import target_table, to_target, topk_children
     from xcompile.runtime.decoding.kernels import topk as K
-    from xcompile.runtime.decoding.speculative import target_table, to_target, topk_children
     torch.manual_seed(rows + vocab)
     logits = (3 * torch.randn(2, rows, vocab, device=DEV)).to(dtype)
     targets = target_table(torch.randperm(3 * vocab, device=DEV)[:vocab].sort().values - torch.arange(vocab, device=DEV)) \
@@ -42,9 +42,9 @@ def test_topk_children_kernel_matches_torch(rows, vocab, k, mapped, dtype):
 @pytest.mark.parametrize("k,level", [(10, 1), (10, 4), (3, 2), (1, 3)])
 def test_expand_level_kernel_equals_the_drafter_ops(k, level, last, h=96):
     """The one-launch pool update: the same scores, tokens, parents, expanded tokens,
-    hidden, masks and next level's scores / pool indices as speculative.expand_level, batch 2."""
+    hidden, masks and next level's scores / pool indices as draft_tree.expand_level, batch 2."""
+    from xcompile.runtime.decoding.draft_tree import expand_level
     from xcompile.runtime.decoding.kernels import topk as K
-    from xcompile.runtime.decoding.speculative import expand_level
     torch.manual_seed(k * 10 + level)
     b, depth = 2, 6
     n, m = k * (depth - 1), k + (depth - 1) * k * k
@@ -77,8 +77,8 @@ def test_topk_kernels_with_masked_logits():
     """-inf logits (a whole column block of them, or all but two columns) give torch's finite log-probs and
     the stable order's ids, each id once; the pool update never expands a node twice when fewer than k
     children are finite; NaN logits give ids in range (meaningless values, no fault)."""
+    from xcompile.runtime.decoding.draft_tree import expand_level
     from xcompile.runtime.decoding.kernels import topk as K
-    from xcompile.runtime.decoding.speculative import expand_level
     torch.manual_seed(9)
     x = torch.randn(1, 2, 10000, device=DEV)
     x[..., 4096:8192] = float("-inf")                       # the second column block: every entry masked

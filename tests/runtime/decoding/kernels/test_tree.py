@@ -1,5 +1,5 @@
 """The EAGLE-2 tree's selection in one launch (runtime/decoding/kernels/tree.py) against
-speculative.select_tree, exactly.
+draft_tree.select_tree, exactly.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def random_pool(batch: int, topk: int, depth: int, seed: int, ties: bool):
 def test_select_tree_kernel_equals_select_tree(topk, depth, nodes, ties):
     """The one-launch selection gives select_tree's tokens, parents, mask and depth exactly
     (ties ranked as the stable sort ranks them), batch 2."""
+    from xcompile.runtime.decoding.draft_tree import select_tree
     from xcompile.runtime.decoding.kernels.tree import TreeBuffers, select_tree_into
-    from xcompile.runtime.decoding.speculative import select_tree
     scores, tokens, parents, root = random_pool(2, topk, depth, topk * 10 + depth, ties)
     want = select_tree(root, scores, tokens, parents, nodes, depth)
     out = TreeBuffers(2, nodes, scores.device)
