@@ -37,7 +37,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.quantize import SCHEMES, QuantizeOptions, quantize_checkpoint
-from xcompile.compile.train_eagle3 import measure_acceptance
+from xcompile.compile.train import measure_acceptance
 from xcompile.runtime.enginedir.text import Text
 
 DATA = Path(__file__).resolve().parents[1] / "data"

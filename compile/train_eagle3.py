@@ -29,25 +29,17 @@ from xcompile.compile.checkpoint import load_eagle3
 from xcompile.compile.config import Eagle3Config, Qwen3Config, synthetic_eagle3_config
 from xcompile.compile.errors import CompileOptionError
 from xcompile.compile.models.eagle3 import Eagle3, target_ids
-from xcompile.compile.train import (  # noqa: F401  (the names callers of this module import from it)
+from xcompile.compile.train import (
     HEAD_INIT_STD,
     Recipe,
-    Schedule,
     StepLoss,
     TrainOptions,
     TrainResult,
-    autocast,
     check_target,
-    measure_acceptance,
-    optimizer,
-    soft_targets,
-    target_features,
     train_files,
     train_head,
-    ttt_attention,
-    ttt_loss,
-    ttt_mask,
 )
+from xcompile.compile.ttt import soft_targets, target_features, ttt_attention, ttt_loss
 
 # --------------------------------------------------------------------------------------------
 # the recipe's pieces

@@ -34,14 +34,11 @@ from xcompile.compile.train import (
     TrainOptions,
     TrainResult,
     check_target,
-    soft_targets,
-    target_features,
     train_files,
     train_head,
-    ttt_attention,
-    ttt_loss,
 )
 from xcompile.compile.train_eagle3 import draft_vocabulary
+from xcompile.compile.ttt import soft_targets, target_features, ttt_attention, ttt_loss
 
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")     # the target's tensors, never written
 

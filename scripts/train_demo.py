@@ -39,7 +39,8 @@ from xcompile.compile.checkpoint import load_qwen3, module_state
 from xcompile.compile.config import Qwen3Config
 from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.models.qwen3 import Qwen3
-from xcompile.compile.train_eagle3 import Schedule, TrainOptions, autocast, optimizer, train_eagle3_files
+from xcompile.compile.train import Schedule, TrainOptions, autocast, optimizer
+from xcompile.compile.train_eagle3 import train_eagle3_files
 from xcompile.compile.train_mtp import train_mtp_files
 from xcompile.runtime.enginedir.text import Text
 

@@ -20,8 +20,9 @@ from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_mtp, load_qwen3
 from xcompile.compile.cli import main
 from xcompile.compile.models import mtp
-from xcompile.compile.train import TrainOptions, target_features
+from xcompile.compile.train import TrainOptions
 from xcompile.compile.train_mtp import new_mtp, train_mtp, ttt_forward
+from xcompile.compile.ttt import target_features
 from xcompile.runtime.cli.xrun import main as xrun
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text

@@ -17,15 +17,9 @@ from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
 from xcompile.compile.cli import main
 from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.hf_config import parse_qwen3
-from xcompile.compile.train_eagle3 import (
-    TrainOptions,
-    draft_vocabulary,
-    new_head,
-    target_features,
-    train_eagle3,
-    ttt_forward,
-    ttt_mask,
-)
+from xcompile.compile.train import TrainOptions
+from xcompile.compile.train_eagle3 import draft_vocabulary, new_head, train_eagle3, ttt_forward
+from xcompile.compile.ttt import target_features, ttt_mask
 from xcompile.runtime.enginedir.text import Text
 
 SEQ = 24
