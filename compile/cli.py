@@ -159,7 +159,8 @@ def build_cmd(ctx, directory, model, revision, eagle3, mtp, draft_model, eagle3_
     if max_draft_tokens is not None and max_seq_len is not None and max_draft_tokens >= max_seq_len:
         raise click.UsageError(f"--max-draft-tokens {max_draft_tokens}: a verify of that many drafts and its root "
                                f"exceeds --max-seq-len {max_seq_len}; give at most {max_seq_len - 1}")
-    from xcompile.compile.build import BuildOptions, build, default_out, export_and_build
+    from xcompile.compile.build import BuildOptions, build
+    from xcompile.compile.export_build import default_out, export_and_build
     from xcompile.compile.pipeline import ExportRequest
 
     options = BuildOptions(flavor=flavor, compute_capabilities=tuple(compute_capabilities), force=force,

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from fixtures import save_manifest
 
 from xcompile.compile import build as b
+from xcompile.compile import export_build
 from xcompile.compile import trt_loaders as loaders
 from xcompile.compile.cli import main
 from xcompile.compile.errors import CompileError
@@ -217,9 +218,9 @@ def test_default_profiles():
 
 
 def test_default_out():
-    assert b.default_out("qwen3-8b") == Path("engines/qwen3-8b")
-    assert b.default_out("Qwen/Qwen3-8B") == Path("engines/qwen3-8b")
-    assert b.default_out("/ckpts/my-model/") == Path("engines/my-model")
+    assert export_build.default_out("qwen3-8b") == Path("engines/qwen3-8b")
+    assert export_build.default_out("Qwen/Qwen3-8B") == Path("engines/qwen3-8b")
+    assert export_build.default_out("/ckpts/my-model/") == Path("engines/my-model")
 
 
 @pytest.mark.gpu

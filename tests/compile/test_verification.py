@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from fixtures import Child, staging_leftovers
 from safetensors.torch import load_file, save_file
 
-from xcompile.compile.build import inputs_changed
 from xcompile.compile.cli import main as xcompile
 from xcompile.compile.errors import CompileError
+from xcompile.compile.export_build import inputs_changed
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.cli.xrun import main as xrun
 from xcompile.runtime.enginedir.integrity import record_file
