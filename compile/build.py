@@ -42,7 +42,7 @@ from xcompile.runtime.common import files, interrupts, logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir.contract import DTYPES, GraphSpec, dynamic_ranges, graph_spec
 from xcompile.runtime.enginedir.manifest import EngineEntry, Manifest, kv_layers
-from xcompile.runtime.engines.trt import FLAVOR_NAMES, import_trt, resolve_flavor
+from xcompile.runtime.engines.trt_flavor import FLAVOR_NAMES, import_trt, resolve_flavor
 
 # decode/verify profile: up to 64 tokens, enough for the 60-node EAGLE trees of AngelSlim and
 # TensorRT-Edge-LLM (--maxVerifyTreeSize 60) and for any chain up to 63 drafts

@@ -17,7 +17,7 @@ from xcompile.compile.errors import CompileError
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir.contract import dynamic_ranges
 from xcompile.runtime.enginedir.manifest import EngineEntry, Manifest
-from xcompile.runtime.engines.trt import collecting_logger, deserialize_error, import_trt, trt_dtype_names
+from xcompile.runtime.engines.trt_flavor import collecting_logger, deserialize_error, import_trt, trt_dtype_names
 
 # onnx.TensorProto.DataType values
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool"}

@@ -22,7 +22,7 @@ from xcompile.runtime.common import logs
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir import integrity
 from xcompile.runtime.enginedir.contract import MODEL_DTYPE, GraphSpec
-from xcompile.runtime.engines.trt import FLAVOR_NAMES, import_trt, trt_dtype_names
+from xcompile.runtime.engines.trt_flavor import FLAVOR_NAMES, import_trt, trt_dtype_names
 
 Progress = Callable[[str], None]
 

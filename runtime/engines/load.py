@@ -115,7 +115,7 @@ def _trt_load(directory, manifest, device, options):
 def _trt_auto(manifest, device) -> bool:
     if device.type != "cuda" or not manifest.engines:
         return False
-    from xcompile.runtime.engines.trt import import_trt
+    from xcompile.runtime.engines.trt_flavor import import_trt
 
     try:
         import_trt(next(iter(manifest.engines.values())).flavor)

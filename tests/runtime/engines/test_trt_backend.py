@@ -18,6 +18,7 @@ from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.enginedir.contract import DTYPES, graph_spec
 from xcompile.runtime.enginedir.manifest import EngineEntry, GraphEntry, Manifest, ModelEntry, io_table
 from xcompile.runtime.engines import trt as backend
+from xcompile.runtime.engines import trt_flavor
 
 MAX_SEQ, K = 16, 3          # decode/verify profile: 1..K+1 tokens
 VERSION = "1.7.1.116"
@@ -251,17 +252,17 @@ def test_missing_tensorrt_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)       # import fails as if not installed
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
     with pytest.raises(EngineError, match="pip install tensorrt-rtx-cu13"):
-        backend.import_trt("rtx")
+        trt_flavor.import_trt("rtx")
     with pytest.raises(EngineError, match="no TensorRT flavor is installed.*pip install tensorrt-rtx-cu13"):
-        backend.resolve_flavor("auto")
+        trt_flavor.resolve_flavor("auto")
 
 
 def test_auto_flavor_prefers_full_tensorrt(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", FakeTrt("10.15.1", name="tensorrt"))
-    assert backend.resolve_flavor("auto") == "tensorrt"
+    assert trt_flavor.resolve_flavor("auto") == "tensorrt"
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", FakeTrt())
-    assert backend.resolve_flavor("auto") == "rtx"
+    assert trt_flavor.resolve_flavor("auto") == "rtx"
 
 
 @pytest.mark.gpu
