@@ -33,7 +33,7 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 def test_every_script_is_checked_here():
     assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
-                       "fast_agreement.py", "fast_decode.py", "graph_equivalence.py", "kernels.py",
+                       "fast_agreement.py", "fast_decode.py", "gil_handoff.py", "graph_equivalence.py", "kernels.py",
                        "kv_cache_quality.py", "open_dir.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
                        "sample_kernels.py", "serve_load.py", "step_timeline.py", "verify_speed.py"]
 
@@ -170,10 +170,20 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("attention_splits.py", ["--row-tiles", "16,24"], "--row-tiles: each 16, 32 or 64"),
     ("attention_splits.py", ["--contexts", "4096", "--cache", "4100"], "--cache 4100: shorter than the longest context"),
     ("open_dir.py", ["--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder does not exist"),
+    ("gil_handoff.py", ["--intervals", "0,5"], "--intervals: '0,5': expected numbers in (0, 1000)"),
+    ("gil_handoff.py", ["--waits", "-3"], "--waits: '-3': expected a positive integer"),
 ])
 def test_bad_options_are_refused_as_argparse_does(script, args, said):
     done = run(script, *args)
     assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
+
+
+def test_gil_handoff_times_the_waits_alone_and_beside_a_busy_thread_at_each_interval():
+    done = run("gil_handoff.py", "--waits", "10", "--repeats", "1", "--intervals", "2,0.5")
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and [line.split(":")[0] for line in lines] == [
+        f"switch interval {ms} ms, {how}" for ms in ("2", "0.5") for how in ("alone", "beside a busy thread")]
+    assert all(line.endswith(" ms") and "10 waits of 20 µs in " in line for line in lines), lines
 
 
 def test_fast_agreement_counts_every_drafter_against_plain_greedy_and_the_tables_read_it(capsys, monkeypatch):

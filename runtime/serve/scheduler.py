@@ -121,10 +121,11 @@ class EngineWorker:
 
 
 log = logging.getLogger("xcompile.serve")
-# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). Every torch call of the
-# engine thread gives the GIL up and takes it back; with the event loop busy parsing a burst of requests, each
-# take waited up to 5 ms, and a 16-request burst's first prefill took 13.955 ms against 6.92 alone (H100,
-# 2026-12-06). 0.5 ms bounds that wait at a tenth.
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The engine thread gives
+# the GIL up at each graph replay and host read; with the event loop busy parsing a burst of requests, each take
+# back waits up to the interval: a 16-request burst's first prefill took 13.955 ms against 6.92 alone (H100,
+# 2026-12-06), and 300 waits of 20 µs beside a busy thread take 1,570 ms at 5 ms against 211 at 0.5 (26 alone;
+# benchmarks/gil_handoff.py, 2-core CPU).
 SWITCH_INTERVAL = 0.0005
 
 
