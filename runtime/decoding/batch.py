@@ -235,20 +235,22 @@ class BatchGenerator:
         # logit rows a sequence: with drafts the verify's (up to S) whether or not rows draft, so that each recorded
         # size is one graph
         r = min(s, drafts.gamma + 1) if drafts is not None else 1
-        ids = torch.full((self.max_batch, s), PAD, dtype=torch.int64)
-        write = torch.zeros(self.max_batch, dtype=torch.int64)
-        last = torch.zeros(self.max_batch, r, dtype=torch.int64)
+        # the step's inputs as lists, then one tensor on the device (one torch call: each gives the GIL up and waits
+        # to take it back, and under xrun serve the event loop holds it while a burst of requests arrives)
+        n, dev = self.max_batch, self.device
+        ids, write, last = [[PAD] * s for _ in range(n)], [0] * n, [[0] * r for _ in range(n)]
         for b, q in rows:
             k = need[b] = min(need[b], s)
-            ids[b, :k] = torch.tensor(q.prompt[q.length:q.length + k] if q.prefilling else [q.root])
+            ids[b][:k] = q.prompt[q.length:q.length + k] if q.prefilling else [q.root] * k   # drafts: place()
             write[b] = q.length
-            last[b] = torch.arange(r) if b in spec else k - 1
-        dev = self.device
-        write_d, ids_d = write.to(dev), ids.to(dev)
+            last[b] = list(range(r)) if b in spec else [k - 1] * r
+        packed = torch.tensor(write + [w + i for w in write for i in range(s)] + [t for row in ids for t in row]
+                              + [t for row in last for t in row], device=dev)
+        write_d, pos_d = packed[:n], packed[n:n + n * s].view(n, s)
+        ids_d, last_d = packed[n + n * s:n + 2 * n * s].view(n, s), packed[n + 2 * n * s:].view(n, r)
         on = drafts.place(ids_d, chains, spec, r) if spec else None            # the speculating rows' drafts
         out = (self._graphed or self.target).run(input_ids=ids_d, write_index=write_d, tree_mask=self._mask(s),
-                                                 position_ids=write_d[:, None] + torch.arange(s, device=dev),
-                                                 logit_rows=last.to(dev))
+                                                 position_ids=pos_d, logit_rows=last_d)
         logits = out["logits"]                                                  # [B, r, V]
         greedy = logits.argmax(-1)
         if spec:
