@@ -21,10 +21,17 @@ class BatchLoop:
     describes, plus ``("started", None, None)`` once a job's first generation holds a slot,
     ``("invalid", i, why)`` when the loop's request checks refuse generation i (a 400) and ``("failed", i, why)``
     when it failed (its callback, its stop check, or the engine's step: a 500).
-    A job's cancel event ends its generations before the next step."""
+    A job's cancel event ends its generations before the next step.
 
-    def __init__(self, batch, on_step: Callable[[str, float], None] | None = None):
+    A step's posts go out together, in one ``send(pairs)`` of (post, event) pairs after it (the Scheduler's: one
+    call_soon_threadsafe for them all, which wakes the event loop once), not one wake-up a row; default: each post
+    called here."""
+
+    def __init__(self, batch, on_step: Callable[[str, float], None] | None = None,
+                 send: Callable[[list], None] | None = None):
         self.batch = batch
+        self.send = send or (lambda pairs: [post(event) for post, event in pairs])
+        self.outbox: list[tuple[Callable[[tuple], None], tuple]] = []
         # on_step(kind, seconds) after each step: "prompt" (a lone sequence's prefill), "round" (its speculative
         # round), "batch_prompt" (a batch step carrying prompt chunks) or "batch" (one of decoding rows alone); the
         # server's xcompile_engine_step_seconds (metrics.py)
@@ -47,9 +54,9 @@ class BatchLoop:
         except BaseException as e:          # a bug of the loop's own: fail every job, never leave one waiting
             log.exception("the batch loop failed")
             for post, *_ in list(self.jobs.values()):
-                post(("failed", 0, f"the batch loop failed: {type(e).__name__}: {e}"))
-                post(DONE)
+                self.outbox += [(post, ("failed", 0, f"the batch loop failed: {type(e).__name__}: {e}")), (post, DONE)]
             self.jobs.clear()
+            self._flush()
             raise
 
     def _loop(self) -> None:
@@ -71,14 +78,23 @@ class BatchLoop:
                         if stats.steps != counts[0] else "prompt" if starting else "round"
                     self.on_step(kind, time.perf_counter() - began)
             for q in self.batch.running:
-                self._started(q)
+                self._started(self.owner[q][0])
             for q in ended:
                 self._ended(q)
+            self._flush()
         for q in self.batch.abort("the server is shutting down"):
             self._ended(q)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.outbox:
+            pairs, self.outbox = self.outbox, []
+            self.send(pairs)
 
     def _take(self, wait: bool) -> None:
-        """Submit every job that arrived (blocking for the first when ``wait``: nothing else to do)."""
+        """Submit every job that arrived (blocking for the first when ``wait``: nothing else to do, its posts sent)."""
+        if wait:
+            self._flush()
         while True:
             try:
                 item = self.inbox.get(block=wait)
@@ -89,26 +105,29 @@ class BatchLoop:
             job, post = item
             state = self.jobs[id(job)] = [post, 0, False]
             for i, g in enumerate(job.generations):
+                def on_tokens(tokens, i=i, post=post, job=job):
+                    self._started(job)
+                    self.outbox.append((post, ("tokens", i, tokens)))
                 try:
                     q = self.batch.submit(g.prompt, g.max_new_tokens, g.stop, g.sampling, g.index, job.cancel,
-                                          lambda tokens, i=i, post=post: post(("tokens", i, tokens)))
+                                          on_tokens)
                 except EngineError as e:
-                    post(("invalid", i, str(e)))
+                    self.outbox.append((post, ("invalid", i, str(e))))
                     job.cancel.set()
                     break
                 self.owner[q] = (job, i)
                 state[1] += 1
             if state[1] == 0:
                 del self.jobs[id(job)]
-                post(DONE)
+                self.outbox.append((post, DONE))
             wait = False
 
-    def _started(self, q) -> None:
-        job, _ = self.owner[q]
+    def _started(self, job: Job) -> None:
+        """("started", None, None) once for ``job``: before its first tokens, or after the step that seated it."""
         state = self.jobs[id(job)]
         if not state[2]:
             state[2] = True
-            state[0](("started", None, None))
+            self.outbox.append((state[0], ("started", None, None)))
 
     def _ended(self, q) -> None:
         job, i = self.owner.pop(q)
@@ -116,11 +135,11 @@ class BatchLoop:
         post = state[0]
         r = q.result
         if r.finish_reason == "error":
-            post(("failed", i, q.error))
+            self.outbox.append((post, ("failed", i, q.error)))
             job.cancel.set()                # the request fails as a whole: its other generations leave too
         elif r.finish_reason != "cancelled":
-            post(("done", i, r))
+            self.outbox.append((post, ("done", i, r)))
         state[1] -= 1
         if state[1] == 0:
             del self.jobs[id(job)]
-            post(DONE)
+            self.outbox.append((post, DONE))

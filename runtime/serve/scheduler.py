@@ -168,7 +168,9 @@ class Scheduler:
                 log.info("warm-up skipped (--no-warm-up): a request may wait on kernel compiles and graph captures")
             self.warming = False
             if self.worker.batch is not None:
-                self.batch_loop = BatchLoop(self.worker.batch, self.on_step)
+                # a step's events reach the jobs' queues in one call on the event loop (BatchLoop.send)
+                self.batch_loop = BatchLoop(self.worker.batch, self.on_step,
+                                            lambda pairs: loop.call_soon_threadsafe(_deliver, pairs))
                 self.executor.submit(self.batch_loop.run).add_done_callback(self._loop_ended)
         except XcompileError as e:
             self.load_error = f"{'warm-up: ' if self.warming else ''}{e}"
@@ -260,7 +262,7 @@ class Scheduler:
         self.inflight += 1
         started = False
         yield "admitted", None, None
-        self.batch_loop.put(job, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        self.batch_loop.put(job, events.put_nowait)         # called on the event loop (BatchLoop.send)
         timer = None if job.deadline is None else loop.call_later(max(0.0, job.deadline - time.monotonic()),
                                                                   job.expire)
         try:
@@ -304,3 +306,9 @@ class Scheduler:
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)
         self.executor.shutdown(wait=True)
+
+
+def _deliver(pairs: list) -> None:
+    """A batch step's events into their jobs' queues (on the event loop)."""
+    for post, event in pairs:
+        post(event)
