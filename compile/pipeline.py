@@ -181,7 +181,7 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
             raise CompileError(f"--synthetic builds the {role} model in its default shape; give --{role} without "
                                "a value")
         cfg = synthetic_eagle3_config(target_cfg) if role == EAGLE3 else mtp.mtp_config(target_cfg) \
-            if role == MTP else synthetic.known_config(name)
+            if role == MTP else synthetic.known_config(name, "--draft-model" if role == DRAFT else "--model")
         if role == TARGET and req.synthetic_layers:
             cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None

@@ -139,9 +139,12 @@ def _synthetic_config(name: str, yarn: float | None, config: Qwen3Config | None 
     return cfg if yarn is None else replace(cfg, rope_scaling=Yarn(yarn, QWEN3_TRAINED_CONTEXT))
 
 
-def synthetic_positions(name: str, yarn: float | None = None) -> tuple[int, str]:
-    """The positions a synthetic ``name`` (stretched by YaRN ``yarn``) covers, and where that bound comes from."""
-    cfg = _synthetic_config(name, yarn)
+def synthetic_positions(name: str, yarn: float | None = None, draft: str | None = None) -> tuple[int, str]:
+    """The positions a synthetic ``name`` (stretched by YaRN ``yarn``) covers, and where that bound comes from;
+    CompileOptionError naming --synthetic or --draft-model for a name with no synthetic shape."""
+    if draft is not None:
+        synthetic.known_config(draft, "--draft-model")
+    cfg = _synthetic_config(name, yarn, synthetic.known_config(name, "--synthetic"))
     return cfg.context_length, cfg.context_source
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from xcompile.compile.checkpoint import build_eagle3, build_qwen3, module_state
 from xcompile.compile.checkpoint.source import WeightSource
 from xcompile.compile.config import KNOWN_MODELS, Qwen3Config, synthetic_eagle3_config
-from xcompile.compile.errors import CompileError
+from xcompile.compile.errors import CompileError, CompileOptionError
 from xcompile.compile.models import eagle3, mtp
 from xcompile.compile.models.keymap import KeyMap
 from xcompile.compile.models.layers import RMSNorm
@@ -169,14 +169,18 @@ def synthetic_state(model: nn.Module, seed: int = 0, std: float = INIT_STD, norm
     return SyntheticSource("", seed, std, norm_std).tensors(model)
 
 
-def known_config(name_or_cfg: str | Qwen3Config) -> Qwen3Config:
-    """The config of a KNOWN_MODELS alias (a config is returned as is); CompileError naming the known ones."""
+def known_config(name_or_cfg: str | Qwen3Config, option: str | None = None) -> Qwen3Config:
+    """The config of a KNOWN_MODELS alias (a config is returned as is); CompileError naming the known ones, a
+    CompileOptionError (exit 2) naming ``option`` when the name came from that command-line option."""
     if isinstance(name_or_cfg, Qwen3Config):
         return name_or_cfg
     known = KNOWN_MODELS.get(name_or_cfg.lower())
     if known is None or known.config is None:
-        shapes = [alias for alias, m in KNOWN_MODELS.items() if m.config is not None]
-        raise CompileError(f"unknown model {name_or_cfg!r} for synthetic weights; known: {', '.join(shapes)}")
+        shapes = ", ".join(alias for alias, m in KNOWN_MODELS.items() if m.config is not None)
+        if option is not None:
+            raise CompileOptionError(f"{option} {name_or_cfg}: no synthetic weights in that shape; give one of "
+                                     f"{shapes}")
+        raise CompileError(f"unknown model {name_or_cfg!r} for synthetic weights; known: {shapes}")
     return known.config
 
 

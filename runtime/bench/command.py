@@ -132,8 +132,9 @@ def check_contexts(req: BenchRequest, max_seq_len: int) -> None:
 
 
 def check_synthetic_contexts(req: BenchRequest) -> None:
-    """OptionError when the KV slots a synthetic bench needs (``_room``) pass the positions its model covers."""
-    positions, source = torch_models().synthetic_positions(req.synthetic, req.yarn)
+    """OptionError when the KV slots a synthetic bench needs (``_room``) pass the positions its model covers, or
+    its --synthetic / --draft-model names no synthetic shape."""
+    positions, source = torch_models().synthetic_positions(req.synthetic, req.yarn, req.draft_model)
     if (need := _room(req)) > positions:
         raise OptionError(f"--contexts {max(req.contexts)}: with --new-tokens and a round it needs {need} KV "
                           f"slots, past the synthetic {req.synthetic}'s {source}; give shorter --contexts"

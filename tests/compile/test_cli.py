@@ -188,6 +188,9 @@ def test_revision_picks_the_cached_snapshot(tiny_target, tmp_path, monkeypatch):
             "at revision 'v2'", "--revision v2", code=1)
     refused(xcompile("export", "--model", "qwen3-0.6b", "--synthetic", "--out", tmp_path / "x", "--revision", "v1"),
             "--revision", "--synthetic")
+    refused(xcompile("export", "--model", tiny_target, "--synthetic", "--out", tmp_path / "x"),
+            f"--model {tiny_target}: no synthetic weights in that shape", "qwen3-0.6b")
+    assert not (tmp_path / "x").exists()
     r = xcompile("export", "--model", "org/tiny", "--revision", "v1", "--out", tmp_path / "out", "--dtype", "fp32",
                  "--max-seq-len", 16)
     assert r.exit_code == 0, r.output

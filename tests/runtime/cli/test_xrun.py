@@ -326,6 +326,12 @@ def test_bench_synthetic_contexts_past_the_models_positions_are_refused_before_a
     assert "--yarn" not in refused(r, "--contexts 131000", "131072 positions (YaRN factor 4")
 
 
+def test_bench_synthetic_names_without_a_shape_are_a_bad_option():
+    refused(run("bench", "--synthetic", "nosuchmodel", "--device", "cpu"), "--synthetic nosuchmodel", "qwen3-8b")
+    refused(run("bench", "--synthetic", "qwen3-0.6b", "--draft-model", "qwen3-99b", "--device", "cpu", "--contexts", 8),
+            "--draft-model qwen3-99b", "qwen3-0.6b")
+
+
 def test_bench_prompts_that_are_not_utf8_are_a_bad_option(tiny_engine_dir, tmp_path):
     binary = tmp_path / "weights.bin"
     binary.write_bytes(b"the cat \xff\xfe sat")
