@@ -69,7 +69,11 @@ class IntList(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        parts = [p.strip() for p in str(value).split(",") if p.strip()]
+        text = str(value).strip()
+        parts = [p.strip() for p in text.split(",")] if text else []
+        if "" in parts:
+            self.fail(f"{value!r}: an empty item between commas; expected comma-separated integers, e.g. 1,2,4",
+                      param, ctx)
         try:
             ints = tuple(int(p) for p in parts)
         except ValueError:

@@ -292,6 +292,8 @@ def test_help_shows_the_drafter_defaults():
     (["--contexts", ""], ["--contexts", "nothing would be measured"]),
     (["--contexts", "16,0"], ["--contexts", "at least 1"]),
     (["--gammas", "1,x"], ["--gammas"]),
+    (["--gammas", "1,,2"], ["--gammas", "an empty item"]),
+    (["--contexts", "128,"], ["--contexts", "an empty item"]),
     (["--tree", "3,3"], ["--tree", "3 comma-separated"]),
     (["--tree", "3,5,4"], ["TOKENS 4", "at least 6"]),
     (["--draft-model", "qwen3-0.6b"], ["--draft-model", "--synthetic"]),
