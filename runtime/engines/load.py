@@ -246,6 +246,13 @@ def check_cuda_graphs(cuda_graphs: bool, device: str | None) -> None:
                           "devices only), so it would change nothing; drop it")
 
 
+def check_trt_device(backend: str, device: torch.device) -> None:
+    """OptionError for TensorRT engines on a device that is not a CUDA GPU."""
+    if backend == "trt" and device.type != "cuda":
+        raise OptionError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
+                          "machine with an NVIDIA GPU, or --backend ort/torch here")
+
+
 def check_row_invariant(kernels: KernelConfig | None, backend: str) -> None:
     """EngineError when row-invariant kernels are asked of a backend other than fast (whose kernels they are)."""
     if kernels is not None and kernels.row_invariant and backend != "fast":
@@ -280,9 +287,7 @@ def open_engine_dir(directory: Path | str, backend: str = AUTO, device: str = "c
     dev = resolve_device(device)
     backend = pick_backend(manifest, backend, dev)
     check_row_invariant(kernels, backend)
-    if backend == "trt" and dev.type != "cuda":
-        raise OptionError("--backend trt: TensorRT engines run on a CUDA GPU, not on the CPU; use --device cuda on a "
-                          "machine with an NVIDIA GPU, or --backend ort/torch here")
+    check_trt_device(backend, dev)
     d2t_files = manifest.d2t_files()
     manifest.verify(directory, list(d2t_files.values()) + manifest.tokenizer_files, verify)
     engines = BACKENDS[backend].load(directory, manifest, dev, OpenOptions(cuda_graphs, max_draft_tokens, verify,

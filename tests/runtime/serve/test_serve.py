@@ -577,7 +577,9 @@ def test_a_tampered_dir_a_bad_host_or_a_port_in_use_stop_xrun_serve_before_it_li
                 (serving.XrunServe(tiny_engine_dir, "--backend", "ort", "--drafter", "mtp", "--device", "cpu").cmd,
                  "--drafter mtp: ", 2),
                 (serving.XrunServe(tiny_engine_dir, "--backend", "ort", "--gamma", "300", "--device", "cpu").cmd,
-                 "--gamma 300: a round verifies 301 tokens", 2)):
+                 "--gamma 300: a round verifies 301 tokens", 2),
+                (serving.XrunServe(tiny_engine_dir, "--backend", "trt", "--device", "cpu").cmd,
+                 "--backend trt: TensorRT engines run on a CUDA GPU", 2)):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             assert proc.returncode == code and proc.stdout == "", proc.stdout + proc.stderr
             assert proc.stderr.startswith("error: ") and said in proc.stderr and len(proc.stderr.splitlines()) == 1, \
