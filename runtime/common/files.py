@@ -40,7 +40,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from xcompile.runtime.common import interrupts
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 
 # written into every dir xcompile stages: {"written_by": "xcompile export", "xcompile_version": ...}
 MARKER = ".xcompile"
@@ -85,6 +85,11 @@ def real(path: Path | str) -> Path:
     return Path(os.path.realpath(os.path.abspath(os.path.expanduser(str(path)))))
 
 
+def _bad(option: str) -> type[EngineError]:
+    """The error for an output path that cannot be: a bad option (exit 2) when a command-line option named it."""
+    return OptionError if option.startswith("--") else EngineError
+
+
 def check_not_input(out: Path, inputs: Iterable[Path | str | None], option: str = "the output") -> None:
     """Refuse an output that is, lies inside or contains one of ``inputs`` (files or dirs)."""
     target = real(out)
@@ -100,8 +105,8 @@ def check_not_input(out: Path, inputs: Iterable[Path | str | None], option: str 
             relation = "contains"
         else:
             continue
-        raise EngineError(f"{out}: {option} {relation} {source}, an input of this command; writing there "
-                          "would destroy the input (with or without --force): choose another path")
+        raise _bad(option)(f"{out}: {option} {relation} {source}, an input of this command; writing there "
+                           "would destroy the input (with or without --force): choose another path")
 
 
 def written_by_xcompile(path: Path) -> bool:
@@ -224,7 +229,7 @@ def _output(out: Path, what: str, inputs: Iterable, option: str) -> Iterator[Pat
             lock.acquire()
         except OSError as e:
             where = f" ({e.filename})" if e.filename not in (None, str(out.parent), str(lock.path)) else ""
-            raise EngineError(f"{out}: cannot write there: {_meaning(e)}{where}; choose another {option}") from None
+            raise _bad(option)(f"{out}: cannot write there: {_meaning(e)}{where}; choose another {option}") from None
         _clean_leftovers(out)
         yield out
         done = True

@@ -59,9 +59,10 @@ def export_args(model, out, *extra) -> list:
     return ["export", "--model", model, "--out", out, "--dtype", "fp32", "--max-seq-len", MAX_SEQ, *extra]
 
 
-def one_line_error(result) -> str:
-    """A failed command: exit 1, its stderr ends with one `error:` line (after any progress), no traceback."""
-    assert result.exit_code == 1, (result.exit_code, result.output)
+def one_line_error(result, code: int = 1) -> str:
+    """A failed command: exit ``code`` (2: a bad option), its stderr ends with one `error:` line (after any progress),
+    no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.output)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), result.stderr
     assert "Traceback" not in result.output
@@ -258,10 +259,10 @@ def test_outputs_that_are_inputs_are_refused(tiny_target, tmp_path):
     before = snapshot(src)
     for out in (src, src / "engines", tmp_path):
         for force in ((), ("--force",)):
-            line = one_line_error(cli(*export_args(src, out, *force)))
+            line = one_line_error(cli(*export_args(src, out, *force)), code=2)
             assert "an input of this command" in line and "with or without --force" in line
     line = one_line_error(cli("train-eagle3", "--model", src, "--data", src / "config.json", "--out", src, "--force",
-                              "--device", "cpu"))
+                              "--device", "cpu"), code=2)
     assert "--out is " in line and "an input of this command" in line
     assert snapshot(src) == before and staging_leftovers(tmp_path) == []
 
