@@ -143,6 +143,11 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
         log.debug(f"opened {req.engine_dir}: {', '.join(es.engines)} on {es.backend}/{es.device}")
         text = llm.tokenizer if req.prompt_ids is None or req.stop else None
         ids = prompt_ids(req, es, text)
+        try:
+            gen.check_prompt(ids)                   # the drafter's round must fit after it too
+        except EngineError as e:
+            option = "--prompt-ids" if req.prompt_ids is not None else "--chat" if req.chat is not None else "--prompt"
+            raise OptionError(f"{option}: {e}") from None
         max_new = new_tokens(req, len(ids), es.manifest.max_seq_len)
         # on a GPU the first prompt pass and rounds compile kernels and record graphs: done here, so the
         # prefill and decode times below are the request's own

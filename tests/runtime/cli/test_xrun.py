@@ -91,6 +91,17 @@ def test_bad_requests_are_one_line_errors(tiny_engine_dir, args, message):
     assert "Traceback" not in out
 
 
+def test_a_prompt_that_leaves_no_room_is_a_bad_option_with_or_without_max_new_tokens(tiny_engine_dir):
+    """The prompt and the drafter's round must fit the dir's max_seq_len: exit 2 naming the prompt's option, whether
+    or not --max-new-tokens was given (without it the default budget shrinks to the room left)."""
+    n = json.loads((tiny_engine_dir / "manifest.json").read_text())["max_seq_len"]
+    for args, option in ((["--prompt-ids", ",".join(["1"] * (n - 1))], "--prompt-ids"),
+                         (["--prompt", "the cat " * n], "--prompt")):
+        for budget in ([], ["--max-new-tokens", "1"]):
+            r = run("generate", tiny_engine_dir, "--device", "cpu", "--backend", "ort", *args, *budget)
+            refused(r, option, f"exceed max_seq_len {n}") if not budget else refused(r, f"max_seq_len {n}")
+
+
 def test_missing_engine_dir(tmp_path):
     code, out = xrun("generate", tmp_path / "nope", "--prompt-ids", "1")
     assert code == 1 and "no such engine dir" in out and "Traceback" not in out
