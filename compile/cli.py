@@ -13,6 +13,7 @@ from xcompile.runtime.cli.group import cli_group_class
 from xcompile.runtime.cli.options import (
     ByteSize,
     Finite,
+    not_blank,
     refuse_inert,
     text_or_stdin,
     writable_dir,
@@ -56,7 +57,8 @@ QUANTIZE_SCHEMES = ("fp8", "int4-awq")
 
 
 @main.command("quantize")
-@click.option("--model", required=True, help="bf16 / fp32 Qwen3 checkpoint: directory, cached HF repo id or alias.")
+@click.option("--model", callback=not_blank, required=True,
+              help="bf16 / fp32 Qwen3 checkpoint: directory, cached HF repo id or alias.")
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--scheme", required=True, type=click.Choice(QUANTIZE_SCHEMES),
               help="fp8: fp8 weights, a scale per 128x128 block; int4-awq: int4 weights, a scale and zero point "
@@ -102,7 +104,8 @@ _MTP_HELP = ("Add an MTP module (xcompile train-mtp writes one): its directory; 
 
 @main.command("build")
 @click.argument("directory", required=False, type=click.Path(file_okay=False))
-@click.option("--model", help="Target checkpoint: directory, cached HF repo id or alias (qwen3-8b); or give an "
+@click.option("--model", callback=not_blank,
+              help="Target checkpoint: directory, cached HF repo id or alias (qwen3-8b); or give an "
               "exported DIRECTORY instead.")
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
@@ -206,7 +209,8 @@ def verify_cmd(directory, fast) -> None:
 
 
 @main.command("export")
-@click.option("--model", required=True, help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
+@click.option("--model", callback=not_blank, required=True,
+              help="Target: checkpoint dir, cached HF repo id, or alias (qwen3-8b).")
 @click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) [default: main].")
 @click.option("--eagle3", is_flag=False, flag_value="", default=None, metavar="[HEAD]",
               help="Add an EAGLE3 head: its dir or repo id; without a value, the head published for --model.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from xcompile.runtime.cli.options import positive_float, refuse_inert, writable_dir
+from xcompile.runtime.cli.options import not_blank, positive_float, refuse_inert, writable_dir
 from xcompile.runtime.common import logs
 
 log = logs.logger("compile")
@@ -14,7 +14,8 @@ log = logs.logger("compile")
 def _train_options(out: str, what: str):
     """The options ``train-eagle3`` and ``train-mtp`` share (compile/train.py), ``--out`` defaulting to ``out``."""
     options = [
-        click.option("--model", required=True, help="Target checkpoint: directory, cached HF repo id or alias."),
+        click.option("--model", required=True, callback=not_blank,
+                     help="Target checkpoint: directory, cached HF repo id or alias."),
         click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) "
                      "[default: main]."),
         click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),

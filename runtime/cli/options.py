@@ -140,6 +140,15 @@ def stop_strings(ctx, param, value):
     return value
 
 
+def not_blank(ctx, param, value):
+    """Callback: a source (a checkpoint dir, repo id or alias) that is not an empty string ('' would read as the
+    current directory)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("an empty value; give a checkpoint directory, a repo id or an alias",
+                                 param_hint=param.opts[0])
+    return value
+
+
 def writable_file(ctx, param, value):
     """Callback: an output file that can be written where it is asked for, checked before the work
     that fills it (its directory exists and is writable; the path is not a directory)."""

@@ -175,6 +175,16 @@ def test_builder_controls_reach_the_tensorrt_rtx_config():
     assert config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE) == 3 * 2**20
 
 
+@pytest.mark.parametrize("command", [["export"], ["build"], ["quantize", "--scheme", "fp8"], ["train-eagle3", "--data"],
+                                     ["train-mtp", "--data"]])
+def test_an_empty_model_is_a_bad_option_not_the_current_directory(command, tmp_path):
+    if command[-1] == "--data":
+        (tmp_path / "d.txt").write_text("some text\n")
+        command = [*command, tmp_path / "d.txt"]
+    refused(xcompile(*command, "--model", " ", "--out", tmp_path / "x"), "--model", "an empty value")
+    assert not (tmp_path / "x").exists()
+
+
 def test_revision_picks_the_cached_snapshot(tiny_target, tmp_path, monkeypatch):
     """--revision reaches resolution: the export reads the snapshot of that revision and records it."""
     cache = tmp_path / "hub"
