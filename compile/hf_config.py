@@ -14,6 +14,11 @@ from xcompile.compile.config import HEAD_ARCHITECTURES, QWEN3_ARCHITECTURES, Qwe
 from xcompile.compile.errors import CompileError
 
 
+# fields whose null transformers would not read as a default (a missing one is: our default), so that a null
+# would silently become another model: refused. Others (head_dim, num_key_value_heads, ...) derive as transformers does.
+_NOT_NULL = {"rope_theta", "rms_norm_eps", "max_position_embeddings"}
+
+
 class Fields:
     """Typed field access on one config.json, with errors that name the file and the field."""
 
@@ -24,6 +29,8 @@ class Fields:
         return CompileError(f"{self.path}: field '{self.prefix}{name}' {why}")
 
     def get(self, name: str, kind: type, default=None, *, required: bool = False):
+        if name in _NOT_NULL and name in self.data and self.data[name] is None:
+            raise self.fail(name, f"is null; give its value, or remove the field to take the default ({default})")
         if name not in self.data or self.data[name] is None:
             if required:
                 raise self.fail(name, "is missing")

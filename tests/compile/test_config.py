@@ -90,6 +90,10 @@ def test_eagle3_tap_ids_top_level_and_eagle_config(tmp_path):
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types", "makes layer 1 'sliding_attention'"),
     ({"rms_norm_eps": -1.0}, "rms_norm_eps", "a finite number >= 0"),
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps", "a finite number >= 0"),
+    # a null transformers would not read as the default: refused, not silently another model
+    ({"rope_theta": None}, "rope_theta", "is null; give its value, or remove the field to take the default"),
+    ({"rms_norm_eps": None}, "rms_norm_eps", "is null"),
+    ({"max_position_embeddings": None}, "max_position_embeddings", "is null"),
 ])
 def test_qwen3_errors_name_file_and_field(tmp_path, change, field, why):
     path = write(tmp_path, qwen3_config(change))
@@ -104,6 +108,7 @@ def test_qwen3_errors_name_file_and_field(tmp_path, change, field, why):
      "eagle_config.eagle_aux_hidden_state_layer_ids", "three layer ids"),
     ({"architectures": ["Qwen3ForCausalLM"]}, "architectures", "an EAGLE3 head is one of"),
     ({"intermediate_size": None}, "intermediate_size", "is missing"),
+    ({"rope_theta": None}, "rope_theta", "is null"),
 ])
 def test_eagle3_errors_name_file_and_field(tmp_path, change, field, why):
     path = write(tmp_path, eagle3_config(qwen3_config(), change))
