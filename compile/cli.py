@@ -16,6 +16,7 @@ from xcompile.runtime.cli.options import (
     not_blank,
     refuse_inert,
     text_or_stdin,
+    utf8_file,
     writable_dir,
     writable_file,
 )
@@ -63,7 +64,7 @@ QUANTIZE_SCHEMES = ("fp8", "int4-awq")
 @click.option("--scheme", required=True, type=click.Choice(QUANTIZE_SCHEMES),
               help="fp8: fp8 weights, a scale per 128x128 block; int4-awq: int4 weights, a scale and zero point "
                    "per 128 inputs, AWQ-calibrated. Both rounded by GPTQ on the calibration text.")
-@click.option("--calibration", type=click.Path(exists=True, dir_okay=False),
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), callback=utf8_file,
               help="Calibration text: plain text (documents split at form-feed lines) or JSONL with "
                    "'text' or 'prompt' [default: data/corpus.heldout.txt, the demo's held-out text].")
 @click.option("--samples", type=click.IntRange(min=1), default=64, show_default=True,

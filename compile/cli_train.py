@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from xcompile.runtime.cli.options import not_blank, positive_float, refuse_inert, writable_dir
+from xcompile.runtime.cli.options import not_blank, positive_float, refuse_inert, utf8_file, writable_dir
 from xcompile.runtime.common import logs
 
 log = logs.logger("compile")
@@ -18,11 +18,11 @@ def _train_options(out: str, what: str):
                      help="Target checkpoint: directory, cached HF repo id or alias."),
         click.option("--revision", help="Branch, tag or commit of the --model repo id (its cached snapshot) "
                      "[default: main]."),
-        click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+        click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False), callback=utf8_file,
                      help="Training text: plain text (documents split at form-feed lines) or JSONL with 'text' or "
                           "'prompt'."),
-        click.option("--heldout", type=click.Path(exists=True, dir_okay=False), help="Held-out text, evaluated at "
-                     "the end."),
+        click.option("--heldout", type=click.Path(exists=True, dir_okay=False), callback=utf8_file,
+                     help="Held-out text, evaluated at the end."),
         click.option("--out", default=out, show_default=True, callback=writable_dir, help=f"{what} to write."),
         click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True,
                      help="Unrolled training-time-test steps."),

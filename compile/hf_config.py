@@ -13,7 +13,6 @@ from pathlib import Path
 from xcompile.compile.config import HEAD_ARCHITECTURES, QWEN3_ARCHITECTURES, Qwen3Config, Yarn
 from xcompile.compile.errors import CompileError
 
-
 # fields whose null transformers would not read as a default (a missing one is: our default), so that a null
 # would silently become another model: refused. Others (head_dim, num_key_value_heads, ...) derive as transformers does.
 _NOT_NULL = {"rope_theta", "rms_norm_eps", "max_position_embeddings"}

@@ -6,6 +6,7 @@ library live next to the work they guard.
 
 from __future__ import annotations
 
+import gzip
 import math
 import os
 import re
@@ -123,10 +124,19 @@ def text_or_stdin(ctx, param, value):
 
 
 def utf8_file(ctx, param, value):
-    """Callback: a text file option (its type, a click.Path, checks that it is a readable file), refused when
-    its bytes are not UTF-8, before any work. Returns the path: the command reads the file itself."""
-    if value is not None:
-        decode_utf8(Path(value).read_bytes(), value, param.opts[0])
+    """Callback: a text file option (its type, a click.Path, checks that it is a readable file; ``.gz``:
+    gzip-compressed), refused when its bytes are not UTF-8 or it holds no text, before any work (a model that
+    takes minutes to load). Returns the path: the command reads the file itself."""
+    if value is None:
+        return None
+    option, data = param.opts[0], Path(value).read_bytes()
+    if value.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise click.BadParameter(f"{value} is not a readable gzip file ({e})", param_hint=option) from None
+    if not decode_utf8(data, value, option).strip():
+        raise click.BadParameter(f"{value} holds no text; give a file of text", param_hint=option)
     return value
 
 

@@ -4,6 +4,7 @@ builder controls TensorRT users expect."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import shutil
@@ -182,6 +183,21 @@ def test_an_empty_model_is_a_bad_option_not_the_current_directory(command, tmp_p
         (tmp_path / "d.txt").write_text("some text\n")
         command = [*command, tmp_path / "d.txt"]
     refused(xcompile(*command, "--model", " ", "--out", tmp_path / "x"), "--model", "an empty value")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command, option", [(["quantize", "--scheme", "fp8"], "--calibration"),
+                                             (["train-eagle3"], "--data"), (["train-mtp"], "--heldout")])
+def test_text_files_that_are_not_utf8_or_hold_no_text_are_bad_options(command, option, tiny_target, tmp_path):
+    """Checked before the target loads (minutes for an 8B model), gzip-compressed ones too."""
+    good, binary, empty, gz = (tmp_path / n for n in ("good.txt", "bin.txt", "empty.txt", "bad.txt.gz"))
+    good.write_text("some text\n")
+    binary.write_bytes(b"text \xff\xfe")
+    empty.write_text("\n \n")
+    gz.write_bytes(gzip.compress(b"\xff"))
+    data = [] if option == "--data" else ["--data", good] if command[0] != "quantize" else []
+    for bad, said in ((binary, "is not valid UTF-8"), (empty, "holds no text"), (gz, "is not valid UTF-8")):
+        refused(xcompile(*command, "--model", tiny_target, *data, option, bad, "--out", tmp_path / "x"), option, said)
     assert not (tmp_path / "x").exists()
 
 

@@ -350,6 +350,9 @@ def test_bench_prompts_that_are_not_utf8_are_a_bad_option(tiny_engine_dir, tmp_p
     binary.write_bytes(b"the cat \xff\xfe sat")
     refused(run("bench", tiny_engine_dir, "--device", "cpu", "--prompts", binary), "--prompts:",
             f"{binary} is not valid UTF-8 (byte 0xff at offset 8)")
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n\n")
+    refused(run("bench", tiny_engine_dir, "--device", "cpu", "--prompts", empty), "--prompts:", "holds no text")
 
 
 def test_bench_plot_is_a_png(tiny_engine_dir, tmp_path):
