@@ -98,7 +98,7 @@ def _compute_capabilities(ctx, param, values):
 
 # what an exported dir already fixed: refused next to `xcompile build DIRECTORY`
 _EXPORT_OPTIONS = ["model", "revision", "eagle3", "mtp", "draft_model", "eagle3_taps", "dtype", "max_seq_len",
-                   "max_batch", "synthetic", "seed", "out"]
+                   "max_batch", "synthetic", "seed"]
 _MTP_HELP = ("Add an MTP module (xcompile train-mtp writes one): its directory; without a value, the module packaged "
              "for --model (demo), or a synthetic one with --synthetic.")
 
@@ -152,6 +152,8 @@ def build_cmd(ctx, directory, model, revision, eagle3, mtp, draft_model, eagle3_
     from pathlib import Path
 
     if directory is not None:
+        refuse_inert(ctx, ["out"], f"building {directory} writes its engines into it; give no --out (copy the dir "
+                     "to build elsewhere)")
         refuse_inert(ctx, _EXPORT_OPTIONS, f"{directory} is exported already and its manifest fixes these; build "
                      "from it without them, or re-export with --model")
     elif model is None:

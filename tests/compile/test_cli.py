@@ -92,6 +92,8 @@ def test_build_options_are_checked_before_exporting(args, needles, code, tiny_ta
 def test_build_needs_a_model_or_a_directory(tiny_engine_dir, tiny_target):
     refused(xcompile("build"), "--model", "DIRECTORY")
     refused(xcompile("build", tiny_engine_dir, "--model", tiny_target), "--model", "exported already")
+    refused(xcompile("build", tiny_engine_dir, "--out", tiny_engine_dir.parent / "elsewhere"), "--out",
+            "writes its engines into it; give no --out")
     refused(xcompile("build", tiny_engine_dir, "--dtype", "fp16", "--max-seq-len", 64), "--dtype, --max-seq-len")
 
 
