@@ -9,7 +9,8 @@ from pathlib import Path
 
 from xcompile.compile.build import BuildOptions, build_into, check_options, open_manifest
 from xcompile.compile.errors import CompileError
-from xcompile.compile.pipeline import export_into, plan_export
+from xcompile.compile.export_plan import plan_export
+from xcompile.compile.pipeline import export_into
 from xcompile.compile.trt_loaders import Progress
 from xcompile.runtime.common import files
 from xcompile.runtime.common.errors import EngineError

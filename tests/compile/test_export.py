@@ -234,7 +234,8 @@ def test_failure_mid_export_leaves_nothing(tiny_target, tmp_path):
 
 def test_requests_rejected_before_any_work(tiny_target, tmp_path):
     out = tmp_path / "out"
-    assert "unknown model" in one_line_error(cli("export", "--model", "qwen3-9000b", "--synthetic", "--out", out))
+    assert "--model qwen3-9000b: no synthetic weights" in one_line_error(
+        cli("export", "--model", "qwen3-9000b", "--synthetic", "--out", out), 2)
     assert "no published EAGLE3 head" in one_line_error(cli("export", "--model", tiny_target, "--eagle3", "--out", out))
     assert "--max-batch" in one_line_error(cli("export", "--model", tiny_target, "--max-batch", 0, "--out", out), 2)
     assert not out.exists() and leftovers(tmp_path) == []

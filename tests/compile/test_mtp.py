@@ -156,7 +156,8 @@ def test_engine_dir_with_both_heads_gives_plain_greedy_and_passes_diff(both_dir)
 def test_an_unchanged_build_request_with_eagle3_taps_and_mtp_is_the_same_export(tiny_target, tiny_eagle3, mtp_dir,
                                                                               tmp_path, both_dir):
     from xcompile.compile.export_build import request_differs
-    from xcompile.compile.pipeline import ExportRequest, export_engine_dir, plan_export
+    from xcompile.compile.export_plan import plan_export
+    from xcompile.compile.pipeline import ExportRequest, export_engine_dir
     from xcompile.runtime.common.errors import EngineError
 
     req = ExportRequest(model=str(tiny_target), out=tmp_path / "dir", eagle3=str(tiny_eagle3), mtp=str(mtp_dir),
