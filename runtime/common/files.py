@@ -285,6 +285,9 @@ def staged_file(out: Path | str, what: str, *, inputs: Iterable = (), option: st
     with _output(Path(out), what, inputs, option) as out:
         if out.is_dir():
             raise EngineError(f"{out}: is a directory; {option} names a file to write")
+        if out.exists() and written_by_xcompile(out.parent):       # an engine dir's manifest, weights, ...
+            raise _bad(option)(f"{out}: a file of the dir {out.parent} xcompile wrote; writing {option} over it "
+                               "would damage that dir: choose another path")
         fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
         os.close(fd)
         tmp = Path(name)

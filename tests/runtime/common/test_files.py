@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from xcompile.runtime.common import files
-from xcompile.runtime.common.errors import EngineError
+from xcompile.runtime.common.errors import EngineError, OptionError
 
 
 def write_into(out, content: str = "new", replace: bool = False, **kw):
@@ -100,6 +100,20 @@ def test_staged_file(tmp_path):
         with files.staged_file(out, "test") as tmp:
             tmp.write_text(text)
     assert out.read_text() == "two" and siblings(out) == []
+
+
+def test_a_file_of_a_dir_xcompile_wrote_is_not_written_over(tmp_path):
+    """--json engines/x/manifest.json replaced an engine dir's manifest (a hostile-input probe): refused, exit 2;
+    a new file beside it is written."""
+    out = tmp_path / "engines"
+    write_into(out, "weights")
+    with pytest.raises(OptionError, match=f"{out / 'f.txt'}: a file of the dir .* --json over it"):
+        with files.staged_file(out / "f.txt", "test", option="--json") as tmp:
+            tmp.write_text("report")
+    assert (out / "f.txt").read_text() == "weights"
+    with files.staged_file(out / "report.json", "test", option="--json") as tmp:
+        tmp.write_text("report")
+    assert (out / "report.json").read_text() == "report"
 
 
 def test_leftovers_of_killed_runs_are_removed_by_the_next_run(tmp_path):
