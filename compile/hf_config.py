@@ -169,6 +169,9 @@ def parse_qwen3(path: Path, data: dict | None = None, architectures: tuple[str, 
         raise CompileError(f"{path}: field 'architectures' is {arch!r}; expected {', '.join(architectures)} (what "
                            "`xcompile train-mtp` writes): pass an MTP module's directory")
     f = Fields(path, data)
+    if architectures == QWEN3_ARCHITECTURES and data.get("model_type", "qwen3") != "qwen3":
+        raise f.fail("model_type", f"is {data['model_type']!r} beside architectures {arch!r}: transformers would "
+                     "build that model type, not Qwen3; fix the config")
     hidden = f.get("hidden_size", int, required=True)
     heads = f.get("num_attention_heads", int, required=True)
     kv = f.get("num_key_value_heads", int, heads)

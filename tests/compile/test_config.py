@@ -84,6 +84,7 @@ def test_eagle3_tap_ids_top_level_and_eagle_config(tmp_path):
     ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling.rope_type", "'default' and 'yarn'"),
     ({"architectures": ["LlamaForCausalLM"]}, "architectures", "dense Qwen3"),
     ({"architectures": []}, "architectures", "is missing"),
+    ({"model_type": "llama"}, "model_type", "transformers would build that model type, not Qwen3"),
     # variants the graphs would not compute, refused rather than exported as plain Qwen3
     ({"hidden_act": "gelu"}, "hidden_act", "SiLU-gated MLP"),
     ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window", "full attention in every layer"),
