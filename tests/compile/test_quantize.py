@@ -191,7 +191,8 @@ def test_bad_inputs_are_refused_with_one_line_and_nothing_written(dense, tmp_pat
         (["--model", torn, "-q"], [str(torn), "cannot load"]),     # -q: no "loading" line, as the load has begun
     ]
     for args, needles in cases:
-        code = 2 if "--seq-len" in args else 1          # an option the model cannot take; the others: bad input
+        # an option the model cannot take, or a calibration file with no text; the others: bad input
+        code = 2 if "--seq-len" in args or "--calibration" in args else 1
         refused(xcompile("quantize", "--scheme", "int4-awq", "--out", out, *args), *needles, code=code)
         assert not out.exists() and staging_leftovers(tmp_path) == []
 
