@@ -135,7 +135,8 @@ def utf8_file(ctx, param, value):
             data = gzip.decompress(data)
         except (OSError, EOFError) as e:
             raise click.BadParameter(f"{value} is not a readable gzip file ({e})", param_hint=option) from None
-    if not decode_utf8(data, value, option).strip():
+    text = decode_utf8(data, value, option)
+    if not text or text.isspace():                  # (no stripped copy of what may be a large training file)
         raise click.BadParameter(f"{value} holds no text; give a file of text", param_hint=option)
     return value
 
