@@ -54,6 +54,11 @@ class GenerateRequest:
     seed: int | None = None
     num_samples: int | None = None
 
+    @property
+    def prompt_option(self) -> str:
+        """The option the prompt came from, for the errors about it."""
+        return "--prompt-ids" if self.prompt_ids is not None else "--chat" if self.chat is not None else "--prompt"
+
     def sampling(self) -> SamplingParams:
         """The request's SamplingParams (EngineError on a bad value; reads only generation_config.json)."""
         return sampling_params(self.engine_dir, self.sample, temperature=self.temperature, top_k=self.top_k,
@@ -104,7 +109,7 @@ def check_tokenizer(req: GenerateRequest, manifest: Manifest) -> None:
         raise EngineError(f"{Path(req.engine_dir) / gone[0]}: missing, though the dir's manifest lists it; re-export "
                           "the engine dir (--force)")
     if (req.prompt_ids is None or req.stop) and not (Path(req.engine_dir) / "tokenizer.json").is_file():
-        need = "--stop" if req.prompt_ids is not None else "--chat" if req.chat is not None else "--prompt"
+        need = "--stop" if req.prompt_ids is not None else req.prompt_option
         raise EngineError(f"{need} needs the engine dir's tokenizer, and {req.engine_dir} has no tokenizer.json "
                           "(a --synthetic export has none); give --prompt-ids and no --stop, or export with a tokenizer")
 
@@ -146,8 +151,7 @@ def run_generate(req: GenerateRequest, as_json: bool = False, echo: Callable[...
         try:
             gen.check_prompt(ids)                   # the drafter's round must fit after it too
         except EngineError as e:
-            option = "--prompt-ids" if req.prompt_ids is not None else "--chat" if req.chat is not None else "--prompt"
-            raise OptionError(f"{option}: {e}") from None
+            raise OptionError(f"{req.prompt_option}: {e}") from None
         max_new = new_tokens(req, len(ids), es.manifest.max_seq_len)
         # on a GPU the first prompt pass and rounds compile kernels and record graphs: done here, so the
         # prefill and decode times below are the request's own
