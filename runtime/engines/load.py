@@ -177,9 +177,11 @@ def check_kv_cache_dtype(name: str) -> None:
 
 
 def check_backend_options(backend: str, device, kv_cache_dtype: str) -> None:
-    """Before any weight loads: OptionError for the fast backend off CUDA, or an FP8 KV cache on a backend whose
-    graphs read full-precision caches (what opening the engines and set_kv_cache_dtype would say later)."""
+    """Before any weight loads: OptionError for the fast backend or TensorRT engines off CUDA, or an FP8 KV cache on a
+    backend whose graphs read full-precision caches (what opening the engines and set_kv_cache_dtype would say
+    later)."""
     check_kv_cache_dtype(kv_cache_dtype)
+    check_trt_device(backend, device)
     if backend == "fast":
         from xcompile.runtime.engines.fast import check_device
 

@@ -14,7 +14,6 @@ from xcompile.runtime.engines.load import (
     check_backend_options,
     check_cuda_graphs,
     check_row_invariant,
-    check_trt_device,
     pick_backend,
     resolve_device,
 )
@@ -32,7 +31,6 @@ def check(config: ServeConfig) -> None:
     check_cuda_graphs(config.cuda_graphs, config.device)
     backend = pick_backend(manifest, config.backend, device)
     check_row_invariant(config.kernels(), backend)
-    check_trt_device(backend, device)
     check_backend_options(backend, device, config.kv_cache_dtype)
     check_spec(config.drafter, config.engine_dir, manifest)
 
