@@ -30,8 +30,8 @@ import torch
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding import kernels
 from xcompile.runtime.decoding.drafters import Drafter, NoDrafter, prompt_pass, step_rows
-from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
-from xcompile.runtime.decoding.rounds import Eager, Graphed, Round, RoundState, verifier_for
+from xcompile.runtime.decoding.outcome import Result, Run, Stats, Stops, check_prompt, check_request
+from xcompile.runtime.decoding.rounds import Eager, Graphed, HostRows, Round, RoundState, verifier_for
 from xcompile.runtime.decoding.sampling import GREEDY, Sampler, SamplingParams, with_seed
 from xcompile.runtime.decoding.warmup import ROUNDS, SHORT, SHORT_PASSES, Parts, Warmed, describe, prompt_lengths, spans
 from xcompile.runtime.engines.base import Engine
@@ -116,7 +116,7 @@ class Generator:
         self.capture = capture.recording_only() if isinstance(capture, CudaGraphCapture) else capture
         self._executors: dict[tuple[bool, tuple], Eager | Graphed] = {}   # (plain?, sampler mode) -> executor
         self._kv = self._kv_lists()
-        self._host: dict[tuple[int, ...], list[torch.Tensor]] = {}      # pinned copies of host rows, two a shape
+        self._host = HostRows()
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -276,23 +276,8 @@ class Generator:
         return executor
 
     def _queue(self, drafter: Drafter) -> Callable[[], list[int]]:
-        """Queue one round; a function that waits for it and returns its host row as a list. On a CUDA device
-        the row is copied into one of two pinned buffers as the round's last work, so a round queued after it
-        may overwrite the verifier's row meanwhile."""
-        back = self._executor(drafter)()
-        if back.device.type != "cuda":
-            row = back[0].tolist()
-            return lambda: row
-        slots = self._host.get(tuple(back.shape))
-        if slots is None:
-            slots = self._host[tuple(back.shape)] = [torch.empty(back.shape, dtype=back.dtype).pin_memory()
-                                                      for _ in range(2)]
-        slots.append(slots.pop(0))
-        host = slots[-1]
-        host.copy_(back, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return lambda: (done.synchronize(), host[0].tolist())[1]
+        """Queue one round; a function that waits for it and returns its host row as a list."""
+        return self._host.fetch(self._executor(drafter)())
 
     def _kv_lists(self) -> tuple[list, ...]:
         return tuple(e.kv for e in (self.target, *self.drafter.engines))
@@ -325,23 +310,3 @@ class Generator:
             for buf in kv:
                 buf[:, :, n - rewritten:] = POISON
 
-
-class Run:
-    """A generation as an iterator of each round's new tokens; ``result`` (a ``Result``) once exhausted."""
-
-    def __init__(self, rounds: Iterator[list[int]]):
-        self._rounds = rounds
-        self.result: Result | None = None
-
-    def __iter__(self) -> Run:
-        return self
-
-    def __next__(self) -> list[int]:
-        while True:
-            try:
-                tokens = next(self._rounds)
-            except StopIteration as done:
-                self.result = done.value
-                raise
-            if tokens:
-                return tokens

@@ -1,8 +1,9 @@
-"""What a generation returns and when it stops: ``Stats``, ``Result``, and the stop conditions (``Stops``)."""
+"""What a generation returns and when it stops: ``Stats``, ``Result``, the stop conditions (``Stops``), and ``Run``,
+a generation as an iterator of its rounds' tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from xcompile.runtime.common.errors import EngineError
@@ -117,3 +118,24 @@ def check_request(prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence
         raise EngineError(f"stop strings need a detokenize callback ({loop}(..., detokenize=...))")
     if max_new_tokens < 1:
         raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+class Run:
+    """A generation as an iterator of each round's new tokens; ``result`` (a ``Result``) once exhausted."""
+
+    def __init__(self, rounds: Iterator[list[int]]):
+        self._rounds = rounds
+        self.result: Result | None = None
+
+    def __iter__(self) -> Run:
+        return self
+
+    def __next__(self) -> list[int]:
+        while True:
+            try:
+                tokens = next(self._rounds)
+            except StopIteration as done:
+                self.result = done.value
+                raise
+            if tokens:
+                return tokens

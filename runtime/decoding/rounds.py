@@ -190,3 +190,27 @@ class Graphed:
                 return self.round()
         self.replay()
         return self.round.verifier.host
+
+
+class HostRows:
+    """The one copy back a round: on a CUDA device each round's host row goes into one of two pinned buffers of
+    its shape as the round's last work, so a round queued after it may overwrite the verifier's row meanwhile."""
+
+    def __init__(self):
+        self._slots: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def fetch(self, back: torch.Tensor) -> Callable[[], list[int]]:
+        """Queue the copy of ``back`` [1, D+2]; a function that waits for it and returns the row as a list."""
+        if back.device.type != "cuda":
+            row = back[0].tolist()
+            return lambda: row
+        slots = self._slots.get(tuple(back.shape))
+        if slots is None:
+            slots = self._slots[tuple(back.shape)] = [torch.empty(back.shape, dtype=back.dtype).pin_memory()
+                                                       for _ in range(2)]
+        slots.append(slots.pop(0))
+        host = slots[-1]
+        host.copy_(back, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: (done.synchronize(), host[0].tolist())[1]

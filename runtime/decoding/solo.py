@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from xcompile.runtime.common.errors import EngineError
-from xcompile.runtime.decoding.generator import Generator, Run
+from xcompile.runtime.decoding.generator import Generator
+from xcompile.runtime.decoding.outcome import Run
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.sequence import BatchSequence
