@@ -46,7 +46,7 @@ from xcompile.runtime.decoding.drafters import causal
 from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops, check_prompt, check_request
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams, with_seed
-from xcompile.runtime.decoding.sequence import PAD, BatchSequence, BatchStats
+from xcompile.runtime.decoding.sequence import BatchSequence, BatchStats, pack_step
 from xcompile.runtime.decoding.solo import Solo
 from xcompile.runtime.decoding.warmup import Warmed, warm_batch
 from xcompile.runtime.engines.base import Engine
@@ -214,7 +214,7 @@ class BatchGenerator:
         it gave each row. Returns the sequences that stopped during this call."""
         # the sequences that stop in this call, kept where abort() finds them should the step raise midway
         ended = self._pending = self.seats.drop_cancelled()
-        if self.solo is not None and self._solo_step(ended):
+        if self.solo is not None and self.solo.step(self.seats, self.stats, ended):
             self._pending = []
             return ended
         self.seats.seat()
@@ -235,19 +235,8 @@ class BatchGenerator:
         # logit rows a sequence: with drafts the verify's (up to S) whether or not rows draft, so that each recorded
         # size is one graph
         r = min(s, drafts.gamma + 1) if drafts is not None else 1
-        # the step's inputs as lists, then one tensor on the device (one torch call: each gives the GIL up and waits
-        # to take it back, and under xrun serve the event loop holds it while a burst of requests arrives)
-        n, dev = self.max_batch, self.device
-        ids, write, last = [[PAD] * s for _ in range(n)], [0] * n, [[0] * r for _ in range(n)]
-        for b, q in rows:
-            k = need[b] = min(need[b], s)
-            ids[b][:k] = q.prompt[q.length:q.length + k] if q.prefilling else [q.root] * k   # drafts: place()
-            write[b] = q.length
-            last[b] = list(range(r)) if b in spec else [k - 1] * r
-        packed = torch.tensor(write + [w + i for w in write for i in range(s)] + [t for row in ids for t in row]
-                              + [t for row in last for t in row], device=dev)
-        write_d, pos_d = packed[:n], packed[n:n + n * s].view(n, s)
-        ids_d, last_d = packed[n + n * s:n + 2 * n * s].view(n, s), packed[n + 2 * n * s:].view(n, r)
+        need = {b: min(k, s) for b, k in need.items()}
+        write_d, pos_d, ids_d, last_d = pack_step(rows, need, spec, s, r, self.max_batch, self.device)
         on = drafts.place(ids_d, chains, spec, r) if spec else None            # the speculating rows' drafts
         out = (self._graphed or self.target).run(input_ids=ids_d, write_index=write_d, tree_mask=self._mask(s),
                                                  position_ids=pos_d, logit_rows=last_d)
@@ -297,28 +286,6 @@ class BatchGenerator:
         self.stats.decode_tokens += len(tokens)
         q.length += len(tokens)
         return tokens, tokens
-
-    def _solo_step(self, ended: list[BatchSequence]) -> bool:
-        """One round of the lone sequence, when there is one (solo.py); False: this step is a batch step."""
-        solo = self.solo
-        if solo.seq is not None and (solo.seq.result is not None or self.waiting):
-            solo.release()              # cancelled (finished by _drop_cancelled), or it goes on in the batch
-        if solo.seq is None:
-            if not solo.eligible(self.waiting, self.running):
-                return False
-            self.seats.seat()           # every slot free: it takes slot 0
-            solo.start(self.seats.slots[0].seq)
-        q = solo.seq
-        tokens = solo.next_round()
-        self.stats.solo_rounds += 1
-        if tokens is None:              # ended on its own: the loop's stops agree but for the cache's end
-            q.stops.reason = q.stops.reason or solo.finish_reason
-            self.seats.finish(q)
-        elif not self.seats.emit(q, tokens):
-            return True
-        solo.release()
-        ended.append(q)
-        return True
 
     def abort(self, why: str) -> list[BatchSequence]:
         """Stop every sequence, running or waiting, with reason "error" (``why``): what a caller does when a

@@ -1,16 +1,19 @@
-"""A sequence of the batch loop (batch.py) and the loop's counts: what the loop, its drafts (batch_drafts.py) and
-its lone sequence (solo.py) share."""
+"""A sequence of the batch loop (batch.py), the loop's counts and a step's inputs: what the loop, its drafts
+(batch_drafts.py) and its lone sequence (solo.py) share."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from xcompile.runtime.decoding.outcome import Result, Stats, Stops
 from xcompile.runtime.decoding.sampling import SamplingParams
 
 PAD = 0                 # the token of a step's padding positions (any valid id: no real token sees it)
+
 
 @dataclass(eq=False)
 class BatchSequence:
@@ -46,3 +49,23 @@ class BatchStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     rows_used: list[int] = field(default_factory=list)     # [k]: steps with k + 1 occupied slots
+
+
+def pack_step(rows: Sequence[tuple[int, BatchSequence]], need: dict[int, int], spec: Collection[int], s: int, r: int,
+              slots: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A batch step's inputs: write_index [B], position_ids [B, S], input_ids [B, S] and logit_rows [B, R] for the
+    occupied ``rows`` (slot, sequence), row b feeding ``need[b]`` tokens (a prefill chunk, or its root; a
+    speculating row of ``spec`` its root where the drafts go, batch_drafts.place) padded with PAD to S. Built as
+    lists, then sent as one tensor: each torch call gives the GIL up and waits to take it back, and under xrun
+    serve the event loop holds it while a burst of requests arrives."""
+    ids, write, last = [[PAD] * s for _ in range(slots)], [0] * slots, [[0] * r for _ in range(slots)]
+    for b, q in rows:
+        k = need[b]
+        ids[b][:k] = q.prompt[q.length:q.length + k] if q.prefilling else [q.root] * k
+        write[b] = q.length
+        last[b] = list(range(r)) if b in spec else [k - 1] * r
+    n = slots
+    packed = torch.tensor(write + [w + i for w in write for i in range(s)] + [t for row in ids for t in row]
+                          + [t for row in last for t in row], device=device)
+    return (packed[:n], packed[n:n + n * s].view(n, s), packed[n + n * s:n + 2 * n * s].view(n, s),
+            packed[n + 2 * n * s:].view(n, r))

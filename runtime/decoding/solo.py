@@ -29,7 +29,8 @@ from xcompile.runtime.decoding.generator import Generator
 from xcompile.runtime.decoding.outcome import Run
 
 if TYPE_CHECKING:
-    from xcompile.runtime.decoding.sequence import BatchSequence
+    from xcompile.runtime.decoding.batch_seats import Seats
+    from xcompile.runtime.decoding.sequence import BatchSequence, BatchStats
 
 
 class Solo:
@@ -78,3 +79,25 @@ class Solo:
     def release(self) -> None:
         """End the run: the sequence stopped, or goes on in the batch from where the last round left it."""
         self.seq = self.run = None
+
+    def step(self, seats: Seats, stats: BatchStats, ended: list[BatchSequence]) -> bool:
+        """One round of the lone sequence as the loop's step, when there is one; False: the step is a batch step.
+        A sequence that stopped goes on ``ended``."""
+        if self.seq is not None and (self.seq.result is not None or seats.waiting):
+            self.release()              # cancelled (finished by drop_cancelled), or it goes on in the batch
+        if self.seq is None:
+            if not self.eligible(seats.waiting, seats.running):
+                return False
+            seats.seat()                # every slot free: it takes slot 0
+            self.start(seats.slots[0].seq)
+        q = self.seq
+        tokens = self.next_round()
+        stats.solo_rounds += 1
+        if tokens is None:              # ended on its own: the loop's stops agree but for the cache's end
+            q.stops.reason = q.stops.reason or self.finish_reason
+            seats.finish(q)
+        elif not seats.emit(q, tokens):
+            return True
+        self.release()
+        ended.append(q)
+        return True
