@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import click
 
+from xcompile.runtime.cli.bench_cmd import bench
 from xcompile.runtime.cli.group import cli_group_class
 from xcompile.runtime.cli.options import (
     MIN_P,
@@ -13,33 +12,23 @@ from xcompile.runtime.cli.options import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    YARN_FACTOR,
-    IntList,
     given,
     positive_float,
-    refuse_inert,
     stop_strings,
     text_or_stdin,
-    utf8_file,
-    writable_file,
 )
-from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec, TreeShape
-from xcompile.runtime.engines.load import BACKEND_CHOICES, KV_CACHE_DTYPES
-
-# generate, bench and serve: the target's KV cache dtype (engines/load.py set_kv_cache_dtype)
-KV_CACHE_OPTION = click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default="auto",
-                               show_default=True, help="The target's KV cache: auto (the engines' dtype) or fp8 "
-                               "(e4m3, unscaled; --backend fast or torch).")
-# generate, bench and serve: KernelConfig.row_invariant (runtime/engines/kernels/config.py)
-ROW_INVARIANT_OPTION = click.option("--row-invariant", is_flag=True, help="Fast backend: the target's one-row steps "
-                                    "on its verify kernels, so every drafter's greedy tokens are plain greedy's bit "
-                                    "for bit on the GPU (plain decoding pays the one-row GEMVs' speed).")
+from xcompile.runtime.cli.run_options import KV_CACHE, ROW_INVARIANT, check_drafter_options
+from xcompile.runtime.decoding.registry import DRAFTER_CHOICES, DrafterSpec
+from xcompile.runtime.engines.load import BACKEND_CHOICES
 
 
 @click.group(cls=cli_group_class())
 @click.version_option(package_name="xcompile")
 def main() -> None:
     """Run xcompile engine dirs with speculative decoding."""
+
+
+main.add_command(bench)
 
 
 def _ids(ctx, param, text: str | None) -> list[int] | None:
@@ -62,42 +51,6 @@ def _nonempty(value: str | None, option: str) -> str | None:
         raise click.BadParameter(f"an empty {option} would let no request in (none can send an empty key); give a "
                                  "key, or leave it out to serve without one")
     return value
-
-
-def _check_drafter_options(drafter: str, gamma: int | None, tree: dict) -> None:
-    """Conflicting or inert drafter options, refused with the reason (the dir's own drafter, for
-    --drafter auto, is checked by run_generate before it loads anything)."""
-    if drafter == "none" and (gamma or tree):
-        raise click.UsageError("--drafter none drafts nothing, so --gamma / --tree-* would do nothing; drop them "
-                               "or pick a drafter")
-    if gamma and tree:
-        raise click.UsageError("--gamma sets a chain's length, --tree-* select the EAGLE3 or MTP tree instead "
-                               "(its size is --tree-tokens); give one or the other")
-    if tree and drafter == "draft-model":
-        raise click.UsageError("--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
-                               "tokens")
-    if tree:
-        _check_tree(tree, "--tree-topk", "--tree-depth", "--tree-tokens")
-
-
-def _check_tree(tree: dict, topk_opt: str, depth_opt: str, tokens_opt: str) -> None:
-    """A tree shape (missing fields take the defaults) whose every level can be verified and whose
-    size fits its candidates: depth + 1 <= total_tokens <= 1 + topk + (depth-1) * topk^2."""
-    defaults = TreeShape()
-    t = {"topk": defaults.topk, "depth": defaults.depth, "total_tokens": defaults.total_tokens, **tree}
-    k, d, n = t["topk"], t["depth"], t["total_tokens"]
-
-    def opt(name: str, flag: str) -> str:
-        return f"{flag} {t[name]}" + ("" if name in tree else " (the default)")
-    if n < d + 1:
-        raise click.UsageError(f"{opt('total_tokens', tokens_opt)} verifies the root and {n - 1} drafts, so with "
-                               f"{opt('depth', depth_opt)} the levels past {n - 1} are drafted but never verified; "
-                               f"raise {tokens_opt} to at least {d + 1} or lower {depth_opt}")
-    pool = 1 + k + (d - 1) * k * k
-    if n > pool:
-        raise click.UsageError(f"{opt('total_tokens', tokens_opt)} exceeds the {pool} nodes a tree of "
-                               f"{opt('topk', topk_opt)} and {opt('depth', depth_opt)} can hold (1 + topk + "
-                               f"(depth-1)*topk^2); lower {tokens_opt} or widen the tree")
 
 
 def _check_sampling(ctx, req) -> None:
@@ -163,8 +116,8 @@ def _check_sampling(ctx, req) -> None:
               help="Independent samples of the prompt, generated one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as one JSON object.")
 @click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
-@KV_CACHE_OPTION
-@ROW_INVARIANT_OPTION
+@KV_CACHE
+@ROW_INVARIANT
 @click.pass_context
 def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter, gamma, tree_topk, tree_depth,
              tree_tokens, stop, backend, device, no_cuda_graphs, sample, temperature, top_k, top_p, min_p, seed,
@@ -181,7 +134,7 @@ def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter,
         raise click.UsageError(f"{'--prompt' if prompt == '' else '--chat'} is empty (or stdin was): give at least "
                                "one character")
     tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
-    _check_drafter_options(drafter, gamma, tree)
+    check_drafter_options(drafter, gamma, tree)
     spec = DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth, tree_tokens)
     req = GenerateRequest(engine_dir, prompt=prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                           drafter=spec, stop=list(stop), backend=backend, device=device,
@@ -190,86 +143,6 @@ def generate(ctx, engine_dir, prompt, prompt_ids, chat, max_new_tokens, drafter,
                           kv_cache_dtype=kv_cache_dtype, row_invariant=row_invariant)
     _check_sampling(ctx, req)
     run_generate(req, as_json=as_json, echo=click.echo)
-
-
-def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, temperature) -> None:
-    if (engine_dir is None) == (synthetic is None):
-        raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
-    if temperature == 0:
-        refuse_inert(ctx, ["top_k", "top_p", "min_p", "seed"], "greedy runs (--temperature 0, the default) do not "
-                     "sample, so sampling options change nothing; add --temperature T (T > 0) or drop them")
-    if synthetic is None:
-        refuse_inert(ctx, ["draft_model", "mtp", "dtype", "quantize", "yarn"], "apply to --synthetic weights only "
-                     "(an engine dir has its own)")
-    elif prompts is not None:
-        raise click.UsageError("--prompts needs an engine dir with a tokenizer (synthetic weights have none)")
-    if synthetic is not None and backend not in ("auto", "torch", "fast"):
-        raise click.UsageError("--synthetic runs the torch or fast backend (no engine dir to load TensorRT or ONNX "
-                               "from)")
-    if given(ctx, "peer") and backend not in ("auto", "torch", "fast"):
-        raise click.UsageError("--peer compares on the reference modules' weights; use --backend torch or fast")
-    if tree:
-        _check_tree(dict(zip(("topk", "depth", "total_tokens"), tree)), "--tree TOPK", "DEPTH", "TOKENS")
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise click.UsageError("--plot needs matplotlib: pip install 'xcompile[plot]'")
-
-
-@main.command()
-@click.argument("engine_dir", required=False, type=click.Path(path_type=str))
-@click.option("--synthetic", help="Seeded random weights in a known model's shape (e.g. qwen3-8b), no engine dir.")
-@click.option("--draft-model", help="With --synthetic: also a synthetic draft model of this shape (e.g. qwen3-0.6b).")
-@click.option("--mtp", is_flag=True, help="With --synthetic: also a synthetic MTP module (one layer of the target's "
-              "shape), for the three paradigms side by side.")
-@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
-              help="With --synthetic.")
-@click.option("--quantize", type=click.Choice(["fp8", "int4"]),
-              help="With --synthetic: the target's decoder linears in FP8 (128x128 blocks) or INT4 (groups of 128).")
-@click.option("--yarn", type=YARN_FACTOR,
-              help="With --synthetic: the target's RoPE stretched by this YaRN factor over the 32,768 trained "
-              "positions, as Qwen3's model card sets it for long contexts (4: 131,072).")
-@click.option("--gammas", type=IntList(), default="1,2,4,6,8", show_default=True,
-              help="Chain lengths to measure ('' for none).")
-@click.option("--tree", type=IntList(length=3), default="10,6,32", show_default=True,
-              help="EAGLE3 / MTP tree topk,depth,tokens ('' for none).")
-@click.option("--contexts", type=IntList(empty="no prompt length given, so nothing would be measured"),
-              default="128,1024,4096", show_default=True, help="Prompt lengths.")
-@click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--peer", is_flag=True, help="Also time transformers generate() with a static cache on the same weights.")
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False), callback=utf8_file,
-              help="UTF-8 text whose consecutive windows are the prompts (real text gives real acceptance).")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=2, show_default=True, help="Prompts per context.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=writable_file,
-              help="Write the full report as JSON here.")
-@click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file,
-              help="Write a PNG of tokens/s per drafter (pip install 'xcompile[plot]').")
-@click.option("--verify", is_flag=True, help="Hash every byte of the dir's files first (default: sampled blocks).")
-@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
-              help="Sample (speculative sampling) instead of greedy decoding.")
-@click.option("--top-k", type=TOP_K, default=0, show_default=True)
-@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
-@click.option("--min-p", type=MIN_P, default=0.0, show_default=True)
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled runs (prompt i: sample i).")
-@KV_CACHE_OPTION
-@ROW_INVARIANT_OPTION
-@click.pass_context
-def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, quantize, yarn, gammas, tree, contexts,
-          new_tokens, repeats, peer, prompts, num_prompts, json_path, plot, verify, temperature, top_k, top_p, min_p,
-          seed, kv_cache_dtype, row_invariant):
-    """Measure plain and speculative decoding speed against the device's bandwidth floor.
-
-    The report goes to stdout; progress and messages to stderr."""
-    _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, temperature)
-    from xcompile.runtime.bench.command import BenchRequest, run
-    from xcompile.runtime.decoding.sampling import SamplingParams
-
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
-                     TreeShape(*tree) if tree else None, contexts, new_tokens,
-                     repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp,
-                     kv_cache_dtype, row_invariant, yarn), echo=click.echo)
 
 
 @main.command()
@@ -297,8 +170,8 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
 @click.option("--ray", "use_ray", is_flag=True, help="Serve as Ray Serve replicas behind Ray's proxy.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --ray: replicas (one GPU each on CUDA).")
-@KV_CACHE_OPTION
-@ROW_INVARIANT_OPTION
+@KV_CACHE
+@ROW_INVARIANT
 def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tree_depth, tree_tokens,
           served_model_name, api_key, max_queue, request_timeout, no_cuda_graphs, no_warm_up, use_ray, replicas,
           kv_cache_dtype, row_invariant):
@@ -310,7 +183,7 @@ def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tr
     if replicas != 1 and not use_ray:
         raise click.UsageError("--replicas needs --ray (one process serves one engine set)")
     tree = {k: v for k, v in (("topk", tree_topk), ("depth", tree_depth), ("total_tokens", tree_tokens)) if v}
-    _check_drafter_options(drafter, gamma, tree)
+    check_drafter_options(drafter, gamma, tree)
     config = ServeConfig(engine_dir, backend, device, DrafterSpec.from_options(drafter, gamma, tree_topk, tree_depth,
                                                                                tree_tokens),
                          served_model_name, api_key, max_queue, request_timeout, not no_cuda_graphs,
