@@ -12,7 +12,7 @@ share the newest date among them, one column per report, so a newer result tagge
 older ones. A file no table reads is an error (docs/perf keeps what the current tables stand on, nothing else).
 
 Result files: ``xrun bench --json FILE`` reports (*.json, runtime/bench/measure.py ``run_bench``) or logs
-(*.log) of xrun bench's text report (``format_report``; a log may hold several), of
+(*.log) of xrun bench's text report (runtime/bench/report.py ``format_report``; a log may hold several), of
 benchmarks/fast_agreement.py, of scripts/demo.sh, or of a benchmarks/ script that ends with a JSON report
 (export_8b.py, verify_speed.py), or benchmarks/serve_load.py's ``--json`` report. Standard library only: the check runs in CI in a second.
 """

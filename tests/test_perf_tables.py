@@ -97,11 +97,11 @@ def test_a_result_without_its_date_machine_and_command_is_refused(copy, capsys):
 
 
 def test_the_log_parser_reads_what_format_report_writes():
-    measure = pytest.importorskip("xcompile.runtime.bench.measure")
+    bench_report = pytest.importorskip("xcompile.runtime.bench.report")
     pt = load_script()
     name = bench_files(ROOT / "docs" / "perf")[-1]
     report = pt.read_result(ROOT / "docs" / "perf" / name, "bench")[0]
     report["peak_memory_gb"] = 41.25                                   # a CUDA run's (the GPU runs print it)
-    again = pt.parse_bench_log(measure.format_report(report), "format_report")[0]
+    again = pt.parse_bench_log(bench_report.format_report(report), "format_report")[0]
     assert pt.bench_rows(again) == pt.bench_rows(report)
     assert pt.bench_rows(again)["peak GPU memory (torch's allocator)"] == "41.2 GB"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from xcompile.runtime.bench.measure import BenchOptions, context_fits, format_report, round_room, run_bench
+from xcompile.runtime.bench.measure import BenchOptions, context_fits, round_room, run_bench
+from xcompile.runtime.bench.report import format_report
 from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.decoding.registry import TreeShape
