@@ -31,7 +31,7 @@ from xcompile.runtime.decoding.outcome import Stats
 from xcompile.runtime.decoding.registry import DRAFTERS, DrafterSpec, TreeShape
 from xcompile.runtime.decoding.sampling import GENERATION_CONFIG, GREEDY, SamplingParams, generation_defaults, with_seed
 from xcompile.runtime.decoding.warmup import Warmed, sampler_modes
-from xcompile.runtime.engines.load import check_kv_cache_dtype, resolve_device, set_kv_cache_dtype
+from xcompile.runtime.engines.run_checks import check_kv_cache_dtype, resolve_device, set_kv_cache_dtype
 
 if TYPE_CHECKING:
     from xcompile.runtime.decoding.batch import BatchGenerator

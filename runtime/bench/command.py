@@ -20,16 +20,12 @@ from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
 from xcompile.runtime.enginedir.contract import EAGLE3, MTP
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import (
-    EngineSet,
+from xcompile.runtime.engines.load import EngineSet, fast_engines, open_engine_dir, pick_backend, torch_models
+from xcompile.runtime.engines.run_checks import (
     check_backend_options,
     check_row_invariant,
-    fast_engines,
-    open_engine_dir,
-    pick_backend,
     resolve_device,
     set_kv_cache_dtype,
-    torch_models,
 )
 
 log = logs.logger("bench")

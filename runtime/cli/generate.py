@@ -16,13 +16,8 @@ from xcompile.runtime.decoding.registry import DrafterSpec, check_spec
 from xcompile.runtime.decoding.sampling import SamplingParams, sampling_params
 from xcompile.runtime.enginedir.manifest import Manifest
 from xcompile.runtime.enginedir.text import Text
-from xcompile.runtime.engines.load import (
-    EngineSet,
-    check_backend_options,
-    check_cuda_graphs,
-    pick_backend,
-    resolve_device,
-)
+from xcompile.runtime.engines.load import EngineSet, pick_backend
+from xcompile.runtime.engines.run_checks import check_backend_options, check_cuda_graphs, resolve_device
 
 log = logs.logger("generate")
 DEFAULT_NEW_TOKENS = 128

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from xcompile.runtime.decoding.registry import TreeShape
-from xcompile.runtime.engines.load import KV_CACHE_DTYPES
+from xcompile.runtime.engines.run_checks import KV_CACHE_DTYPES
 
 # generate, bench and serve: the target's KV cache dtype (engines/load.py set_kv_cache_dtype)
 KV_CACHE = click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default="auto",

@@ -19,7 +19,7 @@ from ray import serve
 
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.registry import DrafterSpec
-from xcompile.runtime.engines.load import check_kv_cache_dtype
+from xcompile.runtime.engines.run_checks import check_kv_cache_dtype
 from xcompile.runtime.serve.app import create_app
 from xcompile.runtime.serve.scheduler import ServeConfig
 

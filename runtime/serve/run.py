@@ -10,11 +10,11 @@ from xcompile.runtime.common.errors import EngineError, OptionError
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.decoding.registry import check_spec
 from xcompile.runtime.enginedir.manifest import Manifest
-from xcompile.runtime.engines.load import (
+from xcompile.runtime.engines.load import pick_backend
+from xcompile.runtime.engines.run_checks import (
     check_backend_options,
     check_cuda_graphs,
     check_row_invariant,
-    pick_backend,
     resolve_device,
 )
 from xcompile.runtime.serve.scheduler import ServeConfig

@@ -384,7 +384,7 @@ def test_bench_puts_the_paradigms_side_by_side(tiny_engine_dir, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 @pytest.mark.parametrize("command", [("generate", "--prompt-ids", "1,2"), ("bench",), ("serve",)])
 def test_device_cuda_without_one_is_a_bad_option(tiny_engine_dir, command):
-    """One check (load.resolve_device) for every command, before anything loads or listens."""
+    """One check (run_checks.resolve_device) for every command, before anything loads or listens."""
     r = run(command[0], tiny_engine_dir, *command[1:], "--device", "cuda")
     refused(r, "--device cuda: no CUDA device is visible", "--device cpu", code=2)
 
