@@ -9,7 +9,8 @@ TABLES. docs/perf/sources.json describes every result file: the tables it feeds 
 how it was measured (``date``, ``machine``, ``command``, required) and optionally its column ``label`` (a list for
 a log holding several reports) and a ``note``. A table is built from the files tagged with its source tag that
 share the newest date among them, one column per report, so a newer result tagged the same way replaces the
-older ones. A file no table reads is an error (docs/perf keeps what the current tables stand on, nothing else).
+older ones. A file no table reads, or a table no page shows, is an error (docs/perf keeps what the current tables
+stand on, nothing else).
 
 Result files: ``xrun bench --json FILE`` reports (*.json, runtime/bench/measure.py ``run_bench``) or logs
 (*.log) of xrun bench's text report (runtime/bench/report.py ``format_report``; a log may hold several), of
@@ -79,15 +80,12 @@ TABLES = {
     "bench-8b-qgemv8": Table("bench-8b-qgemv8", "bench", ("decode floor", "plain decode, context", "decode step",
                                                           "verify", "EAGLE3 draft step", "EAGLE3 chain round",
                                                           "EAGLE3 tree round")),
-    "bench-8b-sampled": Table("bench-8b-sampled", "bench"),
     "bench-8b-sampling-h100": Table("bench-8b-sampling-h100", "bench"),
     "bench-8b-row-invariant-h100": Table("bench-8b-row-invariant-h100", "bench"),
     "long-8b-h100": Table("long-8b-h100", "bench", ("decode floor", "plain decode, context", "decode step",
                                                     "verify", "EAGLE3 chain round", "prefill")),
     "summary": Table("bench-8b", "bench", ("decode floor", "plain decode, context", "verify", "EAGLE3 draft step",
                                            "EAGLE3 chain round", "EAGLE3 tree round", "prefill")),
-    "draft-model": Table("draft-model", "bench", ("decode floor", "plain decode, context", "decode step",
-                                                  "draft-model")),
     "peer": Table("peer", "bench", ("transformers",)),
     "demo-agreement": Table("demo-agreement", "agreement"),
     "demo-agreement-row-invariant-h100": Table("demo-agreement-row-invariant-h100", "agreement"),
@@ -102,14 +100,6 @@ TABLES = {
     "export-cpu": Table("export-cpu", "json", fields=(
         ("wall time, `xcompile export` as a child process", "wall_s", "{:.0f} s", 1),
         ("its peak resident memory", "peak_rss_gb_child", "{:.2f} GiB", 1))),
-    "refactor": Table("refactor", "json", fields=(
-        ("tensors bit-identical between the two trees (of 26)", "bits_identical", "{:.0f}", 1),
-        *((f"graphed {what}", f"{kind}_{key}", "{:.3f} ms", 1)
-          for what, kind, key in (("decode step", "fast", "x1"), ("7-token verify", "fast", "x7"),
-                                  ("32-token verify", "fast", "x32"), ("decode step, PDL off", "nopdl", "x1"),
-                                  ("7-token verify, PDL off", "nopdl", "x7"), ("32-token verify, PDL off", "nopdl", "x32"),
-                                  ("EAGLE3 step", "fast", "eagle3_x1"), ("EAGLE3 step over 10 tokens", "fast", "eagle3_x10"),
-                                  ("EAGLE3 fc over 7 tokens", "fast", "fc_x7"))))),
     "quant-quality": Table("quant-quality", "json", fields=_quality("bf16")),
     "kv-cache-quality": Table("kv-cache-quality", "json", fields=(
         *_quality("the bf16 cache"),
@@ -613,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(page)
                 if not args.check:
                     page.write_text(new)
+        shown = {m["name"] for page in PAGES for m in _BLOCK.finditer(page.read_text())}
+        if idle := sorted(set(TABLES) - shown):
+            raise PerfError(f"scripts/perf_tables.py TABLES: {', '.join(idle)} on no page: remove them, history is in git")
         if unused := sorted(set(sources) - used):
             raise PerfError(f"docs/perf: {', '.join(unused)} feed no current table (a newer result replaced them, or "
                             "no page shows their tag): remove them, history is in git")

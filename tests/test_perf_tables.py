@@ -96,6 +96,12 @@ def test_a_result_without_its_date_machine_and_command_is_refused(copy, capsys):
     assert "2026-12-05-stray.log not described" in capsys.readouterr().err
 
 
+def test_a_table_no_page_shows_is_refused(copy, monkeypatch, capsys):
+    monkeypatch.setitem(copy.TABLES, "gone", copy.Table("gone", "bench"))
+    assert copy.main(["--check"]) == 2
+    assert "TABLES: gone on no page" in capsys.readouterr().err
+
+
 def test_the_log_parser_reads_what_format_report_writes():
     bench_report = pytest.importorskip("xcompile.runtime.bench.report")
     pt = load_script()
