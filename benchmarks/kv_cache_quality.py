@@ -31,9 +31,9 @@ from quant_quality import (  # benchmarks/: the measures of the quantized models
 )
 
 from xcompile.compile import checkpoint as ck
+from xcompile.compile.acceptance import measure_acceptance
 from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.hf_config import parse_qwen3
-from xcompile.compile.train import measure_acceptance
 
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 

@@ -33,11 +33,11 @@ import torch
 
 from xcompile.compile import checkpoint as ck
 from xcompile.compile import data as textdata
+from xcompile.compile.acceptance import measure_acceptance
 from xcompile.compile.errors import CompileError
 from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.hf_config import parse_qwen3
 from xcompile.compile.quantize import SCHEMES, QuantizeOptions, quantize_checkpoint
-from xcompile.compile.train import measure_acceptance
 from xcompile.runtime.enginedir.text import Text
 
 DATA = Path(__file__).resolve().parents[1] / "data"

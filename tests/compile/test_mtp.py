@@ -242,7 +242,7 @@ def test_train_mtp_with_a_draft_vocabulary_keeps_the_head_rows_frozen(tiny_targe
 
 
 def test_training_with_a_draft_vocabulary_freezes_the_rows_and_measures_through_the_map(target, corpus, tiny_target):
-    from xcompile.compile.train import chain_drafter
+    from xcompile.compile.acceptance import chain_drafter
 
     text = Text(tiny_target)
     windows = textdata.pack(textdata.tokenize(textdata.read_records(corpus), text), textdata.doc_end_id(text), SEQ)
