@@ -62,10 +62,11 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
 
     app = FastAPI(title="xcompile", lifespan=lifespan)
     app.add_middleware(_CountResponses)
-    app.add_exception_handler(ServeError, lambda r, e: JSONResponse(e.body(), e.status))
+    # every handler async: Starlette runs a plain def one on its thread pool, a thread hop for each refused
+    # request (a burst's 429s and 404s) that waits for the GIL while the engine thread holds it
+    app.add_exception_handler(ServeError, _refused)
     app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(HTTPException, lambda r, e: JSONResponse(error_body(e.status_code, str(e.detail)),
-                                                                        e.status_code))
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _failed)
 
     # async: FastAPI runs a plain def dependency on its thread pool, a thread hop a request that waits for the GIL
@@ -126,7 +127,15 @@ async def _load(sched: Scheduler, on_load_error: Callable[[str], None] | None) -
              batch if w.batch is not None else 1, steps)
 
 
-def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+async def _refused(request: Request, e: ServeError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status)
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code)
+
+
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
     """pydantic's complaints as one OpenAI-style 400 (FastAPI's default is a 422 of its own shape)."""
 
     def where(err: dict) -> str | None:
@@ -143,7 +152,7 @@ def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(400, "; ".join(map(say, errors[:5])), where(errors[0]) if errors else None), 400)
 
 
-def _failed(request: Request, e: Exception) -> JSONResponse:
+async def _failed(request: Request, e: Exception) -> JSONResponse:
     """Anything unforeseen: an OpenAI-style 500 (uvicorn logs the traceback); the server keeps serving."""
     return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), 500)
 

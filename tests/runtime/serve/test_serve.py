@@ -603,23 +603,33 @@ def test_a_server_with_an_fp8_cache_gives_xrun_generates_tokens(tiny_engine_dir)
 
 
 def test_a_request_takes_no_thread_hop_and_the_engine_thread_gets_the_gil_back_soon(held, worker, monkeypatch):
-    """The app's dependencies are async (FastAPI runs a plain def one on its thread pool: a hop a request that
-    waits for the GIL while the engine thread holds it), and the serving process hands the GIL over every 0.5 ms
-    at most (scheduler.SWITCH_INTERVAL), not Python's 5."""
+    """The app's dependencies and exception handlers are async (FastAPI runs a plain def dependency, Starlette a
+    plain def handler, on the thread pool: a hop a request that waits for the GIL while the engine thread holds
+    it), for answers and refusals alike, and the serving process hands the GIL over every 0.5 ms at most
+    (scheduler.SWITCH_INTERVAL), not Python's 5."""
     import sys
 
     import fastapi.dependencies.utils as deps
+    import starlette._exception_handler as handlers
 
     from xcompile.runtime.serve.scheduler import SWITCH_INTERVAL
 
     hops = []
-    pool = deps.run_in_threadpool
 
-    async def counted(func, *args, **kwargs):
-        hops.append(func)
-        return await pool(func, *args, **kwargs)
+    def counting(pool):
+        async def counted(func, *args, **kwargs):
+            hops.append(func)
+            return await pool(func, *args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(deps, "run_in_threadpool", counted)
-    r = httpx.post(f"{held.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=AUTH, timeout=30)
+    for module in (deps, handlers):
+        monkeypatch.setattr(module, "run_in_threadpool", counting(module.run_in_threadpool))
+    url = f"{held.url}/v1/completions"
+    r = httpx.post(url, json={"prompt": [1, 2], "max_tokens": 2}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and hops == []
+    for body, status in (({"model": "not-served", "prompt": [1], "max_tokens": 1}, 404),
+                         ({"prompt": [1], "max_tokens": "two"}, 400), ({"prompt": [1], "best_of": 2}, 400)):
+        r = httpx.post(url, json=body, headers=AUTH, timeout=30)
+        assert (r.status_code, hops) == (status, []), r.text
+    assert httpx.get(f"{held.url}/v1/nothing-here", headers=AUTH, timeout=30).status_code == 404 and hops == []
     assert sys.getswitchinterval() <= SWITCH_INTERVAL
