@@ -34,7 +34,7 @@
 #            (not yet run, so its time is not known; the prefill of 130,000 tokens is timed six times)
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams (SERVE_STREAMS) of 256 tokens, then 64 prompt lengths one at a time
-#            (carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
+#            (SERVE_LENGTHS: how many; carry .whl: fastapi, uvicorn, openai, httpx2...); then xrun bench's chain round of gamma 4 (the
 #            server's default), beside the server's own mean round at one stream (SERVE_BENCH=0: not that)
 #   exact    row-invariant decoding (KernelConfig.row_invariant, issue 38): xrun bench at context 128 without and with
 #            --row-invariant, one after the other (what bit-exact speculation costs plain decoding; EXACT_BENCH=0: not
@@ -183,7 +183,7 @@ for part in "$@"; do
     run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
       --out /tmp/serve-8b --force
     run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams "${SERVE_STREAMS:-1,4,16}" \
-      --max-tokens 256 --lengths 64 --json "$OUT/serve_load.json"
+      --max-tokens 256 --lengths "${SERVE_LENGTHS:-64}" --json "$OUT/serve_load.json"
     tail -14 "$OUT/serve_load.log"
     # the batch-1 round a lone request runs in the server (xrun serve's default drafter: the EAGLE3 chain, gamma 4)
     [ "${SERVE_BENCH:-1}" = 0 ] && continue
