@@ -573,8 +573,9 @@ def newest(tag: str, sources: dict[str, dict]) -> list[tuple[str, dict]]:
     return [(f, m) for f, m in tagged if m["date"] == date]
 
 
-def build(page: Path, sources: dict[str, dict], used: set[str]) -> str:
-    """``page``'s text with its tables regenerated; the file names read go into ``used``."""
+def build(page: Path, sources: dict[str, dict], used: set[str], shown: set[str]) -> str:
+    """``page``'s text with its tables regenerated; the file names read go into ``used``, the tables into
+    ``shown``."""
     text = page.read_text()
 
     def block(m: re.Match) -> str:
@@ -584,6 +585,7 @@ def build(page: Path, sources: dict[str, dict], used: set[str]) -> str:
                             f"{', '.join(TABLES)})")
         files = newest(TABLES[name].source, sources)
         used.update(f for f, _ in files)
+        shown.add(name)
         return m[1] + "\n".join(render(name, TABLES[name], files, page)) + "\n" + m[4]
 
     return _BLOCK.sub(block, text)
@@ -596,14 +598,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sources = load_sources()
         used: set[str] = set()
+        shown: set[str] = set()
         stale = []
         for page in PAGES:
-            new = build(page, sources, used)
+            new = build(page, sources, used, shown)
             if new != page.read_text():
                 stale.append(page)
                 if not args.check:
                     page.write_text(new)
-        shown = {m["name"] for page in PAGES for m in _BLOCK.finditer(page.read_text())}
         if idle := sorted(set(TABLES) - shown):
             raise PerfError(f"scripts/perf_tables.py TABLES: {', '.join(idle)} on no page: remove them, history is in git")
         if unused := sorted(set(sources) - used):
