@@ -20,7 +20,7 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import uvicorn
 
 from xcompile.runtime.serve.app import create_app
-from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig
+from xcompile.runtime.serve.worker import EngineWorker, ServeConfig
 
 START_TIMEOUT = 120         # s: a server is up (engines loaded) within this, or the test fails
 

@@ -178,7 +178,7 @@ def serve(engine_dir, host, port, backend, device, drafter, gamma, tree_topk, tr
     """Serve ENGINE_DIR over the OpenAI API (completions, chat, streaming): one request at a time, or up to N
     decoding together on a --max-batch N dir."""
     from xcompile.runtime.serve.run import serve_http, serve_ray
-    from xcompile.runtime.serve.scheduler import ServeConfig
+    from xcompile.runtime.serve.worker import ServeConfig
 
     if replicas != 1 and not use_ray:
         raise click.UsageError("--replicas needs --ray (one process serves one engine set)")

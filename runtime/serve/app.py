@@ -30,7 +30,8 @@ from xcompile.runtime.serve.jobs import Generation, Job
 from xcompile.runtime.serve.metrics import Metrics
 from xcompile.runtime.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
 from xcompile.runtime.serve.reply import Reply
-from xcompile.runtime.serve.scheduler import EngineWorker, Scheduler, ServeConfig
+from xcompile.runtime.serve.scheduler import Scheduler
+from xcompile.runtime.serve.worker import EngineWorker, ServeConfig
 
 log = logging.getLogger("xcompile.serve")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")

@@ -21,7 +21,7 @@ from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.decoding.registry import DrafterSpec
 from xcompile.runtime.engines.run_checks import check_kv_cache_dtype
 from xcompile.runtime.serve.app import create_app
-from xcompile.runtime.serve.scheduler import ServeConfig
+from xcompile.runtime.serve.worker import ServeConfig
 
 NAME = "xcompile"
 

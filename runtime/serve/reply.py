@@ -1,5 +1,5 @@
 """One request's answer in the OpenAI shapes: stream chunks (SSE ``data:`` lines) or the whole body,
-built from the worker's events (runtime/serve/scheduler.py ``EngineWorker.run``), with the metrics
+built from the worker's events (runtime/serve/worker.py ``EngineWorker.run``), with the metrics
 each choice adds."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from xcompile.runtime.serve.jobs import Job
 from xcompile.runtime.serve.metrics import Metrics
 from xcompile.runtime.serve.protocol import FINISH_REASONS, ServeError, TextStream, error_body, usage
-from xcompile.runtime.serve.scheduler import EngineWorker
+from xcompile.runtime.serve.worker import EngineWorker
 
 log = logging.getLogger("xcompile.serve")
 

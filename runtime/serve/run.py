@@ -17,7 +17,7 @@ from xcompile.runtime.engines.run_checks import (
     check_row_invariant,
     resolve_device,
 )
-from xcompile.runtime.serve.scheduler import ServeConfig
+from xcompile.runtime.serve.worker import ServeConfig
 
 log = logger(__name__)
 

@@ -27,7 +27,7 @@ from serving import extra, generate_json  # noqa: E402
 
 from xcompile.runtime.decoding.registry import DrafterSpec  # noqa: E402
 from xcompile.runtime.decoding.sampling import SamplingParams  # noqa: E402
-from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig  # noqa: E402
+from xcompile.runtime.serve.worker import EngineWorker, ServeConfig  # noqa: E402
 
 ARGS = ("--backend", "ort", "--drafter", "eagle3", "--gamma", "3")
 SPEC = DrafterSpec("eagle3", 3)

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,9 @@ from xcompile.runtime.decoding.drafters import NoDrafter  # noqa: E402
 from xcompile.runtime.decoding.generator import Generator  # noqa: E402
 from xcompile.runtime.decoding.registry import DrafterSpec  # noqa: E402
 from xcompile.runtime.engines.load import open_engine_dir  # noqa: E402
-from xcompile.runtime.serve.scheduler import ServeConfig  # noqa: E402
+from xcompile.runtime.serve.jobs import Generation, Job  # noqa: E402
+from xcompile.runtime.serve.scheduler import Scheduler  # noqa: E402
+from xcompile.runtime.serve.worker import ServeConfig  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9] * 30, [20, 21], [40, 41, 42, 43, 44, 45, 46], [60], [70, 71, 72, 73] * 5]
 BUDGETS = [20, 12, 25, 8, 16, 10]
@@ -128,6 +131,27 @@ def test_beyond_free_slots_and_the_queue_answers_429(server, refs):
     assert over.status_code == 429 and "--max-queue 2" in over.json()["error"]["message"]
     assert [r.json()["choices"][0]["token_ids"] for r in done] == refs
     assert sched.inflight == sched.waiting == sched.active == 0
+
+
+def test_a_job_whose_response_never_starts_is_counted_out():
+    """A client gone between its admission and its stream's start (Starlette then never runs the stream): the job
+    is never put and leaves no count behind, where a leaked one would hold a place under the 429 limit for good."""
+    sched = Scheduler(ServeConfig("unused"))
+    put = []
+    sched.worker = object()
+    sched.batch_loop = SimpleNamespace(batch=SimpleNamespace(max_batch=4), put=lambda job, post: put.append(job))
+
+    async def scenario():
+        events = sched.run(Job([Generation([5, 6, 7], 4, [])]))
+        assert await anext(events) == ("admitted", None, None)
+        assert (sched.inflight, sched.waiting, sched.arriving) == (1, 1, 1)
+        await events.aclose()
+        return sched.inflight, sched.waiting, sched.arriving
+
+    try:
+        assert asyncio.run(scenario()) == (0, 0, 0) and put == []
+    finally:
+        sched.executor.shutdown()
 
 
 def test_a_client_that_leaves_frees_its_slot_within_a_step(server):

@@ -16,7 +16,7 @@ import httpx2 as httpx  # noqa: E402
 import serving  # noqa: E402
 
 from xcompile.runtime.decoding.registry import DrafterSpec  # noqa: E402
-from xcompile.runtime.serve.scheduler import EngineWorker, ServeConfig  # noqa: E402
+from xcompile.runtime.serve.worker import EngineWorker, ServeConfig  # noqa: E402
 
 ARGS = ("--backend", "ort", "--drafter", "eagle3", "--gamma", "3", "--device", "cpu")
 SPEC = DrafterSpec("eagle3", 3)
