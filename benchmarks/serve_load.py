@@ -43,7 +43,8 @@ speculative rounds a lone request ran on the batch-1 Generator, and batch steps 
 apart), with their mean wall time on the engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then
 sends N requests one at a time, each prompt one token (word) longer than the last, from --prompt-tokens
 (--prompt-words) on, 2 tokens each: a prompt length the server meets for the first time must not stall its
-request (its TTFT against the median of the N).
+request (its TTFT against the median of the N). The first request, each level and the lengths report the
+server's garbage collections by generation too (count and total ms: a full collection is a stall no step shows).
 
 Prints a table; --json writes the report, --plot a PNG (matplotlib, ``pip install 'xcompile[plot]'``).
 """
@@ -281,6 +282,7 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
             "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "ttft_ms": spread([r["ttft"] for r in ok if r["ttft"] is not None]),
             "server_ttft_ms_mean": server_mean(before, after), "server_steps": server_steps(before, after),
+            "server_gc": server_gc(before, after),
             "refused_ms": spread([r["end"] - r["start"] for r in refused]),
             "itl_ms": spread([g for r in ok for g in r["gaps"]]),
             "tpot_ms": spread([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
@@ -290,8 +292,9 @@ async def run_level(url: str, model: str, streams: int, args, timeout: float) ->
 
 
 def server_histograms(url: str, api_key: str) -> dict[str, tuple[float, int]]:
-    """The server's histograms so far (/metrics) as (sum in seconds, count): its TTFT ("ttft") and its engine
-    steps by kind ("prompt", "round", "batch_prompt", "batch"); empty where it has none."""
+    """The server's histograms so far (/metrics) as (sum in seconds, count): its TTFT ("ttft"), its engine steps by
+    kind ("prompt", "round", "batch_prompt", "batch") and its garbage collections by generation ("gc0"-"gc2");
+    empty where it has none."""
     import httpx2 as httpx
 
     try:
@@ -300,10 +303,10 @@ def server_histograms(url: str, api_key: str) -> dict[str, tuple[float, int]]:
         return {}
     found: dict[str, list[float]] = {}
     for line in text.splitlines():
-        m = re.match(r'^xcompile_(time_to_first_token|engine_step)_seconds_(sum|count)(?:\{kind="(\w+)"\})? (\S+)$',
-                     line)
+        m = re.match(r'^xcompile_(time_to_first_token|engine_step|gc_pause)_seconds_(sum|count)'
+                     r'(?:\{(?:kind|generation)="(\w+)"\})? (\S+)$', line)
         if m:
-            key = "ttft" if m[1] == "time_to_first_token" else m[3]
+            key = {"time_to_first_token": "ttft", "gc_pause": f"gc{m[3]}"}.get(m[1], m[3])
             found.setdefault(key, [0.0, 0])[m[2] == "count"] = float(m[4])
     return {k: (v[0], int(v[1])) for k, v in found.items()}
 
@@ -320,6 +323,14 @@ def server_steps(before: dict, after: dict) -> dict:
     """The engine steps between two reads, by kind: count and mean ms (a --max-batch N dir's batching thread)."""
     return {k: {"count": after[k][1] - before.get(k, (0.0, 0))[1], "mean_ms": server_mean(before, after, k)}
             for k in ("prompt", "round", "batch_prompt", "batch") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
+
+
+def server_gc(before: dict, after: dict) -> dict:
+    """The server's garbage collections between two reads, by generation: count and total ms (a full collection,
+    generation 2, of an unfrozen heap is what stalls a request)."""
+    return {k[2:]: {"count": after[k][1] - before.get(k, (0.0, 0))[1],
+                    "total_ms": round((after[k][0] - before.get(k, (0.0, 0))[0]) * 1e3, 3)}
+            for k in ("gc0", "gc1", "gc2") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
 
 
 async def run_first(url: str, model: str, args, timeout: float) -> dict:
@@ -339,14 +350,17 @@ async def run_first(url: str, model: str, args, timeout: float) -> dict:
     one = "ttft" in after and after["ttft"][1] == before.get("ttft", (0.0, 0))[1] + 1
     server = server_mean(before, after) if one else None
     return {"ttft_ms": round(r["ttft"] * 1e3, 3) if r["ttft"] is not None else None,
-            "latency_ms": round((r["end"] - r["start"]) * 1e3, 3), "server_ttft_ms": server}
+            "latency_ms": round((r["end"] - r["start"]) * 1e3, 3), "server_ttft_ms": server,
+            "server_gc": server_gc(before, after)}
 
 
 async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
     """--lengths requests one at a time, each prompt one token (word) longer than the last (module docstring)."""
+    before = server_histograms(url, args.api_key)
     async with open_client(url, args, timeout) as openai_client:
         done = [await one_request(openai_client, model, make_prompts(args, 1, longer=i)[0], 2)
                 for i in range(args.lengths)]
+    after = server_histograms(url, args.api_key)
     first = args.prompt_words if args.prompts is not None else args.prompt_tokens
     ttfts = {first + i: r["ttft"] for i, r in enumerate(done) if r["status"] == 200 and r["ttft"] is not None}
     median = percentile(list(ttfts.values()), 50)
@@ -356,7 +370,8 @@ async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
             "lengths": [first, first + args.lengths - 1], "ttft_ms": spread(list(ttfts.values())),
             "ttft_ms_by_length": {str(n): round(t * 1e3, 3) for n, t in ttfts.items()},
             "slowest": None if slowest is None else {"length": slowest, "ttft_ms": round(ttfts[slowest] * 1e3, 3),
-                                                     "over_median": round(ttfts[slowest] / median, 3)}}
+                                                     "over_median": round(ttfts[slowest] / median, 3)},
+            "server_gc": server_gc(before, after)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,6 +408,7 @@ def summary(report: dict) -> list[str]:
             server += f", {own / warm:.2f}x its own mean at 1 stream, {warm:.1f} ms"
         server += ")" if server else ""
         lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{server}{ratio}")
+        lines += collections("the first request", first)
     for lv in report["levels"]:             # the engine thread's own step times (a --max-batch N dir)
         steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.3f} ms" for k, v in lv["server_steps"].items())
         if steps:
@@ -400,13 +416,24 @@ def summary(report: dict) -> list[str]:
         if lv.get("refused_ms", {}).get("p50") is not None:
             lines.append(f"{lv['streams']} stream(s), as many requests refused before generating (404): "
                          f"{three(lv['refused_ms'])} ms (p50 / p90 / p99), the HTTP side's share")
+        lines += collections(f"{lv['streams']} stream(s)", lv)
     lengths = report["prompt_lengths"]
     if lengths and lengths["slowest"]:
         t, low, high = lengths["ttft_ms"], *lengths["lengths"]
         lines.append(f"prompt lengths {low}-{high}, one at a time: {lengths['ok']}/{lengths['requests']} ok, TTFT p50 "
                      f"{t['p50']:.1f} ms, slowest {lengths['slowest']['ttft_ms']:.1f} ms = "
                      f"{lengths['slowest']['over_median']:.2f}x the median (length {lengths['slowest']['length']})")
+        lines += collections("the prompt lengths", lengths)
     return lines
+
+
+def collections(what: str, part: dict) -> list[str]:
+    """The server's garbage collections during ``part`` (server_gc), as one line; none where it has no metric."""
+    gc = part.get("server_gc")
+    if not gc:
+        return []
+    each = ", ".join(f"generation {g} {v['count']} x, {v['total_ms']:.1f} ms in all" for g, v in gc.items())
+    return [f"{what}, the server's garbage collections: {each}"]
 
 
 def plot(report: dict, path: str) -> None:

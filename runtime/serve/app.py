@@ -50,6 +50,7 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
         sched = app.state.scheduler = Scheduler(config, open_worker)
         app.state.metrics = Metrics(lambda: sched.waiting, sched.busy)
         sched.on_step = app.state.metrics.step
+        unwatch = app.state.metrics.watch_gc()
         loading = asyncio.create_task(_load(sched, on_load_error))
         try:
             if not background_load:
@@ -60,6 +61,7 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
         finally:
             await loading
             await sched.close()
+            unwatch()
 
     app = FastAPI(title="xcompile", lifespan=lifespan)
     app.add_middleware(_CountResponses)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 import time
@@ -75,6 +76,10 @@ class Scheduler:
             else:
                 log.info("warm-up skipped (--no-warm-up): a request may wait on kernel compiles and graph captures")
             self.warming = False
+            start = time.perf_counter()
+            frozen = freeze_heap()
+            log.info("heap frozen: %d objects kept out of later collections (%.0f ms)", frozen,
+                     1e3 * (time.perf_counter() - start))
             if self.worker.batch is not None:
                 # a step's events reach the jobs' queues in one call on the event loop (BatchLoop.send)
                 self.batch_loop = BatchLoop(self.worker.batch, self.on_step,
@@ -220,6 +225,17 @@ class Scheduler:
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)
         self.executor.shutdown(wait=True)
+        gc.unfreeze()                   # what the closed engines held may be collected again
+
+
+def freeze_heap() -> int:
+    """Collect once, then move every object alive (modules, engines, compiled kernels: some 320,000 with the demo
+    dir open) to the collector's permanent generation, so that later full collections walk only what requests
+    create; returns how many were moved. A full collection of that heap took 156 ms on the 2-core CPU; the 8B
+    server's first request after ready, 74 ms of server time on an H100 against 8 for the next (2026-12-07)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _deliver(pairs: list) -> None:

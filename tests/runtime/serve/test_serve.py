@@ -10,6 +10,7 @@ ports the OS picks; every wait and request loop is bounded.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import time
@@ -370,6 +371,22 @@ def test_metrics_count_what_happened(server, client, model):
                  "xcompile_time_per_output_token_seconds_count"):
         assert delta(name) == 2, name
     assert got(after, "xcompile_queue_depth") == 0 and got(after, "xcompile_requests_running") == 0
+
+
+def test_the_heap_is_frozen_once_ready_and_collections_are_timed(tiny_engine_dir):
+    """After the warm-up the server moves what it holds out of the collector's reach (scheduler.freeze_heap), and
+    /metrics times every collection by generation; closing it gives the heap back to the collector."""
+    s = serving.ThreadServer(ServeConfig(str(tiny_engine_dir), "ort", "cpu", SPEC)).start()
+    try:
+        assert gc.get_freeze_count() > 1000
+        before = scrape(s.url)
+        gc.collect()                        # the test's thread shares the server's process and its collector
+        after = scrape(s.url)
+        key = ("xcompile_gc_pause_seconds_count", (("generation", "2"),))
+        assert after[key] >= before.get(key, 0.0) + 1
+    finally:
+        s.stop()
+    assert gc.get_freeze_count() == 0
 
 
 # ---------------------------------------------------------------------------------------------
