@@ -293,7 +293,12 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
     assert lengths["slowest"]["ttft_ms"] == max(lengths["ttft_ms_by_length"].values())
     assert lengths["slowest"]["length"] in (16, 17, 18) and lengths["slowest"]["over_median"] >= 1
     # the table (head, two levels), the first request, each level's engine steps and refusals, the lengths
-    out_lines = done.stdout.strip().splitlines()
+    # the server's garbage collections: in the report for each part, and a line where it had any
+    for part in (*report["levels"], first, lengths):
+        assert all(g in ("0", "1", "2") and v["count"] > 0 and v["total_ms"] >= 0 for g, v in part["server_gc"].items())
+    gc_lines = [line for line in done.stdout.splitlines() if "the server's garbage collections: generation" in line]
+    assert len(gc_lines) == sum(bool(part["server_gc"]) for part in (*report["levels"], first, lengths))
+    out_lines = [line for line in done.stdout.strip().splitlines() if line not in gc_lines]
     assert len(out_lines) == 9 and "tok/s" in out_lines[0], done.stdout
     assert out_lines[3].startswith("first request after ready: TTFT") and "its own mean at 1 stream" in out_lines[3]
     assert out_lines[4].startswith("1 stream(s), the server's engine steps (count x mean): batch_prompt ")
