@@ -446,7 +446,12 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
         shown = [(what, steps[k]) for what, k in kinds if steps.get(k)]
         if shown:
             text += "; server steps: " + ", ".join(f"{what} {s['count']} × {s['mean_ms']:.3f} ms" for what, s in shown)
-        return text
+        return text + full_collections(lv)
+
+    def full_collections(part: dict) -> str:
+        """The server's full garbage collections (generation 2) during a part, where the report counts them."""
+        full = (part.get("server_gc") or {}).get("2")
+        return f"; server full collections {full['count']} × ({full['total_ms']:.1f} ms in all)" if full else ""
 
     def first(rep: dict) -> str:
         f = rep.get("first_request")
@@ -458,7 +463,7 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
         inner = f"the server's own {own:.0f} ms" if own is not None else ""
         if inner and warm:
             inner += f" = {own / warm:.2f}× its mean at 1 stream, {warm:.0f} ms"
-        return f"TTFT {f['ttft_ms']:.0f} ms" + (f" ({inner})" if inner else "")
+        return f"TTFT {f['ttft_ms']:.0f} ms" + (f" ({inner})" if inner else "") + full_collections(f)
 
     def lengths(rep: dict) -> str:
         ln = rep.get("prompt_lengths")
@@ -466,7 +471,8 @@ def render_load(columns: list[tuple[str, dict]]) -> list[str]:
             return "—"
         return (f"{ln['ok']} / {ln['requests']} ok; TTFT p50 {ln['ttft_ms']['p50']:.0f} ms, p90 "
                 f"{ln['ttft_ms']['p90']:.0f} ms, slowest {ln['slowest']['ttft_ms']:.0f} ms = "
-                f"{ln['slowest']['over_median']:.2f}x the median (length {ln['slowest']['length']})")
+                f"{ln['slowest']['over_median']:.2f}x the median (length {ln['slowest']['length']})"
+                + full_collections(ln))
 
     _need_levels(columns, "serve_load.py")
     levels = [{lv["streams"]: lv for lv in rep["levels"]} for _, rep in columns]
