@@ -1,6 +1,7 @@
 """The device and its queue: the process's engine set (``EngineWorker``, runtime/serve/worker.py), a bounded FIFO
-queue in front of it, cancel on disconnect and a per-request timeout. An engine dir exported with ``--max-batch 1`` runs one request at a
-time (below); one exported with ``--max-batch N > 1`` runs N sequences together (``BatchLoop``, runtime/serve/batch_loop.py).
+queue in front of it, cancel on disconnect and a per-request timeout. An engine dir exported with ``--max-batch 1``
+runs one request at a time (below); one exported with ``--max-batch N > 1`` runs N sequences together
+(``BatchLoop``, runtime/serve/batch_loop.py).
 
 Batch 1, latency first: the engines, their KV buffers and the Generator are opened once per process and
 live on one worker thread (torch work never runs on the event loop). The event loop admits requests:
