@@ -311,26 +311,34 @@ def server_histograms(url: str, api_key: str) -> dict[str, tuple[float, int]]:
     return {k: (v[0], int(v[1])) for k, v in found.items()}
 
 
+def grown(before: dict, after: dict, keys) -> dict[str, tuple[float, int]]:
+    """What each histogram of ``keys`` observed between two reads (server_histograms): (seconds, count), for those
+    that observed anything."""
+    out = {}
+    for k in keys:
+        (s0, n0), (s1, n1) = before.get(k, (0.0, 0)), after.get(k, (0.0, 0))
+        if n1 > n0:
+            out[k] = (s1 - s0, n1 - n0)
+    return out
+
+
 def server_mean(before: dict, after: dict, key: str = "ttft") -> float | None:
     """The server's mean of histogram ``key`` (ms) over what it observed between two reads (server_histograms)."""
-    if key not in after or after[key][1] <= before.get(key, (0.0, 0))[1]:
-        return None
-    (s0, n0), (s1, n1) = before.get(key, (0.0, 0)), after[key]
-    return round((s1 - s0) / (n1 - n0) * 1e3, 3)
+    seconds, count = grown(before, after, (key,)).get(key, (0.0, 0))
+    return round(seconds / count * 1e3, 3) if count else None
 
 
 def server_steps(before: dict, after: dict) -> dict:
     """The engine steps between two reads, by kind: count and mean ms (a --max-batch N dir's batching thread)."""
-    return {k: {"count": after[k][1] - before.get(k, (0.0, 0))[1], "mean_ms": server_mean(before, after, k)}
-            for k in ("prompt", "round", "batch_prompt", "batch") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
+    return {k: {"count": n, "mean_ms": round(s / n * 1e3, 3)}
+            for k, (s, n) in grown(before, after, ("prompt", "round", "batch_prompt", "batch")).items()}
 
 
 def server_gc(before: dict, after: dict) -> dict:
     """The server's garbage collections between two reads, by generation: count and total ms (a full collection,
     generation 2, of an unfrozen heap is what stalls a request)."""
-    return {k[2:]: {"count": after[k][1] - before.get(k, (0.0, 0))[1],
-                    "total_ms": round((after[k][0] - before.get(k, (0.0, 0))[0]) * 1e3, 3)}
-            for k in ("gc0", "gc1", "gc2") if k in after and after[k][1] > before.get(k, (0.0, 0))[1]}
+    return {k[2:]: {"count": n, "total_ms": round(s * 1e3, 3)}
+            for k, (s, n) in grown(before, after, ("gc0", "gc1", "gc2")).items()}
 
 
 async def run_first(url: str, model: str, args, timeout: float) -> dict:

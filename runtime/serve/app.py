@@ -59,9 +59,9 @@ def create_app(config: ServeConfig, *, open_worker: Callable[[ServeConfig], Engi
                     raise EngineError(sched.load_error)
             yield
         finally:
+            unwatch()
             await loading
             await sched.close()
-            unwatch()
 
     app = FastAPI(title="xcompile", lifespan=lifespan)
     app.add_middleware(_CountResponses)

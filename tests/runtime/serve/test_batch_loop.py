@@ -120,7 +120,7 @@ def test_an_idle_loop_gathers_a_burst_admitted_on_the_event_loop_into_its_first_
     batch = BatchGenerator(T.qwen3_engine(tiny.target, batch=BATCH), [], MAX_SEQ_LEN, chunk=8)
     out, admitted = Outbox(), [1]           # b admitted on the event loop, its put not yet made
     out.jobs = 2
-    loop = BatchLoop(batch, send=out.send, arriving=lambda: admitted[0], gather=30.0)   # the test's pace, not 2 ms
+    loop = BatchLoop(batch, send=out.send, arriving=lambda: admitted[0], gather=30.0)   # the test's pace, not 5 ms
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
