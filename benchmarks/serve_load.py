@@ -38,9 +38,10 @@ code paths (on an H100 the server's own TTFT was 22 ms of the client's 92, 2026-
 reported beside the one-stream level's, with the server's own (its /metrics TTFT histogram: the request reaching
 the app to its first token) beside the one-stream level's mean of it, which tells the server's share from the
 HTTP and client side's.
-Each level reports the server's engine steps too (/metrics, a --max-batch N dir): how many prefills and
-speculative rounds a lone request ran on the batch-1 Generator, and batch steps (those that carried prompt chunks
-apart), with their mean wall time on the engine thread (a lone request's round there is what ``xrun bench`` times for the same drafter). --lengths N then
+The first request and each level report the server's engine steps too (/metrics, a --max-batch N dir): how many
+prefills and speculative rounds a lone request ran on the batch-1 Generator, and batch steps (those that carried
+prompt chunks apart), with their mean wall time on the engine thread (a lone request's round there is what
+``xrun bench`` times for the same drafter). --lengths N then
 sends N requests one at a time, each prompt one token (word) longer than the last, from --prompt-tokens
 (--prompt-words) on, 2 tokens each: a prompt length the server meets for the first time must not stall its
 request (its TTFT against the median of the N). The first request, each level and the lengths report the
@@ -359,7 +360,7 @@ async def run_first(url: str, model: str, args, timeout: float) -> dict:
     server = server_mean(before, after) if one else None
     return {"ttft_ms": round(r["ttft"] * 1e3, 3) if r["ttft"] is not None else None,
             "latency_ms": round((r["end"] - r["start"]) * 1e3, 3), "server_ttft_ms": server,
-            "server_gc": server_gc(before, after)}
+            "server_steps": server_steps(before, after), "server_gc": server_gc(before, after)}
 
 
 async def run_lengths(url: str, model: str, args, timeout: float) -> dict:
@@ -416,11 +417,10 @@ def summary(report: dict) -> list[str]:
             server += f", {own / warm:.2f}x its own mean at 1 stream, {warm:.1f} ms"
         server += ")" if server else ""
         lines.append(f"first request after ready: TTFT {first['ttft_ms']:.1f} ms{server}{ratio}")
+        lines += engine_steps("the first request", first)
         lines += collections("the first request", first)
-    for lv in report["levels"]:             # the engine thread's own step times (a --max-batch N dir)
-        steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.3f} ms" for k, v in lv["server_steps"].items())
-        if steps:
-            lines.append(f"{lv['streams']} stream(s), the server's engine steps (count x mean): {steps}")
+    for lv in report["levels"]:
+        lines += engine_steps(f"{lv['streams']} stream(s)", lv)
         if lv.get("refused_ms", {}).get("p50") is not None:
             lines.append(f"{lv['streams']} stream(s), as many requests refused before generating (404): "
                          f"{three(lv['refused_ms'])} ms (p50 / p90 / p99), the HTTP side's share")
@@ -433,6 +433,12 @@ def summary(report: dict) -> list[str]:
                      f"{lengths['slowest']['over_median']:.2f}x the median (length {lengths['slowest']['length']})")
         lines += collections("the prompt lengths", lengths)
     return lines
+
+
+def engine_steps(what: str, part: dict) -> list[str]:
+    """The engine thread's own step times during ``part`` (server_steps: a --max-batch N dir), as one line."""
+    steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.3f} ms" for k, v in part.get("server_steps", {}).items())
+    return [f"{what}, the server's engine steps (count x mean): {steps}"] if steps else []
 
 
 def collections(what: str, part: dict) -> list[str]:

@@ -33,9 +33,10 @@ def refused(done: subprocess.CompletedProcess, said: str) -> bool:
 
 def test_every_script_is_checked_here():
     assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
-                       "fast_agreement.py", "fast_decode.py", "gil_handoff.py", "graph_equivalence.py", "kernels.py",
-                       "kv_cache_quality.py", "open_dir.py", "ort_layers.py", "qlinear_tiles.py", "quant_quality.py",
-                       "sample_kernels.py", "serve_load.py", "step_timeline.py", "verify_speed.py"]
+                       "fast_agreement.py", "fast_decode.py", "first_request.py", "gil_handoff.py",
+                       "graph_equivalence.py", "kernels.py", "kv_cache_quality.py", "open_dir.py", "ort_layers.py",
+                       "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
+                       "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -171,6 +172,10 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("attention_splits.py", ["--contexts", "4096", "--cache", "4100"], "--cache 4100: shorter than the longest context"),
     ("open_dir.py", ["--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder does not exist"),
     ("gil_handoff.py", ["--intervals", "0,5"], "--intervals: '0,5': expected numbers in (0, 1000)"),
+    ("first_request.py", ["some-dir", "--requests", "0"], "--requests must be at least 1"),
+    ("first_request.py", ["some-dir", "--idle", "-1"], "--idle takes 0-60 seconds"),
+    ("first_request.py", ["some-dir", "--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder"),
+    ("first_request.py", ["no-such-dir"], "no-such-dir: not an engine dir (no manifest.json)"),
     ("gil_handoff.py", ["--waits", "-3"], "--waits: '-3': expected a positive integer"),
 ])
 def test_bad_options_are_refused_as_argparse_does(script, args, said):
@@ -235,6 +240,28 @@ def batch4_dir(tiny_target, tmp_path_factory):
     return fixtures.exported_dir(tmp_path_factory, "tiny-batch4", model=str(tiny_target), dtype="fp32", max_batch=4)
 
 
+def test_first_request_times_each_request_after_the_warm_up_and_profiles_the_first(tiny_target, tmp_path_factory,
+                                                                                  tmp_path):
+    import fixtures
+
+    batch = fixtures.exported_dir(tmp_path_factory, "tiny-batch4", model=str(tiny_target), dtype="fp32", max_batch=4)
+    out = tmp_path / "first.json"
+    done = run("first_request.py", str(batch), "--device", "cpu", "--backend", "torch", "--requests", "3",
+               "--new-tokens", "5", "--idle", "0", "--profile", "1", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["steps"] for r in report["requests"]] == [5, 5, 5]       # a lone greedy request: a step a token
+    assert all(r["first_ms"] > 0 and r["second_ms"] > 0 for r in report["requests"])
+    first, second, _ = report["requests"]
+    assert "function calls" in first["profile"] and second["profile"] is None
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("request")] == [
+        "request 0 after idle", "request 1", "request 2 after idle"]
+    one = fixtures.exported_dir(tmp_path_factory, "tiny-batch1", model=str(tiny_target), dtype="fp32")
+    done = run("first_request.py", str(one), "--device", "cpu", "--backend", "torch")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "a --max-batch 1 dir runs no batch loop" in last and "Traceback" not in done.stderr
+
+
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -287,25 +314,28 @@ def test_serve_load_drives_xrun_serve_at_each_concurrency_and_stops_it(batch4_di
                                                                for s in steps.values())
     first = report["first_request"]             # alone before the levels; the server's TTFT histogram says its part
     assert 0 < first["server_ttft_ms"] and 0 < first["ttft_ms"] < first["latency_ms"]
+    assert first["server_steps"]["batch_prompt"]["count"] == 1 and first["server_steps"]["batch"]["count"] > 0
     lengths = report["prompt_lengths"]          # prompts of 16, 17 and 18 ids, one at a time
     assert (lengths["requests"], lengths["ok"], lengths["lengths"]) == (3, 3, [16, 18])
     assert list(lengths["ttft_ms_by_length"]) == ["16", "17", "18"]
     assert lengths["slowest"]["ttft_ms"] == max(lengths["ttft_ms_by_length"].values())
     assert lengths["slowest"]["length"] in (16, 17, 18) and lengths["slowest"]["over_median"] >= 1
-    # the table (head, two levels), the first request, each level's engine steps and refusals, the lengths
+    # the table (head, two levels), the first request and its engine steps, each level's engine steps and
+    # refusals, the lengths
     # the server's garbage collections: in the report for each part, and a line where it had any
     for part in (*report["levels"], first, lengths):
         assert all(g in ("0", "1", "2") and v["count"] > 0 and v["total_ms"] >= 0 for g, v in part["server_gc"].items())
     gc_lines = [line for line in done.stdout.splitlines() if "the server's garbage collections: generation" in line]
     assert len(gc_lines) == sum(bool(part["server_gc"]) for part in (*report["levels"], first, lengths))
     out_lines = [line for line in done.stdout.strip().splitlines() if line not in gc_lines]
-    assert len(out_lines) == 9 and "tok/s" in out_lines[0], done.stdout
+    assert len(out_lines) == 10 and "tok/s" in out_lines[0], done.stdout
     assert out_lines[3].startswith("first request after ready: TTFT") and "its own mean at 1 stream" in out_lines[3]
-    assert out_lines[4].startswith("1 stream(s), the server's engine steps (count x mean): batch_prompt ")
-    assert out_lines[5].startswith("1 stream(s), as many requests refused before generating (404): ")
-    assert out_lines[6].startswith("4 stream(s), the server's engine steps (count x mean): batch_prompt ")
-    assert out_lines[7].startswith("4 stream(s), as many requests refused before generating (404): ")
-    assert "prompt lengths 16-18" in out_lines[8]
+    assert out_lines[4].startswith("the first request, the server's engine steps (count x mean): batch_prompt 1 x ")
+    assert out_lines[5].startswith("1 stream(s), the server's engine steps (count x mean): batch_prompt ")
+    assert out_lines[6].startswith("1 stream(s), as many requests refused before generating (404): ")
+    assert out_lines[7].startswith("4 stream(s), the server's engine steps (count x mean): batch_prompt ")
+    assert out_lines[8].startswith("4 stream(s), as many requests refused before generating (404): ")
+    assert "prompt lengths 16-18" in out_lines[9]
 
 
 def test_serve_load_refuses_a_prompt_file_shorter_than_its_longest_window(tmp_path):
