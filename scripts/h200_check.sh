@@ -37,7 +37,7 @@
 #            (SERVE_LENGTHS: how many; carry .whl: fastapi, uvicorn, openai, httpx2...); benchmarks/first_request.py
 #            on the same dir (the first requests after the warm-up in-process, profiled; SERVE_FIRST=0: not that); then xrun
 #            bench's chain round of gamma 4 (the server's default), beside the server's own mean round at one stream
-#            (SERVE_BENCH=0: not that)
+#            (SERVE_BENCH=0: not that). SERVE_LAYERS=N: the shape cut to N layers (a quicker export, for probes)
 #   exact    row-invariant decoding (KernelConfig.row_invariant, issue 38): xrun bench at context 128 without and with
 #            --row-invariant, one after the other (what bit-exact speculation costs plain decoding; EXACT_BENCH=0: not
 #            that); EXACT_AGREE=1: then benchmarks/fast_agreement.py --row-invariant on the demo target with its
@@ -183,7 +183,7 @@ for part in "$@"; do
     ;;
   serve)
     run serve_export 300 xcompile export --model qwen3-8b --synthetic --eagle3 --dtype bf16 --max-batch 16 \
-      --out /tmp/serve-8b --force
+      --out /tmp/serve-8b --force ${SERVE_LAYERS:+--synthetic-layers $SERVE_LAYERS}
     run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams "${SERVE_STREAMS:-1,4,16}" \
       --max-tokens 256 --lengths "${SERVE_LENGTHS:-64}" --json "$OUT/serve_load.json"
     tail -14 "$OUT/serve_load.log"
