@@ -1,7 +1,9 @@
-"""What the first requests after a server's warm-up pay, in-process: an engine dir opened and warmed up as
-``xrun serve`` does (LLM.warm_up, then the heap frozen), then requests one at a time on its batch loop, each
-step timed with the device synchronised, on a GPU (issue 37: the first request after ready took 74.8 ms of the
-server's own time against 7.9 ms for the same prompt next, on an H100 on 2026-12-07).
+"""What the first requests after a server's warm-up pay on the engine side alone, in-process: an engine dir opened
+and warmed up as ``xrun serve`` does (LLM.warm_up, then the heap frozen), then requests one at a time on its batch
+loop, each step timed with the device synchronised. Beside serve_load.py's first request (its server time and its
+engine steps), it tells a stall in the engine from one in the HTTP side (issue 37: the 8B server's first request
+took 74.8 ms of its own time against 7.9 next on an H100 on 2026-12-07; bisected on the CPU to the HTTP side: the
+import of anyio's asyncio backend inside the first streamed response, runtime/serve/app.py).
 
     python benchmarks/first_request.py ENGINE_DIR [--requests 4] [--prompt-tokens 16] [--new-tokens 32]
                                        [--idle 1.0] [--profile 2] [--json FILE]

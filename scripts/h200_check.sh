@@ -34,8 +34,8 @@
 #            (not yet run, so its time is not known; the prefill of 130,000 tokens is timed six times)
 #   serve    a Qwen3-8B-shape synthetic export (--max-batch 16, EAGLE3) served by `xrun serve` and driven by
 #            benchmarks/serve_load.py at 1 / 4 / 16 streams (SERVE_STREAMS) of 256 tokens, then 64 prompt lengths one at a time
-#            (SERVE_LENGTHS: how many; carry .whl: fastapi, uvicorn, openai, httpx2...); benchmarks/first_request.py
-#            on the same dir (the first requests after the warm-up in-process, profiled; SERVE_FIRST=0: not that); then xrun
+#            (SERVE_LENGTHS: how many; carry .whl: fastapi, uvicorn, openai, httpx2...); SERVE_FIRST=1: then
+#            benchmarks/first_request.py on the same dir (the first requests after the warm-up in-process); then xrun
 #            bench's chain round of gamma 4 (the server's default), beside the server's own mean round at one stream
 #            (SERVE_BENCH=0: not that). SERVE_LAYERS=N: the shape cut to N layers (a quicker export, for probes)
 #   exact    row-invariant decoding (KernelConfig.row_invariant, issue 38): xrun bench at context 128 without and with
@@ -94,8 +94,10 @@ install() {
 BENCH=(--synthetic qwen3-8b --backend fast --device cuda --gammas 6 --tree 10,6,32 --num-prompts 1)
 SHOW="^ +(128|4096) +yes|^target|^eagle3|floor"             # the bench lines echoed back
 
-if ls .whl/*.whl >/dev/null 2>&1; then                     # carried wheels (DEVELOPERS.md)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# carried wheels (DEVELOPERS.md), byte-compiled as pip does by default: a module compiled from source on its first
+# import is a cold path no user's install has
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 install "$HERE"
@@ -187,8 +189,8 @@ for part in "$@"; do
     run serve_load 300 python3 benchmarks/serve_load.py /tmp/serve-8b --serve-args "--device cuda" --streams "${SERVE_STREAMS:-1,4,16}" \
       --max-tokens 256 --lengths "${SERVE_LENGTHS:-64}" --json "$OUT/serve_load.json"
     tail -14 "$OUT/serve_load.log"
-    # the first requests after the warm-up in-process, each step timed, the first two profiled (SERVE_FIRST=0: not)
-    [ "${SERVE_FIRST:-1}" = 0 ] || { run serve_first 200 python3 benchmarks/first_request.py /tmp/serve-8b \
+    # SERVE_FIRST=1: the first requests after the warm-up in-process, each step timed, the first two profiled
+    [ "${SERVE_FIRST:-0}" = 1 ] && { run serve_first 200 python3 benchmarks/first_request.py /tmp/serve-8b \
       --device cuda --json "$OUT/serve_first.json"; grep -E "^(open|request)" "$OUT/serve_first.log"; }
     # the batch-1 round a lone request runs in the server (xrun serve's default drafter: the EAGLE3 chain, gamma 4)
     [ "${SERVE_BENCH:-1}" = 0 ] && continue

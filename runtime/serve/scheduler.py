@@ -232,9 +232,8 @@ class Scheduler:
 def freeze_heap() -> int:
     """Collect once, then move every object alive (modules, engines, compiled kernels: some 320,000 with the demo
     dir open) to the collector's permanent generation, so that later full collections walk only what requests
-    create; returns how many were moved. A full collection of that heap took 156 ms on the 2-core CPU; the 8B
-    server's first request after ready took 74 ms of server time on an H100 against 8 for the next (2026-12-07),
-    such a collection the suspect."""
+    create; returns how many were moved. A full collection of that heap took 156 ms on the 2-core CPU; with the
+    heap frozen the 8B server's 64 prompt lengths on an H100 met no full one (2026-12-07, run J)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

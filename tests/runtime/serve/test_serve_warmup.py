@@ -100,3 +100,33 @@ def test_xrun_serve_logs_what_it_warmed_or_that_it_did_not(tiny_engine_dir, warm
         assert completion(s.url).status_code == 200
     finally:
         s.stop()
+
+
+def test_the_app_loads_anyios_backend_before_it_takes_a_request():
+    """A streamed response runs in an anyio task group, and anyio imports its asyncio backend on first use: the
+    app's startup makes that use, so the first request after ready does not pay for the import. A fresh
+    interpreter, since this one has long imported it."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio, sys
+from xcompile.runtime.serve.app import create_app
+from xcompile.runtime.serve.worker import ServeConfig
+
+def no_engines(config):
+    raise RuntimeError("no engines in this test")
+
+app = create_app(ServeConfig("unused"), open_worker=no_engines, on_load_error=lambda message: None)
+BACKEND = "anyio._backends._asyncio"
+before = BACKEND in sys.modules
+
+async def start():
+    async with app.router.lifespan_context(app):
+        return BACKEND in sys.modules
+
+print(before, asyncio.run(start()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
