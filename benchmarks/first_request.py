@@ -26,11 +26,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from serve_load import make_prompts
 
 from xcompile.runtime.api import LLM
 from xcompile.runtime.common.errors import XcompileError
+from xcompile.runtime.engines.load import BACKEND_CHOICES
 from xcompile.runtime.serve.scheduler import freeze_heap
 
 
@@ -66,7 +69,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine_dir", help="an engine dir exported with --max-batch N (N > 1)")
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
-    ap.add_argument("--backend", default="auto", choices=("auto", "fast", "torch", "ort", "trt"))
+    ap.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -102,7 +105,7 @@ def probe(args, ap: argparse.ArgumentParser) -> int:
     warmed = time.perf_counter()
     frozen = freeze_heap()
     print(f"open {opened - start:.1f} s, warm-up {warmed - opened:.1f} s, heap frozen ({frozen} objects)")
-    prompt = [(7 + 11 * j) % 251 for j in range(args.prompt_tokens)]       # serve_load.py's first prompt
+    prompt = make_prompts(SimpleNamespace(prompts=None, prompt_tokens=args.prompt_tokens), 1)[0]
     report = {"engine_dir": args.engine_dir, "device": str(llm.device), "requests": []}
     for i in range(args.requests):
         if i in (0, 2):
