@@ -29,6 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # engine steps: a draft-model step of a small model (~1 ms) to a long prompt's prefill
 STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+# the kinds of xcompile_engine_step_seconds and the reasons of xcompile_generations_total, each child made when the app
+# is: its first make took 5.2 ms on the engine thread, inside the first request's TTFT (H100, 2026-12-07, traced)
+STEP_KINDS = ("prompt", "round", "batch_prompt", "batch")
+FINISHES = ("stop", "length", "timeout", "cancelled", "error")
 TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 # collector pauses: a young generation's tens of µs to a full collection of an unfrozen heap (156 ms on the 2-core
 # CPU with the demo dir open)
@@ -57,6 +61,10 @@ class Metrics:
                                "sequence's prefill (prompt) or round (round), or a batch step carrying prompt chunks (batch_prompt) "
                                "or decoding rows alone (batch)", ["kind"],
                                buckets=STEP_BUCKETS, registry=r)
+        for kind in STEP_KINDS:
+            self.steps.labels(kind)
+        for reason in FINISHES:
+            self.generations.labels(reason)
 
         self.gc_pauses = Histogram("xcompile_gc_pause_seconds", "Garbage collections in the server process, by "
                                    "the generation collected", ["generation"], buckets=GC_BUCKETS, registry=r)

@@ -24,6 +24,7 @@ from xcompile.runtime.decoding.generator import Generator  # noqa: E402
 from xcompile.runtime.decoding.registry import DrafterSpec  # noqa: E402
 from xcompile.runtime.engines.load import open_engine_dir  # noqa: E402
 from xcompile.runtime.serve.jobs import Generation, Job  # noqa: E402
+from xcompile.runtime.serve.metrics import STEP_KINDS  # noqa: E402
 from xcompile.runtime.serve.scheduler import Scheduler  # noqa: E402
 from xcompile.runtime.serve.worker import ServeConfig  # noqa: E402
 
@@ -63,10 +64,11 @@ async def until(cond, timeout: float = 30.0) -> None:
 
 
 def step_counts(url: str) -> dict[str, int]:
-    """The server's xcompile_engine_step_seconds counts by kind (GET /metrics)."""
+    """The server's xcompile_engine_step_seconds counts by kind (GET /metrics), the kinds that ran."""
     text = httpx.get(f"{url}/metrics").text
-    return {k: int(float(n)) for k, n in re.findall(r'^xcompile_engine_step_seconds_count\{kind="(\w+)"\} (\S+)$',
-                                                      text, re.M)}
+    found = re.findall(r'^xcompile_engine_step_seconds_count\{kind="(\w+)"\} (\S+)$', text, re.M)
+    assert {k for k, _ in found} == set(STEP_KINDS)        # every kind listed from the start, 0 until it runs
+    return {k: int(float(n)) for k, n in found if float(n)}
 
 
 def body(p, n, **kw):
