@@ -3,6 +3,7 @@ size: what a verify block of several rows pays over a decode step's one row (iss
 
     python benchmarks/attention_splits.py [--contexts 4096,16384,32000] [--rows 1,7,32] [--chunks 64,128,...]
                                           [--row-tiles 16,32] [--even 17,32,64] [--cache 32256]
+                                          [--warps 4,8] [--stages 2,3]
 
 One Qwen3-8B layer's attention (32 query heads over 8 KV heads of 128), bf16, on a cache of context + 64
 slots: for each context, row count and --row-tiles value (query rows a program reads each KV tile for: a
@@ -17,7 +18,8 @@ checked against the shipped layout's (the same softmax, summed in another order)
 --even N,...: also the even layout (attention's ``even``): N splits share the live keys, the chunk picked at run
 time from write_index, labelled eN. --cache SLOTS: a cache of that many slots for every context, as an engine
 dir's max_seq_len sizes it (fixed chunks are then chosen for the whole cache, and splits past a shorter live
-length idle); by default context + 64.
+length idle); by default context + 64. --warps, --stages: the split kernel's num_warps and num_stages to time each
+layout with (default: the shipped ones), labelled sN, and wN where not the shipped 4.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def main() -> int:
                     "layout's is timed too)")
     ap.add_argument("--even", type=positive_list, default=[], help="split counts of the even layout to time too")
     ap.add_argument("--cache", type=int, help="cache slots for every context (default: context + 64)")
+    ap.add_argument("--warps", type=positive_list, default=[A.WARPS], help="the split kernel's num_warps values")
+    ap.add_argument("--stages", type=positive_list, help="the split kernel's num_stages values (default: the "
+                    "shipped attention.stages_for)")
     args = ap.parse_args()
     if max(args.rows) > A.MAX_ROWS:
         ap.error(f"--rows: at most {A.MAX_ROWS} rows a call")
@@ -64,7 +69,7 @@ def main() -> int:
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-    print(f"{'context':>8} {'rows':>4} {'tile':>4} {'chunk':>6} {'splits':>6} {'us':>8} {'GB/s':>6} {'of copy':>7}")
+    print(f"{'context':>8} {'rows':>4} {'tile':>4} {'chunk':>10} {'splits':>6} {'us':>8} {'GB/s':>6} {'of copy':>7}")
     for ctx in args.contexts:
         slots = args.cache or ctx + A.MAX_ROWS
         caches = torch.randn(COPIES, 2, 1, HKV, slots, D, device=dev, dtype=torch.bfloat16)
@@ -79,21 +84,26 @@ def main() -> int:
             candidates += [dict(even=n) for n in args.even]
             layouts = [lay for i, lay in enumerate(candidates) if lay not in candidates[:i]]
             tiles = args.row_tiles + [tile0] * (tile0 not in args.row_tiles)
-            for tile, layout in itertools.product(tiles, layouts):
-                got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, row_tile=tile, **layout)
+            for tile, layout, warps, stages in itertools.product(tiles, layouts, args.warps, args.stages or [None]):
+                shipped_stages = A.stages_for(layout.get("even", 0), HQ // HKV * m, tile)
+                stages = stages or shipped_stages
+                launch = dict(row_tile=tile, warps=warps, stages=stages, **layout)
+                got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, **launch)
                 if ((got.float() - want.float()).norm() / want.float().norm()).item() > 2e-2:
                     print(f"{layout}, tile {tile}: output differs from the shipped one's at context {ctx}, {m} rows")
                     return 1
-                us = graph_time([lambda i=i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, row_tile=tile,
-                                                         **layout) for i in range(COPIES)])
+                us = graph_time([lambda i=i: A.attention(q, caches[i, 0], caches[i, 1], wi, mask, HQ, **launch)
+                                 for i in range(COPIES)])
                 read = 2 * HKV * ctx * D * 2
                 rate = read / (us / 1e6)
                 if "even" in layout:
                     label, splits = f"e{layout['even']}", min(layout["even"], math.ceil(slots / A.BLOCK_S))
                 else:
                     label, splits = f"{layout['chunk']}", math.ceil(slots / layout["chunk"])
-                label += "*" if layout == shipped and tile == tile0 else ""
-                print(f"{ctx:>8} {m:>4} {tile:>4} {label:>6} {splits:>6} {us:>8.1f} "
+                label += f"w{warps}" * (warps != A.WARPS) + f"s{stages}"
+                label += "*" if layout == shipped and tile == tile0 and (warps, stages) == (A.WARPS, shipped_stages) \
+                    else ""
+                print(f"{ctx:>8} {m:>4} {tile:>4} {label:>10} {splits:>6} {us:>8.1f} "
                       f"{rate / 1e9:>6.0f} {100 * rate / bandwidth:>6.0f}%")
     print("* the shipped layout and tile (attention.layout); eN: the even layout over N splits; 'of copy': the K/V "
           "bytes read a second against the bytes a copy moves a second (read + write)")

@@ -163,9 +163,9 @@ for part in "$@"; do
     run attention_splits 120 python3 benchmarks/attention_splits.py --contexts 16384,32000 --chunks 128,256,512,1024
     cat "$OUT/attention_splits.log"
     # several rows on one 32,256-slot cache at every context, as the bench's graphs run them: fixed chunks against
-    # the even layout (attention's even) over 17 / 32 / 64 splits
+    # the even layout (attention's even) over 32 splits, each at 2 and 3 stages (VERIFY_STAGES)
     run attention_even 120 python3 benchmarks/attention_splits.py --contexts 128,4096,16384,32000 --cache 32256 \
-      --rows 7,32 --chunks 1024 --even 17,32,64
+      --rows 7,32 --chunks 1024 --even 32 --stages 2,3
     cat "$OUT/attention_even.log"
     # one bench a context (a bench times the verify and the rounds at its first context only), each on a cache
     # sized for that context; the chain of 6 and the 32-node tree

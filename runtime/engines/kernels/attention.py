@@ -68,6 +68,7 @@ MAX_SPLITS = 128    # longer caches get longer chunks: the reduction holds every
 VERIFY_SPLITS = 17  # the most splits a call of several rows takes under row_invariant (module docstring)
 EVEN_SPLITS = 32    # splits sharing the live keys in a call of several rows (``layout``)
 VERIFY_TILE = 32    # query rows a program of such a call reads each KV tile for: a 7-token verify's 28 in one
+VERIFY_STAGES = 3   # KV tiles in flight a program of such a call whose rows fit one tile (``stages_for``)
 SHORT_CHUNK = 64    # keys per split while the live keys fit the launch's splits at that size (docstring)
 MAXNREG = 128       # the split kernel's register cap for grids of more than four programs a SM
 COMBINE_BLOCK = 32  # columns of a head each reduction program sums
@@ -223,15 +224,25 @@ def layout(max_seq_len: int, rows: int, cfg: KernelConfig = DEFAULT) -> dict:
     return dict(chunk=chunk_for(max_seq_len, max(rows, 2) if cfg.row_invariant else rows), row_tile=ROW_TILE)
 
 
+def stages_for(even: int, group_rows: int, row_tile: int) -> int:
+    """The split kernel's num_stages: VERIFY_STAGES for the even layout when a call's rows of a head group (tokens
+    x heads) fit one row tile, else 2. H100, one 8B layer on a 32,256-slot cache (attention_splits.py --stages
+    2,3): 7 rows (28 group rows, one tile) at 32K 63.6 -> 55.1 us, 16K 37.4 -> 33.8, but 4096 15.6 -> 16.1 and
+    128 6.0 -> 6.4; 32 rows (four tiles, 1,024 programs under the register cap) 144.9 -> 212.7 at 32K."""
+    return VERIFY_STAGES if even and group_rows <= row_tile else 2
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
-              cfg: KernelConfig = DEFAULT, row_tile: int | None = None, even: int = 0) -> torch.Tensor:
+              cfg: KernelConfig = DEFAULT, row_tile: int | None = None, even: int = 0, warps: int = WARPS,
+              stages: int | None = None) -> torch.Tensor:
     """q [B*M, Hq*D]; caches [B, Hkv, S_max, D]; write_index [B]; tree_mask [B, M, W >= M] bool, or [M, W] for
     B = 1 (rows may be strided) -> [B*M, Hq*D]. Without chunk and even, ``layout``'s. chunk: keys per split at
     absolute positions; even: that many splits share each sequence's live keys at run time (the fewest whole
     BLOCK_S steps covering write_index + MAX_ROWS keys), not under row_invariant (the layout then moves with
     write_index); row_tile: query rows (token x head of a group) a program reads each KV tile for (None: the
-    layout's). The tests and benchmarks/attention_splits.py set them."""
+    layout's); warps, stages: the split kernel's num_warps and num_stages (None: ``stages_for``'s). The tests and
+    benchmarks/attention_splits.py set them."""
     if tree_mask.dim() == 2:
         tree_mask = tree_mask[None]
     batch, m, w = tree_mask.shape
@@ -243,6 +254,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         shipped = layout(max_seq_len, m, cfg)
         chunk, even, row_tile = shipped.get("chunk"), shipped.get("even", 0), row_tile or shipped["row_tile"]
     row_tile = row_tile or ROW_TILE
+    stages = stages or stages_for(even, g * m, row_tile)
     if even:
         splits = min(even, triton.cdiv(max_seq_len, BLOCK_S))
         chunk = BLOCK_S * triton.cdiv(max_seq_len, splits * BLOCK_S)           # (the kernels' own from write_index)
@@ -264,7 +276,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
         MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
         PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant,
-        WP2=triton.next_power_of_2(w), EVEN=bool(even), num_warps=WARPS, num_stages=2, **regs, **cfg.launch())
+        WP2=triton.next_power_of_2(w), EVEN=bool(even), num_warps=warps, num_stages=stages, **regs, **cfg.launch())
     if out is None:
         out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)

@@ -101,6 +101,13 @@ def test_layout_takes_even_splits_for_several_rows():
     assert A.layout(4352, 1, ri) == A.layout(4352, 7, ri) == dict(chunk=256, row_tile=16)
 
 
+def test_stages_deepen_only_for_an_even_call_of_one_row_tile():
+    """3 KV tiles in flight where a call's group rows fit one tile (a 7-token verify's 28 at 32), else 2: a
+    32-token call's four tiles a split run slower with 3 (attention.stages_for)."""
+    assert A.stages_for(32, 4 * 7, 32) == A.VERIFY_STAGES == 3
+    assert A.stages_for(32, 4 * 32, 32) == A.stages_for(0, 4 * 7, 32) == A.stages_for(0, 4, 16) == 2
+
+
 @pytest.mark.parametrize("write_index", [40, 300, 570])
 def test_attention_verify_layouts(write_index, monkeypatch):
     """Calls of several rows take the even layout (its bits from 2 rows on); under row_invariant the cache's
