@@ -85,7 +85,9 @@ def main() -> int:
             layouts = [lay for i, lay in enumerate(candidates) if lay not in candidates[:i]]
             tiles = args.row_tiles + [tile0] * (tile0 not in args.row_tiles)
             for tile, layout, warps, stages in itertools.product(tiles, layouts, args.warps, args.stages or [None]):
-                shipped_stages = A.stages_for(layout.get("even", 0), HQ // HKV * m, tile)
+                programs = HKV * (min(layout["even"], math.ceil(slots / A.BLOCK_S)) if "even" in layout
+                                  else math.ceil(slots / layout["chunk"])) * math.ceil(HQ // HKV * m / tile)
+                shipped_stages = A.stages_for(layout.get("even", 0), programs, dev)
                 stages = stages or shipped_stages
                 launch = dict(row_tile=tile, warps=warps, stages=stages, **layout)
                 got = A.attention(q, caches[0, 0], caches[0, 1], wi, mask, HQ, **launch)

@@ -68,7 +68,7 @@ MAX_SPLITS = 128    # longer caches get longer chunks: the reduction holds every
 VERIFY_SPLITS = 17  # the most splits a call of several rows takes under row_invariant (module docstring)
 EVEN_SPLITS = 32    # splits sharing the live keys in a call of several rows (``layout``)
 VERIFY_TILE = 32    # query rows a program of such a call reads each KV tile for: a 7-token verify's 28 in one
-VERIFY_STAGES = 3   # KV tiles in flight a program of such a call whose rows fit one tile (``stages_for``)
+VERIFY_STAGES = 3   # KV tiles in flight a program of such a call on a grid of few programs (``stages_for``)
 SHORT_CHUNK = 64    # keys per split while the live keys fit the launch's splits at that size (docstring)
 MAXNREG = 128       # the split kernel's register cap for grids of more than four programs a SM
 COMBINE_BLOCK = 32  # columns of a head each reduction program sums
@@ -224,12 +224,12 @@ def layout(max_seq_len: int, rows: int, cfg: KernelConfig = DEFAULT) -> dict:
     return dict(chunk=chunk_for(max_seq_len, max(rows, 2) if cfg.row_invariant else rows), row_tile=ROW_TILE)
 
 
-def stages_for(even: int, group_rows: int, row_tile: int) -> int:
-    """The split kernel's num_stages: VERIFY_STAGES for the even layout when a call's rows of a head group (tokens
-    x heads) fit one row tile, else 2. H100, one 8B layer on a 32,256-slot cache (attention_splits.py --stages
-    2,3): 7 rows (28 group rows, one tile) at 32K 63.6 -> 55.1 us, 16K 37.4 -> 33.8, but 4096 15.6 -> 16.1 and
-    128 6.0 -> 6.4; 32 rows (four tiles, 1,024 programs under the register cap) 144.9 -> 212.7 at 32K."""
-    return VERIFY_STAGES if even and group_rows <= row_tile else 2
+def stages_for(even: int, programs: int, device: torch.device) -> int:
+    """The split kernel's num_stages: VERIFY_STAGES for the even layout when its grid runs at most four programs a
+    SM (``many``: no register cap), else 2. H100, one 8B layer on a 32,256-slot cache (attention_splits.py --stages
+    2,3): 7 rows (one 32-row tile a split, 256 programs) at 32K 63.6 -> 55.1 us, 16K 37.4 -> 33.8, but 4096
+    15.6 -> 16.1 and 128 6.0 -> 6.4; 32 rows (four tiles a split, 1,024 programs, capped) 144.9 -> 212.7 at 32K."""
+    return VERIFY_STAGES if even and not many(programs, device) else 2
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
@@ -254,7 +254,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         shipped = layout(max_seq_len, m, cfg)
         chunk, even, row_tile = shipped.get("chunk"), shipped.get("even", 0), row_tile or shipped["row_tile"]
     row_tile = row_tile or ROW_TILE
-    stages = stages or stages_for(even, g * m, row_tile)
     if even:
         splits = min(even, triton.cdiv(max_seq_len, BLOCK_S))
         chunk = BLOCK_S * triton.cdiv(max_seq_len, splits * BLOCK_S)           # (the kernels' own from write_index)
@@ -269,6 +268,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (batch * kv_heads, splits, triton.cdiv(g * m, row_tile))
     regs = {"maxnreg": MAXNREG} if many(math.prod(grid), q.device) else {}
+    stages = stages or stages_for(even, math.prod(grid), q.device)
     partial = torch.empty(splits, rows, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, rows, heads, 2, dtype=torch.float32, device=q.device)
     _split_kernel[grid](

@@ -101,11 +101,13 @@ def test_layout_takes_even_splits_for_several_rows():
     assert A.layout(4352, 1, ri) == A.layout(4352, 7, ri) == dict(chunk=256, row_tile=16)
 
 
-def test_stages_deepen_only_for_an_even_call_of_one_row_tile():
-    """3 KV tiles in flight where a call's group rows fit one tile (a 7-token verify's 28 at 32), else 2: a
-    32-token call's four tiles a split run slower with 3 (attention.stages_for)."""
-    assert A.stages_for(32, 4 * 7, 32) == A.VERIFY_STAGES == 3
-    assert A.stages_for(32, 4 * 32, 32) == A.stages_for(0, 4 * 7, 32) == A.stages_for(0, 4, 16) == 2
+def test_stages_deepen_only_for_an_even_call_on_a_small_grid():
+    """3 KV tiles in flight for the even layout on a grid of at most four programs a SM (a 7-token verify's 256
+    on the H100), else 2: a 32-token call's 1,024 capped programs run slower with 3 (attention.stages_for; the
+    interpreter counts 2 SMs)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert A.stages_for(32, 4 * A.sms(dev), dev) == A.VERIFY_STAGES == 3
+    assert A.stages_for(32, 4 * A.sms(dev) + 1, dev) == A.stages_for(0, 1, dev) == 2
 
 
 @pytest.mark.parametrize("write_index", [40, 300, 570])
