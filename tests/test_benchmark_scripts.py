@@ -36,7 +36,7 @@ def test_every_script_is_checked_here():
                        "fast_agreement.py", "fast_decode.py", "first_request.py", "gil_handoff.py",
                        "graph_equivalence.py", "kernels.py", "kv_cache_quality.py", "open_dir.py", "ort_layers.py",
                        "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
-                       "verify_speed.py"]
+                       "trace_server.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -177,6 +177,9 @@ def test_serve_load_refuses_bad_counts_as_argparse_does(args, said):
     ("first_request.py", ["some-dir", "--json", "no-such-dir/r.json"], "--json no-such-dir/r.json: its folder"),
     ("first_request.py", ["no-such-dir"], "no-such-dir: not an engine dir (no manifest.json)"),
     ("gil_handoff.py", ["--waits", "-3"], "--waits: '-3': expected a positive integer"),
+    ("trace_server.py", ["some-dir", "--requests", "0"], "--requests must be at least 1"),
+    ("trace_server.py", ["some-dir", "--min-ms", "0"], "--min-ms takes (0, 1000] ms"),
+    ("trace_server.py", ["no-such-dir"], "no-such-dir: not an engine dir (no manifest.json)"),
 ])
 def test_bad_options_are_refused_as_argparse_does(script, args, said):
     done = run(script, *args)
@@ -260,6 +263,23 @@ def test_first_request_times_each_request_after_the_warm_up_and_profiles_the_fir
     done = run("first_request.py", str(one), "--device", "cpu", "--backend", "torch")
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "a --max-batch 1 dir runs no batch loop" in last and "Traceback" not in done.stderr
+
+
+def test_trace_server_traces_each_request_on_every_server_thread(batch4_dir, tmp_path):
+    """Each request's timeline holds the event loop's and the engine thread's calls, not the tracer's own, and the
+    server is stopped after."""
+    done = run("trace_server.py", str(batch4_dir), "--serve-args", "--device cpu --backend torch", "--requests", "2",
+               "--out", str(tmp_path), "--min-ms", "0.05", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("request")] == [
+        "request 0", "request 1"]
+    for n in range(2):
+        threads = {line.split()[2] for line in (tmp_path / f"request-{n}.txt").read_text().splitlines()}
+        assert "MainThread" in threads and any(t.startswith("xcompile-engine") for t in threads), threads
+        assert "xcompile-trace" not in threads
+    engine = (tmp_path / "request-0.txt").read_text()
+    assert "BatchGenerator.step" in engine and "Tensor" in engine        # Python frames and C calls alike
+    assert not (tmp_path / "tracing").exists()
 
 
 def gone(pid: int) -> bool:
