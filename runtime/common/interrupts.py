@@ -5,12 +5,17 @@ way out. SIGTERM would kill the process without that, so the CLIs raise ``Termin
 KeyboardInterrupt) for it. Native code that calls back into Python (the TensorRT builder's progress
 monitor) swallows exceptions raised in the callback; there the signal is recorded by ``deferred``
 and the callback asks ``pending()`` to cancel the build, and the interrupt is raised once it returned.
+Python itself ignores an exception raised in a weakref callback or a ``__del__``: a signal that lands in one
+(an import's module-lock callback, mid-export) is delivered again (``sigterm_raises``), else the command ran to
+its end after SIGTERM and exited 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -36,7 +41,8 @@ def _main_thread() -> bool:
 
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """For the duration (a CLI command), SIGTERM raises ``Terminated``; the previous handler comes back after."""
+    """For the duration (a CLI command), SIGTERM raises ``Terminated``, and an interrupt Python ignored (module
+    docstring) is delivered again; the previous handler and hook come back after."""
     if not _main_thread():
         yield
         return
@@ -44,10 +50,25 @@ def sigterm_raises() -> Iterator[None]:
     def handler(signum, frame):
         raise Terminated()
 
+    hook = sys.unraisablehook
+
+    def unraisable(u) -> None:
+        if isinstance(u.exc_value, KeyboardInterrupt):
+            # an interrupt Python ignored: the signal again 50 ms later, from a timer thread, so that its handler
+            # runs once this hook and the callback are left (sent at once, it raised inside the hook, ignored again)
+            signum = signal.SIGTERM if isinstance(u.exc_value, Terminated) else signal.SIGINT
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+        else:
+            hook(u)
+
     previous = signal.signal(signal.SIGTERM, handler)
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         signal.signal(signal.SIGTERM, previous)
 
 
