@@ -85,8 +85,11 @@ def main() -> int:
             layouts = [lay for i, lay in enumerate(candidates) if lay not in candidates[:i]]
             tiles = args.row_tiles + [tile0] * (tile0 not in args.row_tiles)
             for tile, layout, warps, stages in itertools.product(tiles, layouts, args.warps, args.stages or [None]):
-                programs = HKV * (min(layout["even"], math.ceil(slots / A.BLOCK_S)) if "even" in layout
-                                  else math.ceil(slots / layout["chunk"])) * math.ceil(HQ // HKV * m / tile)
+                if "even" in layout:
+                    label, splits = f"e{layout['even']}", min(layout["even"], math.ceil(slots / A.BLOCK_S))
+                else:
+                    label, splits = f"{layout['chunk']}", math.ceil(slots / layout["chunk"])
+                programs = HKV * splits * math.ceil(HQ // HKV * m / tile)          # attention's grid
                 shipped_stages = A.stages_for(layout.get("even", 0), programs, dev)
                 stages = stages or shipped_stages
                 launch = dict(row_tile=tile, warps=warps, stages=stages, **layout)
@@ -98,10 +101,6 @@ def main() -> int:
                                  for i in range(COPIES)])
                 read = 2 * HKV * ctx * D * 2
                 rate = read / (us / 1e6)
-                if "even" in layout:
-                    label, splits = f"e{layout['even']}", min(layout["even"], math.ceil(slots / A.BLOCK_S))
-                else:
-                    label, splits = f"{layout['chunk']}", math.ceil(slots / layout["chunk"])
                 label += f"w{warps}" * (warps != A.WARPS) + f"s{stages}"
                 label += "*" if layout == shipped and tile == tile0 and (warps, stages) == (A.WARPS, shipped_stages) \
                     else ""
