@@ -26,9 +26,10 @@
 #            an 8-token prefill, the prefills of 16-79 tokens, a round
 #   long     benchmarks/attention_splits.py (one layer's attention per chunk size and row tile at 16K and 32K,
 #            1 / 7 / 32 rows; then 7 / 32 rows on one 32,256-slot cache at 128-32000, fixed chunks against the
-#            even layout, each at 2 and 3 stages); xrun bench --synthetic qwen3-8b --backend fast, one run a context of LONG_CONTEXTS
-#            (128 4096 16384 32000; chain gamma 6, tree 10/6/32): decode and verify against the floor counting
-#            KV bytes, and the prompt's prefill against the matmul rate; the same at 32000 with an FP8 KV cache
+#            even layout, each at 2 and 3 stages); xrun bench --synthetic qwen3-8b --backend fast, one run a
+#            context of LONG_CONTEXTS (128 4096 16384 32000; chain gamma 6, tree 10/6/32): decode and verify
+#            against the floor counting KV bytes, and the prompt's prefill against the matmul rate; the same at
+#            32000 with an FP8 KV cache
 #   long128k xrun bench --synthetic qwen3-8b --yarn 4 (Qwen3's model card: 131,072 positions) at a 130,000-token
 #            context, chain gamma 6: decode, verify and round there, the prefill, and torch's peak GPU memory
 #            (not yet run, so its time is not known; the prefill of 130,000 tokens is timed six times)

@@ -18,7 +18,7 @@ class Thing:
     pass
 
 
-def swallowed(exc: KeyboardInterrupt) -> None:
+def swallowed(exc: BaseException) -> None:
     """``exc`` raised in a weakref callback, as a signal handler's raise there is: Python reports it to
     sys.unraisablehook and carries on."""
     thing = Thing()
