@@ -1,6 +1,6 @@
 """Tune the fast backend's tile tables on a GPU: time candidate tiles per weight shape, write a tiles.json.
 
-    python benchmarks/kernels.py [--calls 8b,eagle3] [--out tiles.json] [--json sweep.json]
+    python benchmarks/kernels.py [--calls 8b,eagle3] [--out tiles.json] [--json sweep.json] [--one-row]
 
 For each projection of the Qwen3-8B target, its EAGLE3 head and Qwen3-0.6B (``CALLS``; ``--calls`` picks groups
 or names, e.g. ``8b,eagle3.qkv``), called as the fast engines call it (runtime/engines/fast.py: qkv and gate/up
@@ -14,6 +14,11 @@ output, the lm_heads normalised by a launch of their own at several rows), throu
             chosen tile at one row
     cuda    gemv.cu's candidates (cols, warps, stages, per_sm), where nvcc builds it (bf16, sm_90+); kept when
             faster than both
+    one_row (``--one-row``, instead of the three above) the tile kernel at one row under KernelConfig.row_invariant
+            (plain decoding's calls there): candidates that keep the shipped tile's K split (and BLOCK_N where the
+            call leaves row sums), each checked bit for bit, result and row sums, against the same row as the
+            first of a 7-row call on the shipped tile; the fastest with the same bits is kept when it beats the
+            shipped tile
 
 Each time is the median µs of one call inside a CUDA graph of calls over rotating weight copies (so L2 never
 holds the weights), with GB/s of weight bytes; each candidate is first checked against linear_reference. The
@@ -39,7 +44,7 @@ from triton.runtime.errors import OutOfResources
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels.config import TABLES, CudaGemv, Gemv, KernelConfig, Tile, Tiles, shipped_tiles
-from xcompile.runtime.engines.kernels.linear import linear, linear_reference
+from xcompile.runtime.engines.kernels.linear import DEFAULT_TILE, linear, linear_reference
 from xcompile.runtime.engines.kernels.tile_finish import RowSums
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
@@ -126,16 +131,22 @@ class Bench:
         self.sums_out = RowSums(call.n, DT, DEV) if call.residual else None
 
     def run(self, m: int, w: torch.Tensor, out: torch.Tensor, cfg: KernelConfig) -> torch.Tensor:
-        """linear() of m rows as the engines call it (Call's docstring); ``prepare(m)`` first."""
+        """linear() of m rows as the engines call it (Call's docstring); ``prepare(m)`` first. Under
+        row_invariant one row takes its norm from the row sums too, as several rows do."""
         c = self.call
+        from_sums = c.norm == "sums" and (m > 1 or cfg.row_invariant)
         return linear(self.x[m], w, norm=self.g if c.norm else None, gated=c.gated,
                       residual=out if c.residual else None, out=out,
-                      sums=self.sums if c.norm == "sums" and m > 1 else None, sums_out=self.sums_out, cfg=cfg)
+                      sums=self.sums if from_sums else None, sums_out=self.sums_out, cfg=cfg)
 
     def prepare(self, m: int) -> None:
-        """The row sums of x that the call before would have left (RowSums), outside the timed calls."""
+        """The row sums of x that the call before would have left (RowSums), outside the timed calls; x's first
+        row is every row count's first row, so its sum is the same bits at each."""
+        for rows in ROWS:
+            self.x[rows][0] = self.x[1][0]
         x = self.x[m]
         self.sums.buf[0, :m] = x.float().pow(2).sum(1)
+        self.sums.buf[0, 0] = self.x[1].float().pow(2).sum(1)[0]
         self.sums.left_by(x, 1)
 
     def time(self, m: int, cfg: KernelConfig) -> float:
@@ -202,6 +213,52 @@ def sweep(bench: Bench, shipped: Tiles, with_cuda: bool) -> dict:
     return found
 
 
+def exact_row(bench: Bench, tile: Tile, shipped: Tile) -> bool:
+    """Whether one row on ``tile`` gives the bits (its result and the row sums it leaves) that the same row gives
+    as the first of a 7-row call on the shipped tile, under KernelConfig.row_invariant."""
+    shape, got = (bench.call.n, bench.call.k), []
+    for m, t in ((7, shipped), (1, tile)):
+        out = bench.outs[m][0]
+        out[0] = bench.outs[1][0][0]                    # the same residual row
+        bench.prepare(m)
+        y = bench.run(m, bench.ws[0], out.clone(), KernelConfig(row_invariant=True, tiles=Tiles(tile={shape: t})))
+        sums = bench.sums_out.buf[:, 0].clone() if bench.sums_out is not None else None
+        got.append((y[0].clone(), sums))
+    (y7, s7), (y1, s1) = got
+    return torch.equal(y7, y1) and (s7 is None or torch.equal(s7, s1))
+
+
+def one_row_sweep(bench: Bench, shipped: Tiles) -> dict:
+    """One row under KernelConfig.row_invariant runs the tile kernel; its candidates keep the shipped tile's split
+    (and BLOCK_N where the call leaves row sums: one partial a column block), the rest free. Each is checked bit
+    for bit against the shipped tile's 7-row call (exact_row) and timed at one row against the shipped tile."""
+    c = bench.call
+    shape = (c.n, c.k)
+    t0 = shipped.tile.get(shape, DEFAULT_TILE).for_k(c.k)
+    widths = [t0.block_n] if c.residual else [16, 32, 64, 128]
+    cands = [t0] + [Tile(bn, bk, w, st, t0.split) for bn in widths for bk in (128, 256, 512) for w in (4, 8)
+                    for st in (3, 5) if c.k % (t0.split * bk) == 0 and (bn, bk, w, st) != t0[:4]
+                    and (w == 4 or bn >= 64)]
+    kb = (2 if c.gated else 1) * c.n * c.k * 2 / 1e3
+    rows = []
+    for tile in cands:
+        try:
+            exact = exact_row(bench, tile, t0)
+            us = bench.time(1, KernelConfig(row_invariant=True, tiles=Tiles(tile={shape: tile})))
+            rows.append((tuple(tile), us, exact))
+        except (OutOfResources, RuntimeError, EngineError) as e:
+            print(f"  {tuple(tile)}: {type(e).__name__}: {str(e)[:100]}")
+    rows.sort(key=lambda r: r[1])
+    print(f"\n{c.name} {shape}: one row under row_invariant, µs (shipped {tuple(t0)}: "
+          f"{next(r[1] for r in rows if r[0] == tuple(t0)):.1f})")
+    for tile, us, exact in rows[:8]:
+        print(f"  {str(tile):<24}{us:>9.1f}{kb / us:>7.0f} GB/s  {'same bits' if exact else 'OTHER BITS'}")
+    best = next((r for r in rows if r[2]), None)
+    chosen = best[0] if best and best[0] != tuple(t0) else None
+    print(f"  chosen: {chosen or 'the shipped tile'}")
+    return {"name": c.name, "n": c.n, "k": c.k, "one_row": rows, "chosen": {"one_row": chosen}}
+
+
 def select(spec: str) -> list[Call]:
     """The calls ``spec`` names: comma-separated groups (8b, eagle3, 0.6b) or names (8b.qkv)."""
     picked = []
@@ -218,7 +275,7 @@ def tuned(shipped: Tiles, results: list[dict], provenance: str) -> Tiles:
     tables = {name: dict(getattr(shipped, name)) for name in TABLES}
     for r in results:
         shape = (r["n"], r["k"])
-        for name in TABLES:
+        for name in r["chosen"]:
             tables[name].pop(shape, None)
             if r["chosen"][name] is not None:
                 tables[name][shape] = r["chosen"][name]
@@ -230,6 +287,8 @@ def main() -> None:
     ap.add_argument("--calls", default="8b,eagle3", help="groups (8b, eagle3, 0.6b) or names (8b.qkv), comma-separated")
     ap.add_argument("--out", help="write the tuned tile tables here (tiles.json's format)")
     ap.add_argument("--json", help="write every candidate's times here")
+    ap.add_argument("--one-row", action="store_true", help="the one_row table instead: one row under "
+                    "KernelConfig.row_invariant on tile candidates that keep the shipped split (one_row_sweep)")
     args = ap.parse_args()
     calls = select(args.calls)
     if not torch.cuda.is_available():
@@ -242,7 +301,7 @@ def main() -> None:
     results = []
     for call in calls:
         bench = Bench(call)
-        results.append(sweep(bench, shipped, with_cuda))
+        results.append(one_row_sweep(bench, shipped) if args.one_row else sweep(bench, shipped, with_cuda))
         del bench
         torch.cuda.empty_cache()
     when = datetime.date.today().isoformat()

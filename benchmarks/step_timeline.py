@@ -1,7 +1,7 @@
 """Where a graphed step's time goes, kernel by kernel, on a GPU (the Qwen3-8B shape, random weights).
 
     python benchmarks/step_timeline.py [--layers 36] [--contexts 128,4096] [--tokens 1,32] [--max-seq-len 4352]
-                                       [--pdl 0|1] [--cuda-gemv 0|1] [--tiles FILE]
+                                       [--pdl 0|1] [--cuda-gemv 0|1] [--tiles FILE] [--row-invariant]
     python benchmarks/step_timeline.py --eagle3 [--contexts 128] [--tokens 1,10]     # the EAGLE3 draft step
     python benchmarks/step_timeline.py --reference [--layers 4]                     # the reference modules' step
     python benchmarks/step_timeline.py --quantize fp8|int4 [--tokens 1,7]           # quantized decoder linears
@@ -13,7 +13,8 @@ by its order there: the one-row GEMVs #0 qkv, #1 o, #2 gate/up, #3 down): launch
 end), critical µs a step, and how long before the previous kernel's end it started (its early launch).
 The step's span under the profiler is printed beside the graphed time without it. Weights are random,
 drawn on the GPU as in benchmarks/fast_decode.py. The fast engine runs under the shipped KernelConfig, or
-with PDL / the CUDA GEMV off (``--pdl 0``, ``--cuda-gemv 0``) or another tile tables file (``--tiles``).
+with PDL / the CUDA GEMV off (``--pdl 0``, ``--cuda-gemv 0``), another tile tables file (``--tiles``), or
+KernelConfig.row_invariant (``--row-invariant``).
 ``--eagle3``: the step of an EAGLE3 head of the 8B target's shape instead (one layer: every launch its own
 row). ``--reference``: the reference modules' step (cuBLAS, SDPA) instead of the fast engine's.
 """
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--eagle3", action="store_true", help="the EAGLE3 head's draft step, not the target's")
     ap.add_argument("--reference", action="store_true", help="the reference modules' step, not the fast engine's")
     ap.add_argument("--quantize", choices=("fp8", "int4"), help="the target's decoder linears quantized")
+    ap.add_argument("--row-invariant", action="store_true", help="KernelConfig.row_invariant (one-row calls on the "
+                    "tile kernels, attention's packed layout)")
     args = ap.parse_args()
     longest = max(args.contexts) + max(args.tokens)
     if longest > args.max_seq_len:
@@ -114,7 +117,7 @@ def main() -> None:
         raise SystemExit(f"--tiles: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline.py profiles CUDA graphs: no CUDA device is visible here")
-    kernels = KernelConfig(pdl=bool(args.pdl), cuda_gemv=bool(args.cuda_gemv),
+    kernels = KernelConfig(pdl=bool(args.pdl), cuda_gemv=bool(args.cuda_gemv), row_invariant=args.row_invariant,
                            **({"tiles": tiles} if tiles is not None else {}))
     torch.manual_seed(0)
     cfg, taps = qwen3_8b(args.layers)
@@ -127,6 +130,7 @@ def main() -> None:
     fast.kernels = kernels
     engine = ref if args.reference else fast
     what += ", reference modules" if args.reference else f", pdl={args.pdl} cuda_gemv={args.cuda_gemv}" + (
+        " row_invariant" if args.row_invariant else "") + (
         f" tiles={args.tiles}" if args.tiles else "")
     for ctx in args.contexts:
         for tokens in args.tokens:

@@ -143,6 +143,12 @@ def test_the_tuners_tables_load_back_as_tile_tables(tmp_path, monkeypatch):
     assert back.gemv[gate_up] == (4, 512, 4, 3) and back.cuda[gate_up] == (1, 8, 4, 0)
     assert {s: t for s, t in back.tile.items() if s not in (qkv, gate_up)} == \
         {s: t for s, t in shipped.tile.items() if s not in (qkv, gate_up)}            # the others as shipped
+    # --one-row: its table only, beside the shipped tile of the same split
+    one_row = [{"n": 6144, "k": 4096, "chosen": {"one_row": tuner.Tile(128, 512, 8, 5, 2)}},
+               {"n": 4096, "k": 4096, "chosen": {"one_row": None}}]
+    back = tuner.tuned(shipped, one_row, "H100, 2026-12-07: python benchmarks/kernels.py --one-row")
+    assert back.one_row[qkv] == (128, 512, 8, 5, 2) and (4096, 4096) not in back.one_row
+    assert back.tile == shipped.tile and back.gemv == shipped.gemv and back.cuda == shipped.cuda
 
 
 @pytest.mark.parametrize("args,said", [(["--streams", "1,x"], "--streams: '1,x': expected positive integers"),

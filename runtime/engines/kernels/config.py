@@ -16,7 +16,10 @@ stays open is what a user or a benchmark must be able to choose:
                (docs/performance.md measures it)
 
 Tile tables are keyed by weight shape only, never by row count, so a row reduces in the same order at
-every row count the tile kernel serves.
+every row count the tile kernel serves. The one exception keeps that order: ``one_row`` gives one-row calls on
+the tile kernel (row_invariant's, the lm_heads') a tile of their own that differs from the shape's ``tile`` only
+where the bits do not (the K split and, for calls that leave row sums, BLOCK_N stay; benchmarks/kernels.py
+--one-row checks each entry bit for bit on the GPU before it is kept).
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ class Tile(NamedTuple):
     stages: int
     split: int = 1
 
+    def for_k(self, k: int) -> Tile:
+        """This tile as it runs at K = k: BLOCK_K at most K's power of two, a split only where it covers whole
+        K blocks."""
+        tile = self._replace(block_k=min(self.block_k, max(16, 1 << (k - 1).bit_length())))
+        return tile if k % (tile.split * tile.block_k) == 0 else tile._replace(split=1)
+
 
 class Gemv(NamedTuple):
     """A one-row Triton GEMV tile (gemv.py): BLOCK_N output columns x BLOCK_K of K per step, num_warps, and
@@ -64,24 +73,29 @@ class CudaGemv(NamedTuple):
 
 
 Shape = tuple[int, int]          # a weight's (N_OUT, K)
-TABLES = {"tile": Tile, "gemv": Gemv, "cuda": CudaGemv}
+TABLES = {"tile": Tile, "gemv": Gemv, "cuda": CudaGemv, "one_row": Tile}
 
 
 @dataclass(frozen=True)
 class Tiles:
     """The tile tables: ``tile`` for the tile kernel (shapes not listed take DEFAULT_TILE), ``gemv`` for the
     shapes whose one-row calls run the Triton GEMV (others: the tile kernel), ``cuda`` for those that run
-    gemv.cu's kernel where it is built."""
+    gemv.cu's kernel where it is built, ``one_row`` for one-row calls on the tile kernel (module docstring)."""
 
     tile: Mapping[Shape, Tile] = field(default_factory=dict)
     gemv: Mapping[Shape, Gemv] = field(default_factory=dict)
     cuda: Mapping[Shape, CudaGemv] = field(default_factory=dict)
+    one_row: Mapping[Shape, Tile] = field(default_factory=dict)
     provenance: str = ""
 
     def __post_init__(self):
         for name, kind in TABLES.items():
             table = {tuple(shape): kind(*t) for shape, t in getattr(self, name).items()}
             object.__setattr__(self, name, MappingProxyType(table))
+        for shape, t in self.one_row.items():
+            if shape not in self.tile or t.for_k(shape[1]).split != self.tile[shape].for_k(shape[1]).split:
+                raise EngineError(f"one_row {shape}: its K split must be the tile entry's "
+                                  f"({self.tile.get(shape)}), or one row rounds otherwise than a block's rows")
 
     @classmethod
     def load(cls, path: Path | str) -> Tiles:
@@ -97,7 +111,10 @@ class Tiles:
         except (OSError, ValueError, TypeError, AttributeError, AssertionError) as e:
             raise EngineError(f"{path}: not a tile tables file ({e}); expected {{\"tile\": {{\"N,K\": [fields]}}, "
                               "\"gemv\": ..., \"cuda\": ...}") from None
-        return cls(**tables, provenance=str(data.get("provenance", "")))
+        try:
+            return cls(**tables, provenance=str(data.get("provenance", "")))
+        except EngineError as e:
+            raise EngineError(f"{path}: {e}") from None
 
     def to_json(self) -> dict:
         return {"provenance": self.provenance, **{name: {f"{n},{k}": list(t) for (n, k), t in getattr(self, name).items()}

@@ -133,14 +133,11 @@ def _linear_kernel(X, W, Y, R, Y2, WS, CNT, SQ, SQO, M, N_OUT, K, K_SPLIT, strid
             BLOCK_N, TILES)
 
 
-def tile_for(n_out: int, k: int, tiles: Tiles) -> Tile:
-    """The tile kernel's tile for this shape: the table's or DEFAULT_TILE, BLOCK_K at most K's power of two,
-    a split only where it covers whole K blocks."""
-    tile = tiles.tile.get((n_out, k), DEFAULT_TILE)
-    tile = tile._replace(block_k=min(tile.block_k, max(16, triton.next_power_of_2(k))))
-    if k % (tile.split * tile.block_k):
-        tile = tile._replace(split=1)
-    return tile
+def tile_for(n_out: int, k: int, tiles: Tiles, one_row: bool = False) -> Tile:
+    """The tile kernel's tile for this shape as it runs at this K (Tile.for_k): the table's or DEFAULT_TILE
+    (one row: the one_row table's first, the same bits)."""
+    tile = tiles.one_row.get((n_out, k)) if one_row else None
+    return (tile or tiles.tile.get((n_out, k), DEFAULT_TILE)).for_k(k)
 
 
 def embedding(ids: torch.Tensor, embed: torch.Tensor, sums_out: RowSums | None = None,
@@ -201,7 +198,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         if tile is not None:
             return gemv(x, w, out, tile, norm=norm, eps=eps, gated=gated, residual=residual, extra_out=extra_out,
                         cfg=cfg)
-    t = tile_for(n_out, k, tiles)
+    t = tile_for(n_out, k, tiles, one_row=m == 1)
     # x's 1/rms from the sums the call that wrote x left (a norm of weight ones: the caller folded it into w),
     # else x normalised once, by a launch of its own
     from_sums = sums is not None and norm is sums.unit and sums.source == RowSums.key(x)

@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 
 from kernel_checks import DEV, DTYPES, TOL, randn, rel, with_tiles  # noqa: E402
 
+from xcompile.runtime.common.errors import EngineError  # noqa: E402
 from xcompile.runtime.engines.kernels import common as C  # noqa: E402
 from xcompile.runtime.engines.kernels import linear as L  # noqa: E402
 from xcompile.runtime.engines.kernels.attention import attention  # noqa: E402
@@ -79,6 +80,41 @@ def test_tile_for_falls_back_and_clamps():
     assert L.tile_for(8, 192, tiles) == L.Tile(16, 64, 4, 3, 1)
     assert L.tile_for(8, 200, tiles) == L.Tile(16, 64, 4, 3, 1)
     assert L.tile_for(3, 100, tiles) == L.DEFAULT_TILE._replace(block_k=128)
+    tiles = tiles.replace(one_row={(8, 192): (32, 32, 8, 4, 4)})                # a one-row tile of its own
+    assert L.tile_for(8, 192, tiles, one_row=True) == L.Tile(32, 32, 8, 4, 1)     # unsplit, as the tile
+    assert L.tile_for(8, 192, tiles) == L.Tile(16, 64, 4, 3, 1)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_one_row_tile_keeps_a_blocks_bits(gated, block_k):
+    """A one_row tile (other warps and stages; another BLOCK_N where the call leaves no row sums; BLOCK_K too on
+    the GPU) gives one row under row_invariant the bits it has as a block's first row on the shape's tile, its
+    row sums included. The interpreter's tl.dot is numpy's, which may sum K otherwise in blocks of another width,
+    so on the CPU only the tile's own BLOCK_K must keep them; benchmarks/kernels.py --one-row checks the GPU's
+    bits of each tile it ships."""
+    n, k = 48, 512
+    cfg = KernelConfig(row_invariant=True, tiles=Tiles(tile={(n, k): (16, 64, 4, 2, 2)},
+                                                       one_row={(n, k): (32 if gated else 16, block_k, 8, 3, 2)}))
+    w, g = randn(2 * n if gated else n, k, dtype=torch.float32, scale=k ** -0.5), randn(k, dtype=torch.float32) + 1
+    x, r = randn(5, k, dtype=torch.float32), randn(5, n, dtype=torch.float32)
+    sums = [RowSums(n, torch.float32, DEV) for _ in range(2)]
+    res = {}
+    for m, s in zip((5, 1), sums):
+        res[m] = linear(x[:m], w, norm=g, gated=gated, residual=None if gated else r[:m].clone(),
+                        sums_out=None if gated else s, cfg=cfg)
+    assert rel(res[1], linear_reference(x[:1], w, norm=g, gated=gated, residual=None if gated else r[:1])) < 1e-5
+    if block_k == 64 or DEV == "cuda":
+        assert torch.equal(res[1][0], res[5][0])
+        assert torch.equal(sums[0].buf[:, 0], sums[1].buf[:, 0])
+
+
+def test_a_one_row_tile_must_keep_the_split():
+    with pytest.raises(EngineError, match=r"one_row \(48, 512\): its K split must be the tile entry's"):
+        Tiles(tile={(48, 512): (16, 64, 4, 2, 2)}, one_row={(48, 512): (16, 64, 4, 2, 4)})
+    with pytest.raises(EngineError, match="split"):
+        Tiles(one_row={(48, 512): (16, 64, 4, 2, 1)})                          # no tile entry to keep it with
+    Tiles(tile={(48, 96): (16, 64, 4, 2, 2)}, one_row={(48, 96): (16, 32, 4, 2, 1)})  # 64 x 2 runs unsplit at K 96
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
