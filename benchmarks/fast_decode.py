@@ -1,7 +1,7 @@
 """One Qwen3-8B-shaped decode / verify step on the fast backend against the reference modules, on a GPU.
 
     python benchmarks/fast_decode.py [--layers 36] [--contexts 128,4096] [--max-seq-len 4352] [--tiles FILE]
-                                     [--json FILE]
+                                     [--row-invariant] [--json FILE]
 
 Weights are random, drawn on the GPU (their values do not matter for speed; the CPU-seeded weights of
 ``xrun bench --synthetic`` take a minute to draw). Per context it prints the graphed ms of
@@ -15,7 +15,9 @@ runtime/engines/kernels/config.py), the engine's ``kernels`` replaced between ti
 (``fast``), programmatic dependent launch off (``no_pdl``), the CUDA GEMV off so that one-row projections run
 the Triton GEMV (``triton_gemv``; one-row steps only, it changes nothing else), and with ``--tiles FILE`` that
 tile tables file (``tiles``: benchmarks/kernels.py's output, or a hand-made one; a file without "gemv" and
-"cuda" tables puts one-row calls on the tile kernel). Then the TTFT of a 4096-token prompt against the bf16
+"cuda" tables puts one-row calls on the tile kernel); ``--row-invariant`` adds KernelConfig.row_invariant
+(``exact``; with --tiles also ``exact_tiles``: its one_row table is what row_invariant's one-row calls take).
+Then the TTFT of a 4096-token prompt against the bf16
 matmul rate measured here, and the teacher-forced agreement of 16 decode steps with the reference.
 """
 
@@ -105,11 +107,15 @@ def graphed_ms(run, inputs: dict, reps: int = 30) -> float:
     return timed(replay, DEV, reps)
 
 
-def kernel_configs(tiles: Tiles | None) -> dict[str, KernelConfig]:
+def kernel_configs(tiles: Tiles | None, row_invariant: bool = False) -> dict[str, KernelConfig]:
     """The configurations timed (module docstring), the shipped one first."""
     configs = {"fast": KernelConfig(), "no_pdl": KernelConfig(pdl=False), "triton_gemv": KernelConfig(cuda_gemv=False)}
     if tiles is not None:
         configs["tiles"] = KernelConfig(tiles=tiles)
+    if row_invariant:
+        configs["exact"] = KernelConfig(row_invariant=True)
+        if tiles is not None:
+            configs["exact_tiles"] = KernelConfig(row_invariant=True, tiles=tiles)
     return configs
 
 
@@ -131,6 +137,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int_list, default=[128, 4096])
     ap.add_argument("--max-seq-len", type=int, default=4352, help="KV slots of the target's and the head's caches")
     ap.add_argument("--tiles", help="a tile tables file (tiles.json's format) to time against the shipped tables")
+    ap.add_argument("--row-invariant", action="store_true", help="also time KernelConfig.row_invariant (module "
+                    "docstring)")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     if max(args.contexts) + max(TARGET_TOKENS) > args.max_seq_len:
@@ -142,7 +150,7 @@ def main() -> None:
         raise SystemExit(f"--tiles: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("fast_decode.py times CUDA graphs: no CUDA device is visible here")
-    configs = kernel_configs(tiles)
+    configs = kernel_configs(tiles, args.row_invariant)
     if tiles is not None:
         print(f"--tiles {args.tiles}: {tiles.provenance or '(no provenance)'}")
     torch.manual_seed(0)

@@ -236,9 +236,9 @@ def one_row_sweep(bench: Bench, shipped: Tiles) -> dict:
     shape = (c.n, c.k)
     t0 = shipped.tile.get(shape, DEFAULT_TILE).for_k(c.k)
     widths = [t0.block_n] if c.residual else [16, 32, 64, 128]
-    cands = [t0] + [Tile(bn, bk, w, st, t0.split) for bn in widths for bk in (128, 256, 512) for w in (4, 8)
-                    for st in (3, 5) if c.k % (t0.split * bk) == 0 and (bn, bk, w, st) != t0[:4]
-                    and (w == 4 or bn >= 64)]
+    cands = [t0] + [Tile(bn, bk, 8 if bn >= 128 else 4, st, t0.split) for bn in widths for bk in (256, 512)
+                    for st in (3, 5) if c.k % (t0.split * bk) == 0]
+    cands = list(dict.fromkeys(cands))
     kb = (2 if c.gated else 1) * c.n * c.k * 2 / 1e3
     rows = []
     for tile in cands:
