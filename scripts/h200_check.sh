@@ -44,6 +44,10 @@
 #            that); EXACT_AGREE=1: then benchmarks/fast_agreement.py --row-invariant on the demo target with its
 #            EAGLE3 head, MTP module and draft model in bf16 (speculative vs plain greedy; AGREE_ARGS: its other
 #            options, --gammas 1,2,3,4,5,6,7,8 --tree 16,8,64 say)
+#   onerow   the one_row tile table (issue 38: one-row calls under row_invariant): benchmarks/kernels.py --one-row at
+#            the 8B shapes (ONEROW_CALLS: other --calls), each candidate checked bit for bit, its table in
+#            $OUT/one_row.json; then benchmarks/fast_decode.py --row-invariant --tiles that file at context 128 (the
+#            shipped kernels, row_invariant, and row_invariant with the tuned one_row table in one process)
 #   compare  OLD=DIR, an older tree in the repo (DEVELOPERS.md): installs it and runs its fast_decode.py, the bench
 #            and benchmarks/dump_logits.py; then this tree the same; then whether the logits are bit-identical
 # Usage (device tool): bash scripts/h200_check.sh PART [PART...]. $OUT/summary.log says what passed; the exit
@@ -57,13 +61,13 @@ BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
 [ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, qbench," \
-  "sample, paradigms, batch, open, long, long128k, serve, exact: see its header)"
+  "sample, paradigms, batch, open, long, long128k, serve, exact, onerow: see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|long128k|serve|exact) ;;
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|long128k|serve|exact|onerow) ;;
   *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long," \
-       "long128k, serve or exact"
+       "long128k, serve, exact or onerow"
      exit 2;;
   esac
 done
@@ -211,6 +215,13 @@ for part in "$@"; do
     run agree_exact 420 python3 benchmarks/fast_agreement.py /tmp/demo-bf16 --num-prompts "${AGREE_PROMPTS:-16}" \
       --row-invariant ${AGREE_ARGS:-}
     grep -E "teacher-forced|tau" "$OUT/agree_exact.log"
+    ;;
+  onerow)
+    run one_row_sweep 330 python3 benchmarks/kernels.py --one-row --calls "${ONEROW_CALLS:-8b}" --out "$OUT/one_row.json"
+    grep -E "^(8b|0\.6b|eagle3)|chosen|shipped" "$OUT/one_row_sweep.log" | grep -v "^  chosen: tile"
+    [ -f "$OUT/one_row.json" ] && run one_row_decode 200 python3 benchmarks/fast_decode.py --contexts 128 --row-invariant \
+      --tiles "$OUT/one_row.json"
+    [ -f "$OUT/one_row.json" ] && cat "$OUT/one_row_decode.log"
     ;;
   paradigms)
     run paradigms 400 xrun bench --synthetic qwen3-8b --mtp --draft-model qwen3-0.6b --backend fast --device cuda \
