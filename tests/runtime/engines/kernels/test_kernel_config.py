@@ -25,6 +25,8 @@ def test_the_shipped_tables_load_with_their_provenance():
     assert tiles.tile[(6144, 4096)] == Tile(64, 256, 4, 3, 2)               # Qwen3-8B qkv, split 2
     assert tiles.gemv[(4096, 12288)] == Gemv(4, 512, 4, 2)                   # down: 2 tiles ahead
     assert tiles.cuda[(12288, 4096)] == CudaGemv(2, 4, 2)                    # gate/up on gemv.cu
+    assert tiles.one_row[(12288, 4096)] == Tile(32, 256, 4, 3, 1)            # ... and under row_invariant
+    assert all(t.split == tiles.tile[s].split for s, t in tiles.one_row.items())
     assert DEFAULT.tiles is tiles and DEFAULT.pdl and DEFAULT.cuda_gemv
 
 
