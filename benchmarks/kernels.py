@@ -253,6 +253,7 @@ def one_row_sweep(bench: Bench, shipped: Tiles) -> dict:
           f"{next(r[1] for r in rows if r[0] == tuple(t0)):.1f})")
     for tile, us, exact in rows[:8]:
         print(f"  {str(tile):<24}{us:>9.1f}{kb / us:>7.0f} GB/s  {'same bits' if exact else 'OTHER BITS'}")
+    print(f"  {sum(r[2] for r in rows)} of {len(rows)} candidates keep the bits")
     best = next((r for r in rows if r[2]), None)
     chosen = best[0] if best and best[0] != tuple(t0) else None
     print(f"  chosen: {chosen or 'the shipped tile'}")
