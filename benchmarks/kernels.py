@@ -272,10 +272,13 @@ def select(spec: str) -> list[Call]:
 
 
 def tuned(shipped: Tiles, results: list[dict], provenance: str) -> Tiles:
-    """The shipped tables with each tuned shape's entries replaced (a gemv / cuda entry dropped where none won)."""
+    """The shipped tables with each tuned shape's entries replaced (a gemv / cuda entry dropped where none won; a
+    new tile drops the shape's one_row entry)."""
     tables = {name: dict(getattr(shipped, name)) for name in TABLES}
     for r in results:
         shape = (r["n"], r["k"])
+        if "tile" in r["chosen"]:
+            tables["one_row"].pop(shape, None)      # a one_row tile keeps the bits of the tile it was tuned against
         for name in r["chosen"]:
             tables[name].pop(shape, None)
             if r["chosen"][name] is not None:

@@ -149,6 +149,7 @@ def test_the_tuners_tables_load_back_as_tile_tables(tmp_path, monkeypatch):
     back = tuner.tuned(shipped, one_row, "H100, 2026-12-07: python benchmarks/kernels.py --one-row")
     assert back.one_row[qkv] == (128, 512, 8, 5, 2) and (4096, 4096) not in back.one_row
     assert back.tile == shipped.tile and back.gemv == shipped.gemv and back.cuda == shipped.cuda
+    assert gate_up in shipped.one_row and gate_up not in tiles.one_row     # retuned verify tile: its one_row gone
 
 
 @pytest.mark.parametrize("args,said", [(["--streams", "1,x"], "--streams: '1,x': expected positive integers"),
