@@ -128,6 +128,8 @@ class Bench:
         self.sums = RowSums(call.k, DT, DEV)
         self.g = self.sums.unit if call.norm == "sums" else torch.rand(call.k, device=DEV, dtype=DT) + 0.5
         self.outs = {m: [torch.randn(m, call.n, device=DEV, dtype=DT) for _ in self.ws] for m in ROWS}
+        for m in ROWS:                  # every row count's first row of x is the one-row call's (exact_row)
+            self.x[m][0] = self.x[1][0]
         self.sums_out = RowSums(call.n, DT, DEV) if call.residual else None
 
     def run(self, m: int, w: torch.Tensor, out: torch.Tensor, cfg: KernelConfig) -> torch.Tensor:
@@ -141,9 +143,7 @@ class Bench:
 
     def prepare(self, m: int) -> None:
         """The row sums of x that the call before would have left (RowSums), outside the timed calls; x's first
-        row is every row count's first row, so its sum is the same bits at each."""
-        for rows in ROWS:
-            self.x[rows][0] = self.x[1][0]
+        row, every row count's, gets the one-row call's sum at each."""
         x = self.x[m]
         self.sums.buf[0, :m] = x.float().pow(2).sum(1)
         self.sums.buf[0, 0] = self.x[1].float().pow(2).sum(1)[0]
@@ -218,10 +218,10 @@ def exact_row(bench: Bench, tile: Tile, shipped: Tile) -> bool:
     as the first of a 7-row call on the shipped tile, under KernelConfig.row_invariant."""
     shape, got = (bench.call.n, bench.call.k), []
     for m, t in ((7, shipped), (1, tile)):
-        out = bench.outs[m][0]
-        out[0] = bench.outs[1][0][0]                    # the same residual row
+        out = bench.outs[m][0].clone()
+        out[0] = bench.outs[1][0][0]                    # the same residual row (timed calls add into outs)
         bench.prepare(m)
-        y = bench.run(m, bench.ws[0], out.clone(), KernelConfig(row_invariant=True, tiles=Tiles(tile={shape: t})))
+        y = bench.run(m, bench.ws[0], out, KernelConfig(row_invariant=True, tiles=Tiles(tile={shape: t})))
         sums = bench.sums_out.buf[:, 0].clone() if bench.sums_out is not None else None
         got.append((y[0].clone(), sums))
     (y7, s7), (y1, s1) = got

@@ -218,7 +218,7 @@ for part in "$@"; do
     ;;
   onerow)
     run one_row_sweep 330 python3 benchmarks/kernels.py --one-row --calls "${ONEROW_CALLS:-8b}" --out "$OUT/one_row.json"
-    grep -E "^(8b|0\.6b|eagle3)|chosen|shipped" "$OUT/one_row_sweep.log" | grep -v "^  chosen: tile"
+    grep -E "^(8b|0\.6b|eagle3)|chosen|keep the bits" "$OUT/one_row_sweep.log"
     [ -f "$OUT/one_row.json" ] && run one_row_decode 200 python3 benchmarks/fast_decode.py --contexts 128 --row-invariant \
       --tiles "$OUT/one_row.json"
     [ -f "$OUT/one_row.json" ] && cat "$OUT/one_row_decode.log"
