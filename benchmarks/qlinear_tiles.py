@@ -40,7 +40,7 @@ CANDIDATES = {True: list(itertools.product((4, 8), (512, 1024), (1, 2, 4), (0, 1
                       for p in (0, 512, 1024)]}
 # qgemv.cu's (warps, bytes of a row a stage, stages), as many blocks as fit (one block an SM was slower at every
 # shape, H100 2026-12-05)
-CUDA = [C.QTile(*t) for t in itertools.product((4, 8), (1024, 2048, 4096), (2, 3, 4))] + ["triton"]
+CUDA = [C.QGemv(*t) for t in itertools.product((4, 8), (1024, 2048, 4096), (2, 3, 4))] + ["triton"]
 COPIES, CALLS_PER_GRAPH = 4, 32
 
 

@@ -35,7 +35,7 @@ def test_every_script_is_checked_here():
     assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
                        "fast_agreement.py", "fast_decode.py", "first_request.py", "gil_handoff.py",
                        "graph_equivalence.py", "kernels.py", "kv_cache_quality.py", "open_dir.py", "ort_layers.py",
-                       "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
+                       "qgemv_step.py", "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
                        "trace_server.py", "verify_speed.py"]
 
 
@@ -69,6 +69,9 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
     ("kernels.py", [], "no CUDA device is visible here"),
     ("qlinear_tiles.py", [], "no CUDA device is visible here"),
+    ("qgemv_step.py", [], "no CUDA device is visible here"),
+    ("qgemv_step.py", ["--kinds", "int8"], "--kinds 'int8': expected fp8 and/or int4"),
+    ("qgemv_step.py", ["--passes", "0"], "--passes, --layers and --context must be positive"),
     ("qlinear_tiles.py", ["--kinds", "fp8,int8"], "--kinds 'fp8,int8': expected fp8 and/or int4"),
     ("step_timeline.py", ["--quantize", "fp8"], "no CUDA device is visible here"),
     ("kernels.py", ["--calls", "8b,70b"], "--calls: '70b' names none of 8b.qkv, 8b.o"),

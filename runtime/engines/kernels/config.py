@@ -8,6 +8,7 @@ stays open is what a user or a benchmark must be able to choose:
     cuda_gemv  one-row calls on the CUDA C++ kernels where nvcc builds them (else Triton's GEMVs): bf16 of the
                shapes in ``tiles.cuda`` on gemv.cu's, FP8 and INT4 on qgemv.cu's; off to time the Triton GEMVs
     tiles      the tile tables, per weight shape (N_OUT, K): data in tiles.json, replaced by a tuning run's
+               (the quantized one-row launches of qgemv.cu per kind: ``qgemv_fp8``, ``qgemv_int4``)
     row_invariant  one-row calls take the paths of several rows' (the tile kernels, attention's split layout of
                several rows) and attention reads each token's visible keys packed onto consecutive positions
                (a tree node's ancestors where plain decoding holds them), so a token's logits are the same bits
@@ -72,20 +73,33 @@ class CudaGemv(NamedTuple):
     per_sm: int = 0
 
 
+class QGemv(NamedTuple):
+    """A launch of qgemv.cu's quantized one-row kernel: ``warps`` a block, ``ks`` bytes of each row's codes a
+    stage, ``stages`` (2-8) in shared memory, ``grid`` blocks (0: as many as fit on the device)."""
+    warps: int
+    ks: int
+    stages: int
+    grid: int = 0
+
+
 Shape = tuple[int, int]          # a weight's (N_OUT, K)
-TABLES = {"tile": Tile, "gemv": Gemv, "cuda": CudaGemv, "one_row": Tile}
+TABLES = {"tile": Tile, "gemv": Gemv, "cuda": CudaGemv, "one_row": Tile, "qgemv_fp8": QGemv, "qgemv_int4": QGemv}
 
 
 @dataclass(frozen=True)
 class Tiles:
     """The tile tables: ``tile`` for the tile kernel (shapes not listed take DEFAULT_TILE), ``gemv`` for the
     shapes whose one-row calls run the Triton GEMV (others: the tile kernel), ``cuda`` for those that run
-    gemv.cu's kernel where it is built, ``one_row`` for one-row calls on the tile kernel (module docstring)."""
+    gemv.cu's kernel where it is built, ``one_row`` for one-row calls on the tile kernel (module docstring),
+    ``qgemv_fp8`` / ``qgemv_int4`` for quantized one-row calls on qgemv.cu (shapes not listed: the kind's
+    default launch, cuda_qgemv.TILE)."""
 
     tile: Mapping[Shape, Tile] = field(default_factory=dict)
     gemv: Mapping[Shape, Gemv] = field(default_factory=dict)
     cuda: Mapping[Shape, CudaGemv] = field(default_factory=dict)
     one_row: Mapping[Shape, Tile] = field(default_factory=dict)
+    qgemv_fp8: Mapping[Shape, QGemv] = field(default_factory=dict)
+    qgemv_int4: Mapping[Shape, QGemv] = field(default_factory=dict)
     provenance: str = ""
 
     def __post_init__(self):

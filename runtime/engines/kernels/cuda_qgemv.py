@@ -7,34 +7,30 @@ also what CI's interpreter checks. Its tests are marked ``gpu``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from xcompile.runtime.common.logs import logger
 from xcompile.runtime.engines.kernels import cuda_gemv
-from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
+from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig, QGemv
 from xcompile.runtime.engines.qweight import FP8, INT4
 
 log = logger(__name__)
 SPAN, PAD = 64, 64      # qgemv.cu: bytes of a row a warp covers at once; the padding of a row in shared memory
 
 
-class QTile(NamedTuple):
-    """A launch of qgemv.cu: ``warps`` a block, ``ks`` bytes of each row a stage, ``stages`` (2-8) in shared
-    memory, ``grid`` blocks (0: as many as fit on the device)."""
-    warps: int
-    ks: int
-    stages: int
-    grid: int = 0
+# by kind, the launch of shapes the tile tables leave out (KernelConfig.tiles.qgemv_fp8 / qgemv_int4): the
+# fastest for one decoder layer's projections at the Qwen3-8B shapes (benchmarks/qlinear_tiles.py --cuda, one
+# H100, 2026-12-05): FP8 81.3 us against the Triton GEMV's 83.6, INT4 64.6 against 77.3
+TILE = {FP8: QGemv(8, 2048, 2), INT4: QGemv(8, 2048, 2)}
 
 
-# by kind, the fastest for one decoder layer's projections at the Qwen3-8B shapes (benchmarks/qlinear_tiles.py
-# --cuda, one H100, 2026-12-05): FP8 81.3 us against the Triton GEMV's 83.6, INT4 64.6 against 77.3
-TILE = {FP8: QTile(8, 2048, 2), INT4: QTile(8, 2048, 2)}
+def tile_for(kind: str, n_out: int, k: int, cfg: KernelConfig = DEFAULT) -> QGemv | None:
+    """The launch of a ``kind`` call of (n_out, k): its tile tables' entry, else the kind's TILE."""
+    table = {FP8: cfg.tiles.qgemv_fp8, INT4: cfg.tiles.qgemv_int4}.get(kind, {})
+    return table.get((n_out, k)) or TILE.get(kind)
 
 
-def smem_bytes(tile: QTile, gated: bool, k: int) -> int:
+def smem_bytes(tile: QGemv, gated: bool, k: int) -> int:
     """Shared memory of a launch (xc_qgemv): the stages, x's two 8-bit terms with a scale and a sum per 64 bytes
     of codes, the mbarriers, the warps' sums."""
     rows = 32 if gated else 16
@@ -42,7 +38,7 @@ def smem_bytes(tile: QTile, gated: bool, k: int) -> int:
                                                                              + tile.warps) * 4
 
 
-def fit(w, tile: QTile, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> QTile | None:
+def fit(w, tile: QGemv, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> QGemv | None:
     """``tile`` for QLinear ``w``, its ``ks`` halved until it divides a row's bytes of codes and each warp's
     share is whole spans and whole scale blocks; None where qgemv.cu cannot take ``w`` (K not a multiple of
     128, INT4 chunks other than 128 or groups not a multiple of 128, FP8 blocks not a multiple of 64 inputs)
@@ -66,21 +62,21 @@ REFUSED: set[tuple] = set()         # (kind, shape, tile) whose launch the devic
 
 
 def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, eps: float, gated: bool,
-          residual: torch.Tensor | None, extra_out: torch.Tensor | None, tile: QTile | None = None,
+          residual: torch.Tensor | None, extra_out: torch.Tensor | None, tile: QGemv | None = None,
           cfg: KernelConfig = DEFAULT) -> torch.Tensor | None:
     """qlinear() of one row (its docstring) on qgemv.cu: x [1, K] -> out [1, N]; None where the kernel does not
-    run here (``cfg.cuda_gemv`` off, not CUDA or interpreted, not bf16, a kind ``TILE`` leaves to the Triton GEMV
+    run here (``cfg.cuda_gemv`` off, not CUDA or interpreted, not bf16, a kind with no launch (``tile_for``)
     and no ``tile`` given, a layout or tile it cannot take, operands not dense rows of w's shape, no
     library, a pointer not 16-byte aligned, the launch refused: warned once, and that shape stays on Triton)."""
     if not cuda_gemv.runnable(x, cfg, bf16=(x, out, norm, residual, extra_out), aligned=(x, w.codes, norm)):
         return None
-    tile = tile or TILE.get(w.kind)
+    n_out, k = (w.shape[0] // 2 if gated else w.shape[0]), x.shape[1]
+    tile = tile or tile_for(w.kind, n_out, k, cfg)
     if tile is None:
         return None
     index = x.device.index or 0
     tile = fit(w, tile, gated, cuda_gemv.smem_limit(index))
     key = (w.kind, w.shape, tile)
-    n_out, k = (w.shape[0] // 2 if gated else w.shape[0]), x.shape[1]
     if tile is None or key in REFUSED:
         return None
     # the kernel indexes x, out, the residual and the second output as dense rows of w's output columns

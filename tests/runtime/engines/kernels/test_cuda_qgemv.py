@@ -4,13 +4,15 @@ exactly, in a CUDA graph, and qlinear() sending one-row calls to it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from kernel_checks import DEV, TOL, randn, rel
 
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels import cuda_qgemv as C
-from xcompile.runtime.engines.kernels.config import KernelConfig
+from xcompile.runtime.engines.kernels.config import KernelConfig, Tiles
 from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear, qlinear_reference
 from xcompile.runtime.engines.qweight import FP8, INT4, QWeight, quantize
 
@@ -33,8 +35,8 @@ def weights(n: int, k: int, kind: str, block, parts: int = 1, device=DEV):
 ])
 def test_fit_halves_the_stage_until_it_divides_the_row_into_whole_scale_blocks_a_warp(kind, block, k, tile, want):
     _, w = weights(32, k, kind, block, device="cpu")
-    got = C.fit(w, C.QTile(*tile), gated=False)
-    assert got == (C.QTile(*want) if want else None)
+    got = C.fit(w, C.QGemv(*tile), gated=False)
+    assert got == (C.QGemv(*want) if want else None)
 
 
 @pytest.mark.parametrize("kind, block, k", [
@@ -44,18 +46,29 @@ def test_fit_halves_the_stage_until_it_divides_the_row_into_whole_scale_blocks_a
 ])
 def test_fit_refuses_what_the_kernel_does_not_take(kind, block, k):
     _, w = weights(32, k, kind, block, device="cpu")
-    assert C.fit(w, C.QTile(2, 256, 2), gated=False) is None
+    assert C.fit(w, C.QGemv(2, 256, 2), gated=False) is None
 
 
 def test_fit_refuses_a_stage_that_the_warps_cannot_split_into_whole_spans():
     """257 bytes a stage divides the row (K = 257 x 128) and 4 warps would take 64 bytes each, one left over."""
     _, w = weights(16, 257 * 128, FP8, (128, 64), device="cpu")
-    assert C.fit(w, C.QTile(4, 257, 2), gated=False) is None
+    assert C.fit(w, C.QGemv(4, 257, 2), gated=False) is None
+
+
+def test_a_shape_takes_its_kinds_table_entry_else_the_kinds_default_launch(tmp_path):
+    tiles = KernelConfig().tiles.replace(qgemv_fp8={(4096, 12288): (16, 1024, 4, 264)})
+    cfg = KernelConfig(tiles=tiles)
+    assert C.tile_for(FP8, 4096, 12288, cfg) == C.QGemv(16, 1024, 4, 264)
+    assert C.tile_for(INT4, 4096, 12288, cfg) == C.TILE[INT4]          # the other kind's table: not this one's
+    assert C.tile_for(FP8, 6144, 4096, cfg) == C.TILE[FP8]
+    path = tmp_path / "tiles.json"                                      # and the entry survives the file
+    path.write_text(json.dumps(tiles.to_json()))
+    assert Tiles.load(path).qgemv_fp8[(4096, 12288)] == C.QGemv(16, 1024, 4, 264)
 
 
 def test_fit_refuses_a_tile_beyond_shared_memory():
     _, w = weights(32, 4096, FP8, (128, 128), device="cpu")
-    tile = C.QTile(8, 4096, 3)
+    tile = C.QGemv(8, 4096, 3)
     assert C.smem_bytes(tile, True, 4096) > cuda_gemv.SMEM_LIMIT
     assert C.fit(w, tile, gated=True) is None and C.fit(w, tile, gated=False) is not None
 
@@ -98,7 +111,7 @@ def test_qgemv_matches_the_dequantized_reference(kind, scheme, tile):
     norm = randn(k, dtype=BF16) + 1 if kind in ("norm+residual+extra", "gated") else None
     residual = randn(1, n, dtype=BF16) if kind == "norm+residual+extra" else None
     extra = torch.empty(1, n, dtype=BF16, device=DEV) if residual is not None else None
-    got = call(x, w, C.QTile(*tile), norm=norm, gated=gated, residual=residual, extra_out=extra)
+    got = call(x, w, C.QGemv(*tile), norm=norm, gated=gated, residual=residual, extra_out=extra)
     ref = qlinear_reference(x, qw, norm=norm, gated=gated, residual=residual)
     assert not got.isnan().any() and rel(got, ref) < TOL[BF16]
     if extra is not None:
@@ -124,7 +137,7 @@ def test_every_code_reads_exactly(kind):
     for i in range(k):
         x = torch.zeros(1, k, dtype=BF16, device=DEV)
         x[0, i] = 1
-        assert torch.equal(call(x, w, C.QTile(2, 256, 2))[0], dense[:, i]), f"input {i}"
+        assert torch.equal(call(x, w, C.QGemv(2, 256, 2))[0], dense[:, i]), f"input {i}"
 
 
 @gpu_only
@@ -140,13 +153,13 @@ def test_x_spanning_many_binades_within_a_group(scheme):
     x[0, 128:256] = 0
     x[0, 256:384] = 0
     x[0, 300] = -7.5
-    got = call(x, w, C.QTile(2, 256, 2))
+    got = call(x, w, C.QGemv(2, 256, 2))
     assert rel(got, qlinear_reference(x, qw)) < TOL[BF16]
     for v in (2.0 ** -30, 2.0 ** 20):
         x = torch.zeros(1, 1024, dtype=BF16, device=DEV)
         x[0, 517] = v
         want = (qw[0].dequantize()[:, 517] * v).to(BF16).to(DEV)
-        assert torch.equal(call(x, w, C.QTile(2, 256, 2))[0], want)
+        assert torch.equal(call(x, w, C.QGemv(2, 256, 2))[0], want)
 
 
 @gpu_only
@@ -162,7 +175,7 @@ def test_qgemv_in_a_cuda_graph(pdl):
     g = randn(k, dtype=BF16) + 1
     x = randn(1, k, dtype=BF16)
     cfg = KernelConfig(pdl=pdl)
-    tile = C.QTile(4, 512, 3)
+    tile = C.QGemv(4, 512, 3)
 
     def chain():
         h = torch.empty(1, k, dtype=BF16, device=DEV)
@@ -192,14 +205,15 @@ def test_qgemv_in_a_cuda_graph(pdl):
 @pytest.mark.parametrize("scheme", [(FP8, (128, 128)), (INT4, (1, 128))], ids=str)
 @pytest.mark.parametrize("shape, gated", [((6144, 4096), False), ((12288, 4096), True), ((4096, 12288), False)])
 def test_qlinear_sends_one_row_at_the_8b_shapes_here(scheme, shape, gated):
-    """qlinear() of one row gives qgemv.cu's bits for a kind with a shipped tile, the Triton GEMV's for one
-    without and with cuda_gemv off; all near the reference."""
+    """qlinear() of one row gives qgemv.cu's bits at the shape's launch (tile_for), the Triton GEMV's for a kind
+    without one and with cuda_gemv off; all near the reference."""
     n, k = shape
     kind = scheme[0]
     qw, w = weights(n, k, *scheme, parts=2 if gated else 1)
     x = randn(1, k, dtype=BF16)
     got = qlinear(x, w, gated=gated)
     triton = qlinear(x, w, gated=gated, cfg=KernelConfig(cuda_gemv=False))
-    assert torch.equal(got, call(x, w, C.TILE[kind], gated=gated) if kind in C.TILE else triton)
+    tile = C.tile_for(kind, n, k)
+    assert torch.equal(got, call(x, w, tile, gated=gated) if tile else triton)
     ref = qlinear_reference(x, qw, gated=gated)
     assert rel(got, ref) < TOL[BF16] and rel(triton, ref) < TOL[BF16]
