@@ -107,8 +107,6 @@ def tune(kind: str, args, sms: int) -> tuple[dict, dict]:
     figures.update(shipped_again_ms=shipped_again, tuned_ms=tuned)
     print(f"STEP {kind}: shipped launches {shipped_again:.3f} ms, tuned {tuned:.3f} ms "
           f"({100 * (1 - tuned / shipped_again):+.1f} %)", flush=True)
-    del ref, fast
-    torch.cuda.empty_cache()
     return best, figures
 
 
@@ -134,6 +132,7 @@ def main() -> None:
     won, figures = {}, {}
     for kind in kinds:
         won[kind], figures[kind] = tune(kind, args, sms)
+        torch.cuda.empty_cache()                            # the kind's model is gone with tune's frame
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
