@@ -61,9 +61,10 @@ def random_(module: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
     return module.eval()
 
 
-def qwen3_8b(layers: int) -> tuple[Qwen3Config, tuple[int, ...]]:
-    """Qwen3-8B's config cut to ``layers`` layers, and the EAGLE3 taps of that depth."""
-    cfg = dataclasses.replace(KNOWN_MODELS["qwen3-8b"].config, num_hidden_layers=layers)
+def qwen3_8b(layers: int, model: str = "qwen3-8b") -> tuple[Qwen3Config, tuple[int, ...]]:
+    """Qwen3-8B's config (or another known ``model``'s) cut to ``layers`` layers, and the EAGLE3 taps of that
+    depth."""
+    cfg = dataclasses.replace(KNOWN_MODELS[model].config, num_hidden_layers=layers)
     return cfg, tuple(sorted({1, layers // 2 - 1, layers - 4}))
 
 

@@ -1,10 +1,11 @@
 """Where a graphed step's time goes, kernel by kernel, on a GPU (the Qwen3-8B shape, random weights).
 
-    python benchmarks/step_timeline.py [--layers 36] [--contexts 128,4096] [--tokens 1,32] [--max-seq-len 4352]
+    python benchmarks/step_timeline.py [--layers N] [--contexts 128,4096] [--tokens 1,32] [--max-seq-len 4352]
                                        [--pdl 0|1] [--cuda-gemv 0|1] [--tiles FILE] [--row-invariant]
     python benchmarks/step_timeline.py --eagle3 [--contexts 128] [--tokens 1,10]     # the EAGLE3 draft step
     python benchmarks/step_timeline.py --reference [--layers 4]                     # the reference modules' step
     python benchmarks/step_timeline.py --quantize fp8|int4 [--tokens 1,7]           # quantized decoder linears
+    python benchmarks/step_timeline.py --model qwen3-0.6b --tokens 1               # the draft model's step
 
 The kernel records (CUPTI, through torch.profiler) of a few replays of the graphed step. With programmatic
 dependent launch the kernels overlap, so each is charged its share of the step's critical path: from the
@@ -31,6 +32,7 @@ import torch
 from fast_decode import DEV, graphed_ms, head_pairs, int_list, qwen3_8b, step_inputs, target_pair
 from torch.profiler import ProfilerActivity, profile
 
+from xcompile.compile.config import KNOWN_MODELS
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.engines.graphs import CudaGraphCapture
 from xcompile.runtime.engines.kernels.config import KernelConfig, Tiles
@@ -93,7 +95,9 @@ def table(steps: list[list[dict]], layers: int) -> tuple[list[tuple], float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--model", choices=("qwen3-8b", "qwen3-0.6b"), default="qwen3-8b",
+                    help="the shape (qwen3-0.6b: the draft model's step, --layers 28)")
+    ap.add_argument("--layers", type=int, help="layers of the shape (default: all of them)")
     ap.add_argument("--contexts", type=int_list, default=[128, 4096])
     ap.add_argument("--tokens", type=int_list, default=[1, 32])
     ap.add_argument("--max-seq-len", type=int, default=4352)
@@ -120,7 +124,8 @@ def main() -> None:
     kernels = KernelConfig(pdl=bool(args.pdl), cuda_gemv=bool(args.cuda_gemv), row_invariant=args.row_invariant,
                            **({"tiles": tiles} if tiles is not None else {}))
     torch.manual_seed(0)
-    cfg, taps = qwen3_8b(args.layers)
+    args.layers = args.layers or KNOWN_MODELS[args.model].config.num_hidden_layers
+    cfg, taps = qwen3_8b(args.layers, args.model)
     if args.eagle3:
         (ref, fast), _ = head_pairs(cfg, args.max_seq_len)
         layers, what = 1, "EAGLE3 step"
