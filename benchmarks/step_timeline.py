@@ -149,8 +149,7 @@ def main() -> None:
                   f"span under the profiler {span / 1e3:.3f} ms")
             print(f"{'kernel':<44}{'a step':>7}{'mean us':>9}{'crit us':>10}{'early us':>10}")
             for kname, n, mean, crit, early in rows:
-                short = kname.replace("void ", "").replace("(anonymous namespace)::", "")     # CUDA C++ templates
-                print(f"{short[:43]:<44}{n:>7.0f}{mean:>9.2f}{crit:>10.1f}{early:>10.2f}")
+                print(f"{kname[:43]:<44}{n:>7.0f}{mean:>9.2f}{crit:>10.1f}{early:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -30,21 +30,19 @@ def tile_for(kind: str, n_out: int, k: int, cfg: KernelConfig = DEFAULT) -> QGem
     return table.get((n_out, k)) or TILE.get(kind)
 
 
-def smem_bytes(tile: QGemv, gated: bool, k: int, scale_cols: int, int4: bool) -> int:
-    """Shared memory of a launch (xc_qgemv): the stages (codes; each row's ``scale_cols`` scales and, INT4,
-    zero points, rows padded by 4), x's two 8-bit terms with a scale and a sum per 64 bytes of codes, the
-    mbarriers, the warps' sums."""
+def smem_bytes(tile: QGemv, gated: bool, k: int) -> int:
+    """Shared memory of a launch (xc_qgemv): the stages, x's two 8-bit terms with a scale and a sum per 64 bytes
+    of codes, the mbarriers, the warps' sums."""
     rows = 32 if gated else 16
-    stage = rows * (tile.ks + PAD) + rows * (scale_cols + 4) * 4 * (2 if int4 else 1)
-    return tile.stages * stage + k * 2 + k // 8 + tile.stages * 8 + (tile.stages * tile.warps * rows + tile.warps) * 4
+    return tile.stages * rows * (tile.ks + PAD) + k * 2 + k // 8 + tile.stages * 8 + (tile.stages * tile.warps * rows
+                                                                             + tile.warps) * 4
 
 
 def fit(w, tile: QGemv, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> QGemv | None:
     """``tile`` for QLinear ``w``, its ``ks`` halved until it divides a row's bytes of codes and each warp's
     share is whole spans and whole scale blocks; None where qgemv.cu cannot take ``w`` (K not a multiple of
-    128, INT4 chunks other than 128 or groups not a multiple of 128, FP8 blocks not a multiple of 64 inputs),
-    a stage's or a row's scales are not whole 16-byte copies (a multiple of 4 of them), or the tile cannot
-    fit it."""
+    128, INT4 chunks other than 128 or groups not a multiple of 128, FP8 blocks not a multiple of 64 inputs)
+    or the tile cannot fit it."""
     k = w.shape[1]
     if k % 128 or (w.kind == INT4 and (w.chunk != 128 or w.cols % 128)) or (w.kind == FP8 and w.cols % SPAN):
         return None
@@ -55,9 +53,7 @@ def fit(w, tile: QGemv, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> 
     while ks >= SPAN * tile.warps and (ck % ks or ks % (SPAN * tile.warps) or (ks // tile.warps) % period):
         ks //= 2
     tile = tile._replace(ks=ks)
-    if ks < SPAN * tile.warps or (ks // period) % 4 or w.scale.shape[1] % 4:
-        return None
-    if smem_bytes(tile, gated, k, ks // period, w.kind == INT4) > smem_limit:
+    if ks < SPAN * tile.warps or smem_bytes(tile, gated, k) > smem_limit:
         return None
     return tile
 
@@ -72,7 +68,7 @@ def qgemv(x: torch.Tensor, w, out: torch.Tensor, *, norm: torch.Tensor | None, e
     run here (``cfg.cuda_gemv`` off, not CUDA or interpreted, not bf16, a kind with no launch (``tile_for``)
     and no ``tile`` given, a layout or tile it cannot take, operands not dense rows of w's shape, no
     library, a pointer not 16-byte aligned, the launch refused: warned once, and that shape stays on Triton)."""
-    if not cuda_gemv.runnable(x, cfg, bf16=(x, out, norm, residual, extra_out), aligned=(x, w.codes, w.scale, w.zero, norm)):
+    if not cuda_gemv.runnable(x, cfg, bf16=(x, out, norm, residual, extra_out), aligned=(x, w.codes, norm)):
         return None
     n_out, k = (w.shape[0] // 2 if gated else w.shape[0]), x.shape[1]
     tile = tile or tile_for(w.kind, n_out, k, cfg)

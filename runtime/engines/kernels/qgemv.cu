@@ -18,10 +18,8 @@
 //
 // Layout of the work: a tile is 16 output rows (gated: and their 16 up rows), all of K, cut into slices of
 // KS bytes of codes. A block takes a contiguous range of tiles; each (tile, slice) is one stage of a ring in
-// shared memory, filled by the copy engine (cp.async.bulk: a row's codes, its scales under them and, INT4, its
-// zero points) ``stages`` ahead, the first ones before the wait for the previous kernel. The scales come with
-// the codes because a warp's first use of a stage waited on them otherwise: read from global memory once the
-// stage had landed, each stage paid a load's latency in turn. The block's warps split a stage's bytes evenly; each warp runs
+// shared memory, filled by the copy engine (cp.async.bulk, one copy a row) ``stages`` ahead, the first ones
+// before the wait for the previous kernel. The block's warps split a stage's bytes evenly; each warp runs
 // MMAs over its part and keeps each row's sums across the tile's slices; at the tile's last slice the warps'
 // sums meet in shared memory in warp order and thread j < 16 finishes column j (the bits depend on the
 // block's warps and the slice only).
@@ -42,7 +40,6 @@ using namespace xc;
 constexpr int SPAN = 64;            // bytes of a row a warp's lanes cover at once: 4 lanes x 16 bytes
 constexpr int PAD = 64;             // shared-memory row stride = KS + PAD: rows g and g + 1 on other banks
 constexpr int XGROUP = 64;          // bytes of codes under one scale of x (FP8: 64 inputs, INT4: 128)
-constexpr int SPADF = 4;            // floats padding a row's scales in shared memory: rows g, g + 1 on other banks
 
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -187,36 +184,20 @@ struct Args {
     float eps;
 };
 
-// bytes of codes under one scale, and a stage's scale columns (a multiple of 4: whole 16-byte copies)
-__host__ __device__ __forceinline__ int period_of(const Args& a, bool int4) { return int4 ? a.cols / 2 : a.cols; }
-
-// bytes of one stage in shared memory: R rows of KS bytes of codes, then R rows of their scales and (INT4) R
-// rows of zero points, each row of scales SPADF floats longer than a stage's scale columns
-__host__ __device__ __forceinline__ size_t stage_size(const Args& a, bool int4, int r) {
-    const int ng = a.ks / period_of(a, int4);
-    return (size_t)r * (a.ks + PAD) + (size_t)r * (ng + SPADF) * 4 * (int4 ? 2 : 1);
-}
-
-// the copies of item i (tile i / slices, slice i % slices) into stage buffer dst: lane r < R copies row r's
-// codes, its scales under them and (INT4) its zero points
-template <bool INT4, int R>
+// the copies of item i (tile i / slices, slice i % slices) into stage buffer dst: lane r < R copies row r
+template <int R>
 __device__ __forceinline__ void issue(const Args& a, unsigned char* dst, uint64_t* bar, int item, int slices,
                                       int lane) {
     constexpr int T = R > 16 ? 16 : R;
-    const int tile = item / slices, off = (item % slices) * a.ks, ng = a.ks / period_of(a, INT4);
-    const uint32_t sbytes = (uint32_t)ng * 4;
-    if (lane == 0) bar_expect(bar, (uint32_t)R * (a.ks + sbytes * (INT4 ? 2 : 1)));
+    const int tile = item / slices, off = (item % slices) * a.ks;
+    if (lane == 0) bar_expect(bar, (uint32_t)(R * a.ks));
     __syncwarp();
     if (lane < R) {
         const int i = lane % T;
         int row = min(tile * T + i, a.n_out - 1);              // past the end: the last row again, not stored
         if (lane >= T) row += a.n_out;                          // the up rows
-        const size_t scol = (size_t)(row / a.rows) * a.sk + (item % slices) * ng;
-        unsigned char* sdst = dst + (size_t)R * (a.ks + PAD) + (size_t)lane * (ng + SPADF) * 4;
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         bulk_copy(dst + lane * (a.ks + PAD), a.codes + (size_t)row * a.ck + off, (uint32_t)a.ks, bar);
-        bulk_copy(sdst, a.scale + scol, sbytes, bar);
-        if (INT4) bulk_copy(sdst + (size_t)R * (ng + SPADF) * 4, a.zero + scol, sbytes, bar);
     }
 }
 
@@ -226,8 +207,7 @@ __global__ void qgemv_kernel(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
     const int gi = lane >> 2, t = lane & 3;                   // the MMA's row group and lane in the group
-    const size_t stage_bytes = stage_size(a, INT4, R);
-    const int ng = a.ks / period_of(a, INT4);                 // a stage's scale columns
+    const size_t stage_bytes = (size_t)R * (a.ks + PAD);
     unsigned char* xq = smem + a.stages * stage_bytes;       // x's two terms [2][k] bytes
     float* xsc = reinterpret_cast<float*>(xq + 2 * a.k);      // x's scales and (INT4) sums, one a group
     float* xsums = xsc + a.k / XGROUP;
@@ -245,7 +225,7 @@ __global__ void qgemv_kernel(Args a) {
     __syncthreads();
     if (warp == 0)
         for (int s = 0; s < min(a.stages, items); ++s)
-            issue<INT4, R>(a, smem + s * stage_bytes, full + s, first + s, slices, lane);
+            issue<R>(a, smem + s * stage_bytes, full + s, first + s, slices, lane);
     grid_wait();
     if (a.early) grid_launch_dependents();
     const float rstd = stage_x<INT4, NORM>(a.x, a.g, xq, xsc, xsums, a.k, a.eps, red + a.stages * warps * R);
@@ -256,17 +236,29 @@ __global__ void qgemv_kernel(Args a) {
     for (int s = 0; s < items; ++s) {
         const int slot = s % a.stages, item = first + s;
         const int tile = item / slices, slice = item % slices;
+        size_t srow[R / 8];                                   // each row's scales: rows gi, gi + 8 (gated: up)
+#pragma unroll
+        for (int h = 0; h < R / 8; ++h)
+            srow[h] = (size_t)((min(tile * 16 + gi + 8 * (h & 1), a.n_out - 1) + (h >= 2 ? a.n_out : 0)) / a.rows)
+                      * a.sk;
         bar_wait(full + slot, (uint32_t)(s / a.stages) & 1u);
         const unsigned char* st = smem + slot * stage_bytes;
-        const float* ssc = reinterpret_cast<const float*>(st + (size_t)R * (a.ks + PAD));   // [R][ng + SPADF]
-        const float* szr = ssc + R * (ng + SPADF);
-        int kb = warp * wb / period;                          // the warp's first scale column in this stage
+        int kb = (slice * a.ks + warp * wb) / period;         // the warp's first scale column in this stage
+        float sc[R / 8], zn[R / 8];                           // its scales (INT4: zero points), one block ahead
+#pragma unroll
+        for (int h = 0; h < R / 8; ++h) {
+            sc[h] = a.scale[srow[h] + kb];
+            zn[h] = INT4 ? a.zero[srow[h] + kb] : 0.f;
+        }
         for (int o0 = warp * wb; o0 < (warp + 1) * wb; o0 += period, ++kb) {
-            float s_[R / 8], z_[R / 8];                       // rows gi, gi + 8 (gated: their up rows)
+            float s_[R / 8], z_[R / 8];
+            const int next = min(kb + 1, a.sk - 1);
 #pragma unroll
             for (int h = 0; h < R / 8; ++h) {
-                s_[h] = ssc[(gi + 8 * h) * (ng + SPADF) + kb];
-                z_[h] = INT4 ? szr[(gi + 8 * h) * (ng + SPADF) + kb] : 0.f;
+                s_[h] = sc[h];
+                z_[h] = zn[h];
+                if (INT4) zn[h] = a.zero[srow[h] + next];
+                sc[h] = a.scale[srow[h] + next];
             }
             float c[2][2] = {{0.f, 0.f}, {0.f, 0.f}};         // the block's sums [gate, up][row gi, gi + 8]
             for (int o = o0; o < o0 + period; o += SPAN) {
@@ -322,7 +314,7 @@ __global__ void qgemv_kernel(Args a) {
         if (last) acc[0][0] = acc[0][1] = acc[1][0] = acc[1][1] = 0.f;
         __syncthreads();                                      // the stage is read: refill it
         if (warp == 0 && s + a.stages < items)
-            issue<INT4, R>(a, smem + slot * stage_bytes, full + slot, item + a.stages, slices, lane);
+            issue<R>(a, smem + slot * stage_bytes, full + slot, item + a.stages, slices, lane);
         if (last && tid < 16) {
             const int col = tile * 16 + tid;
             float v = 0.f, vu = 0.f;
@@ -382,8 +374,8 @@ extern "C" int xc_qgemv(const void* x, const void* codes, const void* scale, con
            cols, ks, stages, residual, extra, early, eps};
     cudaLaunchConfig_t cfg = {};
     cfg.blockDim = dim3(32 * warps);
-    cfg.dynamicSmemBytes = (size_t)stages * stage_size(a, int4, rows_a_stage) + (size_t)k * 2 + (size_t)k / 8 +
-                           stages * 8 + ((size_t)stages * warps * rows_a_stage + warps) * 4;
+    cfg.dynamicSmemBytes = (size_t)stages * rows_a_stage * (ks + PAD) + (size_t)k * 2 + (size_t)k / 8 + stages * 8 +
+                           ((size_t)stages * warps * rows_a_stage + warps) * 4;
     cfg.stream = static_cast<cudaStream_t>(stream);
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
