@@ -60,7 +60,8 @@ def test_a_shape_takes_its_kinds_table_entry_else_the_kinds_default_launch(tmp_p
     cfg = KernelConfig(tiles=tiles)
     assert C.tile_for(FP8, 4096, 12288, cfg) == C.QGemv(16, 1024, 4, 264)
     assert C.tile_for(INT4, 4096, 12288, cfg) == C.TILE[INT4]          # the other kind's table: not this one's
-    assert C.tile_for(FP8, 6144, 4096, cfg) == C.TILE[FP8]
+    assert C.tile_for(FP8, 1024, 2048, cfg) == C.TILE[FP8]              # a shape no table lists
+    assert C.tile_for(FP8, 6144, 4096, cfg) == cfg.tiles.qgemv_fp8[(6144, 4096)]   # a shipped entry
     path = tmp_path / "tiles.json"                                      # and the entry survives the file
     path.write_text(json.dumps(tiles.to_json()))
     assert Tiles.load(path).qgemv_fp8[(4096, 12288)] == C.QGemv(16, 1024, 4, 264)
