@@ -10,10 +10,10 @@
 #   quant    the quantized kernels' tests (all, compiled), benchmarks/qlinear_tiles.py at one row, qgemv.cu's tiles
 #            beside the Triton GEMV (TILES_ARGS: its options),
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
-#   qtune    benchmarks/qgemv_step.py: qgemv.cu's one-row launches per projection tuned inside the graphed FP8 and
-#            INT4 decode steps (QTUNE_ARGS: its options), the tables in $OUT/qtiles.json, then copied over this
-#            machine's runtime/engines/kernels/tiles.json (parts after it in the call run them: qbench say), and
-#            benchmarks/step_timeline.py --quantize fp8 at one token with them
+#   steptune benchmarks/step_tune.py: the one-row launches per projection tuned inside a graphed decode step
+#            (STEPTUNE_ARGS: its options; default --quantize fp8,int4, qgemv.cu's launches), the tables in
+#            $OUT/steptiles.json, then copied over this machine's runtime/engines/kernels/tiles.json (parts after
+#            it in the call run them: qbench say), and benchmarks/step_timeline.py of that step with them
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
 #            tree 10/6/32)
 #   sample   the sampler's and the sampled chain acceptance's tests (compiled; SAMPLE_TESTS: other pytest arguments),
@@ -65,13 +65,13 @@ BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
 [ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, qbench," \
-  "sample, paradigms, batch, open, long, long128k, serve, exact, onerow, qtune: see its header)"
+  "sample, paradigms, batch, open, long, long128k, serve, exact, onerow, steptune: see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|long128k|serve|exact|onerow|qtune) ;;
+  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|long128k|serve|exact|onerow|steptune) ;;
   *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long," \
-       "long128k, serve, exact, onerow or qtune"
+       "long128k, serve, exact, onerow or steptune"
      exit 2;;
   esac
 done
@@ -136,13 +136,17 @@ for part in "$@"; do
     run qlinear_timeline 200 python3 benchmarks/step_timeline.py --quantize "${QUANTIZE:-fp8}" --contexts 128 --tokens 1,7
     grep -E "^== |^ *(linear|qlinear|_q|_linear|attention|rope)" "$OUT/qlinear_timeline.log" | head -40
     ;;
-  qtune)
-    run qgemv_step 420 python3 benchmarks/qgemv_step.py ${QTUNE_ARGS:-} --out "$OUT/qtiles.json" --json "$OUT/qgemv_step.json"
-    grep -E "^(==|WON|STEP)" "$OUT/qgemv_step.log"
-    if [ -s "$OUT/qtiles.json" ]; then
-      cp "$OUT/qtiles.json" runtime/engines/kernels/tiles.json && note "tiles.json: the tuned tables from here on"
-      run qtune_timeline 150 python3 benchmarks/step_timeline.py --quantize fp8 --contexts 128 --tokens 1
-      grep -A 30 "^== " "$OUT/qtune_timeline.log"
+  steptune)
+    args=(${STEPTUNE_ARGS:---quantize fp8,int4})
+    run step_tune 420 python3 benchmarks/step_tune.py "${args[@]}" --out "$OUT/steptiles.json" --json "$OUT/step_tune.json"
+    grep -E "^(==|WON|STEP)" "$OUT/step_tune.log"
+    if [ -s "$OUT/steptiles.json" ]; then
+      cp "$OUT/steptiles.json" runtime/engines/kernels/tiles.json && note "tiles.json: the tuned tables from here on"
+      # the step just tuned (its --model; the first --quantize kind), profiled with them
+      tl=(); [[ " ${args[*]} " == *" --model qwen3-0.6b "* ]] && tl+=(--model qwen3-0.6b)
+      [[ " ${args[*]} " =~ " --quantize "(fp8|int4) ]] && tl+=(--quantize "${BASH_REMATCH[1]}")
+      run steptune_timeline 150 python3 benchmarks/step_timeline.py "${tl[@]}" --contexts 128 --tokens 1
+      grep -A 30 "^== " "$OUT/steptune_timeline.log"
     fi
     ;;
   qbench)

@@ -35,8 +35,8 @@ def test_every_script_is_checked_here():
     assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
                        "fast_agreement.py", "fast_decode.py", "first_request.py", "gil_handoff.py",
                        "graph_equivalence.py", "kernels.py", "kv_cache_quality.py", "open_dir.py", "ort_layers.py",
-                       "qgemv_step.py", "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
-                       "trace_server.py", "verify_speed.py"]
+                       "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
+                       "step_tune.py", "trace_server.py", "verify_speed.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -69,9 +69,9 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("step_timeline.py", ["--pdl", "0"], "no CUDA device is visible here"),
     ("kernels.py", [], "no CUDA device is visible here"),
     ("qlinear_tiles.py", [], "no CUDA device is visible here"),
-    ("qgemv_step.py", [], "no CUDA device is visible here"),
-    ("qgemv_step.py", ["--kinds", "int8"], "--kinds 'int8': expected fp8 and/or int4"),
-    ("qgemv_step.py", ["--passes", "0"], "--passes, --layers and --context must be positive"),
+    ("step_tune.py", [], "no CUDA device is visible here"),
+    ("step_tune.py", ["--quantize", "int8"], "--quantize 'int8': expected fp8 and/or int4"),
+    ("step_tune.py", ["--passes", "0"], "--passes, --layers and --context must be positive"),
     ("qlinear_tiles.py", ["--kinds", "fp8,int8"], "--kinds 'fp8,int8': expected fp8 and/or int4"),
     ("step_timeline.py", ["--quantize", "fp8"], "no CUDA device is visible here"),
     ("kernels.py", ["--calls", "8b,70b"], "--calls: '70b' names none of 8b.qkv, 8b.o"),
@@ -153,6 +153,24 @@ def test_the_tuners_tables_load_back_as_tile_tables(tmp_path, monkeypatch):
     assert back.one_row[qkv] == (128, 512, 8, 5, 2) and (4096, 4096) not in back.one_row
     assert back.tile == shipped.tile and back.gemv == shipped.gemv and back.cuda == shipped.cuda
     assert gate_up in shipped.one_row and gate_up not in tiles.one_row     # retuned verify tile: its one_row gone
+
+
+def test_the_step_tuners_candidates_select_their_kernel_by_table_entries(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))                         # it imports fast_decode.py and kernels.py
+    tuner = script(BENCHMARKS / "step_tune.py", monkeypatch)
+    shipped = tuner.shipped_tiles()
+    gate_up, o = (12288, 4096), (4096, 4096)
+    assert gate_up in shipped.cuda                                       # gemv.cu serves it as shipped
+    tile_kernel = tuner.with_entries(shipped, gate_up, {"gemv": None, "cuda": None})
+    assert gate_up not in tile_kernel.cuda and gate_up not in tile_kernel.gemv
+    assert tile_kernel.tile == shipped.tile and tile_kernel.one_row == shipped.one_row    # the rest as shipped
+    gemv = tuner.with_entries(shipped, o, {"gemv": tuner.GEMV[0], "cuda": None})
+    assert gemv.gemv[o] == tuner.GEMV[0] and gemv.cuda == shipped.cuda
+    q = tuner.with_entries(shipped, o, {"qgemv_int4": tuner.QGemv(4, 1024, 3)})
+    assert q.qgemv_int4[o] == (4, 1024, 3, 0) and q.qgemv_fp8 == shipped.qgemv_fp8
+    assert tuner.label_of({"gemv": None, "cuda": None}) == "tile kernel"
+    assert tuner.label_of({"gemv": None, "cuda": tuner.CUDA[0]}) == f"cuda {tuple(tuner.CUDA[0])}"
+    assert len(tuner.qgemv_candidates(132)) == 72 and tuner.QGemv(8, 2048, 2, 132) in tuner.qgemv_candidates(132)
 
 
 @pytest.mark.parametrize("args,said", [(["--streams", "1,x"], "--streams: '1,x': expected positive integers"),
