@@ -41,13 +41,12 @@ from xcompile.compile.config import KNOWN_MODELS
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels import cuda_qgemv as C
-from xcompile.runtime.engines.kernels.config import TABLES, KernelConfig, QGemv, Tiles, shipped_tiles
+from xcompile.runtime.engines.kernels.config import KernelConfig, QGemv, Tiles, shipped_tiles
 from xcompile.runtime.engines.kernels.linear import linear, linear_reference
 from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear_reference
 from xcompile.runtime.engines.qweight import FP8, INT4, quantize
 
 BLOCKS = {FP8: (128, 128), INT4: (1, 128)}                 # as Qwen/Qwen3-8B-FP8 and -AWQ store them
-QTABLE = {FP8: "qgemv_fp8", INT4: "qgemv_int4"}
 # (name, N_OUT, K, gated, norm, residual): a layer's one-row calls in launch order, then the lm_head (bf16 only)
 CALLS = {"qwen3-8b": [("qkv", 6144, 4096, False, True, False), ("o", 4096, 4096, False, False, True),
                       ("gate_up", 12288, 4096, True, True, False), ("down", 4096, 12288, False, False, True),
@@ -69,19 +68,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def with_entries(tiles: Tiles, shape: tuple[int, int], entries: dict) -> Tiles:
-    """``tiles`` with ``shape``'s entry of each table in ``entries`` set (None: removed)."""
-    tables = {name: dict(getattr(tiles, name)) for name in TABLES}
-    for table, entry in entries.items():
-        tables[table].pop(shape, None)
-        if entry is not None:
-            tables[table][shape] = entry
-    return Tiles(**tables, provenance=tiles.provenance)
+    """``tiles`` with ``shape``'s entry of each table in ``entries`` set (None: removed), as Tiles.replace does."""
+    return tiles.replace(**{table: {shape: entry} for table, entry in entries.items()})
 
 
 def candidates(call: tuple, kind: str | None, sms: int) -> list[dict]:
     """The one-row launches of a call (module docstring) that run and match the reference in one call, each as
     the table entries that select it."""
     name, n, k, gated, norm, residual = call
+    limit = cuda_gemv.smem_limit(DEV.index or 0)
     rows = 2 * n if gated else n
     x = torch.randn(1, k, device=DEV).to(BF16)
     g = torch.rand(k, device=DEV).to(BF16) + 0.5 if norm else None
@@ -90,26 +85,25 @@ def candidates(call: tuple, kind: str | None, sms: int) -> list[dict]:
         qws = [quantize(torch.randn(n, k, device=DEV) * k ** -0.5, kind, BLOCKS[kind]) for _ in range(1 + gated)]
         w = QLinear.pack(qws)
         want = qlinear_reference(x, qws, norm=g, gated=gated, residual=res)
-        limit = cuda_gemv.smem_limit(DEV.index or 0)
         fitted = dict.fromkeys(t for c in qgemv_candidates(sms) if (t := C.fit(w, c, gated, limit)) is not None)
-        tries = [{QTABLE[kind]: t} for t in fitted]
+        tries = [{C.TABLE[kind]: t} for t in fitted]
     else:
         w = torch.randn(rows, k, device=DEV).to(BF16) / k ** 0.5
         want = linear_reference(x, w, norm=g, gated=gated, residual=res)
         tries = [{"gemv": None, "cuda": None}] + [{"gemv": t, "cuda": None} for t in GEMV if k % t.block_k == 0]
         for t in CUDA:
             try:
-                tries.append({"gemv": None, "cuda": cuda_gemv.check(t, n, k, gated, cuda_gemv.smem_limit(0))})
+                tries.append({"gemv": None, "cuda": cuda_gemv.check(t, n, k, gated, limit)})
             except EngineError:
                 pass                                        # more shared memory than the device has
     kept = []
     for entries in tries:
-        cfg = KernelConfig(tiles=with_entries(shipped_tiles(), (n, k), entries))
         out = res.clone() if residual else torch.empty(1, n, device=DEV, dtype=BF16)
         if kind:
             got = C.qgemv(x, w, out, norm=g, eps=1e-6, gated=gated, residual=out if residual else None,
-                          extra_out=None, tile=entries[QTABLE[kind]], cfg=cfg)
+                          extra_out=None, tile=entries[C.TABLE[kind]])
         else:
+            cfg = KernelConfig(tiles=with_entries(shipped_tiles(), (n, k), entries))
             got = linear(x, w, norm=g, gated=gated, residual=out if residual else None, out=out, cfg=cfg)
             if entries["cuda"] is not None and (n, k, entries["cuda"]) in cuda_gemv.REFUSED:
                 got = None                                  # the Triton GEMV ran instead
@@ -139,7 +133,7 @@ def tune(kind: str | None, args, sms: int) -> tuple[Tiles, dict]:
     inputs = step_inputs(1, args.context, cfg.vocab_size)
     calls = [c for c in CALLS[args.model] if not (kind and c[0] == "lm_head")]      # the lm_head stays bf16
     shipped = best = shipped_tiles()
-    tables = [QTABLE[kind]] if kind else ["gemv", "cuda"]
+    tables = [C.TABLE[kind]] if kind else ["gemv", "cuda"]
 
     def step_ms(tiles: Tiles, reps: int = 30) -> float:
         fast.kernels = KernelConfig(tiles=tiles)
@@ -153,7 +147,7 @@ def tune(kind: str | None, args, sms: int) -> tuple[Tiles, dict]:
             name, shape = call[0], (call[1], call[2])
             current = {t: getattr(best, t).get(shape) for t in tables}
             if kind:                                        # no entry: the kind's default launch, named
-                current = {QTABLE[kind]: C.tile_for(kind, *shape, KernelConfig(tiles=best))}
+                current = {C.TABLE[kind]: C.tile_for(kind, *shape, KernelConfig(tiles=best))}
             timed = {}
             for entries in candidates(call, kind, sms):
                 key = tuple(entries.items())
@@ -191,7 +185,7 @@ def main() -> None:
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     kinds = args.quantize.split(",") if args.quantize else [None]
-    if any(k is not None and k not in QTABLE for k in kinds):
+    if any(k is not None and k not in C.TABLE for k in kinds):
         raise SystemExit(f"step_tune.py: --quantize {args.quantize!r}: expected fp8 and/or int4")
     args.layers = args.layers or KNOWN_MODELS[args.model].config.num_hidden_layers
     if args.passes < 1 or args.layers < 1 or args.context < 1:
@@ -205,7 +199,7 @@ def main() -> None:
     for kind in kinds:
         won, figures[kind or "bf16"] = tune(kind, args, sms)
         torch.cuda.empty_cache()                            # the kind's model is gone with tune's frame
-        changed = [QTABLE[kind]] if kind else ["gemv", "cuda"]
+        changed = [C.TABLE[kind]] if kind else ["gemv", "cuda"]
         tiles = dataclasses.replace(tiles, **{t: getattr(won, t) for t in changed})
     if args.json:
         with open(args.json, "w") as f:

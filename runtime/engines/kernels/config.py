@@ -134,9 +134,11 @@ class Tiles:
         return {"provenance": self.provenance, **{name: {f"{n},{k}": list(t) for (n, k), t in getattr(self, name).items()}
                                                   for name in TABLES}}
 
-    def replace(self, **entries: Mapping[Shape, tuple]) -> Tiles:
-        """These tables with some entries replaced or added, e.g. ``replace(tile={(4096, 4096): (64, 256, 4, 3)})``."""
-        tables = {name: {**getattr(self, name), **entries.get(name, {})} for name in TABLES}
+    def replace(self, **entries: Mapping[Shape, tuple | None]) -> Tiles:
+        """These tables with some entries replaced or added, e.g. ``replace(tile={(4096, 4096): (64, 256, 4, 3)})``;
+        an entry of None removes the shape from that table (its calls then take what an unlisted shape takes)."""
+        tables = {name: {s: t for s, t in {**getattr(self, name), **entries.get(name, {})}.items() if t is not None}
+                  for name in TABLES}
         return Tiles(**tables, provenance=self.provenance)
 
 

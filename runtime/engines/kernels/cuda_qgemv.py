@@ -22,11 +22,12 @@ SPAN, PAD = 64, 64      # qgemv.cu: bytes of a row a warp covers at once; the pa
 # fastest for one decoder layer's projections at the Qwen3-8B shapes (benchmarks/qlinear_tiles.py --cuda, one
 # H100, 2026-12-05): FP8 81.3 us against the Triton GEMV's 83.6, INT4 64.6 against 77.3
 TILE = {FP8: QGemv(8, 2048, 2), INT4: QGemv(8, 2048, 2)}
+TABLE = {FP8: "qgemv_fp8", INT4: "qgemv_int4"}      # by kind, its table of the tile tables (KernelConfig.tiles)
 
 
 def tile_for(kind: str, n_out: int, k: int, cfg: KernelConfig = DEFAULT) -> QGemv | None:
     """The launch of a ``kind`` call of (n_out, k): its tile tables' entry, else the kind's TILE."""
-    table = {FP8: cfg.tiles.qgemv_fp8, INT4: cfg.tiles.qgemv_int4}.get(kind, {})
+    table = getattr(cfg.tiles, TABLE[kind]) if kind in TABLE else {}
     return table.get((n_out, k)) or TILE.get(kind)
 
 
