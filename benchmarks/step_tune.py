@@ -11,7 +11,7 @@ gate/up, down and, in bf16, the lm_head), every candidate with the other project
 --passes repeats the round. A candidate is what a one-row call of that shape runs:
 
     bf16        the tile kernel at the shape's shipped tile (no ``gemv`` or ``cuda`` entry), a Triton GEMV
-                (a ``gemv`` entry: kernels.GEMV) or gemv.cu (a ``cuda`` entry: kernels.CUDA)
+                (a ``gemv`` entry: kernels.GEMV) or gemv.cu (a ``cuda`` entry: ``STEP_CUDA``)
     --quantize  qgemv.cu's launches (a ``qgemv_fp8`` / ``qgemv_int4`` entry: ``qgemv_candidates``,
                 deduplicated by what cuda_qgemv.fit makes of them at that shape); one run per kind
 
@@ -35,13 +35,13 @@ import sys
 
 import torch
 from fast_decode import DEV, graphed_ms, qwen3_8b, step_inputs, target_pair
-from kernels import CUDA, GEMV
+from kernels import GEMV
 
 from xcompile.compile.config import KNOWN_MODELS
 from xcompile.runtime.common.errors import EngineError
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels import cuda_qgemv as C
-from xcompile.runtime.engines.kernels.config import KernelConfig, QGemv, Tiles, shipped_tiles
+from xcompile.runtime.engines.kernels.config import CudaGemv, KernelConfig, QGemv, Tiles, shipped_tiles
 from xcompile.runtime.engines.kernels.linear import linear, linear_reference
 from xcompile.runtime.engines.kernels.qlinear import QLinear, qlinear_reference
 from xcompile.runtime.engines.qweight import FP8, INT4, quantize
@@ -55,6 +55,9 @@ CALLS = {"qwen3-8b": [("qkv", 6144, 4096, False, True, False), ("o", 4096, 4096,
                         ("gate_up", 3072, 1024, True, True, False), ("down", 1024, 3072, False, False, True),
                         ("lm_head", 151936, 1024, False, True, False)]}
 RETIME, TOL = 3, 2e-2
+# gemv.cu in the step: up to 8 stages and a cap on blocks a SM too (0: as many as fit), so a small model's
+# projection may request all of its weights before its PDL wait and still leave the SM room for the next launch
+STEP_CUDA = [CudaGemv(*t) for t in itertools.product((1, 2), (4, 8), (2, 4, 8), (0, 1, 2))]
 BF16 = torch.bfloat16
 
 
@@ -91,7 +94,7 @@ def candidates(call: tuple, kind: str | None, sms: int) -> list[dict]:
         w = torch.randn(rows, k, device=DEV).to(BF16) / k ** 0.5
         want = linear_reference(x, w, norm=g, gated=gated, residual=res)
         tries = [{"gemv": None, "cuda": None}] + [{"gemv": t, "cuda": None} for t in GEMV if k % t.block_k == 0]
-        for t in CUDA:
+        for t in STEP_CUDA:
             try:
                 tries.append({"gemv": None, "cuda": cuda_gemv.check(t, n, k, gated, limit)})
             except EngineError:

@@ -169,7 +169,8 @@ def test_the_step_tuners_candidates_select_their_kernel_by_table_entries(monkeyp
     q = tuner.with_entries(shipped, o, {"qgemv_int4": tuner.QGemv(4, 1024, 3)})
     assert q.qgemv_int4[o] == (4, 1024, 3, 0) and q.qgemv_fp8 == shipped.qgemv_fp8
     assert tuner.label_of({"gemv": None, "cuda": None}) == "tile kernel"
-    assert tuner.label_of({"gemv": None, "cuda": tuner.CUDA[0]}) == f"cuda {tuple(tuner.CUDA[0])}"
+    assert tuner.label_of({"gemv": None, "cuda": tuner.STEP_CUDA[0]}) == f"cuda {tuple(tuner.STEP_CUDA[0])}"
+    assert tuner.CudaGemv(2, 4, 8, 1) in tuner.STEP_CUDA                  # all of a small row range's weights ahead
     assert len(tuner.qgemv_candidates(132)) == 72 and tuner.QGemv(8, 2048, 2, 132) in tuner.qgemv_candidates(132)
 
 
