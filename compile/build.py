@@ -188,6 +188,15 @@ def graph_digest(manifest: Manifest, graph: str) -> str:
                           ).hexdigest()
 
 
+def check_draft_tokens(options: BuildOptions, max_seq_len: int, where) -> None:
+    """CompileOptionError for a --max-draft-tokens that leaves a verify no room in ``where``'s ``max_seq_len``:
+    asked for, it is refused rather than capped (the default is capped to the dir's context)."""
+    if options.max_draft_tokens != DEFAULT_MAX_DRAFT_TOKENS and options.max_draft_tokens >= max_seq_len:
+        raise CompileOptionError(f"--max-draft-tokens {options.max_draft_tokens}: a verify of that many drafts and "
+                                 f"its root exceeds {where}'s max_seq_len {max_seq_len}; give at most "
+                                 f"{max_seq_len - 1}")
+
+
 def build_into(directory: Path, options: BuildOptions, progress: Progress = print, shown: Path | None = None,
                check_graphs: bool = True) -> Manifest:
     """``build``'s work inside the staging dir ``directory`` (``shown``: the path to report). The
@@ -197,11 +206,7 @@ def build_into(directory: Path, options: BuildOptions, progress: Progress = prin
     flavor = check_options(options)
     if not manifest.graphs:
         raise CompileError(f"{shown or directory}: the manifest lists no ONNX graphs; run `xcompile export` first")
-    if options.max_draft_tokens != DEFAULT_MAX_DRAFT_TOKENS and options.max_draft_tokens >= manifest.max_seq_len:
-        # asked for: refused rather than capped (the default is capped to the dir's context)
-        raise CompileOptionError(f"--max-draft-tokens {options.max_draft_tokens}: a verify of that many drafts and "
-                                 f"its root exceeds {shown or directory}'s max_seq_len {manifest.max_seq_len}; give at "
-                                 f"most {manifest.max_seq_len - 1}")
+    check_draft_tokens(options, manifest.max_seq_len, shown or directory)
     trt, _ = polygraphy_backend(flavor)
     if flavor == "rtx":
         ccs = tuple(compute_capability(c, trt) for c in options.compute_capabilities)

@@ -27,6 +27,9 @@ def _tolerances(values: tuple[str, ...], option: str) -> dict[str, float]:
         if name and name not in outputs:
             raise click.BadParameter(f"{v!r}: no graph has an output {name!r}; OUTPUT is one of {', '.join(outputs)}",
                                      param_hint=option)
+        if name in tols:
+            raise click.BadParameter(f"{v!r}: {'output ' + repr(name) if name else 'the default'} already has a "
+                                     "tolerance; give each once", param_hint=option)
         try:
             tols[name] = Finite(min=0).convert(tol, None, None)
         except (click.BadParameter, ValueError):

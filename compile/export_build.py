@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from xcompile.compile.build import BuildOptions, build_into, check_options, open_manifest
+from xcompile.compile.build import BuildOptions, build_into, check_draft_tokens, check_options, open_manifest
 from xcompile.compile.errors import CompileError
 from xcompile.compile.export_plan import plan_export
 from xcompile.compile.pipeline import export_into
@@ -72,6 +72,7 @@ def export_and_build(req, options: BuildOptions = BuildOptions(), progress: Prog
     check_options(options)                          # before a minutes-long export, not after it
     plan = plan_export(req)
     out = Path(req.out).absolute()
+    check_draft_tokens(options, plan.parts[0].module.max_seq_len, out)       # before the export too
     with files.staged_dir(out, "xcompile build", inputs=plan.inputs, replace=True) as tmp:
         reason = "--force" if req.force else "no export there yet"
         if not req.force and (out / "manifest.json").is_file():

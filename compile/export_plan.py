@@ -97,8 +97,13 @@ def _open(req: ExportRequest, role: str, target_cfg: Qwen3Config | None = None
         if role == TARGET and req.synthetic_layers:
             cfg = replace(cfg, num_hidden_layers=req.synthetic_layers)
         return cfg, synthetic.SyntheticSource.for_role(name.lower(), req.seed, role), None
-    directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else ckpt.resolve_mtp(req.model, req.mtp)
-                 if role == MTP else ckpt.resolve_draft(name) if role == DRAFT else ckpt.resolve(name, req.revision))
+    try:
+        directory = (ckpt.resolve_eagle3(req.model, req.eagle3) if role == EAGLE3 else ckpt.resolve_mtp(req.model,
+                     req.mtp) if role == MTP else ckpt.resolve_draft(name) if role == DRAFT else
+                     ckpt.resolve(name, req.revision))
+    except CompileError as e:                       # which option's checkpoint, where the message names none
+        option = {EAGLE3: "--eagle3", MTP: "--mtp", DRAFT: "--draft-model"}.get(role, "--model")
+        raise type(e)(str(e) if str(e).startswith("--") else f"{option} {e}") from None
     return family(_KINDS[role]).parse(directory / "config.json"), CheckpointSource(directory), directory
 
 

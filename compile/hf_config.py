@@ -88,11 +88,17 @@ class Fields:
         if factor * original > MAX_POSITIONS:
             raise f.fail("factor", f"is {factor:g}: {factor:g} x {original} trained positions passes the "
                          f"{MAX_POSITIONS:,} xcompile takes")
+        if factor < 1:                               # transformers' _validate_yarn_rope_parameters warns of both
+            raise f.fail("factor", f"is {factor:g}; YaRN stretches RoPE, so it must be at least 1")
+        beta_fast, beta_slow = f.get("beta_fast", float, 32.0), f.get("beta_slow", float, 1.0)
+        if beta_fast < beta_slow:
+            raise f.fail("beta_fast", f"is {beta_fast:g}, below beta_slow {beta_slow:g}; YaRN needs beta_fast >= "
+                         "beta_slow (Qwen3: 32 and 1)")
         return Yarn(
             factor=factor,
             original_max_position_embeddings=original,
-            beta_fast=f.get("beta_fast", float, 32.0),
-            beta_slow=f.get("beta_slow", float, 1.0),
+            beta_fast=beta_fast,
+            beta_slow=beta_slow,
             mscale=f.number("mscale"),
             mscale_all_dim=f.number("mscale_all_dim"),
             attention_factor=f.get("attention_factor", float),

@@ -153,9 +153,10 @@ def _quantize_into(out: Path, source: Path, scheme: Scheme, windows: torch.Tenso
     written quantization_config back as the loader will. Returns the quantized and the kept linear layers."""
     # llm-compressor logs to stdout, which holds xcompile's results only: its messages go to stderr instead (those
     # of its import through stdout redirected; later ones through a sink of its logger), its errors always, the
-    # rest (its lifecycle, "no accelerator") with -v
+    # rest (its lifecycle, "no accelerator" as it is imported) with -v
+    verbose = logs.logger("compile").getEffectiveLevel() <= logging.DEBUG
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stderr if verbose else null):
             from llmcompressor import LoggerConfig, configure_logger
     except ImportError as e:
         raise CompileError(f"xcompile quantize needs llm-compressor ({e}); install it with pip install -e "
@@ -163,7 +164,6 @@ def _quantize_into(out: Path, source: Path, scheme: Scheme, windows: torch.Tenso
     from loguru import logger as library_log
 
     configure_logger(LoggerConfig(console_log_level=None))
-    verbose = logs.logger("compile").getEffectiveLevel() <= logging.DEBUG
     library_log.add(sys.stderr, level="DEBUG" if verbose else "ERROR", format="llmcompressor {level}: {message}")
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -172,37 +172,59 @@ def _quantize_into(out: Path, source: Path, scheme: Scheme, windows: torch.Tenso
     from transformers import AutoModelForCausalLM
 
     log(f"loading {source}")
+    with _library_output(quiet=logs.logger("compile").getEffectiveLevel() > logging.INFO):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")     # the checkpoint's own dtype
+        except (OSError, ValueError, SafetensorError) as e:
+            raise CompileError(f"{source}: transformers cannot load the checkpoint ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}); check its files") from None
+        recipe = [GPTQModifier(targets="Linear", scheme=scheme.preset, ignore=["lm_head"])]
+        if scheme.awq:
+            # AWQ grid-searches each layer's input-channel scales on the calibration activations (duo scaling:
+            # from activations alone and from activations and weights), before GPTQ rounds
+            recipe.insert(0, AWQModifier(duo_scaling="both"))
+        log(f"{'AWQ and ' if scheme.awq else ''}GPTQ on {windows.shape[0]} windows of {windows.shape[1]} tokens")
+        with _no_pinning_without_accelerator():
+            oneshot(model=model, recipe=recipe, dataset=Dataset.from_dict({"input_ids": windows.tolist()}),
+                    num_calibration_samples=windows.shape[0], max_seq_length=windows.shape[1],
+                    shuffle_calibration_samples=False)
+        model.save_pretrained(out, save_compressed=True)
+        umask = os.umask(0)
+        os.umask(umask)
+        for written in out.iterdir():                   # the library writes its weights 0600, like a temp file
+            written.chmod(0o666 & ~umask)
+        for name in TOKENIZER_FILES:                    # the source's own files, as it ships them
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+        q = parse_quantization(out / "config.json", read_json(out / "config.json"))
+        layouts = {s.layout for _, s, _ in q.groups} if q is not None else set()
+        if layouts != {scheme.layout}:
+            raise CompileError(f"{out / 'config.json'}: llm-compressor wrote layouts {sorted(layouts)}, expected "
+                               f"{scheme.layout!r}; this llm-compressor version writes what xcompile does not read")
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        kept = [n for n in linears if q.scheme_for(n) is None]
+        return len(linears) - len(kept), kept
+
+
+@contextlib.contextmanager
+def _library_output(quiet: bool):
+    """-q / -qq: what transformers and llm-compressor print themselves (progress bars, warnings) is dropped too,
+    and transformers' log kept to errors; xcompile's own lines stay."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    torch_log = logging.getLogger("torch")          # its own stderr handler (torch.fx's tracing notes)
+    level, torch_level = hf_logging.get_verbosity(), torch_log.level
+    hf_logging.set_verbosity_error()
+    torch_log.setLevel(logging.ERROR)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")     # the checkpoint's own dtype
-    except (OSError, ValueError, SafetensorError) as e:
-        raise CompileError(f"{source}: transformers cannot load the checkpoint ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); check its files") from None
-    recipe = [GPTQModifier(targets="Linear", scheme=scheme.preset, ignore=["lm_head"])]
-    if scheme.awq:
-        # AWQ grid-searches each layer's input-channel scales on the calibration activations (duo scaling:
-        # from activations alone and from activations and weights), before GPTQ rounds
-        recipe.insert(0, AWQModifier(duo_scaling="both"))
-    log(f"{'AWQ and ' if scheme.awq else ''}GPTQ on {windows.shape[0]} windows of {windows.shape[1]} tokens")
-    with _no_pinning_without_accelerator():
-        oneshot(model=model, recipe=recipe, dataset=Dataset.from_dict({"input_ids": windows.tolist()}),
-                num_calibration_samples=windows.shape[0], max_seq_length=windows.shape[1],
-                shuffle_calibration_samples=False)
-    model.save_pretrained(out, save_compressed=True)
-    umask = os.umask(0)
-    os.umask(umask)
-    for written in out.iterdir():                   # the library writes its weights 0600, like a temp file
-        written.chmod(0o666 & ~umask)
-    for name in TOKENIZER_FILES:                    # the source's own files, as it ships them
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
-    q = parse_quantization(out / "config.json", read_json(out / "config.json"))
-    layouts = {s.layout for _, s, _ in q.groups} if q is not None else set()
-    if layouts != {scheme.layout}:
-        raise CompileError(f"{out / 'config.json'}: llm-compressor wrote layouts {sorted(layouts)}, expected "
-                           f"{scheme.layout!r}; this llm-compressor version writes what xcompile does not read")
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    kept = [n for n in linears if q.scheme_for(n) is None]
-    return len(linears) - len(kept), kept
+        with logs.others_silenced():
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        torch_log.setLevel(torch_level)
 
 
 @contextlib.contextmanager

@@ -218,6 +218,15 @@ def train_files(recipe: Recipe, model: str | Path, data: str | Path, out: str | 
     return result
 
 
+def _holds_prompts(path: str | Path) -> bool:
+    """Whether ``path`` holds a chat prompt (True where it does not parse: that is reported, with its option, where
+    the data is read)."""
+    try:
+        return any(r.prompt is not None for r in textdata.read_records(path))
+    except CompileError:
+        return True
+
+
 def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, data: str | Path, opts: TrainOptions,
                 heldout_data: str | Path | None, regenerate: bool, max_new_tokens: int,
                 log: Callable[[str], None], revision: str | None = None) -> TrainResult:
@@ -229,6 +238,9 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
     if opts.seq_len > cfg.context_length:
         raise CompileOptionError(f"--seq-len {opts.seq_len} is past the {cfg.context_length} positions {model}'s RoPE covers "
                            "(max_position_embeddings in its config.json); give at most that")
+    if regenerate and not _holds_prompts(data):
+        raise CompileOptionError(f"--regenerate: {data} holds no prompts (JSONL records with a prompt or messages), "
+                                 "so no response would be regenerated; drop --regenerate or give chat data")
     taps = recipe.taps(cfg)
     target = load_qwen3(model_dir, max_seq_len=opts.seq_len, taps=taps, dtype=dtype, device=device)
     text = Text(model_dir)

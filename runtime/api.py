@@ -117,6 +117,10 @@ class LLM:
                                       f"{m.max_batch}, and the {self.engines.backend} backend's graphs fix the "
                                       "batch, so it cannot speculate; use --drafter none, --backend "
                                       "fast or torch, or an engine dir exported with --max-batch 1")
+                if spec.name == "auto" and not lone and (spec.gamma_given or spec.tree is not None):
+                    raise OptionError(f"--gamma / --tree-*: {directory} was exported with --max-batch {m.max_batch}"
+                                      f", and the {self.engines.backend} backend's graphs fix the batch, so it "
+                                      "cannot speculate; drop them, or use --backend fast or torch")
                 self.spec = spec.resolve(self.engines) if lone and spec.name != "none" else DrafterSpec("none")
                 if spec.name == "auto" and not lone and any(k.holds(self.engines) for k in DRAFTERS.values()
                                                             if k.graphs):

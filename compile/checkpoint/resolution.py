@@ -67,7 +67,8 @@ def resolve(spec: str, revision: str | None = None) -> Path:
     repo_id = known.repo_id if known else spec
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         if "/" in spec or "\\" in spec or spec.startswith((".", "~")):
-            raise CompileError(f"{spec}: no such directory")
+            raise CompileError(f"{spec}: no such directory; give a checkpoint directory, a Hugging Face repo id "
+                               f"(org/name) or an alias ({aliases()})")
         raise CompileError(f"unknown model alias {spec!r}; known aliases: {aliases()} "
                            "(or pass a checkpoint directory or a Hugging Face repo id org/name)")
     cache = hf_cache_dir()

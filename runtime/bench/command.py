@@ -56,6 +56,7 @@ class BenchRequest:
     kv_cache_dtype: str = "auto"        # or fp8: the target's KV cache in e4m3 (load.KV_CACHE_DTYPES)
     row_invariant: bool = False         # the fast target's KernelConfig.row_invariant
     yarn: float | None = None           # --synthetic: the target's RoPE stretched by YaRN (compile/reference.py)
+    given: frozenset = frozenset()      # of gammas, tree: those set on the command line (refused where unused)
 
     def kernels(self):
         """The fast backend's KernelConfig asked for (None: the defaults)."""
@@ -98,11 +99,21 @@ def check_backend(req: BenchRequest, manifest: Manifest, device: torch.device) -
     backend = pick_backend(manifest, req.backend, device)
     check_row_invariant(req.kernels(), backend)
     check_backend_options(backend, device, req.kv_cache_dtype)
+    if req.peer and backend not in ("torch", "fast"):
+        raise OptionError(f"--peer compares on the reference modules' weights, and --backend {req.backend} runs "
+                          f"{backend} here; add --backend torch or fast")
     if manifest.max_batch > 1 and backend in ("ort", "trt"):
         picked = f"--backend {backend}" if req.backend == backend else f"--backend auto (here {backend})"
         raise OptionError(f"{picked}: {req.engine_dir}'s graphs fix the batch at {manifest.max_batch} sequences "
                           "(exported with --max-batch), and xrun bench times one; use --backend torch or fast, or a "
                           "dir exported with --max-batch 1")
+    drafters = set(manifest.models) - {"target"}
+    if "tree" in req.given and req.tree and not drafters & {"eagle3", "mtp"}:
+        raise OptionError(f"--tree: {req.engine_dir} holds no EAGLE3 head or MTP module, the drafters that draft "
+                          "trees; drop --tree (or give --tree '') or export with --eagle3 or --mtp")
+    if "gammas" in req.given and req.gammas and not drafters:
+        raise OptionError(f"--gammas: {req.engine_dir} holds no drafter, so only plain decoding is timed; drop "
+                          "--gammas (or give --gammas '') or export with --eagle3, --mtp or --draft-model")
     return backend
 
 
@@ -171,8 +182,6 @@ def _measure(req: BenchRequest, es: EngineSet, echo: Callable[[str], None]) -> d
     peer = None
     if req.peer:
         provider = es.extras.get("provider") or torch_models()
-        if es.backend not in ("torch", "fast"):
-            raise OptionError("--peer compares on the reference modules' weights; add --backend torch or fast")
         # the fast engines' reference modules hold the very weights they run (re-pointed, not copied)
         engines = {g: e.reference for g, e in es.engines.items()} if es.backend == "fast" else es.engines
         peer = provider.hf_peer(engines)

@@ -4,6 +4,7 @@ runtime/cli/xrun.py adds it to the ``xrun`` group."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import click
 
@@ -27,7 +28,7 @@ from xcompile.runtime.engines.load import BACKEND_CHOICES
 
 def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, temperature) -> None:
     if (engine_dir is None) == (synthetic is None):
-        raise click.UsageError("give an ENGINE_DIR or --synthetic NAME")
+        raise click.UsageError("give an ENGINE_DIR or --synthetic NAME" + (", not both" if synthetic else ""))
     if temperature == 0:
         refuse_inert(ctx, ["top_k", "top_p", "min_p", "seed"], "greedy runs (--temperature 0, the default) do not "
                      "sample, so sampling options change nothing; add --temperature T (T > 0) or drop them")
@@ -43,8 +44,25 @@ def _check_bench(ctx, engine_dir, synthetic, backend, tree, prompts, plot, tempe
         raise click.UsageError("--peer compares on the reference modules' weights; use --backend torch or fast")
     if tree:
         check_tree(dict(zip(("topk", "depth", "total_tokens"), tree)), "--tree TOPK", "DEPTH", "TOKENS")
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+    if plot is not None:
+        check_plot(ctx, plot)
+
+
+def check_plot(ctx: click.Context, plot: str) -> None:
+    """UsageError for a --plot that matplotlib cannot write (missing, or a suffix it has no format for) or that
+    names --json's file too."""
+    if importlib.util.find_spec("matplotlib") is None:
         raise click.UsageError("--plot needs matplotlib: pip install 'xcompile[plot]'")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(plot).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise click.UsageError(f"--plot {plot}: matplotlib writes no '.{suffix}' files; end it in .png (or "
+                               f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+    json_path = ctx.params.get("json_path")
+    if json_path is not None and Path(json_path).resolve() == Path(plot).resolve():
+        raise click.UsageError(f"--json and --plot both name {plot}; give each its own file")
 
 
 @click.command()
@@ -102,4 +120,5 @@ def bench(ctx, engine_dir, synthetic, draft_model, mtp, backend, device, dtype, 
     run(BenchRequest(engine_dir, synthetic, draft_model, backend, device, dtype, gammas,
                      TreeShape(*tree) if tree else None, contexts, new_tokens,
                      repeats, peer, json_path, plot, prompts, num_prompts, verify, sampling, quantize, mtp,
-                     kv_cache_dtype, row_invariant, yarn), echo=click.echo)
+                     kv_cache_dtype, row_invariant, yarn,
+                     frozenset(name for name in ("gammas", "tree") if given(ctx, name))), echo=click.echo)

@@ -241,6 +241,9 @@ def _output(out: Path, what: str, inputs: Iterable, option: str) -> Iterator[Pat
             _remove_dirs(created)
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "compile" / "demo"     # the package's demo models: never an output
+
+
 @contextlib.contextmanager
 def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bool = False,
                option: str = "--out") -> Iterator[Path]:
@@ -252,6 +255,9 @@ def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bo
             # replacing it would swap the directory the process (and the user's shell) stands in for a new one
             raise EngineError(f"{out}: is the current directory{'' if here == out.resolve() else ' or holds it'}; "
                               f"choose another {option} (a new directory beside it)")
+        if SHIPPED == out.resolve() or SHIPPED in out.resolve().parents:
+            raise EngineError(f"{out}: is part of the installed xcompile package (the demo models it ships); choose "
+                              f"another {option}")
         if out.exists() or out.is_symlink():
             if not out.is_dir():
                 raise EngineError(f"{out}: exists and is not a directory; choose another {option}")

@@ -13,9 +13,10 @@ export, a TensorRT build phase) still shows it is alive, and log lines print abo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 
 LOGGER = "xcompile"
@@ -80,6 +81,21 @@ def bind_polygraphy(g_logger) -> None:
     g_logger.colors = False         # else its first message prints a "'colored' is not installed" notice to stdout
 
 
+_PINNED: list = []          # the stderr our records go to while ``others_silenced`` drops everyone else's
+
+
+@contextmanager
+def others_silenced():
+    """Within: what other code writes to stderr itself (a library's progress bars and warnings) is dropped, while
+    our records still reach the stderr of before."""
+    _PINNED.append(sys.stderr)
+    try:
+        with open(os.devnull, "w") as null, redirect_stderr(null):
+            yield
+    finally:
+        _PINNED.pop()
+
+
 class _Stderr(logging.StreamHandler):
     """A handler on whatever ``sys.stderr`` is when a record is emitted (click's test runner and rich's
     live display each swap it), one line per record: ``message`` for info, ``level: message`` else."""
@@ -90,7 +106,7 @@ class _Stderr(logging.StreamHandler):
 
     @property
     def stream(self):
-        return sys.stderr
+        return _PINNED[-1] if _PINNED else sys.stderr
 
     @stream.setter
     def stream(self, _):

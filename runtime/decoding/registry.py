@@ -9,7 +9,7 @@ instant (tests/test_layering.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from xcompile.runtime.common.errors import EngineError, OptionError
@@ -51,6 +51,7 @@ class DrafterSpec:
     name: str = AUTO
     gamma: int = DEFAULT_GAMMA
     tree: TreeShape | None = None
+    gamma_given: bool = field(default=False, compare=False)     # --gamma set, not DEFAULT_GAMMA (refused unused)
 
     def __post_init__(self):
         if self.name != AUTO and self.name not in DRAFTERS:
@@ -69,7 +70,8 @@ class DrafterSpec:
                  if v is not None}
         if given and gamma is not None:
             raise EngineError("--gamma sets a chain, --tree-* a tree: give one or the other")
-        return cls(drafter, DEFAULT_GAMMA if gamma is None else gamma, TreeShape(**given) if given else None)
+        return cls(drafter, DEFAULT_GAMMA if gamma is None else gamma, TreeShape(**given) if given else None,
+                   gamma_given=gamma is not None)
 
     def resolve(self, es: EngineSet) -> DrafterSpec:
         """This spec with ``auto`` replaced by the first drafter the dir holds (one that drafts trees, if a
@@ -172,7 +174,7 @@ def make_drafter(es: EngineSet, spec: DrafterSpec | str = AUTO) -> Drafter:
 def check_spec(spec: DrafterSpec, directory, manifest: Manifest) -> None:
     """Before any engine loads: OptionError for a drafter the dir does not hold, a tree the drafter ``spec``
     resolves to would ignore (``auto`` picks as ``make_drafter`` does), or a round that leaves no room for a
-    prompt. (An explicit --gamma with ``none`` is the CLI's to refuse: a DrafterSpec always carries a gamma.)"""
+    prompt; and an explicit --gamma (``gamma_given``) with no drafter to run."""
     def held(kind: DrafterKind) -> bool:
         return all(g in manifest.graphs for g in kind.graphs)
 
@@ -186,6 +188,9 @@ def check_spec(spec: DrafterSpec, directory, manifest: Manifest) -> None:
     auto = f" (--drafter auto picks {drafter} for {directory})" if spec.name == AUTO else ""
     if drafter == "none" and spec.tree:
         raise OptionError(f"--tree-* would do nothing: no drafter runs{auto}")
+    if drafter == "none" and spec.gamma_given:
+        raise OptionError(f"--gamma {spec.gamma} would do nothing: no drafter runs{auto}; drop it, or rebuild with "
+                          "--eagle3, --mtp or --draft-model")
     if drafter == "draft-model" and spec.tree:
         raise OptionError(f"--tree-* shape the EAGLE3 or MTP tree; the draft model drafts a chain of --gamma "
                           f"tokens{auto}")

@@ -287,3 +287,15 @@ def test_a_draft_size_past_the_dirs_context_is_refused_not_capped(tiny_engine_di
     assert result.exit_code == 2 and "--max-draft-tokens 256" in result.output and "at most 255" in result.output, \
         result.output
     assert not list(tiny_engine_dir.glob("*.engine"))
+
+
+@rtx
+def test_a_draft_size_past_the_exports_context_is_refused_before_exporting(tiny_target, tmp_path):
+    """From a checkpoint: the export's max_seq_len is known from the plan, so the refusal comes before minutes of
+    export, and nothing is written."""
+    out = tmp_path / "built"
+    result = CliRunner().invoke(main, ["build", "--model", str(tiny_target), "--max-seq-len", "64",
+                                       "--max-draft-tokens", "100", "--out", str(out), *RTX])
+    assert result.exit_code == 2 and "--max-draft-tokens 100" in result.output and "at most 63" in result.output, \
+        result.output
+    assert "exporting" not in result.output and not out.exists()

@@ -114,6 +114,8 @@ def test_export_options(args, needles, tiny_target, tmp_path):
     (["--atol", "nan"], ["--atol", "finite"]),
     (["--rtol", "logits=-1"], ["--rtol"]),
     (["--atol", "foo=1e-3"], ["--atol", "no graph has an output 'foo'", "logits"]),
+    (["--atol", "logits=1e-3", "--atol", "logits=1"], ["--atol", "'logits=1'", "already has a tolerance"]),
+    (["--rtol", "1e-3", "--rtol", "2e-3"], ["--rtol", "the default already has a tolerance"]),
     (["--device", "tpu"], ["--device", "cpu, cuda or cuda:N"]),
     (["--prompt", "caf\udcff"], ["--prompt", "not valid UTF-8", "0xff"]),
     (["--prompt-ids", "1,x"], ["--prompt-ids"]),

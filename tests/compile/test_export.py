@@ -238,4 +238,7 @@ def test_requests_rejected_before_any_work(tiny_target, tmp_path):
         cli("export", "--model", "qwen3-9000b", "--synthetic", "--out", out), 2)
     assert "no published EAGLE3 head" in one_line_error(cli("export", "--model", tiny_target, "--eagle3", "--out", out))
     assert "--max-batch" in one_line_error(cli("export", "--model", tiny_target, "--max-batch", 0, "--out", out), 2)
+    nope = tmp_path / "nope"                        # the option whose checkpoint is missing, and what it takes
+    said = one_line_error(cli("export", "--model", tiny_target, "--mtp", nope, "--out", out))
+    assert f"--mtp {nope}: no such directory" in said and "Hugging Face repo id" in said
     assert not out.exists() and leftovers(tmp_path) == []

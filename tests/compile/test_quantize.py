@@ -163,6 +163,15 @@ def test_cli_writes_the_checkpoint_and_replaces_it_only_with_force(dense, text, 
     assert staging_leftovers(tmp_path) == []
 
 
+def test_quiet_drops_the_libraries_output_too(dense, text, tmp_path):
+    """-qq prints errors only: transformers' and llm-compressor's progress bars and warnings included."""
+    out = tmp_path / "fp8"
+    result = xcompile("quantize", "-qq", "--model", dense, "--scheme", "fp8", "--calibration", text, "--samples", 2,
+                      "--seq-len", 16, "--out", out)
+    assert result.exit_code == 0 and result.stderr == "", result.stderr[-2000:]
+    assert result.stdout.startswith(f"{out}: fp8")
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--scheme", "int8"], ["--scheme", "'int8'"]),
     (["--scheme", "int4-awq", "--samples", 0], ["--samples"]),

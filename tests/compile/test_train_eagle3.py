@@ -182,6 +182,19 @@ def test_cli_regenerates_chat_responses(tiny_target, tmp_path):
     assert json.loads((out / "xcompile_train.json").read_text())["regenerate"] is True
 
 
+def test_cli_refuses_regenerate_on_data_with_no_prompts(tiny_target, tmp_path):
+    """Plain text has no responses to regenerate: --regenerate would do nothing, so it is refused before the target
+    loads, and nothing is written."""
+    data = tmp_path / "plain.txt"
+    data.write_text(" ".join(word_text(40, 8)))
+    out = tmp_path / "head"
+    fixtures.refused(CliRunner().invoke(main, [
+        "train-eagle3", "--model", str(tiny_target), "--data", str(data), "--out", str(out), "--draft-vocab", "64",
+        "--ttt-steps", "2", "--steps", "1", "--batch", "2", "--seq-len", str(SEQ), "--device", "cpu", "--regenerate"]),
+        "--regenerate", "holds no prompts")
+    assert not out.exists()
+
+
 def test_tokenize_wraps_prompts_in_the_chat_template(tiny_target):
     text = Text(tiny_target)
     records = [textdata.Record(text="the cat"), textdata.Record(prompt="hello", response="yes")]

@@ -107,6 +107,8 @@ def test_yarn_fields_and_transformers_fallbacks(tmp_path):
     ({**YARN, "factor": float("nan")}, "rope_scaling.factor", "should be a finite number"),
     ({**YARN, "factor": 1e308}, "rope_scaling.factor", "passes the 16,777,216 xcompile takes"),
     ({**YARN, "mscale": float("inf")}, "rope_scaling.mscale", "finite number >= 0"),
+    ({**YARN, "factor": 0.5}, "rope_scaling.factor", "at least 1"),
+    ({**YARN, "beta_fast": 1.0, "beta_slow": 32.0}, "rope_scaling.beta_fast", "below beta_slow 32"),
 ])
 def test_other_rope_scalings_are_refused_in_one_line(tmp_path, scaling, field, value):
     msg = refusal(parse_qwen3, write(tmp_path, qwen3_config({"rope_scaling": scaling})))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+from pathlib import Path
 
 import fixtures
 import pytest
@@ -564,3 +565,41 @@ def test_no_cuda_graphs_on_the_cpu_is_refused_as_inert(tiny_engine_dir):
 ])
 def test_generate_refuses_an_empty_prompt_a_lost_id_and_a_tree_the_dir_cannot_hold(tiny_engine_dir, args, needles):
     refused(run("generate", tiny_engine_dir, "--device", "cpu", *args), *needles, code=2)
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory, tiny_target) -> Path:
+    """The tiny target alone: no drafter."""
+    from xcompile.compile.pipeline import ExportRequest, export_engine_dir
+
+    out = tmp_path_factory.mktemp("engines") / "plain"
+    export_engine_dir(ExportRequest(model=str(tiny_target), out=out, dtype="fp32", max_seq_len=64))
+    return out
+
+
+@pytest.mark.parametrize("command,args,needles", [
+    ("generate", ["--prompt-ids", PROMPT_IDS, "--gamma", 3], ["--gamma 3 would do nothing", "auto picks none"]),
+    ("bench", ["--gammas", "2", "--tree", ""], ["--gammas", "holds no drafter"]),
+    ("bench", ["--gammas", "", "--tree", "2,2,4"], ["--tree", "no EAGLE3 head or MTP module"]),
+])
+def test_drafting_options_on_a_dir_with_no_drafter_are_refused(plain_dir, command, args, needles):
+    """Accepted, they would change nothing: --drafter auto decodes plainly and the bench times plain decoding."""
+    refused(run(command, plain_dir, "--device", "cpu", *args), *needles)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--plot", "{tmp}/p.txt"], ["--plot", "no '.txt' files", ".png"]),
+    (["--json", "{tmp}/same", "--plot", "{tmp}/same"], ["--json and --plot both name"]),
+    (["--peer"], ["--peer", "runs ort here", "--backend torch or fast"]),
+])
+def test_bench_output_and_peer_options_are_refused_before_anything_loads(tiny_engine_dir, tmp_path, args, needles):
+    """A --plot matplotlib cannot write failed after the whole run, with its traceback; --peer on the backend
+    auto picks (ort here) after the engines loaded."""
+    args = [a.format(tmp=tmp_path) for a in args]
+    line = refused(run("bench", tiny_engine_dir, "--device", "cpu", "--contexts", "16", "--gammas", "1", "--tree", "",
+                       *args), *needles, code=2)
+    assert "loaded" not in line and not list(tmp_path.iterdir())
+
+
+def test_bench_of_an_engine_dir_and_synthetic_weights_says_not_both(tiny_engine_dir):
+    refused(run("bench", tiny_engine_dir, "--synthetic", "qwen3-0.6b"), "--synthetic NAME, not both")

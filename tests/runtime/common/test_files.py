@@ -67,6 +67,10 @@ def test_replace_needs_force_and_only_replaces_what_xcompile_wrote(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     write_into(empty, replace=True)                         # an empty dir holds nothing to lose
+    for shipped in (files.SHIPPED / "mtp", files.SHIPPED / "new"):    # the demo models the package ships
+        with pytest.raises(EngineError, match="part of the installed xcompile package"):
+            write_into(shipped, replace=True)
+    assert not (files.SHIPPED / "new").exists()
     with pytest.raises(EngineError, match="exists and is not a directory"):
         write_into(theirs / "model.safetensors", replace=True)
 
