@@ -154,7 +154,8 @@ def _quantize_into(out: Path, source: Path, scheme: Scheme, windows: torch.Tenso
     # llm-compressor logs to stdout, which holds xcompile's results only: its messages go to stderr instead (those
     # of its import through stdout redirected; later ones through a sink of its logger), its errors always, the
     # rest (its lifecycle, "no accelerator" as it is imported) with -v
-    verbose = logs.logger("compile").getEffectiveLevel() <= logging.DEBUG
+    level = logs.logger("compile").getEffectiveLevel()
+    verbose = level <= logging.DEBUG
     try:
         with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stderr if verbose else null):
             from llmcompressor import LoggerConfig, configure_logger
@@ -172,7 +173,7 @@ def _quantize_into(out: Path, source: Path, scheme: Scheme, windows: torch.Tenso
     from transformers import AutoModelForCausalLM
 
     log(f"loading {source}")
-    with _library_output(quiet=logs.logger("compile").getEffectiveLevel() > logging.INFO):
+    with _library_output(quiet=level > logging.INFO):
         try:
             model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")     # the checkpoint's own dtype
         except (OSError, ValueError, SafetensorError) as e:

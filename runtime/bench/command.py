@@ -15,7 +15,7 @@ from xcompile.runtime.bench.measure import BenchOptions, context_fits, round_roo
 from xcompile.runtime.bench.report import format_report
 from xcompile.runtime.common import files, logs
 from xcompile.runtime.common.errors import EngineError, OptionError
-from xcompile.runtime.decoding.registry import TreeShape
+from xcompile.runtime.decoding.registry import DRAFTERS, TreeShape, held
 from xcompile.runtime.decoding.sampling import GREEDY, SamplingParams
 from xcompile.runtime.enginedir.contract import EAGLE3, MTP
 from xcompile.runtime.enginedir.manifest import Manifest
@@ -107,8 +107,8 @@ def check_backend(req: BenchRequest, manifest: Manifest, device: torch.device) -
         raise OptionError(f"{picked}: {req.engine_dir}'s graphs fix the batch at {manifest.max_batch} sequences "
                           "(exported with --max-batch), and xrun bench times one; use --backend torch or fast, or a "
                           "dir exported with --max-batch 1")
-    drafters = set(manifest.models) - {"target"}
-    if "tree" in req.given and req.tree and not drafters & {"eagle3", "mtp"}:
+    drafters = [kind for kind in DRAFTERS.values() if kind.graphs and held(kind, manifest)]
+    if "tree" in req.given and req.tree and not any(kind.tree for kind in drafters):
         raise OptionError(f"--tree: {req.engine_dir} holds no EAGLE3 head or MTP module, the drafters that draft "
                           "trees; drop --tree (or give --tree '') or export with --eagle3 or --mtp")
     if "gammas" in req.given and req.gammas and not drafters:

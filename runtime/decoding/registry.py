@@ -171,18 +171,20 @@ def make_drafter(es: EngineSet, spec: DrafterSpec | str = AUTO) -> Drafter:
     return DRAFTERS[spec.name].make(es, spec)
 
 
+def held(kind: DrafterKind, manifest: Manifest) -> bool:
+    """Whether the engine dir of ``manifest`` holds the graphs the drafter ``kind`` runs (``none``: always)."""
+    return all(g in manifest.graphs for g in kind.graphs)
+
+
 def check_spec(spec: DrafterSpec, directory, manifest: Manifest) -> None:
     """Before any engine loads: OptionError for a drafter the dir does not hold, a tree the drafter ``spec``
     resolves to would ignore (``auto`` picks as ``make_drafter`` does), or a round that leaves no room for a
     prompt; and an explicit --gamma (``gamma_given``) with no drafter to run."""
-    def held(kind: DrafterKind) -> bool:
-        return all(g in manifest.graphs for g in kind.graphs)
-
     drafter = spec.name
     if drafter == AUTO:
-        drafter = next(name for name, kind in DRAFTERS.items() if held(kind))
-    elif not held(DRAFTERS[drafter]):
-        kind, other = DRAFTERS[drafter], next(n for n, k in DRAFTERS.items() if held(k))
+        drafter = next(name for name, kind in DRAFTERS.items() if held(kind, manifest))
+    elif not held(DRAFTERS[drafter], manifest):
+        kind, other = DRAFTERS[drafter], next(n for n, k in DRAFTERS.items() if held(k, manifest))
         raise OptionError(f"--drafter {drafter}: {directory} holds no {kind.what}; rebuild with {kind.rebuild}, or "
                           f"use --drafter {other}")
     auto = f" (--drafter auto picks {drafter} for {directory})" if spec.name == AUTO else ""
