@@ -109,6 +109,8 @@ def test_llm_on_a_batch_dir_speculates_for_a_lone_request_on_the_torch_backend(t
         with LLM(head_dir, backend="ort", device="cpu") as llm:
             assert llm.spec.name == "none" and llm.batch.solo is None
     assert "--drafter auto: none" in caplog.text and "fix the batch at 4 sequences" in caplog.text
+    with pytest.raises(EngineError, match=r"--gamma / --tree-\*: .*fix the batch, so it cannot speculate"):
+        LLM(head_dir, backend="ort", device="cpu", gamma=3)            # asked for, so refused, not warned of
 
 
 def test_xrun_bench_refuses_a_fixed_batch_dir_on_ort_before_it_loads(batch_dir):
