@@ -204,6 +204,12 @@ def main() -> None:
         torch.cuda.empty_cache()                            # the kind's model is gone with tune's frame
         changed = [C.TABLE[kind]] if kind else ["gemv", "cuda"]
         tiles = dataclasses.replace(tiles, **{t: getattr(won, t) for t in changed})
+        write(args, tiles, figures)                         # after each kind: a run cut short keeps what it tuned
+
+
+def write(args, tiles: Tiles, figures: dict) -> None:
+    """--json: the figures so far; --out: the shipped tables with the winners so far, their provenance naming
+    the GPU, the date and this command."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

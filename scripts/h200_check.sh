@@ -11,11 +11,12 @@
 #            beside the Triton GEMV (TILES_ARGS: its options),
 #            benchmarks/step_timeline.py --quantize $QUANTIZE (fp8) at 1 and 7 tokens
 #   steptune benchmarks/step_tune.py: the one-row launches per projection tuned inside a graphed decode step
-#            (STEPTUNE_ARGS: its options; default --quantize fp8,int4, qgemv.cu's launches), the tables in
+#            (STEPTUNE_ARGS: its options; default --quantize fp8,int4, qgemv.cu's launches; STEPTUNE_LIMIT: its
+#            seconds, 420), the tables (written after each kind) in
 #            $OUT/steptiles.json, then copied over this machine's runtime/engines/kernels/tiles.json (parts after
 #            it in the call run them: qbench say), and benchmarks/step_timeline.py of that step with them
-#   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (context 128, chain gamma 6,
-#            tree 10/6/32)
+#   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (QBENCH: those kinds instead;
+#            context 128, chain gamma 6, tree 10/6/32)
 #   sample   the sampler's and the sampled chain acceptance's tests (compiled; SAMPLE_TESTS: other pytest arguments),
 #            benchmarks/sample_kernels.py (one row's draw, tie or not, against the torch sampler), then the bf16
 #            bench greedy and sampled (T 0.6, top-k 20, top-p 0.95; context 128), in one call so their ratios come
@@ -138,7 +139,7 @@ for part in "$@"; do
     ;;
   steptune)
     args=(${STEPTUNE_ARGS:---quantize fp8,int4})
-    run step_tune 420 python3 benchmarks/step_tune.py "${args[@]}" --out "$OUT/steptiles.json" --json "$OUT/step_tune.json"
+    run step_tune "${STEPTUNE_LIMIT:-420}" python3 benchmarks/step_tune.py "${args[@]}" --out "$OUT/steptiles.json" --json "$OUT/step_tune.json"
     grep -E "^(==|WON|STEP)" "$OUT/step_tune.log"
     if [ -s "$OUT/steptiles.json" ]; then
       cp "$OUT/steptiles.json" runtime/engines/kernels/tiles.json && note "tiles.json: the tuned tables from here on"
@@ -150,7 +151,7 @@ for part in "$@"; do
     fi
     ;;
   qbench)
-    for q in fp8 int4; do
+    for q in ${QBENCH:-fp8 int4}; do
       run "bench_$q" 270 xrun bench "${BENCH[@]}" --contexts 128 --quantize "$q" --json "$OUT/bench_$q.json"
       grep -E "$SHOW|quantized" "$OUT/bench_$q.log"
     done
