@@ -273,14 +273,14 @@ def warn_if_short_of_memory(onnx: Path, progress: Progress) -> None:
     """Say so before a build that will likely be killed for memory (it takes minutes to get there)."""
     weights = sum(p.stat().st_size for p in onnx.parent.glob(onnx.name + "*"))
     need = BUILDER_RAM_PER_WEIGHT_BYTE * weights
-    available = _available_memory()
+    available = available_memory()
     if available is not None and need > available:
         progress(f"  warning: building {onnx.name} ({weights / 2**30:.1f} GiB of weights) takes about "
                  f"{need / 2**30:.0f} GiB of host memory, {available / 2**30:.0f} GiB are available; it may be killed "
                  "(build on a machine with more memory)")
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), else None."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -141,6 +141,7 @@ def _plan(req: ExportRequest) -> tuple[list[Part], Path | None]:
         parts.append(_mtp_part(req, parts[0], dtype))
     if req.draft_model is not None:
         parts.append(_draft_part(req, cfg, max_seq_len, dtype, target_dir))
+        _check_smaller(parts[-1], target, req.draft_model)
     for p in parts:
         p.source.check(p.module)        # every key, shape and dtype (quantized tensors too), before any work
     return parts, target_dir
@@ -226,6 +227,16 @@ def _extra(source: WeightSource, module: torch.nn.Module, **extra) -> dict:
         linears = [name for _, name in linear_weights(module.key_map(), module)]
         extra["quantization"] = {**source.quantization.record(linears), "graphs": {}}
     return extra
+
+
+def _check_smaller(draft: Part, target: Qwen3, name: str) -> None:
+    """A draft model larger than its target makes every round cost more than the plain steps it could save: refused.
+    The same size is kept (the target drafting for itself accepts every token, which the tests use)."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    if count(draft.module) > count(target):
+        raise CompileError(f"--draft-model {name}: {count(draft.module) / 1e9:.2f}B parameters, more than the "
+                           f"target's {count(target) / 1e9:.2f}B; a draft model must be smaller than its target "
+                           "(e.g. Qwen3-0.6B for Qwen3-8B)")
 
 
 def _check_same_vocabulary(draft_dir: Path, target_dir: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from xcompile.compile import data as textdata
 from xcompile.compile.acceptance import measure_acceptance
+from xcompile.compile.build import available_memory
 from xcompile.compile.checkpoint import load_qwen3, resolve
 from xcompile.compile.config import Qwen3Config
 from xcompile.compile.errors import CompileError, CompileOptionError
@@ -129,6 +130,17 @@ def check_target(target, windows: torch.Tensor, opts: TrainOptions, what: str) -
     target.eval().requires_grad_(False)
 
 
+def check_memory(c: Qwen3Config, opts: TrainOptions, dtype: torch.dtype, device: torch.device) -> None:
+    """A --batch whose KV buffers alone (Qwen3.new_kv at --seq-len) exceed the free memory is refused before the
+    target loads; a step that runs out anyway is refused in train_head (activations and gradients come on top)."""
+    kv = (2 * c.num_hidden_layers * opts.batch * c.num_key_value_heads * opts.seq_len * c.head_dim
+          * dtype.itemsize)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if free is not None and kv > free:
+        raise CompileOptionError(f"--batch {opts.batch}: the target's KV buffers alone take {kv / 2**30:.1f} GiB, "
+                           f"{free / 2**30:.1f} GiB are free on {device}; lower --batch or --seq-len")
+
+
 def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.Tensor, opts: TrainOptions,
                heldout: torch.Tensor | None = None, log: Callable[[str], None] = print) -> TrainResult:
     """The loop every drafter's TTT recipe shares: AdamW on ``head``'s own parameters (not the target's shared
@@ -155,10 +167,16 @@ def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.
             for group in opt.param_groups:
                 group["lr"] = sched.lr_at(p)
             ids = next(data).to(device, non_blocking=True)
-            with autocast(device):
-                loss, step_losses, step_accs = loss_of(ids, kv)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            try:
+                with autocast(device):
+                    loss, step_losses, step_accs = loss_of(ids, kv)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                    raise
+                raise CompileOptionError(f"--batch {opts.batch}: out of memory on {device} at step {step + 1} "
+                                   f"({str(e).splitlines()[0][:120]}); lower --batch or --seq-len") from None
             torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
             opt.step()
             step += 1
@@ -241,6 +259,7 @@ def _train_into(recipe: Recipe, out: Path, model: str | Path, model_dir: Path, d
     if regenerate and not _holds_prompts(data):
         raise CompileOptionError(f"--regenerate: {data} holds no prompts (JSONL records with a prompt or messages), "
                                  "so no response would be regenerated; drop --regenerate or give chat data")
+    check_memory(cfg, opts, dtype, device)
     taps = recipe.taps(cfg)
     target = load_qwen3(model_dir, max_seq_len=opts.seq_len, taps=taps, dtype=dtype, device=device)
     text = Text(model_dir)

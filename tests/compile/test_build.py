@@ -272,10 +272,10 @@ def test_memory_warning_before_a_build_that_cannot_fit(tmp_path, monkeypatch):
     (tmp_path / "target.onnx").write_bytes(b"x" * 1000)
     (tmp_path / "target.onnx.data").write_bytes(b"x" * 9000)
     lines = []
-    monkeypatch.setattr(b, "_available_memory", lambda: 20_000)
+    monkeypatch.setattr(b, "available_memory", lambda: 20_000)
     b.warn_if_short_of_memory(tmp_path / "target.onnx", lines.append)
     assert len(lines) == 1 and "may be killed" in lines[0]
-    monkeypatch.setattr(b, "_available_memory", lambda: 10**9)
+    monkeypatch.setattr(b, "available_memory", lambda: 10**9)
     b.warn_if_short_of_memory(tmp_path / "target.onnx", lines.append)
     assert len(lines) == 1
 

@@ -18,7 +18,8 @@ from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
 from xcompile.compile.cli import main
 from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.hf_config import parse_qwen3
-from xcompile.compile.train import TrainOptions
+from xcompile.compile.errors import CompileOptionError
+from xcompile.compile.train import TrainOptions, train_head
 from xcompile.compile.train_eagle3 import draft_vocabulary, new_head, train_eagle3, ttt_forward
 from xcompile.compile.ttt import target_features, ttt_mask
 from xcompile.runtime.enginedir.text import Text
@@ -193,6 +194,25 @@ def test_cli_refuses_regenerate_on_data_with_no_prompts(tiny_target, tmp_path):
         "--ttt-steps", "2", "--steps", "1", "--batch", "2", "--seq-len", str(SEQ), "--device", "cpu", "--regenerate"]),
         "--regenerate", "holds no prompts")
     assert not out.exists()
+
+
+def test_cli_refuses_a_batch_whose_kv_buffers_exceed_the_memory(tiny_target, corpus, tmp_path):
+    out = tmp_path / "head"
+    fixtures.refused(CliRunner().invoke(main, [
+        "train-eagle3", "--model", str(tiny_target), "--data", str(corpus), "--out", str(out), "--draft-vocab", "64",
+        "--ttt-steps", "2", "--steps", "1", "--batch", str(10**12), "--seq-len", str(SEQ), "--device", "cpu"]),
+        f"--batch {10**12}: the target's KV buffers alone take", "lower --batch or --seq-len")
+    assert not out.exists()
+
+
+def test_a_step_out_of_memory_is_refused_naming_the_batch(target, corpus):
+    windows = torch.randint(0, 64, (4, SEQ))
+
+    def loss_of(ids, kv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB\nmore detail")
+    with pytest.raises(CompileOptionError, match=r"--batch 2: out of memory on cpu at step 1 \(CUDA out of memory. "
+                                                  r"Tried to allocate 80.00 GiB\); lower --batch or --seq-len"):
+        train_head(target, torch.nn.Linear(2, 2), loss_of, windows, TrainOptions(batch=2, steps=1), log=lambda s: None)
 
 
 def test_tokenize_wraps_prompts_in_the_chat_template(tiny_target):

@@ -127,6 +127,14 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_target, tiny_draft,
                                                        draft, "--out", tmp_path / "out", "--max-seq-len", 64))
 
 
+def test_draft_model_larger_than_its_target_is_refused(tiny_target, tiny_draft, tmp_path):
+    # the roles swapped: the tiny draft as the target, the target as its draft (same vocabulary and tokenizer)
+    line = error_line(run(xcompile, "export", "--model", tiny_draft, "--draft-model", tiny_target, "--out",
+                          tmp_path / "out", "--max-seq-len", 64))
+    assert f"--draft-model {tiny_target}:" in line and "must be smaller than its target" in line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.update(eos_token_ids=["255"]), "field 'eos_token_ids[0]' should be an integer >= 0, got '255'"),
     (lambda m: m.update(max_seq_len=None), "field 'max_seq_len' should be an integer >= 1, got None"),
