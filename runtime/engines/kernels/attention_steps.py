@@ -1,8 +1,6 @@
 """attention.py's inner steps: the online-softmax update of one tile of query rows over a block of keys, visible
 as the tree mask says (``_attend_block``) or as each token's visible columns packed onto consecutive positions
-(``_attend_packed``, KernelConfig.row_invariant; attention.py's docstring says why); the keys a split covers
-(``_chunk``); the reduction of the splits, in a launch of its own (``_combine_kernel``) or by a one-row call's
-last split (``_reduce``).
+(``_attend_packed``, KernelConfig.row_invariant; attention.py's docstring says why).
 """
 
 from __future__ import annotations
@@ -71,75 +69,3 @@ def _attend_packed(q, KC, VC, base, keys, end, tok, live, TM, stride_tm, origin,
             k, v = _e4m3(k, NATIVE).to(q.dtype), _e4m3(v, NATIVE).to(q.dtype)
         m_i, l_i, acc = _online(q, k, v, (tok == tk)[:, None] & ok[None, :], sm_scale, m_i, l_i, acc, IEEE)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr, EVEN: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Keys per split: SMALL while write_index + MAX_M keys fit the launch's splits at that size (the same for
-    every row count, so a row's bits stay those of a block's row), else CHUNK. EVEN: the fewest whole BLOCK_S
-    steps with which the launch's splits cover write_index + MAX_M keys (``attention``'s ``even``)."""
-    if EVEN:
-        chunk = BLOCK_S * tl.cdiv(wi + MAX_M, splits * BLOCK_S)
-    else:
-        chunk = CHUNK + 0 * wi
-        if SMALL > 0:
-            chunk = tl.where(wi + MAX_M <= SMALL * splits, SMALL, chunk)
-    return chunk
-
-
-@triton.jit
-def _reduce(OP, MLP, OUT, b, kvh, n, NB, stride_o, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-            SPLITS_P2: tl.constexpr, GP2: tl.constexpr):
-    """_combine_kernel's sum for the G heads of KV head ``kvh`` of sequence b's one row, over its n live splits,
-    read past the L1 (.cg: other programs wrote them), RED splits at a time."""
-    RED: tl.constexpr = 8
-    r = tl.arange(0, GP2)
-    head = kvh * G + r
-    d = tl.arange(0, D)
-    s = tl.arange(0, SPLITS_P2)
-    ok = (s[:, None] < n) & (r < G)[None, :]
-    slot = (s[:, None] * NB + b) * HQ + head[None, :]                       # [splits, heads]
-    top = tl.max(tl.load(MLP + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg"), axis=0)
-    top = tl.where(r < G, top, 0.0)                                         # padding heads: no inf - inf
-    den = tl.where(r < G, 0.0, 1.0)
-    y = tl.zeros([GP2, D], dtype=tl.float32)
-    for s0 in range(0, n, RED):
-        g = s0 + tl.arange(0, RED)
-        live = (g[:, None] < n) & (r < G)[None, :]
-        at = (g[:, None] * NB + b) * HQ + head[None, :]
-        m = tl.load(MLP + at * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top[None, :]))     # empty splits weigh nothing
-        den += tl.sum(tl.load(MLP + at * 2 + 1, mask=live, other=0.0, cache_modifier=".cg") * w, axis=0)
-        acc = tl.load(OP + at[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
-                      cache_modifier=".cg")
-        y += tl.sum(acc * w[:, :, None], axis=0)
-    y = y / den[:, None]
-    tl.store(OUT + b * stride_o + head[:, None] * D + d[None, :], y.to(OUT.dtype.element_ty), mask=(r < G)[:, None])
-
-
-@triton.jit
-def _combine_kernel(OP, MLP, OUT, WI, M, stride_o, CHUNK, SPLITS, SMALL: tl.constexpr, MAX_M: tl.constexpr,
-                    HQ: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
-                    FIRST: tl.constexpr, EVEN: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program per (row of the B*M, head, DB of the head's D columns): the live splits' partials of those
-    columns, weighted by their softmax statistics, summed over the splits."""
-    if PDL:
-        if FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-        if not FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0)                                                  # of sequence row // M
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P2)
-    wi = tl.load(WI + row // M)
-    ok = s < tl.cdiv(wi + M, _chunk(wi, CHUNK, SPLITS, SMALL, MAX_M, EVEN, BLOCK_S))    # those with live keys
-    slot = (s * tl.num_programs(0) + row) * HQ + head
-    m = tl.load(MLP + slot * 2, mask=ok, other=float("-inf"))
-    l = tl.load(MLP + slot * 2 + 1, mask=ok, other=0.0)
-    top = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))                 # empty splits weigh nothing
-    d = tl.program_id(2) * DB + tl.arange(0, DB)
-    acc = tl.load(OP + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    y = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + row * stride_o + head * D + d, y.to(OUT.dtype.element_ty))

@@ -12,8 +12,8 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 
 from kernel_checks import DEV, DTYPES, ROWS_ALIKE, TOL, randn, rel  # noqa: E402
 
-from xcompile.runtime.engines.base import KV_FP8  # noqa: E402
 from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
+from xcompile.runtime.engines.base import KV_FP8  # noqa: E402
 from xcompile.runtime.engines.kernels.attention import attention, attention_reference, rope_attention  # noqa: E402
 from xcompile.runtime.engines.kernels.config import KernelConfig  # noqa: E402
 from xcompile.runtime.engines.kernels.rope_kv import rope_kv  # noqa: E402
