@@ -3,8 +3,8 @@
 A fast engine wraps the torch backend's engine of the same graph: it takes the reference module's
 weights (packed once, norms folded in: fast_weights.py), shares its KV buffers, and runs every step of up to
 ``MAX_ROWS`` tokens on the kernels; longer passes (prompts) run the reference module, whose cuBLAS
-matmuls and SDPA are what a prefill needs. Per Qwen3 layer, a step of several rows is six launches plus
-the attention reduction:
+matmuls and SDPA are what a prefill needs. Per Qwen3 layer, a step is six launches plus the
+attention reduction:
 
     linear(norm)   x -> qkv                    RMSNorm + fused QKV projection
     rope_kv        qkv -> q; k, v -> caches    q/k RMSNorm + RoPE + KV write
@@ -13,8 +13,7 @@ the attention reduction:
     linear(gated)  x -> silu(x Wg^T) * (x Wu^T)  RMSNorm + gate/up + SiLU*mul
     linear(+res)   x += h Wd^T                 (and the EAGLE3 tap copy)
 
-A step of one row a sequence (decode, a draft step) is five: attention does rope_kv's work and its own
-reduction (kernels/attention.py, rope_attention). In steps of several rows the two residual projections also leave x's row sums of squares (RowSums), from
+In steps of several rows the two residual projections also leave x's row sums of squares (RowSums), from
 which the next projection's RMSNorm takes its 1/rms: no norm launch there. The step's embedding gather
 leaves them too, for the first layer's qkv. The kernels' open choices (PDL, the CUDA GEMV, the tile tables)
 are the engines' ``kernels``, a frozen KernelConfig (runtime/engines/kernels/config.py); a benchmark may
@@ -38,10 +37,11 @@ from xcompile.runtime.enginedir.contract import DRAFT, EAGLE3, EAGLE3_FC, MTP, T
 from xcompile.runtime.engines.base import KV_FP8, SHORT_STEPS, Engine
 from xcompile.runtime.engines.fast_weights import Layer, Packed, dense, nbytes, project
 from xcompile.runtime.engines.kernels import MAX_ROWS, cuda_gemv
-from xcompile.runtime.engines.kernels.attention import rope_attention
+from xcompile.runtime.engines.kernels.attention import attention
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
 from xcompile.runtime.engines.kernels.linear import embedding, linear
 from xcompile.runtime.engines.kernels.norm import embed_norms
+from xcompile.runtime.engines.kernels.rope_kv import rope_kv
 from xcompile.runtime.engines.kernels.tile_finish import RowSums
 from xcompile.runtime.engines.torch_module import TorchEngine
 
@@ -88,9 +88,6 @@ class _FastEngine(Engine):
         # the residual stream's row sums of squares, left by the o / down projections of steps of several
         # rows for the RMSNorm of the projection after them
         self.sums = RowSums(config["hidden_size"], self.dtype, self.device)
-        # attention's tickets, one per cache row and KV head: a one-row call's last split reduces (attention.py)
-        slots = self.kv_shape.shape[0] if self.kv_shape else 1
-        self.tickets = torch.zeros(slots * self.kv_heads, dtype=torch.int32, device=self.device)
         if self.device.type == "cuda" and self.dtype == torch.bfloat16:
             cuda_gemv.library(self.device.index or 0)    # built / loaded now, not inside a graph capture
 
@@ -112,9 +109,9 @@ class _FastEngine(Engine):
 
     def _attend(self, layer: Layer, qkv: torch.Tensor, k_cache, v_cache, pos, wi, mask, rope):
         """qkv -> attention output [S, Hq*D] (rope + cache write + split-KV attention)."""
-        return rope_attention(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, mask, self.heads, self.kv_heads,
-                              self.head_dim, layer.q_norm, layer.k_norm, self.eps, cfg=self.kernels,
-                              tickets=self.tickets)
+        q = rope_kv(qkv, pos, wi, rope[0], rope[1], k_cache, v_cache, self.heads, self.kv_heads,
+                    self.head_dim, layer.q_norm, layer.k_norm, self.eps, cfg=self.kernels)
+        return attention(q, k_cache, v_cache, wi, mask, self.heads, cfg=self.kernels)
 
     def _decoder(self, layer: Layer, x: torch.Tensor, k_cache, v_cache, pos, wi, mask,
                  extra: torch.Tensor | None = None) -> None:

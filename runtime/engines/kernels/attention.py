@@ -59,8 +59,7 @@ from xcompile.runtime.engines.base import KV_FP8
 from xcompile.runtime.engines.kernels import MAX_ROWS, ROW_TILE
 from xcompile.runtime.engines.kernels.attention_steps import _attend_block, _attend_packed
 from xcompile.runtime.engines.kernels.config import DEFAULT, KernelConfig
-from xcompile.runtime.engines.kernels.qcodes import _e4m3, _to_e4m3
-from xcompile.runtime.engines.kernels.rope_kv import _rope_rows, rope_kv
+from xcompile.runtime.engines.kernels.qcodes import _e4m3
 
 BLOCK_S = 64        # keys per inner step
 CHUNK = 128         # keys per split: ms at 1 / 32 tokens on the H200 (Qwen3-8B shape), context 4096: 4.885 /
@@ -91,13 +90,11 @@ def _chunk(wi, CHUNK, splits, SMALL: tl.constexpr, MAX_M: tl.constexpr, EVEN: tl
 
 
 @triton.jit
-def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, OUT, TICKETS, POS, COS, SIN, QN, KN, eps, M, W, stride_q, stride_cb,
-                  stride_ch, stride_tb, stride_tm, stride_o, sm_scale, CHUNK, SMALL: tl.constexpr,
-                  MAX_M: tl.constexpr, G: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                  HQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-                  PDL: tl.constexpr, FIRST: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr,
-                  PACKED: tl.constexpr, WP2: tl.constexpr, EVEN: tl.constexpr, REDUCE: tl.constexpr,
-                  SPLITS_P2: tl.constexpr, GP2: tl.constexpr):
+def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, M, W, stride_q, stride_cb, stride_ch, stride_tb, stride_tm, sm_scale,
+                  CHUNK, SMALL: tl.constexpr, MAX_M: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                  FIRST: tl.constexpr, KV8: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr,
+                  WP2: tl.constexpr, EVEN: tl.constexpr):
     if PDL and FIRST:
         tl.extra.cuda.gdc_launch_dependents()           # the reduction, then the o projection, launch now
     HKV: tl.constexpr = HQ // G
@@ -129,26 +126,11 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, OUT, TICKETS, POS, COS, SIN, QN, K
             tl.extra.cuda.gdc_wait()
             if not FIRST:
                 tl.extra.cuda.gdc_launch_dependents()
-        if ROPE:    # one row a sequence, Q its row of qkv: rope_kv's work for the row here (``rope_attention``)
-            row = Q + b * stride_q
-            pos = tl.load(POS + b)
-            q = _rope_rows(row, head * D, live, pos, COS, SIN, QN, eps, D, NORM)
-            one = tl.arange(0, 1)
-            k_new = _rope_rows(row, (HQ + kvh) * D + one, one == 0, pos, COS, SIN, KN, eps, D, NORM)
-            v_new = tl.load(row + (HQ + HKV + kvh) * D + d[None, :])
-            if KV8:
-                k_new, v_new = _to_e4m3(k_new.to(tl.float32)), _to_e4m3(v_new.to(tl.float32))
-            if (wi >= start) & (wi < end):                                  # the split that holds the new key
-                tl.store(KC + base + wi * D + d[None, :], k_new)
-                tl.store(VC + base + wi * D + d[None, :], v_new)
-            k = tl.where((keys == wi)[:, None], k_new, k)
-            v = tl.where((keys == wi)[:, None], v_new, v)
-        else:
-            new = (keys >= wi) & (keys < end)                               # this step's keys, written by rope_kv
-            k = tl.load(KC + offs, mask=new[:, None], other=k)              # in place: no second tile live
-            v = tl.load(VC + offs, mask=new[:, None], other=v)
-            q = tl.load(Q + (b * M + tok)[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None],
-                        other=0.0)
+        new = (keys >= wi) & (keys < end)                                   # this step's keys, written by rope_kv
+        k = tl.load(KC + offs, mask=new[:, None], other=k)                  # in place: no second tile live
+        v = tl.load(VC + offs, mask=new[:, None], other=v)
+        q = tl.load(Q + (b * M + tok)[:, None] * stride_q + head[:, None] * D + d[None, :], mask=live[:, None],
+                    other=0.0)
         m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
@@ -171,9 +153,6 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, OUT, TICKETS, POS, COS, SIN, QN, K
             else:
                 k_s = tl.load(KC + kv_offs, mask=(ks < end)[:, None], other=0)
                 v_s = tl.load(VC + kv_offs, mask=(ks < end)[:, None], other=0)
-                if ROPE:                                                    # the new key: not read back
-                    k_s = tl.where((ks == wi)[:, None], k_new, k_s)
-                    v_s = tl.where((ks == wi)[:, None], v_new, v_s)
                 if KV8:
                     k_s, v_s = _e4m3(k_s, NATIVE).to(q.dtype), _e4m3(v_s, NATIVE).to(q.dtype)
                 m_i, l_i, acc = _attend_block(q, k_s, v_s, ks, end, tok, live, TM, stride_tm, wi, M, W, sm_scale,
@@ -183,43 +162,6 @@ def _split_kernel(Q, KC, VC, WI, TM, OP, MLP, OUT, TICKETS, POS, COS, SIN, QN, K
         tl.store(OP + slot[:, None] * D + d[None, :], acc, mask=live[:, None])
         tl.store(MLP + slot * 2, m_i, mask=live)
         tl.store(MLP + slot * 2 + 1, l_i, mask=live)
-        if REDUCE:      # one row a sequence: the last of the live splits to finish combines them (``reduce``)
-            tl.debug_barrier()                                              # every thread's partial stored
-            n = tl.cdiv(wi + M, chunk)
-            ticket = tl.atomic_add(TICKETS + tl.program_id(0), 1, sem="acq_rel")
-            if ticket == n - 1:
-                tl.store(TICKETS + tl.program_id(0), 0)                     # every live split has taken its ticket
-                _reduce(OP, MLP, OUT, b, kvh, n, tl.num_programs(0) // HKV, stride_o, G, HQ, D, SPLITS_P2, GP2)
-
-
-@triton.jit
-def _reduce(OP, MLP, OUT, b, kvh, n, NB, stride_o, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-            SPLITS_P2: tl.constexpr, GP2: tl.constexpr):
-    """_combine_kernel's sum for the G heads of KV head ``kvh`` of sequence b's one row, over its n live splits,
-    read past the L1 (.cg: other programs wrote them), RED splits at a time."""
-    RED: tl.constexpr = 8
-    r = tl.arange(0, GP2)
-    head = kvh * G + r
-    d = tl.arange(0, D)
-    s = tl.arange(0, SPLITS_P2)
-    ok = (s[:, None] < n) & (r < G)[None, :]
-    slot = (s[:, None] * NB + b) * HQ + head[None, :]                       # [splits, heads]
-    top = tl.max(tl.load(MLP + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg"), axis=0)
-    top = tl.where(r < G, top, 0.0)                                         # padding heads: no inf - inf
-    den = tl.where(r < G, 0.0, 1.0)
-    y = tl.zeros([GP2, D], dtype=tl.float32)
-    for s0 in range(0, n, RED):
-        g = s0 + tl.arange(0, RED)
-        live = (g[:, None] < n) & (r < G)[None, :]
-        at = (g[:, None] * NB + b) * HQ + head[None, :]
-        m = tl.load(MLP + at * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top[None, :]))     # empty splits weigh nothing
-        den += tl.sum(tl.load(MLP + at * 2 + 1, mask=live, other=0.0, cache_modifier=".cg") * w, axis=0)
-        acc = tl.load(OP + at[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
-                      cache_modifier=".cg")
-        y += tl.sum(acc * w[:, :, None], axis=0)
-    y = y / den[:, None]
-    tl.store(OUT + b * stride_o + head[:, None] * D + d[None, :], y.to(OUT.dtype.element_ty), mask=(r < G)[:, None])
 
 
 @triton.jit
@@ -293,17 +235,14 @@ def stages_for(even: int, programs: int, device: torch.device) -> int:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
               tree_mask: torch.Tensor, heads: int, chunk: int | None = None, out: torch.Tensor | None = None,
               cfg: KernelConfig = DEFAULT, row_tile: int | None = None, even: int = 0, warps: int = WARPS,
-              stages: int | None = None, tickets: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+              stages: int | None = None) -> torch.Tensor:
     """q [B*M, Hq*D]; caches [B, Hkv, S_max, D]; write_index [B]; tree_mask [B, M, W >= M] bool, or [M, W] for
     B = 1 (rows may be strided) -> [B*M, Hq*D]. Without chunk and even, ``layout``'s. chunk: keys per split at
     absolute positions; even: that many splits share each sequence's live keys at run time (the fewest whole
     BLOCK_S steps covering write_index + MAX_ROWS keys), not under row_invariant (the layout then moves with
     write_index); row_tile: query rows (token x head of a group) a program reads each KV tile for (None: the
     layout's); warps, stages: the split kernel's num_warps and num_stages (None: ``stages_for``'s). The tests and
-    benchmarks/attention_splits.py set them. tickets: int32 zeros, one per sequence and KV head (the engine's, kept
-    zero between calls): a call of one row a sequence, not under row_invariant, then has the last of each head's
-    live splits sum them (the module docstring), and no reduction launch. rope: ``rope_attention``'s, q then
-    being qkv."""
+    benchmarks/attention_splits.py set them."""
     if tree_mask.dim() == 2:
         tree_mask = tree_mask[None]
     batch, m, w = tree_mask.shape
@@ -327,30 +266,20 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
     kv8 = k_cache.dtype == KV_FP8
     if kv8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    assert rope is None or (m == 1 and not cfg.row_invariant and q.shape[1] == (heads + 2 * kv_heads) * d)
-    pos, cos, sin, q_norm, k_norm, eps = rope or (write_index, q, q, None, None, 0.0)
     grid = (batch * kv_heads, splits, triton.cdiv(g * m, row_tile))
     regs = {"maxnreg": MAXNREG} if many(math.prod(grid), q.device) else {}
     stages = stages or stages_for(even, math.prod(grid), q.device)
     partial = torch.empty(splits, rows, heads, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(splits, rows, heads, 2, dtype=torch.float32, device=q.device)
+    _split_kernel[grid](
+        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, m, w, q.stride(0),
+        k_cache.stride(0), k_cache.stride(1), tree_mask.stride(0), tree_mask.stride(1), d ** -0.5, chunk, SMALL=small,
+        MAX_M=MAX_ROWS, G=g, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype),
+        PDL=cfg.pdl_on, FIRST=rows > 1, KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant,
+        WP2=triton.next_power_of_2(w), EVEN=bool(even), num_warps=warps, num_stages=stages, **regs, **cfg.launch())
     if out is None:
         out = torch.empty(rows, heads * d, dtype=q.dtype, device=q.device)
     p2 = triton.next_power_of_2(splits)
-    # one row a sequence and tickets for its programs: the split kernel reduces (its _reduce), no launch of its own
-    reduce = (tickets is not None and m == 1 and not cfg.row_invariant and g <= row_tile
-              and tickets.numel() >= batch * kv_heads)
-    _split_kernel[grid](
-        q, k_cache, v_cache, write_index, tree_mask.view(torch.uint8), partial, stats, out,
-        tickets if reduce else write_index, pos, cos, sin, q if q_norm is None else q_norm,
-        q if k_norm is None else k_norm, eps, m, w, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-        tree_mask.stride(0), tree_mask.stride(1), out.stride(0), d ** -0.5, chunk, SMALL=small, MAX_M=MAX_ROWS, G=g,
-        ROPE=rope is not None, NORM=q_norm is not None, HQ=heads, D=d, BLOCK_Q=row_tile, BLOCK_S=BLOCK_S, IEEE=ieee_dot(q.dtype), PDL=cfg.pdl_on, FIRST=rows > 1,
-        KV8=kv8, NATIVE=not interpreted(), PACKED=cfg.row_invariant, WP2=triton.next_power_of_2(w),
-        EVEN=bool(even), REDUCE=reduce, SPLITS_P2=p2, GP2=triton.next_power_of_2(g), num_warps=warps,
-        num_stages=stages, **regs, **cfg.launch())
-    if reduce:
-        return out
     db = min(d, COMBINE_BLOCK)
     assert d % db == 0, f"combine_block {db} does not divide head_dim {d}"
     _combine_kernel[(rows, heads, d // db)](partial, stats, out, write_index, m, out.stride(0), chunk, splits,
@@ -359,22 +288,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wri
                                             num_warps=min(8, max(1, p2 * db // 2048)),
                                             **cfg.launch())
     return out
-
-
-def rope_attention(qkv: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tree_mask: torch.Tensor, heads: int,
-                   kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
-                   k_norm: torch.Tensor | None = None, eps: float = 1e-6, cfg: KernelConfig = DEFAULT,
-                   tickets: torch.Tensor | None = None) -> torch.Tensor:
-    """rope_kv, then attention (their arguments). A call of one row a sequence, not under row_invariant, is one
-    launch: each split program norms and rotates its q heads and the new key itself, the split that holds the
-    new key writes it and its value into the caches, and (tickets) the last split reduces."""
-    if qkv.shape[0] != write_index.shape[0] or cfg.row_invariant:
-        q = rope_kv(qkv, position_ids, write_index, cos, sin, k_cache, v_cache, heads, kv_heads, head_dim, q_norm,
-                    k_norm, eps, cfg=cfg)
-        return attention(q, k_cache, v_cache, write_index, tree_mask, heads, cfg=cfg, tickets=tickets)
-    return attention(qkv, k_cache, v_cache, write_index, tree_mask, heads, cfg=cfg, tickets=tickets,
-                     rope=(position_ids, cos, sin, q_norm, k_norm, eps))
 
 
 def attention_reference(q, k_cache, v_cache, write_index, tree_mask, heads):

@@ -25,24 +25,14 @@ from xcompile.runtime.engines.kernels.qcodes import _to_e4m3
 
 
 @triton.jit
-def _rope_rows(X, first, live, pos, COS, SIN, W, eps, D: tl.constexpr, NORM: tl.constexpr):
-    """Head vectors X[first[r] : first[r] + D] of the ``live`` rows (others zero) RMS-normalised over D with
-    weights W (NORM), then rotated half against half at position ``pos``, rounding to X's dtype where the
-    reference modules round (norm output, x*cos, rot(x)*sin, their sum)."""
-    dt = X.dtype.element_ty
-    half: tl.constexpr = D // 2
-    d = tl.arange(0, D)
-    rot = tl.where(d < half, d + half, d - half)            # rotate-half partner of each lane
-    sign = tl.where(d < half, -1.0, 1.0)
-    x = tl.load(X + first[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    xr = tl.load(X + first[:, None] + rot[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+def _normed(ptr, offs, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.constexpr):
+    """The head vector at ptr+offs (values permuted by offs), RMS-normalised over all D when NORM."""
+    x = tl.load(ptr + offs).to(tl.float32)
     if NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        x = (x * rstd * tl.load(W + d).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-        xr = (xr * rstd * tl.load(W + rot).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-    c = tl.load(COS + pos * half + d % half).to(dt).to(tl.float32)[None, :]
-    s = tl.load(SIN + pos * half + d % half).to(dt).to(tl.float32)[None, :]
-    return ((x * c).to(dt).to(tl.float32) + (xr * sign[None, :] * s).to(dt).to(tl.float32)).to(dt)
+        full = tl.load(ptr + tl.arange(0, D)).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(full * full, axis=0) / D + eps)
+        x = (x * rstd * tl.load(w_ptr + offs).to(tl.float32)).to(dt)
+    return x.to(dt)
 
 
 @triton.jit
@@ -55,22 +45,30 @@ def _rope_kv_kernel(QKV, Q, KC, VC, POS, WI, COS, SIN, QN, KN, M, stride_qkv, st
         tl.extra.cuda.gdc_wait()
     m = tl.program_id(0)                    # row m of the B*M: token m % M of sequence m // M
     h = tl.program_id(1)                    # 0..HQ-1: q heads; HQ..HQ+HKV-1: kv heads
+    dt = Q.dtype.element_ty
+    half: tl.constexpr = D // 2
     d = tl.arange(0, D)
-    one = tl.arange(0, 1)
+    rot = tl.where(d < half, d + half, d - half)            # rotate-half partner of each lane
+    sign = tl.where(d < half, -1.0, 1.0)
+    pos = tl.load(POS + m)
+    c = tl.load(COS + pos * half + d % half).to(dt).to(tl.float32)
+    s = tl.load(SIN + pos * half + d % half).to(dt).to(tl.float32)
     row = QKV + m * stride_qkv
+    src = row + h * D                       # q heads, then k heads: head h's D values either way
     if h < HQ:
         w = QN
     else:
         w = KN
-    # q heads, then k heads: head h's D values either way
-    y = _rope_rows(row, h * D + one, one == 0, tl.load(POS + m), COS, SIN, w, eps, D, NORM)
+    x = _normed(src, d, w, eps, D, NORM, dt).to(tl.float32)
+    xr = _normed(src, rot, w, eps, D, NORM, dt).to(tl.float32) * sign
+    y = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
     if h < HQ:
-        tl.store(Q + m * stride_q + h * D + d[None, :], y)
+        tl.store(Q + m * stride_q + h * D + d, y)
     else:
         kv = h - HQ
         b = m // M
-        at = b * stride_cb + kv * stride_ch + (tl.load(WI + b) + m % M) * D + d[None, :]
-        v = tl.load(row + (HQ + HKV + kv) * D + d[None, :])
+        at = b * stride_cb + kv * stride_ch + (tl.load(WI + b) + m % M) * D + d
+        v = tl.load(row + (HQ + HKV + kv) * D + d)
         if KV8:
             tl.store(KC + at, _to_e4m3(y.to(tl.float32)))
             tl.store(VC + at, _to_e4m3(v.to(tl.float32)))

@@ -13,10 +13,8 @@ pytest.importorskip("triton", reason="the fused kernels need triton (pip install
 from kernel_checks import DEV, DTYPES, ROWS_ALIKE, TOL, randn, rel  # noqa: E402
 
 from xcompile.runtime.engines.kernels import attention as A  # noqa: E402
-from xcompile.runtime.engines.base import KV_FP8  # noqa: E402
-from xcompile.runtime.engines.kernels.attention import attention, attention_reference, rope_attention  # noqa: E402
+from xcompile.runtime.engines.kernels.attention import attention, attention_reference  # noqa: E402
 from xcompile.runtime.engines.kernels.config import KernelConfig  # noqa: E402
-from xcompile.runtime.engines.kernels.rope_kv import rope_kv  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -266,91 +264,6 @@ def test_attention_batch_of_sequences(rows):
     for b in range(batch):
         alone = attention(q[b * rows:(b + 1) * rows], kc[b:b + 1], vc[b:b + 1], wi[b:b + 1], tm[b], heads)
         assert torch.equal(got[b * rows:(b + 1) * rows], alone)
-
-
-@pytest.mark.parametrize("heads,kv_heads,write_index,chunk", [(8, 2, 517, None), (6, 2, 100, 64), (4, 4, 0, 64),
-                                                               (8, 1, 639, 64)])
-def test_one_row_reduced_by_its_last_split(heads, kv_heads, write_index, chunk):
-    """With tickets a one-row call's last live split of each head sums the splits (no reduction launch): the
-    reference's result for every sequence of a batch (more live splits than _reduce takes at once where chunk 64
-    covers 639 keys: 10), and every ticket back at zero for the next call."""
-    torch.manual_seed(write_index)
-    d, batch = 64, 2
-    kc, vc = randn(batch, kv_heads, 640, d, dtype=torch.float32), randn(batch, kv_heads, 640, d, dtype=torch.float32)
-    q = randn(batch, heads * d, dtype=torch.float32)
-    tm = torch.ones(batch, 1, 1, dtype=torch.bool, device=DEV)
-    wi = torch.tensor([write_index, max(write_index - 37, 0)], device=DEV)
-    tickets = torch.zeros(batch * kv_heads, dtype=torch.int32, device=DEV)
-    for _ in range(2):                                      # the tickets reused, as a graph's replays reuse them
-        got = attention(q, kc, vc, wi, tm, heads, chunk=chunk, tickets=tickets)
-        assert rel(got, attention_reference(q, kc, vc, wi, tm, heads)) < 1e-5
-        assert not tickets.any()
-    assert rel(got, attention(q, kc, vc, wi, tm, heads, chunk=chunk)) < 1e-6
-
-
-def test_tickets_are_left_alone_where_the_reduction_launches(monkeypatch):
-    """Several rows, or row_invariant (one layout, one reduction order for every row count): the reduction's own
-    launch; too few tickets for the batch: the same."""
-    kc, vc = randn(2, 2, 256, 64, dtype=torch.float32), randn(2, 2, 256, 64, dtype=torch.float32)
-    launched = []
-    real = A._combine_kernel
-    monkeypatch.setattr(A, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
-        launched.append(grid), real[grid])[1]})())
-    tickets = torch.zeros(4, dtype=torch.int32, device=DEV)
-    wi = torch.tensor([100, 50], device=DEV)
-    attention(randn(2, 256, dtype=torch.float32), kc, vc, wi, torch.ones(2, 1, 1, dtype=torch.bool, device=DEV), 4,
-              tickets=tickets)
-    assert launched == []
-    attention(randn(6, 256, dtype=torch.float32), kc, vc, wi, torch.ones(2, 3, 3, dtype=torch.bool, device=DEV).tril(),
-              4, tickets=tickets)
-    attention(randn(2, 256, dtype=torch.float32), kc, vc, wi, torch.ones(2, 1, 1, dtype=torch.bool, device=DEV), 4,
-              tickets=tickets, cfg=KernelConfig(row_invariant=True))
-    attention(randn(2, 256, dtype=torch.float32), kc, vc, wi, torch.ones(2, 1, 1, dtype=torch.bool, device=DEV), 4,
-              tickets=tickets[:3])
-    assert len(launched) == 3 and not tickets.any()
-
-
-@pytest.mark.parametrize("kv8", [False, True])
-@pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("write_index,chunk", [(0, 64), (517, None), (200, 64), (600, None)])
-def test_rope_attention_one_row_is_rope_kv_then_attention(write_index, chunk, norm, kv8, monkeypatch):
-    """One row a sequence in one launch: the split kernel's own q/k norm and RoPE, the new key and value written
-    by the split that holds them (the caches then equal rope_kv's) and used unread (at a chunk's first block and
-    a later one: write_index 600 is the second block of the split of keys 512-639); the output is rope_kv +
-    attention's, with and without the reduction in the split."""
-    torch.manual_seed(write_index)
-    heads, kv_heads, d, batch = 8, 2, 64, 2
-    monkeypatch.setattr(A, "chunk_for", lambda max_seq_len, rows=1: chunk or A.CHUNK)
-    cache = lambda: randn(batch, kv_heads, 640, d, dtype=torch.float32).to(KV_FP8 if kv8 else torch.float32)
-    kc, vc = cache(), cache()
-    qkv = randn(batch, (heads + 2 * kv_heads) * d, dtype=torch.float32)
-    pos = torch.tensor([write_index + 3, write_index], device=DEV)
-    wi = torch.tensor([write_index, max(write_index - 37, 0)], device=DEV)
-    cos, sin = torch.rand(700, d // 2, device=DEV), torch.rand(700, d // 2, device=DEV)
-    qn, kn = (torch.rand(d, device=DEV) + 0.5, torch.rand(d, device=DEV) + 0.5) if norm else (None, None)
-    tm = torch.ones(batch, 1, 1, dtype=torch.bool, device=DEV)
-    k1, v1 = kc.clone(), vc.clone()
-    q = rope_kv(qkv, pos, wi, cos, sin, k1, v1, heads, kv_heads, d, qn, kn)
-    want = attention(q, k1, v1, wi, tm, heads)
-    for tickets in (None, torch.zeros(batch * kv_heads, dtype=torch.int32, device=DEV)):
-        k2, v2 = kc.clone(), vc.clone()
-        got = rope_attention(qkv, pos, wi, cos, sin, k2, v2, tm, heads, kv_heads, d, qn, kn, tickets=tickets)
-        assert torch.equal(k2.view(torch.uint8) if kv8 else k2, k1.view(torch.uint8) if kv8 else k1)
-        assert torch.equal(v2.view(torch.uint8) if kv8 else v2, v1.view(torch.uint8) if kv8 else v1)
-        assert rel(got, want) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ctx", [1, 128, 4095])
-def test_one_row_reduced_by_its_last_split_at_qwen3_8b_shapes(ctx):
-    torch.manual_seed(ctx)
-    kc, vc = randn(1, 8, 4352, 128, dtype=torch.bfloat16), randn(1, 8, 4352, 128, dtype=torch.bfloat16)
-    q = randn(1, 32 * 128, dtype=torch.bfloat16)
-    tm, wi = torch.ones(1, 1, dtype=torch.bool, device=DEV), torch.tensor([ctx], device=DEV)
-    tickets = torch.zeros(8, dtype=torch.int32, device=DEV)
-    for _ in range(3):
-        got = attention(q, kc, vc, wi, tm, 32, tickets=tickets)
-        assert rel(got, attention_reference(q, kc, vc, wi, tm, 32)) < 1e-2 and not tickets.any()
 
 
 TREE = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 6, 8]         # a 12-node tree's parents, breadth first
