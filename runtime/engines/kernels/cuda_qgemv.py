@@ -33,10 +33,10 @@ def tile_for(kind: str, n_out: int, k: int, cfg: KernelConfig = DEFAULT) -> QGem
 
 def smem_bytes(tile: QGemv, gated: bool, k: int) -> int:
     """Shared memory of a launch (xc_qgemv): the stages, x's two 8-bit terms with a scale and a sum per 64 bytes
-    of codes, the mbarriers, the warps' sums."""
+    of codes, two mbarriers a stage (full, empty), the consumer warps' sums, a float a warp for the RMSNorm."""
     rows = 32 if gated else 16
-    return tile.stages * rows * (tile.ks + PAD) + k * 2 + k // 8 + tile.stages * 8 + (tile.stages * tile.warps * rows
-                                                                             + tile.warps) * 4
+    return (tile.stages * rows * (tile.ks + PAD) + k * 2 + k // 8 + tile.stages * 16
+            + (tile.stages * tile.warps * rows + tile.warps + 1) * 4)
 
 
 def fit(w, tile: QGemv, gated: bool, smem_limit: int = cuda_gemv.SMEM_LIMIT) -> QGemv | None:
