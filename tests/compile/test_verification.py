@@ -26,7 +26,7 @@ from xcompile.compile.export_build import inputs_changed
 from xcompile.compile.pipeline import ExportRequest, export_engine_dir
 from xcompile.runtime.cli.xrun import main as xrun
 from xcompile.runtime.enginedir.integrity import record_file
-from xcompile.runtime.enginedir.manifest import Manifest
+from xcompile.runtime.enginedir.manifest import Manifest, content_digest
 
 IDS = "5,17,42,9"
 XRUN = str(Path(sys.executable).with_name("xrun"))
@@ -153,6 +153,19 @@ def test_damaged_manifest_is_one_line(engine_copy, edit, message):
     for cli, args in ((xrun, ("generate", engine_copy, "--prompt-ids", IDS)), (xcompile, ("inspect", engine_copy)),
                       (xcompile, ("diff", engine_copy))):
         assert message in error_line(run(cli, *args))
+
+
+def test_manifest_re_digested_after_an_edit_is_checked_against_the_graphs(engine_copy):
+    """The digest keeps out edits, not someone who recomputes it: ONNX Runtime then checks the fixed dims the
+    manifest records against the graph's own."""
+    data = json.loads((engine_copy / "manifest.json").read_text())
+    vocab = data["graphs"]["target"]["dims"]["vocab"]
+    data["graphs"]["target"]["dims"]["vocab"] = vocab + 44
+    data["digest"] = content_digest(data)
+    (engine_copy / "manifest.json").write_text(json.dumps(data))
+    line = error_line(run(xrun, "generate", engine_copy, "--prompt-ids", IDS, "--backend", "ort", "--device", "cpu"))
+    assert f"logits axis 2 ('vocab') is {vocab} in the graph, {vocab + 44} in the manifest" in line
+    assert "re-export the engine dir" in line
 
 
 def test_bad_prompts_are_one_line(engine_copy):
