@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from xcompile.compile import data as textdata
 from xcompile.compile.checkpoint import load_eagle3, load_qwen3, tap_layers
 from xcompile.compile.cli import main
+from xcompile.compile.errors import CompileOptionError
 from xcompile.compile.head_config import parse_eagle3
 from xcompile.compile.hf_config import parse_qwen3
-from xcompile.compile.errors import CompileOptionError
 from xcompile.compile.train import TrainOptions, train_head
 from xcompile.compile.train_eagle3 import draft_vocabulary, new_head, train_eagle3, ttt_forward
 from xcompile.compile.ttt import target_features, ttt_mask
