@@ -138,7 +138,7 @@ def check_memory(c: Qwen3Config, opts: TrainOptions, dtype: torch.dtype, device:
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     if free is not None and kv > free:
         raise CompileOptionError(f"--batch {opts.batch}: the target's KV buffers alone take {kv / 2**30:.1f} GiB, "
-                           f"{free / 2**30:.1f} GiB are free on {device}; lower --batch or --seq-len")
+                                 f"{free / 2**30:.1f} GiB are free on {device}; lower --batch or --seq-len")
 
 
 def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.Tensor, opts: TrainOptions,
@@ -176,7 +176,7 @@ def train_head(target, head: torch.nn.Module, loss_of: StepLoss, windows: torch.
                 if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
                     raise
                 raise CompileOptionError(f"--batch {opts.batch}: out of memory on {device} at step {step + 1} "
-                                   f"({str(e).splitlines()[0][:120]}); lower --batch or --seq-len") from None
+                                         f"({str(e).splitlines()[0][:120]}); lower --batch or --seq-len") from None
             torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
             opt.step()
             step += 1
