@@ -15,6 +15,8 @@
 #            seconds, 420), the tables (written after each kind) in
 #            $OUT/steptiles.json, then copied over this machine's runtime/engines/kernels/tiles.json (parts after
 #            it in the call run them: qbench say), and benchmarks/step_timeline.py of that step with them
+#   stalls   benchmarks/qgemv_stalls.py: qgemv.cu's FP8 and INT4 one-row calls at the 8B shapes, timed alone, then
+#            under Nsight Compute (ncu): DRAM throughput, warps active, issue slots used, why warps waited
 #   qbench   xrun bench --synthetic qwen3-8b --backend fast --quantize fp8, then int4 (QBENCH: those kinds instead;
 #            context 128, chain gamma 6, tree 10/6/32)
 #   sample   the sampler's and the sampled chain acceptance's tests (compiled; SAMPLE_TESTS: other pytest arguments),
@@ -65,14 +67,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 HERE=$PWD
 FAILED=()
-[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, qbench," \
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_check.sh PART... (tests, bench, agree, agree8b, compare, quant, stalls, qbench," \
   "sample, paradigms, batch, open, long, long128k, serve, exact, onerow, steptune: see its header)"
   exit 2; }
 for part in "$@"; do
   case $part in
-  tests|bench|agree|agree8b|compare|quant|qbench|sample|paradigms|batch|open|long|long128k|serve|exact|onerow|steptune) ;;
-  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, qbench, sample, paradigms, batch, open, long," \
-       "long128k, serve, exact, onerow or steptune"
+  tests|bench|agree|agree8b|compare|quant|stalls|qbench|sample|paradigms|batch|open|long|long128k|serve|exact|onerow|steptune) ;;
+  *) echo "unknown part '$part': tests, bench, agree, agree8b, compare, quant, stalls, qbench, sample, paradigms, batch, open," \
+       "long, long128k, serve, exact, onerow or steptune"
      exit 2;;
   esac
 done
@@ -149,6 +151,10 @@ for part in "$@"; do
       run steptune_timeline 150 python3 benchmarks/step_timeline.py "${tl[@]}" --contexts 128 --tokens 1
       grep -A 30 "^== " "$OUT/steptune_timeline.log"
     fi
+    ;;
+  stalls)
+    run qgemv_stalls 200 python3 benchmarks/qgemv_stalls.py
+    cat "$OUT/qgemv_stalls.log"
     ;;
   qbench)
     for q in ${QBENCH:-fp8 int4}; do

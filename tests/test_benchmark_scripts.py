@@ -5,7 +5,9 @@ serve_load.py drives a real ``xrun serve`` of a tiny --max-batch 4 dir and stops
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -35,7 +37,7 @@ def test_every_script_is_checked_here():
     assert SCRIPTS == ["attention_splits.py", "batch_decode.py", "dump_logits.py", "export_8b.py",
                        "fast_agreement.py", "fast_decode.py", "first_request.py", "gil_handoff.py",
                        "graph_equivalence.py", "kernels.py", "kv_cache_quality.py", "open_dir.py", "ort_layers.py",
-                       "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
+                       "qgemv_stalls.py", "qlinear_tiles.py", "quant_quality.py", "sample_kernels.py", "serve_load.py", "step_timeline.py",
                        "step_tune.py", "trace_server.py", "verify_speed.py"]
 
 
@@ -73,6 +75,9 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
     ("step_tune.py", ["--quantize", "int8"], "--quantize 'int8': expected fp8 and/or int4"),
     ("step_tune.py", ["--passes", "0"], "--passes, --layers and --context must be positive"),
     ("qlinear_tiles.py", ["--kinds", "fp8,int8"], "--kinds 'fp8,int8': expected fp8 and/or int4"),
+    ("qgemv_stalls.py", ["--kinds", "fp8,int8"], "--kinds 'fp8,int8': expected fp8 and/or int4"),
+    ("qgemv_stalls.py", ["--ncu", "no-such-ncu"], "no ncu at no-such-ncu"),
+    ("qgemv_stalls.py", ["--ncu", sys.executable], "no CUDA device is visible here"),
     ("step_timeline.py", ["--quantize", "fp8"], "no CUDA device is visible here"),
     ("kernels.py", ["--calls", "8b,70b"], "--calls: '70b' names none of 8b.qkv, 8b.o"),
     ("fast_agreement.py", ["no-such-dir", "--gemv-all", "4,x,4"], "--gemv-all '4,x,4': expected BLOCK_N,BLOCK_K"),
@@ -97,6 +102,33 @@ def test_a_cache_too_small_for_the_contexts_is_refused(script, args, said):
 def test_what_a_script_cannot_do_here_is_refused_in_one_line(script, args, said):
     assert refused(run(script, *args), said)
     assert not (BENCHMARKS / "never-written.pt").exists()
+
+
+def test_qgemv_stalls_reads_ncus_report():
+    """qgemv_stalls.py's table from Nsight Compute's text report (its layout as ncu 2025 prints it, two kernels)."""
+    spec = importlib.util.spec_from_file_location("qgemv_stalls", BENCHMARKS / "qgemv_stalls.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def kernel(us: float, barrier: float, load: float) -> str:
+        rows = [("dram__throughput.avg.pct_of_peak_sustained_elapsed", "%", 64.3), ("gpu__time_duration.sum", "us", us),
+                ("smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "inst", barrier),
+                ("smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio", "inst", 0),
+                ("smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio", "inst", load),
+                ("smsp__average_warps_issue_stalled_selected_per_issue_active.ratio", "inst", 1),
+                ("sm__warps_active.avg.pct_of_peak_sustained_active", "%", 12.4),
+                ("smsp__issue_active.avg.pct_of_peak_sustained_active", "%", 31.08)]
+        return ("  void <unnamed>::qgemv_kernel<0, 1, 1>(<unnamed>::Args) (132, 1, 1)x(288, 1, 1), Context 1, Stream 7\n"
+                "    Section: Command line profiler metrics\n" + "".join(f"    {n:76} {u:>11} {v:>12}\n" for n, u, v in rows))
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.report("==PROF== Connected\n" + kernel(47.9, 2.3, 0.28) + "\n" + kernel(1234.5, 0.5, 1.5),
+                      ["fp8 gate_up", "int4 down"])
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("fp8 gate_up    ncu   47.9 us, DRAM 64.3 %, warps active 12.4 %, issuing 31.1 %")
+    assert "waits 3.58 cycles an instruction: barrier 2.30, selected 1.00, long_scoreboard 0.28, gmma 0.00" in first
+    assert second.startswith("int4 down      ncu 1234.5 us") and "long_scoreboard 1.50, selected 1.00, barrier 0.50" in second
 
 
 def test_batch_decode_runs_the_tiny_shape_in_the_interpreter(tmp_path):
