@@ -2,8 +2,8 @@
 
     python benchmarks/qgemv_stalls.py [--kinds fp8,int4] [--ncu PATH]
 
-Each call (qkv, o, gate/up, down; FP8 in 128 x 128 blocks, INT4 in groups of 128, random weights) is first timed
-alone, 200 calls in a CUDA graph (µs and the TB/s of the bytes it reads: codes, scales, INT4's zero points), then
+Each call (step_tune.py's: qkv, o, gate/up, down; FP8 in 128 x 128 blocks, INT4 in groups of 128, random weights) is
+first timed alone, the median of graphs of 200 calls (µs and the TB/s of the bytes it reads, QLinear.nbytes), then
 this script runs itself under ``ncu`` (the CUDA toolkit's, or --ncu) for one call of each and prints, per call, what
 Nsight Compute measured: its DRAM throughput, the SM's warps active and issue slots used, and the five reasons a
 warp waited most, in cycles per instruction issued (``smsp__average_warps_issue_stalled_*_per_issue_active``:
@@ -21,17 +21,18 @@ import subprocess
 import sys
 
 import torch
+from step_tune import BLOCKS
+from step_tune import CALLS as MODELS
 
+from xcompile.runtime.bench.costs import timed
+from xcompile.runtime.engines.graphs import CudaGraphCapture
 from xcompile.runtime.engines.kernels import cuda_gemv
 from xcompile.runtime.engines.kernels import cuda_qgemv as C
 from xcompile.runtime.engines.kernels.qlinear import QLinear
 from xcompile.runtime.engines.qweight import FP8, INT4, quantize
 
 DEV = torch.device("cuda")
-BLOCKS = {FP8: (128, 128), INT4: (1, 128)}
-# (name, N_OUT, K, gated, norm, residual): a Qwen3-8B layer's one-row calls
-CALLS = [("qkv", 6144, 4096, False, True, False), ("o", 4096, 4096, False, False, True),
-         ("gate_up", 12288, 4096, True, True, False), ("down", 4096, 12288, False, False, True)]
+CALLS = [c for c in MODELS["qwen3-8b"] if c[0] != "lm_head"]       # the layer's; the lm_head stays bf16
 METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
            "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
            "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"]
@@ -46,29 +47,18 @@ def call_of(kind: str, n: int, k: int, gated: bool, norm: bool, residual: bool):
     x = torch.randn(1, k, device=DEV).bfloat16()
     g = torch.rand(k, device=DEV).bfloat16() + 0.5 if norm else None
     out = torch.zeros(1, n, device=DEV, dtype=torch.bfloat16)
-    nbytes = w.codes.numel() + w.scale.numel() * 4 + (w.zero.numel() * 4 if kind == INT4 else 0)
 
     def run() -> None:
         if C.qgemv(x, w, out, norm=g, eps=1e-6, gated=gated, residual=out if residual else None,
                    extra_out=None) is None:
             raise SystemExit(f"qgemv_stalls.py: qgemv.cu did not take the {kind} call of {n} x {k} here")
-    return run, nbytes
+    return run, w.nbytes()
 
 
-def alone_us(run, reps: int = 200) -> float:
-    for _ in range(3):
-        run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
+def alone_us(run, calls: int = 200) -> float:
+    """µs of one call: the median of 10 replays of a graph of ``calls`` calls."""
+    replay, _ = CudaGraphCapture(warmup=1)(lambda: [run() for _ in range(calls)], DEV)
+    return timed(replay, DEV, 10) * 1000 / calls
 
 
 def report(text: str, names: list[str]) -> None:

@@ -104,8 +104,9 @@ def test_what_a_script_cannot_do_here_is_refused_in_one_line(script, args, said)
     assert not (BENCHMARKS / "never-written.pt").exists()
 
 
-def test_qgemv_stalls_reads_ncus_report():
+def test_qgemv_stalls_reads_ncus_report(monkeypatch):
     """qgemv_stalls.py's table from Nsight Compute's text report (its layout as ncu 2025 prints it, two kernels)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))            # its imports of the other scripts, as when it runs there
     spec = importlib.util.spec_from_file_location("qgemv_stalls", BENCHMARKS / "qgemv_stalls.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

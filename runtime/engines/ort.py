@@ -124,14 +124,14 @@ class OrtEngine(Engine):
         return self.dims[dim]
 
     def _check_session(self) -> None:
-        io = [*self.session.get_inputs(), *self.session.get_outputs()]
-        got = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        got = [i.name for i in inputs], [o.name for o in outputs]
         if got != (self.spec.input_names, self.spec.output_names):
             raise EngineError(f"{self.path}: graph I/O {got} does not match the contract's "
                               f"{(self.spec.input_names, self.spec.output_names)}; re-export the engine dir")
         # the fixed dims the manifest records against the graph's own: a manifest edited and re-digested, or one
         # of another export, no longer describes the graph beside it
-        for arg, t in zip(io, (*self.spec.inputs, *self.spec.outputs)):
+        for arg, t in zip((*inputs, *outputs), (*self.spec.inputs, *self.spec.outputs)):
             for axis, (dim, want) in enumerate(zip(arg.shape, t.shape)):
                 if isinstance(dim, int) and want not in DYNAMIC_DIMS and want in self.dims and dim != self.dims[want]:
                     raise EngineError(f"{self.path}: {t.name} axis {axis} ('{want}') is {dim} in the graph, "
