@@ -213,7 +213,8 @@ def run_diff(directory: Path, opts: DiffOptions = DiffOptions()) -> DiffReport:
     if opts.unquantized is not None:
         check_unquantized(directory, opts.unquantized, manifest)
     prompt = _prompt(directory, manifest, opts)
-    save = files.staged_dir(opts.save, "xcompile diff", inputs=[directory], replace=True, option="--save") \
+    save = files.staged_dir(opts.save, "xcompile diff", inputs=[directory], replace=True, option="--save",
+                            same_only=True) \
         if opts.save is not None else contextlib.nullcontext()
     with save as save_dir:
         graphs = load_graphs(directory, manifest, opts.backend, device)

@@ -109,6 +109,14 @@ def check_not_input(out: Path, inputs: Iterable[Path | str | None], option: str 
                            "would destroy the input (with or without --force): choose another path")
 
 
+def _writer(path: Path) -> str | None:
+    """The command its marker says wrote ``path`` ("xcompile export", ...), None without one."""
+    try:
+        return json.loads((path / MARKER).read_text()).get("written_by")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def written_by_xcompile(path: Path) -> bool:
     """Whether ``path`` is a dir xcompile wrote (see the module docstring's ``guard``)."""
     if (path / MARKER).is_file() or (path / HEAD_METADATA).is_file():
@@ -246,9 +254,10 @@ SHIPPED = Path(__file__).resolve().parents[2] / "compile" / "demo"     # the pac
 
 @contextlib.contextmanager
 def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bool = False,
-               option: str = "--out") -> Iterator[Path]:
+               option: str = "--out", same_only: bool = False) -> Iterator[Path]:
     """A staging dir that becomes ``out`` when the block succeeds (module docstring). ``replace``:
-    an existing ``out`` may be replaced (--force); ``inputs``: paths ``out`` must stay clear of."""
+    an existing ``out`` may be replaced (--force); ``inputs``: paths ``out`` must stay clear of; ``same_only``:
+    replace only a dir an earlier ``what`` wrote (an output it rewrites without --force, as diff's --save)."""
     with _output(Path(out), what, inputs, option) as out:
         here = Path.cwd().resolve()
         if out.exists() and (here == out.resolve() or out.resolve() in here.parents):
@@ -266,6 +275,9 @@ def staged_dir(out: Path | str, what: str, *, inputs: Iterable = (), replace: bo
             if not written_by_xcompile(out) and any(out.iterdir()):
                 raise EngineError(f"{out}: exists and was not written by xcompile; refusing to replace it, even with "
                                   f"--force: choose another {option} or remove it yourself")
+            if same_only and any(out.iterdir()) and _writer(out) != what:
+                raise EngineError(f"{out}: exists and was not written by {what} (an engine dir or another "
+                                  f"command's output); refusing to replace it: choose another {option}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
         try:
             yield tmp

@@ -132,6 +132,12 @@ class _Request(BaseModel):
                                       + (f" (or send {neutral}, which changes nothing)" if neutral else ""), name)
             raise ServeError(400, f"{name}: unknown field (this server refuses fields it does not implement rather "
                                   "than ignore them); leave it out", name)
+        if not self.temperature:                    # greedy: a sampling filter would be ignored, so refused
+            inert = {"top_k": self.top_k not in (None, -1, 0), "top_p": self.top_p not in (None, 1),
+                     "min_p": self.min_p not in (None, 0)}
+            for name in (name for name, given in inert.items() if given):
+                raise ServeError(400, f"{name}: greedy decoding (temperature unset or 0): it changes nothing; leave "
+                                      "it out or send a temperature above 0", name)
 
     @property
     def include_usage(self) -> bool:
@@ -189,6 +195,12 @@ class Message(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)     # the newer name of max_tokens
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ServeError(400, f"max_tokens: {self.max_tokens} conflicts with max_completion_tokens "
+                                  f"{self.max_completion_tokens} (the same limit's two names); send one", "max_tokens")
 
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_tokens": "length", "max_seq_len": "length"}

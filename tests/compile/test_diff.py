@@ -57,6 +57,20 @@ def test_diff_passes_and_saves_a_reproducible_check(fp32_dir, tmp_path):
     assert run.returncode == 0 and "Passed: 4/4 iterations" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
 
 
+def test_save_rewrites_its_own_output_but_never_an_engine_dir(fp32_dir, tmp_path):
+    """--save replaces an earlier diff's save without --force; an engine dir (an xcompile output of another
+    command) there is refused and left whole."""
+    save = tmp_path / "save"
+    for _ in range(2):
+        assert cli("diff", fp32_dir, "--backend", "ort", "--steps", 1, "--save", save).exit_code == 0
+    engine = tmp_path / "engine"
+    shutil.copytree(fp32_dir, engine)
+    before = sorted(p.name for p in engine.iterdir())
+    result = cli("diff", fp32_dir, "--backend", "ort", "--steps", 1, "--save", engine)
+    assert result.exit_code != 0 and "was not written by xcompile diff" in result.output
+    assert "Traceback" not in result.output and sorted(p.name for p in engine.iterdir()) == before
+
+
 def perturb(src: Path, dst: Path, tensor: str, scale: float) -> None:
     """Copy an engine dir and add noise to one weight inside target.onnx.data, recording the new
     data's hashes in the manifest: an export with other weights (a tampered file alone is refused

@@ -208,6 +208,10 @@ BAD = [
     (b'{"prompt": "x", "temperature": NaN}', 400, "temperature: Input should be a finite number"),
     (b'{"prompt": "x", "top_p": Infinity}', 400, "top_p: Input should be a finite number"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias: not implemented"),
+    # greedy (no temperature): a sampling filter would change nothing, so it is refused, not ignored
+    ({"prompt": "x", "top_k": 5}, 400, "top_k: greedy decoding (temperature unset or 0): it changes nothing"),
+    ({"prompt": "x", "temperature": 0, "top_p": 0.5}, 400, "top_p: greedy decoding"),
+    ({"prompt": "x", "min_p": 0.2}, 400, "min_p: greedy decoding"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model 'gpt-9' not found"),
     ({}, 400, "prompt: Field required"),
 ]
@@ -218,6 +222,8 @@ BAD_CHAT = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, 400, "messages.0.foo: Extra inputs are not permitted"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 8}, 400,
+     "max_tokens: 4 conflicts with max_completion_tokens 8"),
 ]
 
 
